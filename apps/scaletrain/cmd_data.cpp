@@ -1,0 +1,113 @@
+// `scaletrain prepare` and `scaletrain plot`: the torch-free data subcommands.
+//
+//   scaletrain prepare TEXT... -o TOKENS
+//       Concatenates the text files in the order given, encodes them with the
+//       byte tokenizer (one token per byte, vocab 256) and writes a token file
+//       (Note [Token file layout] in data/token_file.h).
+//   scaletrain plot METRICS.jsonl [-o curves.svg] [--title TEXT]
+//       Draws loss and tokens/s against step from a trainer metrics log.
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <sys/stat.h>
+#include <vector>
+
+#include "commands.h"
+#include "scaletrain/data/token_file.h"
+#include "scaletrain/data/tokenizer.h"
+#include "scaletrain/train/plot.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::cli {
+namespace {
+
+struct PrepareArgs {
+  std::vector<std::string> inputs;  // text files, concatenated in this order
+  std::string output;               // token file to write
+};
+
+struct PlotArgs {
+  std::string metrics;                // JSON-lines metrics log
+  std::string output = "curves.svg";  // SVG to write
+  std::string title;                  // heading; defaults to the metrics path
+};
+
+// Reads a whole file as bytes. Checked here rather than with CLI11's
+// ExistingFile validator so a missing input is a UsageError with our wording,
+// like every other bad input.
+std::string read_bytes(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw UsageError("prepare: input " + path + ": " + std::strerror(errno));
+  }
+  if (!S_ISREG(st.st_mode)) throw UsageError("prepare: input " + path + ": not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError("prepare: input " + path + ": cannot open");
+  std::string bytes(static_cast<std::size_t>(st.st_size), '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (in.gcount() != static_cast<std::streamsize>(bytes.size())) {
+    throw UsageError("prepare: input " + path + ": short read (file changed while reading?)");
+  }
+  return bytes;
+}
+
+int run_prepare(const PrepareArgs& args) {
+  // Check every input before reading any, so a typo in the last of many large
+  // files fails in milliseconds instead of after reading the rest.
+  for (const auto& path : args.inputs) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      throw UsageError("prepare: input " + path + ": " + std::strerror(errno));
+    }
+  }
+  const data::ByteTokenizer tokenizer;
+  std::vector<uint16_t> tokens;
+  uint64_t total_bytes = 0;
+  for (const auto& path : args.inputs) {
+    const std::string bytes = read_bytes(path);
+    total_bytes += bytes.size();
+    tokenizer.encode_append(bytes, tokens);
+  }
+  data::write_token_file(args.output, tokens, tokenizer.vocab_size());
+  std::printf("prepare: %zu file(s), %llu bytes -> %zu tokens (vocab %u) in %s\n",
+              args.inputs.size(), static_cast<unsigned long long>(total_bytes), tokens.size(),
+              tokenizer.vocab_size(), args.output.c_str());
+  return 0;
+}
+
+int run_plot(const PlotArgs& args) {
+  train::PlotOptions options;
+  options.title = args.title.empty() ? args.metrics : args.title;
+  train::plot_metrics(args.metrics, args.output, options);
+  std::printf("plot: wrote %s\n", args.output.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_prepare(CLI::App& app, Runner& run) {
+  // Argument storage must outlive this function (CLI11 writes into it during
+  // parse), so it is shared with the callbacks.
+  auto args = std::make_shared<PrepareArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "prepare", "Encode text files (byte-level, vocab 256) into one token file");
+  sub->add_option("inputs", args->inputs, "Text files, concatenated in order")->required();
+  sub->add_option("-o,--output", args->output, "Token file to write")->required();
+  sub->callback([&run, args] { run = [args] { return run_prepare(*args); }; });
+}
+
+void add_plot(CLI::App& app, Runner& run) {
+  auto args = std::make_shared<PlotArgs>();
+  CLI::App* sub =
+      app.add_subcommand("plot", "Plot loss and tokens/s against step from a metrics log");
+  sub->add_option("metrics", args->metrics, "Metrics file (JSON lines)")->required();
+  sub->add_option("-o,--output", args->output, "SVG to write")->capture_default_str();
+  sub->add_option("--title", args->title, "Heading (default: the metrics path)");
+  sub->callback([&run, args] { run = [args] { return run_plot(*args); }; });
+}
+
+}  // namespace scaletrain::cli

@@ -1,0 +1,243 @@
+#include "scaletrain/data/token_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "scaletrain/util/error.h"
+
+// The tokens are mapped and handed out as uint16_t without byte swapping; the
+// format is little-endian (Note [Token file layout]), so a big-endian host would
+// read garbage. Fail the build there rather than at training time.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "scaletrain token files assume a little-endian host"
+#endif
+
+namespace scaletrain::data {
+namespace {
+
+[[noreturn]] void fail(const std::string& path, const std::string& problem) {
+  throw UsageError("token file " + path + ": " + problem);
+}
+
+std::string os_error(int err) { return std::strerror(err); }
+
+// Owns a POSIX file descriptor; closes it on scope exit. close() errors on the
+// write path are reported through release_and_close() instead.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // Closes now and returns close()'s result: on NFS and some other file
+  // systems a failed write is only reported here.
+  int release_and_close() {
+    const int fd = fd_;
+    fd_ = -1;
+    return ::close(fd);
+  }
+
+ private:
+  int fd_;
+};
+
+// Removes a temp file on scope exit unless commit() was called.
+class TempFileGuard {
+ public:
+  explicit TempFileGuard(std::string path) : path_(std::move(path)) {}
+  ~TempFileGuard() {
+    if (!committed_) ::unlink(path_.c_str());
+  }
+  TempFileGuard(const TempFileGuard&) = delete;
+  TempFileGuard& operator=(const TempFileGuard&) = delete;
+  void commit() { committed_ = true; }
+
+ private:
+  std::string path_;
+  bool committed_ = false;
+};
+
+void put_u32(unsigned char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+void put_u64(unsigned char* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+uint32_t get_u32(const unsigned char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return v;
+}
+uint64_t get_u64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// write(2) may write less than asked (signals, pipes, quotas); loop until done.
+void write_all(int fd, const void* buf, std::size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(path, "write failed: " + os_error(errno));
+    }
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+}  // namespace
+
+void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count,
+                      uint32_t vocab) {
+  if (vocab == 0 || vocab > kMaxUint16Vocab) {
+    fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " +
+                   std::to_string(kMaxUint16Vocab) + "] for uint16 tokens");
+  }
+  // Check before creating anything, so a bad call leaves no file behind.
+  for (std::size_t i = 0; i < count; ++i) {
+    if (tokens[i] >= vocab) {
+      fail(path, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(i) +
+                     " is not below the vocab size " + std::to_string(vocab));
+    }
+  }
+
+  unsigned char header[kTokenFileHeaderBytes] = {};
+  std::memcpy(header, kTokenFileMagic, sizeof(kTokenFileMagic));
+  put_u32(header + 8, kTokenFileVersion);
+  put_u32(header + 12, kDtypeUint16);
+  put_u64(header + 16, static_cast<uint64_t>(count));
+  put_u32(header + 24, vocab);
+
+  // The pid in the name keeps two processes preparing the same output (e.g.
+  // every rank of a job) from writing into one temp file; the last rename wins
+  // and each renamed file is complete.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) fail(path, "cannot create " + tmp + ": " + os_error(errno));
+  TempFileGuard guard(tmp);
+
+  write_all(fd.get(), header, sizeof(header), path);
+  write_all(fd.get(), tokens, count * sizeof(uint16_t), path);
+  // fsync before rename: otherwise a crash can leave the new name pointing at
+  // a file whose data blocks never reached the disk.
+  if (::fsync(fd.get()) != 0) fail(path, "fsync failed: " + os_error(errno));
+  if (fd.release_and_close() != 0) fail(path, "close failed: " + os_error(errno));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    fail(path, "cannot rename " + tmp + " into place: " + os_error(errno));
+  }
+  guard.commit();
+}
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens,
+                      uint32_t vocab) {
+  write_token_file(path, tokens.data(), tokens.size(), vocab);
+}
+
+TokenFile::TokenFile(const std::string& path) : path_(path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    fail(path, errno == ENOENT ? std::string("no such file") : "cannot open: " + os_error(errno));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) fail(path, "cannot stat: " + os_error(errno));
+  if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
+  const auto file_bytes = static_cast<uint64_t>(st.st_size);
+  if (file_bytes < kTokenFileHeaderBytes) {
+    fail(path, "truncated header (" + std::to_string(file_bytes) + " bytes, need " +
+                   std::to_string(kTokenFileHeaderBytes) + ")");
+  }
+
+  // Map the whole file, header included: mmap offsets must be page-aligned,
+  // and the 32-byte header keeps the tokens 2-byte aligned inside the map.
+  map_bytes_ = static_cast<std::size_t>(file_bytes);
+  void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (map == MAP_FAILED) fail(path, "mmap failed: " + os_error(errno));
+  map_ = map;
+  // The mapping keeps the file alive; the descriptor closes when fd leaves
+  // scope. From here on a throw must unmap, since the destructor of a
+  // partially constructed object does not run.
+  try {
+    const auto* h = static_cast<const unsigned char*>(map_);
+    if (std::memcmp(h, kTokenFileMagic, sizeof(kTokenFileMagic)) != 0) {
+      fail(path, "bad magic (not a scaletrain token file)");
+    }
+    const uint32_t version = get_u32(h + 8);
+    if (version != kTokenFileVersion) {
+      fail(path, "unsupported version " + std::to_string(version) + " (this build reads " +
+                     std::to_string(kTokenFileVersion) + ")");
+    }
+    const uint32_t dtype = get_u32(h + 12);
+    if (dtype != kDtypeUint16) {
+      fail(path, "unsupported dtype code " + std::to_string(dtype) + " (expected " +
+                     std::to_string(kDtypeUint16) + " = uint16)");
+    }
+    const uint64_t count = get_u64(h + 16);
+    const uint32_t vocab = get_u32(h + 24);
+    if (vocab == 0 || vocab > kMaxUint16Vocab) {
+      fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " +
+                     std::to_string(kMaxUint16Vocab) + "]");
+    }
+    const uint64_t data_bytes = file_bytes - kTokenFileHeaderBytes;
+    // Compare in token units so a huge corrupt count cannot overflow 2*count.
+    if (count > data_bytes / sizeof(uint16_t)) {
+      fail(path, "truncated: header says " + std::to_string(count) + " tokens but only " +
+                     std::to_string(data_bytes) + " data bytes follow");
+    }
+    if (data_bytes != count * sizeof(uint16_t)) {
+      fail(path, "size mismatch: header says " + std::to_string(count) + " tokens (" +
+                     std::to_string(count * sizeof(uint16_t)) + " bytes) but " +
+                     std::to_string(data_bytes) + " data bytes follow");
+    }
+    count_ = static_cast<std::size_t>(count);
+    vocab_ = vocab;
+    tokens_ = reinterpret_cast<const uint16_t*>(h + kTokenFileHeaderBytes);
+  } catch (...) {
+    unmap();
+    throw;
+  }
+}
+
+TokenFile::~TokenFile() { unmap(); }
+
+TokenFile::TokenFile(TokenFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      map_(std::exchange(other.map_, nullptr)),
+      map_bytes_(std::exchange(other.map_bytes_, 0)),
+      tokens_(std::exchange(other.tokens_, nullptr)),
+      count_(std::exchange(other.count_, 0)),
+      vocab_(std::exchange(other.vocab_, 0)) {}
+
+TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
+  if (this != &other) {
+    unmap();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
+    tokens_ = std::exchange(other.tokens_, nullptr);
+    count_ = std::exchange(other.count_, 0);
+    vocab_ = std::exchange(other.vocab_, 0);
+  }
+  return *this;
+}
+
+void TokenFile::unmap() noexcept {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  map_ = nullptr;
+  map_bytes_ = 0;
+  tokens_ = nullptr;
+}
+
+}  // namespace scaletrain::data

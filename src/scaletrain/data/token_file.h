@@ -1,0 +1,88 @@
+#pragma once
+// The on-disk token format and a read-only memory-mapped view of it.
+//
+// Note [Token file layout]
+// A token file is a 32-byte header followed by the tokens, all little-endian:
+//
+//   offset  size  field
+//   0       8     magic "STTOKENS" (no terminator)
+//   8       4     u32 format version (kTokenFileVersion = 1)
+//   12      4     u32 dtype code (kDtypeUint16 = 1: each token is a u16)
+//   16      8     u64 token count
+//   24      4     u32 vocabulary size (every token id is < this)
+//   28      4     zero padding, so the header is 32 bytes
+//   32      2*N   the tokens
+//
+// Why this shape: the header is fixed-size so the data starts at a constant
+// offset and a mapped file can be indexed directly (32 keeps the u16 data
+// aligned, and leaves room to widen to u32 tokens with another dtype code).
+// The count is stored, not inferred from the file size, so a file cut short by
+// a crashed writer or a partial copy is detected instead of silently training
+// on fewer tokens. write_token_file() renames a finished temp file into place,
+// so readers never observe a half-written file under the final name.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace scaletrain::data {
+
+inline constexpr char kTokenFileMagic[8] = {'S', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
+inline constexpr uint32_t kTokenFileVersion = 1;
+inline constexpr uint32_t kDtypeUint16 = 1;
+inline constexpr std::size_t kTokenFileHeaderBytes = 32;
+// Largest vocabulary a u16 token file can describe (ids 0..65535).
+inline constexpr uint32_t kMaxUint16Vocab = 65536;
+
+// Writes `tokens` to `path` in the format above. The data goes to a temp file
+// next to `path` (same directory, so the rename is atomic on POSIX), is
+// flushed to disk, and is then renamed over `path`; on any failure the temp
+// file is removed and `path` is untouched. Throws UsageError if vocab is 0 or
+// above kMaxUint16Vocab, if a token is >= vocab, or if the file cannot be
+// written (message names the path and the OS error).
+void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count,
+                      uint32_t vocab);
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens,
+                      uint32_t vocab);
+
+// A validated, read-only, memory-mapped token file. Opening checks the header
+// and that the file size matches the stored count exactly; any problem throws
+// UsageError with a one-line message "token file PATH: PROBLEM". Token values
+// are NOT scanned against vocab() on open (that would touch every page of a
+// multi-GB file); TokenDataset checks each token as it copies it out.
+//
+// The mapping lives exactly as long as the object (RAII); it is move-only, and
+// pointers from data() are invalidated when the object is destroyed or moved
+// from. Concurrent reads from many threads are safe.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& path);
+  ~TokenFile();
+
+  TokenFile(TokenFile&& other) noexcept;
+  TokenFile& operator=(TokenFile&& other) noexcept;
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  // Number of tokens in the file.
+  std::size_t size() const { return count_; }
+  // The tokens (host byte order; only little-endian hosts are supported).
+  // Never null for an open file, even when size() == 0.
+  const uint16_t* data() const { return tokens_; }
+  // Vocabulary size recorded by the writer.
+  uint32_t vocab() const { return vocab_; }
+  // The path the file was opened from, for error messages upstream.
+  const std::string& path() const { return path_; }
+
+ private:
+  void unmap() noexcept;
+
+  std::string path_;
+  void* map_ = nullptr;            // start of the mapping (the header), or null
+  std::size_t map_bytes_ = 0;      // length passed to mmap, for munmap
+  const uint16_t* tokens_ = nullptr;
+  std::size_t count_ = 0;
+  uint32_t vocab_ = 0;
+};
+
+}  // namespace scaletrain::data

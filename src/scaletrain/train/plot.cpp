@@ -1,0 +1,301 @@
+#include "scaletrain/train/plot.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+[[noreturn]] void fail_line(const std::string& path, int64_t line, const std::string& problem) {
+  throw UsageError("metrics file " + path + " line " + std::to_string(line) + ": " + problem);
+}
+
+// Reads key `key` of `obj` as a double: NaN if absent (when optional) or null.
+double number_field(const nlohmann::json& obj, const char* key, bool required,
+                    const std::string& path, int64_t line) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) {
+    if (required) fail_line(path, line, std::string("missing key \"") + key + "\"");
+    return kNaN;
+  }
+  if (it->is_null()) return kNaN;
+  if (!it->is_number()) {
+    fail_line(path, line, std::string("key \"") + key + "\" is not a number: " + it->dump());
+  }
+  return it->get<double>();
+}
+
+MetricsRecord parse_record(const std::string& text, const std::string& path, int64_t line) {
+  nlohmann::json obj;
+  try {
+    obj = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail_line(path, line, "invalid JSON near byte " + std::to_string(e.byte));
+  }
+  if (!obj.is_object()) fail_line(path, line, "expected a JSON object, got " + obj.dump());
+
+  const auto step_it = obj.find("step");
+  if (step_it == obj.end()) fail_line(path, line, "missing key \"step\"");
+  // Accept 12 and 12.0 (some writers emit every number as a float), but not
+  // 12.5: a fractional step means the line is not what we think it is.
+  if (!step_it->is_number() || step_it->get<double>() != std::floor(step_it->get<double>()) ||
+      std::fabs(step_it->get<double>()) > 9e18) {
+    fail_line(path, line, "key \"step\" is not an integer: " + step_it->dump());
+  }
+  MetricsRecord r;
+  r.step = step_it->is_number_integer() ? step_it->get<int64_t>()
+                                        : static_cast<int64_t>(step_it->get<double>());
+  r.loss = number_field(obj, "loss", true, path, line);
+  r.tokens_per_s = number_field(obj, "tokens_per_s", true, path, line);
+  r.lr = number_field(obj, "lr", false, path, line);
+  r.step_ms = number_field(obj, "step_ms", false, path, line);
+  r.mfu = number_field(obj, "mfu", false, path, line);
+  r.peak_rss_mb = number_field(obj, "peak_rss_mb", false, path, line);
+  r.comm_wait_ms = number_field(obj, "comm_wait_ms", false, path, line);
+  return r;
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// Coordinates: two decimals is sub-pixel and keeps long curves compact.
+std::string coord(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", v);
+  return buf;
+}
+
+// Tick label: short, with k/M/G suffixes so "1250000 tokens/s" reads "1.25M".
+std::string tick_label(double v) {
+  if (std::fabs(v) < 1e-12) return "0";
+  const double a = std::fabs(v);
+  const char* suffix = "";
+  double scaled = v;
+  if (a >= 1e9) {
+    scaled = v / 1e9;
+    suffix = "G";
+  } else if (a >= 1e6) {
+    scaled = v / 1e6;
+    suffix = "M";
+  } else if (a >= 1e4) {
+    scaled = v / 1e3;
+    suffix = "k";
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4g%s", scaled, suffix);
+  return buf;
+}
+
+// A "nice" tick spacing (1, 2 or 5 times a power of ten) giving about
+// `target` intervals over `range`: the spacing people choose by hand.
+double nice_step(double range, int target) {
+  const double raw = range / target;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double f = raw / mag;
+  const double nice = f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10;
+  return nice * mag;
+}
+
+struct Axis {
+  double lo = 0, hi = 1, step = 0.2;
+};
+
+// Expands [lo, hi] outward to tick multiples; a zero-width range (one point,
+// or a flat curve) is widened first so the scale is never degenerate.
+Axis make_axis(double lo, double hi, int target_ticks) {
+  if (!(hi > lo)) {
+    const double pad = lo == 0 ? 1.0 : std::fabs(lo) * 0.1;
+    lo -= pad;
+    hi += pad;
+  }
+  Axis a;
+  a.step = nice_step(hi - lo, target_ticks);
+  a.lo = std::floor(lo / a.step) * a.step;
+  a.hi = std::ceil(hi / a.step) * a.step;
+  return a;
+}
+
+struct Series {
+  std::vector<double> x, y;  // y may hold NaN: drawn as a gap
+};
+
+// One panel: frame, grid, ticks, labels, then the curve. (left, top) is the
+// corner of the whole panel; the plot area sits inside fixed margins that
+// leave room for the tick labels.
+void draw_panel(std::ostringstream& svg, const Series& s, const std::string& title,
+                const std::string& color, bool include_zero, double left, double top,
+                double width, double height) {
+  constexpr double kMarginLeft = 72, kMarginRight = 24, kMarginTop = 30, kMarginBottom = 44;
+  const double px0 = left + kMarginLeft, px1 = left + width - kMarginRight;
+  const double py0 = top + kMarginTop, py1 = top + height - kMarginBottom;
+
+  svg << "<text x=\"" << coord((px0 + px1) / 2) << "\" y=\"" << coord(top + 20)
+      << "\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">" << xml_escape(title)
+      << "</text>\n";
+
+  double xmin = std::numeric_limits<double>::infinity(), xmax = -xmin;
+  double ymin = xmin, ymax = -xmin;
+  for (std::size_t i = 0; i < s.x.size(); ++i) {
+    if (!std::isfinite(s.y[i])) continue;
+    xmin = std::min(xmin, s.x[i]);
+    xmax = std::max(xmax, s.x[i]);
+    ymin = std::min(ymin, s.y[i]);
+    ymax = std::max(ymax, s.y[i]);
+  }
+  const bool has_data = std::isfinite(xmin);
+  if (!has_data) xmin = 0, xmax = 1, ymin = 0, ymax = 1;
+  // The x range covers every record, so panels share a step scale even when
+  // one series has gaps at the ends.
+  if (!s.x.empty()) {
+    xmin = std::min(xmin, s.x.front());
+    xmax = std::max(xmax, s.x.back());
+  }
+  if (include_zero) ymin = std::min(ymin, 0.0);
+  const Axis ax = make_axis(xmin, xmax, 8);
+  const Axis ay = make_axis(ymin, ymax, 5);
+  auto sx = [&](double v) { return px0 + (v - ax.lo) / (ax.hi - ax.lo) * (px1 - px0); };
+  auto sy = [&](double v) { return py1 - (v - ay.lo) / (ay.hi - ay.lo) * (py1 - py0); };
+
+  // Grid and tick labels. Ticks are counted, not accumulated, so float drift
+  // cannot add or drop the last one.
+  const int nx = static_cast<int>(std::lround((ax.hi - ax.lo) / ax.step));
+  for (int i = 0; i <= nx; ++i) {
+    const double v = ax.lo + i * ax.step;
+    const std::string x = coord(sx(v));
+    svg << "<line x1=\"" << x << "\" y1=\"" << coord(py0) << "\" x2=\"" << x << "\" y2=\""
+        << coord(py1) << "\" stroke=\"#e0e0e0\"/>\n";
+    svg << "<text x=\"" << x << "\" y=\"" << coord(py1 + 16)
+        << "\" text-anchor=\"middle\" font-size=\"11\">" << tick_label(v) << "</text>\n";
+  }
+  const int ny = static_cast<int>(std::lround((ay.hi - ay.lo) / ay.step));
+  for (int i = 0; i <= ny; ++i) {
+    const double v = ay.lo + i * ay.step;
+    const std::string y = coord(sy(v));
+    svg << "<line x1=\"" << coord(px0) << "\" y1=\"" << y << "\" x2=\"" << coord(px1)
+        << "\" y2=\"" << y << "\" stroke=\"#e0e0e0\"/>\n";
+    svg << "<text x=\"" << coord(px0 - 6) << "\" y=\"" << coord(sy(v) + 4)
+        << "\" text-anchor=\"end\" font-size=\"11\">" << tick_label(v) << "</text>\n";
+  }
+  svg << "<rect x=\"" << coord(px0) << "\" y=\"" << coord(py0) << "\" width=\""
+      << coord(px1 - px0) << "\" height=\"" << coord(py1 - py0)
+      << "\" fill=\"none\" stroke=\"#333\"/>\n";
+  svg << "<text x=\"" << coord((px0 + px1) / 2) << "\" y=\"" << coord(py1 + 34)
+      << "\" text-anchor=\"middle\" font-size=\"12\">step</text>\n";
+
+  if (!has_data) {
+    svg << "<text x=\"" << coord((px0 + px1) / 2) << "\" y=\"" << coord((py0 + py1) / 2)
+        << "\" text-anchor=\"middle\" font-size=\"13\" fill=\"#888\">no data</text>\n";
+    return;
+  }
+  // One polyline per run of finite points; a lone point gets a dot, since a
+  // one-vertex polyline draws nothing.
+  std::size_t i = 0;
+  while (i < s.x.size()) {
+    if (!std::isfinite(s.y[i])) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < s.x.size() && std::isfinite(s.y[j])) ++j;
+    if (j - i == 1) {
+      svg << "<circle cx=\"" << coord(sx(s.x[i])) << "\" cy=\"" << coord(sy(s.y[i]))
+          << "\" r=\"2\" fill=\"" << color << "\"/>\n";
+    } else {
+      svg << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
+      for (std::size_t k = i; k < j; ++k) {
+        svg << (k == i ? "" : " ") << coord(sx(s.x[k])) << ',' << coord(sy(s.y[k]));
+      }
+      svg << "\"/>\n";
+    }
+    i = j;
+  }
+}
+
+}  // namespace
+
+std::vector<MetricsRecord> read_metrics(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("metrics file " + path + ": cannot open (missing or unreadable)");
+  std::vector<MetricsRecord> out;
+  std::string text;
+  int64_t line = 0;
+  while (std::getline(in, text)) {
+    ++line;
+    if (!text.empty() && text.back() == '\r') text.pop_back();  // CRLF logs
+    if (text.find_first_not_of(" \t") == std::string::npos) continue;
+    out.push_back(parse_record(text, path, line));
+  }
+  if (in.bad()) throw UsageError("metrics file " + path + ": read error");
+  return out;
+}
+
+std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOptions& options) {
+  // Last record per step wins (resumed runs), and std::map orders by step.
+  std::map<int64_t, const MetricsRecord*> by_step;
+  for (const auto& r : records) by_step[r.step] = &r;
+  Series loss, tput;
+  for (const auto& [step, r] : by_step) {
+    loss.x.push_back(static_cast<double>(step));
+    loss.y.push_back(r->loss);
+    tput.x.push_back(static_cast<double>(step));
+    tput.y.push_back(r->tokens_per_s);
+  }
+
+  const double width = std::max(options.width, 200);
+  const double panel = std::max(options.panel_height, 120);
+  const double header = options.title.empty() ? 0 : 32;
+  const double height = header + 2 * panel;
+
+  std::ostringstream svg;
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\""
+      << coord(height) << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height)
+      << "\" font-family=\"sans-serif\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  if (!options.title.empty()) {
+    svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
+        << "font-size=\"17\" font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
+  }
+  draw_panel(svg, loss, "Loss", "#1f77b4", /*include_zero=*/false, 0, header, width, panel);
+  // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
+  // the 10% it is, not like a collapse.
+  draw_panel(svg, tput, "Throughput (tokens/s)", "#d62728", /*include_zero=*/true, 0,
+             header + panel, width, panel);
+  svg << "</svg>\n";
+  return svg.str();
+}
+
+void plot_metrics(const std::string& metrics_path, const std::string& svg_path,
+                  const PlotOptions& options) {
+  const std::vector<MetricsRecord> records = read_metrics(metrics_path);
+  if (records.empty()) throw UsageError("metrics file " + metrics_path + ": no records to plot");
+  const std::string svg = render_svg(records, options);
+  std::ofstream out(svg_path, std::ios::binary | std::ios::trunc);
+  if (!out) throw UsageError("plot: cannot write " + svg_path);
+  out << svg;
+  out.close();
+  if (!out) throw UsageError("plot: error writing " + svg_path);
+}
+
+}  // namespace scaletrain::train

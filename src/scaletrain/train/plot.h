@@ -1,0 +1,58 @@
+#pragma once
+// Training curves from a metrics log, as a self-contained SVG.
+//
+// The input is the trainer's JSON-lines metrics file: one object per line with
+// keys step, loss, lr, step_ms, tokens_per_s, mfu, peak_rss_mb, comm_wait_ms.
+// The output has two stacked panels, loss vs step and tokens/s vs step, each
+// with axes, grid, tick labels and a title. The SVG is written by hand (it is
+// a few dozen elements), so this file needs neither libtorch nor a plotting
+// library and `scaletrain plot` works on a laptop with just the log.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace scaletrain::train {
+
+// One line of the metrics log. Fields that were absent or JSON null are NaN;
+// null is how a JSON writer emits a non-finite float (e.g. a diverged loss),
+// and such points are drawn as gaps in the curve rather than rejected.
+struct MetricsRecord {
+  int64_t step = 0;          // optimizer step (required, integer)
+  double loss = 0;           // training loss (required key; may be null)
+  double lr = 0;             // learning rate (optional)
+  double step_ms = 0;        // wall time of the step in ms (optional)
+  double tokens_per_s = 0;   // throughput over all ranks (required key; may be null)
+  double mfu = 0;            // model FLOPs utilization, 0..1 (optional)
+  double peak_rss_mb = 0;    // peak resident memory in MiB (optional)
+  double comm_wait_ms = 0;   // time blocked on collectives in ms (optional)
+};
+
+struct PlotOptions {
+  // Total SVG width in pixels.
+  int width = 900;
+  // Height of each of the two panels in pixels (the SVG is about twice this).
+  int panel_height = 320;
+  // Heading above both panels; empty for none. XML-escaped on output.
+  std::string title;
+};
+
+// Parses the metrics file. Blank lines are skipped; unknown keys are ignored
+// (the logger may grow fields). A line that is not a JSON object, lacks step,
+// loss or tokens_per_s, or has a non-numeric value for a known key throws
+// UsageError "metrics file PATH line N: PROBLEM". A missing file is a
+// UsageError too. An empty file gives an empty vector.
+std::vector<MetricsRecord> read_metrics(const std::string& path);
+
+// Renders the two panels. Records need not be sorted: they are ordered by
+// step, and when a step appears more than once (a run resumed from an earlier
+// checkpoint appends the re-done steps) the later line wins, which is the
+// curve the resumed run actually followed. A panel with no finite values says
+// "no data" instead of drawing a curve.
+std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOptions& options);
+
+// read_metrics + render_svg + write to svg_path. Throws UsageError if the log
+// has no records or the SVG cannot be written.
+void plot_metrics(const std::string& metrics_path, const std::string& svg_path,
+                  const PlotOptions& options = {});
+
+}  // namespace scaletrain::train

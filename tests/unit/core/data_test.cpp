@@ -1,0 +1,474 @@
+// Tests of the torch-free data pipeline (tokenizer, token file, dataset,
+// sampler) and the metrics plot.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/data/dataset.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/data/token_file.h"
+#include "scaletrain/data/tokenizer.h"
+#include "scaletrain/train/plot.h"
+#include "scaletrain/util/error.h"
+
+namespace fs = std::filesystem;
+using namespace scaletrain;
+using namespace scaletrain::data;
+
+namespace {
+
+// A fresh directory per test, removed afterwards (RAII, like the code under test).
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = fs::temp_directory_path() /
+            ("st_data_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+void write_raw(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out << bytes;
+}
+
+std::string read_raw(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Expects a UsageError whose message contains every string in `needles`.
+template <typename F>
+void expect_usage_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+  }
+}
+
+std::vector<uint16_t> iota_tokens(std::size_t n, uint32_t vocab) {
+  std::vector<uint16_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(i % vocab);
+  return t;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- tokenizer
+
+TEST(TokenizerTest, RoundTripsAllBytes) {
+  ByteTokenizer tok;
+  std::string text = "hello, world\n";
+  for (int b = 0; b < 256; ++b) text.push_back(static_cast<char>(b));
+  text += "\xE2\x82\xAC";  // UTF-8 euro sign: three high bytes
+  const auto ids = tok.encode(text);
+  ASSERT_EQ(ids.size(), text.size());
+  EXPECT_EQ(ids[0], 'h');
+  EXPECT_EQ(ids[ids.size() - 3], 0xE2);  // no sign extension
+  for (auto id : ids) EXPECT_LT(id, ByteTokenizer::kVocabSize);
+  EXPECT_EQ(tok.decode(ids), text);
+  EXPECT_EQ(tok.vocab_size(), 256u);
+}
+
+TEST(TokenizerTest, OutOfVocabIdsDecodeAsPlaceholder) {
+  ByteTokenizer tok;
+  EXPECT_EQ(tok.decode(std::vector<uint16_t>{'a', 256, 'b', 65535}), "a?b?");
+  EXPECT_TRUE(tok.encode("").empty());
+}
+
+// --------------------------------------------------------------- token file
+
+TEST(TokenFileTest, RoundTrip) {
+  TempDir dir;
+  const auto path = dir.file("t.bin");
+  const auto tokens = iota_tokens(1000, 300);
+  write_token_file(path, tokens, 300);
+  EXPECT_FALSE(fs::exists(path + ".tmp." + std::to_string(::getpid())));
+  EXPECT_EQ(fs::file_size(path), kTokenFileHeaderBytes + 2 * tokens.size());
+  const std::string raw = read_raw(path);
+  EXPECT_EQ(raw.substr(0, 8), "STTOKENS");
+
+  TokenFile f(path);
+  EXPECT_EQ(f.size(), tokens.size());
+  EXPECT_EQ(f.vocab(), 300u);
+  EXPECT_TRUE(std::equal(tokens.begin(), tokens.end(), f.data()));
+
+  TokenFile moved(std::move(f));  // the mapping moves with the object
+  EXPECT_EQ(moved.size(), tokens.size());
+  EXPECT_EQ(moved.data()[999], tokens[999]);
+}
+
+TEST(TokenFileTest, EmptyFileRoundTrips) {
+  TempDir dir;
+  write_token_file(dir.file("e.bin"), std::vector<uint16_t>{}, 256);
+  TokenFile f(dir.file("e.bin"));
+  EXPECT_EQ(f.size(), 0u);
+  EXPECT_NE(f.data(), nullptr);
+}
+
+TEST(TokenFileTest, WriteRejectsBadVocabAndTokens) {
+  TempDir dir;
+  const auto path = dir.file("w.bin");
+  expect_usage_error([&] { write_token_file(path, std::vector<uint16_t>{1, 2}, 0); },
+                     {path, "vocab"});
+  expect_usage_error([&] { write_token_file(path, std::vector<uint16_t>{1, 256}, 256); },
+                     {path, "256", "position 1"});
+  EXPECT_FALSE(fs::exists(path));
+}
+
+TEST(TokenFileTest, RejectsMissingFile) {
+  TempDir dir;
+  const auto path = dir.file("nope.bin");
+  expect_usage_error([&] { TokenFile f(path); }, {path, "no such file"});
+}
+
+TEST(TokenFileTest, RejectsBadMagic) {
+  TempDir dir;
+  const auto path = dir.file("m.bin");
+  write_token_file(path, iota_tokens(10, 256), 256);
+  std::string raw = read_raw(path);
+  raw[0] = 'X';
+  write_raw(path, raw);
+  expect_usage_error([&] { TokenFile f(path); }, {path, "magic"});
+}
+
+TEST(TokenFileTest, RejectsBadVersion) {
+  TempDir dir;
+  const auto path = dir.file("v.bin");
+  write_token_file(path, iota_tokens(10, 256), 256);
+  std::string raw = read_raw(path);
+  raw[8] = 2;  // version u32 little-endian at offset 8
+  write_raw(path, raw);
+  expect_usage_error([&] { TokenFile f(path); }, {path, "version 2"});
+}
+
+TEST(TokenFileTest, RejectsBadDtype) {
+  TempDir dir;
+  const auto path = dir.file("d.bin");
+  write_token_file(path, iota_tokens(10, 256), 256);
+  std::string raw = read_raw(path);
+  raw[12] = 7;
+  write_raw(path, raw);
+  expect_usage_error([&] { TokenFile f(path); }, {path, "dtype"});
+}
+
+TEST(TokenFileTest, RejectsTruncatedData) {
+  TempDir dir;
+  const auto path = dir.file("t.bin");
+  write_token_file(path, iota_tokens(100, 256), 256);
+  fs::resize_file(path, kTokenFileHeaderBytes + 2 * 60);
+  expect_usage_error([&] { TokenFile f(path); }, {path, "truncated", "100 tokens"});
+}
+
+TEST(TokenFileTest, RejectsTruncatedHeader) {
+  TempDir dir;
+  const auto path = dir.file("h.bin");
+  write_raw(path, "STTOK");
+  expect_usage_error([&] { TokenFile f(path); }, {path, "truncated header"});
+  write_raw(path, "");
+  expect_usage_error([&] { TokenFile f(path); }, {path, "truncated header"});
+}
+
+TEST(TokenFileTest, RejectsTrailingBytes) {
+  TempDir dir;
+  const auto path = dir.file("s.bin");
+  write_token_file(path, iota_tokens(10, 256), 256);
+  write_raw(path, read_raw(path) + "x");
+  expect_usage_error([&] { TokenFile f(path); }, {path, "size mismatch"});
+}
+
+// ------------------------------------------------------------------ dataset
+
+TEST(DatasetTest, SamplesAreShiftedWindows) {
+  TempDir dir;
+  const auto path = dir.file("ds.bin");
+  const auto tokens = iota_tokens(103, 1000);  // token i has value i
+  write_token_file(path, tokens, 1000);
+  TokenDataset ds(path, DatasetOptions{10});
+  EXPECT_EQ(ds.num_samples(), (103 - 1) / 10);
+  EXPECT_EQ(ds.block_size(), 10);
+  EXPECT_EQ(ds.vocab(), 1000u);
+
+  std::vector<int64_t> in(10), tg(10);
+  for (int64_t i = 0; i < ds.num_samples(); ++i) {
+    ds.copy_sample(i, in.data(), tg.data());
+    for (int64_t j = 0; j < 10; ++j) {
+      EXPECT_EQ(in[j], i * 10 + j);
+      EXPECT_EQ(tg[j], i * 10 + j + 1);
+    }
+  }
+  EXPECT_THROW(ds.copy_sample(ds.num_samples(), in.data(), tg.data()), std::out_of_range);
+  EXPECT_THROW(ds.copy_sample(-1, in.data(), tg.data()), std::out_of_range);
+
+  // copy_batch lays samples out as rows.
+  std::vector<int64_t> bin(30), btg(30);
+  ds.copy_batch({7, 0, 3}, bin.data(), btg.data());
+  EXPECT_EQ(bin[0], 70);
+  EXPECT_EQ(bin[10], 0);
+  EXPECT_EQ(btg[29], 40);
+}
+
+TEST(DatasetTest, ExactFitUsesEveryToken) {
+  TempDir dir;
+  write_token_file(dir.file("x.bin"), iota_tokens(4 * 8 + 1, 256), 256);
+  TokenDataset ds(dir.file("x.bin"), DatasetOptions{8});
+  EXPECT_EQ(ds.num_samples(), 4);
+  std::vector<int64_t> tg(8);
+  ds.copy_sample(3, nullptr, tg.data());
+  EXPECT_EQ(tg[7], 32);
+}
+
+TEST(DatasetTest, RejectsTooSmallFileAndBadBlock) {
+  TempDir dir;
+  const auto path = dir.file("small.bin");
+  write_token_file(path, iota_tokens(10, 256), 256);
+  expect_usage_error([&] { TokenDataset ds(path, DatasetOptions{10}); }, {path, "block_size 10"});
+  expect_usage_error([&] { TokenDataset ds(path, DatasetOptions{0}); }, {path, "block_size"});
+  TokenDataset ok(path, DatasetOptions{9});
+  EXPECT_EQ(ok.num_samples(), 1);
+}
+
+TEST(DatasetTest, RejectsTokenOutsideVocabOnRead) {
+  TempDir dir;
+  const auto path = dir.file("oov.bin");
+  write_token_file(path, iota_tokens(20, 256), 256);
+  std::string raw = read_raw(path);
+  raw[kTokenFileHeaderBytes + 2 * 5 + 1] = 1;  // token 5 becomes 5 + 256
+  write_raw(path, raw);
+  TokenDataset ds(path, DatasetOptions{4});
+  std::vector<int64_t> in(4), tg(4);
+  ds.copy_sample(0, in.data(), tg.data());  // tokens 0..4: fine
+  expect_usage_error([&] { ds.copy_sample(1, in.data(), tg.data()); }, {path, "261"});
+}
+
+// ------------------------------------------------------------------ sampler
+
+namespace {
+
+// Everything ranks 0..D-1 train on in step s, rank by rank, micro-batch by
+// micro-batch: this must equal the global batch (Note [Sampler invariant]).
+std::vector<int64_t> assembled(const DistributedSampler& s, int64_t step, int dp, int micro) {
+  std::vector<int64_t> out;
+  const int64_t micros = s.micro_batches_per_step(dp, micro);
+  for (int r = 0; r < dp; ++r) {
+    for (int k = 0; k < micros; ++k) {
+      const auto part = s.indices(step, r, dp, k, micro);
+      EXPECT_EQ(part.size(), static_cast<std::size_t>(micro));
+      out.insert(out.end(), part.begin(), part.end());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(SamplerTest, GlobalOrderIndependentOfWorldAndMicroSize) {
+  // 37 samples, G = 16: batches straddle epoch boundaries (37 is prime).
+  const DistributedSampler s(37, SamplerOptions{1234, 16});
+  for (int64_t step = 0; step < 12; ++step) {
+    const auto reference = s.global_batch(step);
+    ASSERT_EQ(reference.size(), 16u);
+    for (int dp : {1, 2, 4}) {
+      for (int micro : {1, 2, 4}) {
+        EXPECT_EQ(assembled(s, step, dp, micro), reference) << "dp=" << dp << " m=" << micro;
+      }
+    }
+  }
+  // A second sampler object (a resumed run on another world size) agrees,
+  // starting cold at an arbitrary step.
+  const DistributedSampler resumed(37, SamplerOptions{1234, 16});
+  EXPECT_EQ(assembled(resumed, 13, 4, 1), s.global_batch(13));
+}
+
+TEST(SamplerTest, StreamIsConcatenationOfEpochs) {
+  const int64_t n = 37, g = 8;
+  const DistributedSampler s(n, SamplerOptions{7, g});
+  std::vector<int64_t> stream;
+  for (int64_t e = 0; e < 4; ++e) {
+    const auto p = s.epoch_order(e);
+    stream.insert(stream.end(), p.begin(), p.end());
+  }
+  for (int64_t step = 0; step * g + g <= static_cast<int64_t>(stream.size()); ++step) {
+    const std::vector<int64_t> expect(stream.begin() + step * g, stream.begin() + step * g + g);
+    EXPECT_EQ(s.global_batch(step), expect) << "step " << step;
+    EXPECT_EQ(s.epoch_of_step(step), step * g / n);
+  }
+}
+
+TEST(SamplerTest, EachEpochCoversEverySampleOnce) {
+  const int64_t n = 64;
+  const DistributedSampler s(n, SamplerOptions{99, 16});
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    std::vector<int64_t> seen;
+    for (int64_t step = epoch * 4; step < epoch * 4 + 4; ++step) {
+      const auto b = s.global_batch(step);
+      seen.insert(seen.end(), b.begin(), b.end());
+    }
+    std::vector<int64_t> sorted = seen;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(sorted, all) << "epoch " << epoch;
+    EXPECT_NE(seen, all) << "epoch " << epoch << " was not shuffled";
+  }
+  EXPECT_NE(s.epoch_order(0), s.epoch_order(1));  // reshuffled every epoch
+}
+
+TEST(SamplerTest, SeedChangesOrderAndIsDeterministic) {
+  const DistributedSampler a(100, SamplerOptions{1, 10});
+  const DistributedSampler b(100, SamplerOptions{2, 10});
+  const DistributedSampler a2(100, SamplerOptions{1, 10});
+  EXPECT_NE(a.epoch_order(0), b.epoch_order(0));
+  EXPECT_EQ(a.epoch_order(0), a2.epoch_order(0));
+  EXPECT_EQ(a.global_batch(25), a2.global_batch(25));
+  // (seed, epoch) are mixed, not added: seed 1 epoch 0 != seed 0 epoch 1.
+  const DistributedSampler z(100, SamplerOptions{0, 10});
+  EXPECT_NE(a.epoch_order(0), z.epoch_order(1));
+}
+
+TEST(SamplerTest, NoShuffleIsIdentity) {
+  SamplerOptions o;
+  o.global_batch = 4;
+  o.shuffle = false;
+  const DistributedSampler s(10, o);
+  EXPECT_EQ(s.global_batch(2), (std::vector<int64_t>{8, 9, 0, 1}));
+  EXPECT_EQ(s.indices(2, 1, 2, 0, 2), (std::vector<int64_t>{0, 1}));
+}
+
+TEST(SamplerTest, RejectsIndivisibleSizes) {
+  const DistributedSampler s(100, SamplerOptions{0, 12});
+  expect_usage_error([&] { s.indices(0, 0, 5, 0, 1); }, {"G=12", "D=5", "m=1"});
+  expect_usage_error([&] { s.indices(0, 0, 4, 0, 2); }, {"G=12", "D=4", "m=2"});
+  expect_usage_error([&] { s.validate_layout(0, 1); }, {"D=0"});
+  EXPECT_NO_THROW(s.validate_layout(4, 3));
+  EXPECT_EQ(s.micro_batches_per_step(2, 3), 2);
+  expect_usage_error([&] { s.indices(0, 4, 4, 0, 3); }, {"rank 4"});
+  expect_usage_error([&] { s.indices(0, 0, 4, 1, 3); }, {"micro-batch index 1"});
+  expect_usage_error([&] { s.global_batch(-1); }, {"step -1"});
+  expect_usage_error([&] { DistributedSampler bad(0, SamplerOptions{}); }, {"samples"});
+  expect_usage_error([&] { DistributedSampler bad(10, SamplerOptions{0, 0}); }, {"global batch"});
+}
+
+TEST(SamplerTest, ShuffleIsRoughlyUniform) {
+  // Where sample 0 lands over many epochs: each of 8 slots should get about
+  // 1/8 of 4000 epochs. A biased bounded draw would skew this visibly.
+  const DistributedSampler s(8, SamplerOptions{5, 8});
+  std::vector<int> hits(8, 0);
+  for (int64_t e = 0; e < 4000; ++e) {
+    const auto p = s.epoch_order(e);
+    hits[std::find(p.begin(), p.end(), 0) - p.begin()]++;
+  }
+  for (int h : hits) {
+    EXPECT_GT(h, 400);
+    EXPECT_LT(h, 600);
+  }
+}
+
+// --------------------------------------------------------------------- plot
+
+TEST(PlotTest, WritesSvgWithTwoCurves) {
+  TempDir dir;
+  const auto metrics = dir.file("m.jsonl");
+  std::ofstream out(metrics);
+  for (int s = 1; s <= 50; ++s) {
+    out << "{\"step\":" << s << ",\"loss\":" << 5.0 / s << ",\"lr\":0.001,\"step_ms\":12.5,"
+        << "\"tokens_per_s\":" << 120000 + 100 * s
+        << ",\"mfu\":0.4,\"peak_rss_mb\":900,\"comm_wait_ms\":1.5}\n";
+  }
+  out << "\n";  // blank lines are skipped
+  out.close();
+
+  const auto records = train::read_metrics(metrics);
+  ASSERT_EQ(records.size(), 50u);
+  EXPECT_EQ(records[9].step, 10);
+  EXPECT_DOUBLE_EQ(records[9].loss, 0.5);
+  EXPECT_DOUBLE_EQ(records[9].mfu, 0.4);
+
+  const auto svg_path = dir.file("curves.svg");
+  train::PlotOptions opts;
+  opts.title = "run <a&b>";
+  train::plot_metrics(metrics, svg_path, opts);
+  const std::string svg = read_raw(svg_path);
+  EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
+  EXPECT_NE(svg.find("<svg xmlns=\"http://www.w3.org/2000/svg\""), std::string::npos);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  std::size_t polylines = 0;
+  for (auto p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) {
+    ++polylines;
+  }
+  EXPECT_EQ(polylines, 2u);
+  EXPECT_NE(svg.find("Loss"), std::string::npos);
+  EXPECT_NE(svg.find("tokens/s"), std::string::npos);
+  EXPECT_NE(svg.find("run &lt;a&amp;b&gt;"), std::string::npos);  // escaped title
+  EXPECT_NE(svg.find(">step<"), std::string::npos);
+  EXPECT_NE(svg.find("k</text>"), std::string::npos);  // 120k-style tick labels
+}
+
+TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
+  std::vector<train::MetricsRecord> r(6);
+  for (int i = 0; i < 6; ++i) {
+    r[i].step = i;
+    r[i].loss = 3.0 - 0.1 * i;
+    r[i].tokens_per_s = 1000;
+  }
+  r[3].loss = std::numeric_limits<double>::quiet_NaN();
+  // A resumed run re-logs step 2; its (null) throughput replaces the first.
+  train::MetricsRecord again = r[2];
+  again.tokens_per_s = std::numeric_limits<double>::quiet_NaN();
+  r.push_back(again);
+  const std::string svg = train::render_svg(r, {});
+  // Loss splits into steps [0..2] and [4..5]; so does throughput, at step 2
+  // into [0..1] and [3..5].
+  std::size_t polylines = 0;
+  for (auto p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) {
+    ++polylines;
+  }
+  EXPECT_EQ(polylines, 4u);
+  EXPECT_NE(train::render_svg({}, {}).find("no data"), std::string::npos);
+}
+
+TEST(PlotTest, RejectsMalformedLines) {
+  TempDir dir;
+  const auto path = dir.file("bad.jsonl");
+  const std::string good = "{\"step\":1,\"loss\":2.0,\"tokens_per_s\":10}\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{\"step\":2,\"loss\":", "invalid JSON"},
+      {"[1,2,3]", "JSON object"},
+      {"{\"loss\":1.0,\"tokens_per_s\":1}", "\"step\""},
+      {"{\"step\":2,\"tokens_per_s\":1}", "\"loss\""},
+      {"{\"step\":2,\"loss\":\"high\",\"tokens_per_s\":1}", "not a number"},
+      {"{\"step\":2.5,\"loss\":1,\"tokens_per_s\":1}", "not an integer"},
+      {"{\"step\":2,\"loss\":1,\"tokens_per_s\":1,\"mfu\":true}", "\"mfu\""},
+  };
+  for (const auto& [line, problem] : cases) {
+    write_raw(path, good + "\n" + line + "\n");
+    expect_usage_error([&] { train::read_metrics(path); }, {path, "line 3", problem});
+  }
+  expect_usage_error([&] { train::read_metrics(dir.file("missing.jsonl")); }, {"missing.jsonl"});
+  write_raw(path, "\n");
+  expect_usage_error([&] { train::plot_metrics(path, dir.file("o.svg")); }, {path, "no records"});
+}
