@@ -1,0 +1,660 @@
+// Process launcher: spawn the workers, relay their output, stop them all on
+// the first failure, a forwarded signal or a timeout. See launcher.h.
+//
+// Note [No process left behind]
+// Three mechanisms together guarantee that no worker outlives run():
+//  1. Each worker sets PR_SET_PDEATHSIG = SIGKILL before exec, so if the
+//     launcher itself is killed (even by SIGKILL) the kernel kills the workers.
+//  2. All workers share one process group whose leader is rank 0 of this node,
+//     so one killpg() also reaches their children (`sh -c` forks, data
+//     loader processes). To keep that group id from being recycled by an
+//     unrelated process, the leader is observed with waitid(WNOWAIT) and only
+//     reaped after the final killpg(): while it is a zombie, its pid (= the
+//     group id) cannot be reused.
+//  3. Every worker is reaped by waitpid() before run() returns, on every
+//     path, including exceptions (Supervisor's destructor).
+#include "scaletrain/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include "scaletrain/util/error.h"
+
+extern char** environ;
+
+namespace scaletrain::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A line longer than this without a newline (a progress bar redrawn with
+// '\r', binary junk) is printed in pieces so memory stays bounded.
+constexpr size_t kMaxLine = 64 * 1024;
+// After the last worker has exited, how long we keep reading pipes still held
+// open by processes that escaped the process group (setsid daemons).
+constexpr double kDrainSeconds = 1.0;
+// Upper bound on one poll() sleep; SIGCHLD normally wakes us much earlier,
+// this only matters if the caller's threads all block SIGCHLD.
+constexpr int kMaxPollMs = 200;
+// Exit code of a child that failed between fork and exec (like posix_spawn).
+constexpr int kExecFailedCode = 127;
+
+// ---------------------------------------------------------------- handles
+
+// Owns one file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Both ends of a pipe, close-on-exec so workers only inherit what they dup2.
+struct Pipe {
+  Fd read, write;
+};
+
+Pipe make_pipe(int extra_flags = 0) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC | extra_flags) != 0)
+    throw std::runtime_error(std::string("launch: pipe2 failed: ") + std::strerror(errno));
+  return Pipe{Fd(p[0]), Fd(p[1])};
+}
+
+// Writes all of `data`; false if the descriptor is broken (then we stop
+// trying: a closed console must not stop the supervision).
+bool write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- signals
+
+// State shared with the async signal handler: lock-free atomics only.
+std::atomic<int> g_wake_fd{-1};      // write end of the self-pipe
+std::atomic<int> g_pending_int{0};   // SIGINTs not yet handled by the loop
+std::atomic<int> g_pending_term{0};  // SIGTERMs not yet handled by the loop
+std::atomic<bool> g_running{false};  // one run() per process (handlers are global)
+
+extern "C" void on_signal(int sig) {
+  const int saved_errno = errno;
+  if (sig == SIGINT) g_pending_int.fetch_add(1);
+  if (sig == SIGTERM) g_pending_term.fetch_add(1);
+  // SIGCHLD only needs the wake-up. The pipe is non-blocking: if it is full a
+  // wake-up is already pending and the counters above carry the signal.
+  const int fd = g_wake_fd.load();
+  if (fd >= 0) {
+    const char byte = 0;
+    ssize_t ignored = ::write(fd, &byte, 1);
+    (void)ignored;
+  }
+  errno = saved_errno;
+}
+
+constexpr int kHandledSignals[] = {SIGINT, SIGTERM, SIGCHLD};
+
+// Installs on_signal for SIGINT/SIGTERM/SIGCHLD and unblocks them in this
+// thread for its lifetime; restores the previous handlers and mask after.
+// Installing our own SIGCHLD handler also undoes a caller's SIG_IGN, which
+// would otherwise make the kernel reap workers before we read their status.
+class SignalScope {
+ public:
+  explicit SignalScope(int wake_fd) {
+    g_pending_int = 0;
+    g_pending_term = 0;
+    g_wake_fd = wake_fd;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    for (size_t i = 0; i < std::size(kHandledSignals); ++i)
+      ::sigaction(kHandledSignals[i], &sa, &old_[i]);
+    sigset_t ours;
+    sigemptyset(&ours);
+    for (int s : kHandledSignals) sigaddset(&ours, s);
+    ::pthread_sigmask(SIG_UNBLOCK, &ours, &old_mask_);
+  }
+  ~SignalScope() {
+    for (size_t i = 0; i < std::size(kHandledSignals); ++i)
+      ::sigaction(kHandledSignals[i], &old_[i], nullptr);
+    ::pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+    g_wake_fd = -1;
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+  // The mask the caller had; workers get it back before exec.
+  const sigset_t& caller_mask() const { return old_mask_; }
+
+ private:
+  struct sigaction old_[std::size(kHandledSignals)] {};
+  sigset_t old_mask_{};
+};
+
+const char* signal_name(int sig) {
+  static const std::pair<int, const char*> kNames[] = {
+      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},   {SIGTRAP, "SIGTRAP"},
+      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"},
+      {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"}, {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"},
+      {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"},
+  };
+  for (const auto& [num, name] : kNames)
+    if (num == sig) return name;
+  return "unknown signal";
+}
+
+std::string format_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
+
+// ---------------------------------------------------------------- spawning
+
+// command[0] resolved the way execvp would, but in the launcher, so that a
+// typo is one UsageError instead of N failing workers.
+std::string resolve_executable(const std::string& name) {
+  auto executable = [](const std::string& p) {
+    struct stat st {};
+    return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    if (!executable(name)) throw UsageError("launch: cannot execute '" + name + "'");
+    return name;
+  }
+  const char* path_env = std::getenv("PATH");
+  const std::string path = path_env ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  size_t begin = 0;
+  while (begin <= path.size()) {
+    size_t end = path.find(':', begin);
+    if (end == std::string::npos) end = path.size();
+    std::string dir = path.substr(begin, end - begin);
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (executable(candidate)) return candidate;
+    begin = end + 1;
+  }
+  throw UsageError("launch: command not found: '" + name + "'");
+}
+
+// The variables of the environment contract, in the order they are set.
+constexpr const char* kContractVars[] = {
+    "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE",   "GROUP_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCALETRAIN_THREADS",
+};
+
+// The launcher's environment with the contract variables replaced.
+std::vector<std::string> worker_environment(const LaunchOptions& o, int local_rank) {
+  const char* omp_env = std::getenv("OMP_NUM_THREADS");
+  const int threads = resolve_threads(o, omp_env);
+  // An inherited OMP_NUM_THREADS is passed through verbatim (it may be a
+  // nested list such as "4,2"); only an explicit --threads replaces it.
+  const std::string omp = (o.threads == 0 && omp_env) ? omp_env : std::to_string(threads);
+  const std::string values[] = {
+      std::to_string(o.node_rank * o.nproc_per_node + local_rank),
+      std::to_string(local_rank),
+      std::to_string(o.nnodes * o.nproc_per_node),
+      std::to_string(o.nproc_per_node),
+      std::to_string(o.node_rank),
+      o.master_addr,
+      std::to_string(o.master_port),
+      omp,
+      std::to_string(threads),
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string entry = *e;
+    const std::string key = entry.substr(0, entry.find('='));
+    const bool ours = std::any_of(std::begin(kContractVars), std::end(kContractVars),
+                                  [&](const char* v) { return key == v; });
+    if (!ours) env.push_back(entry);
+  }
+  for (size_t i = 0; i < std::size(kContractVars); ++i)
+    env.push_back(std::string(kContractVars[i]) + "=" + values[i]);
+  return env;
+}
+
+// Async-signal-safe report of a failure between fork and exec, on the
+// worker's stderr pipe (so it comes out prefixed with the rank).
+[[noreturn]] void child_fail(const char* what, const std::string& path_msg) {
+  const int err = errno;
+  const char* desc =
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
+      strerrordesc_np(err);  // static table: no locale, no malloc
+#else
+      nullptr;
+#endif
+  auto put = [](const char* s) {
+    ssize_t ignored = ::write(STDERR_FILENO, s, std::strlen(s));
+    (void)ignored;
+  };
+  put("scaletrain launch: ");
+  put(what);
+  put(path_msg.c_str());  // formatted before fork; c_str() does not allocate
+  put(": ");
+  put(desc ? desc : "error");
+  put("\n");
+  ::_exit(kExecFailedCode);
+}
+
+// Everything one exec needs, prepared before fork(): between fork and exec
+// the child may only call async-signal-safe functions (no malloc).
+struct ExecPlan {
+  std::string path;
+  std::vector<std::string> args, env;
+  std::vector<char*> argv, envp;
+  std::string quoted_path;
+  void seal() {
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    quoted_path = " '" + path + "'";
+  }
+};
+
+// ---------------------------------------------------------------- output
+
+// One of a worker's two output pipes, with its unfinished last line.
+struct Stream {
+  Fd fd;
+  bool is_err = false;
+  std::string partial;
+};
+
+struct Worker {
+  int rank = 0;  // global rank: the "[rank N]" prefix and the log name
+  pid_t pid = -1;
+  Stream out, err;
+  Fd log;
+  bool exited = false;  // status observed (waitid WNOWAIT)
+  bool reaped = false;  // waitpid done: the pid may be recycled from now on
+  siginfo_t status{};
+};
+
+// ---------------------------------------------------------------- supervisor
+
+enum class Stop { kNone, kFailure, kSignal, kTimeout };
+
+// Owns the workers for one run(); see Note [No process left behind].
+class Supervisor {
+ public:
+  explicit Supervisor(const LaunchOptions& o) : o_(o) {}
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+  // On an exception, nothing may survive: kill the group and reap blocking.
+  ~Supervisor() {
+    kill_all(SIGKILL);
+    for (auto& w : workers_)
+      if (!w.reaped && w.pid > 0) ::waitpid(w.pid, nullptr, 0);
+  }
+
+  void spawn_all(const std::vector<std::string>& command, const sigset_t& caller_mask);
+  int supervise(int wake_fd);
+
+ private:
+  void spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_mask);
+  void kill_all(int sig);
+  void observe_exits();
+  void begin_stop(Stop why, int signo);
+  void handle_signal(int sig);
+  void read_stream(Worker& w, Stream& s);
+  void emit(Worker& w, const Stream& s, const std::string& text);
+  void say(const std::string& line) { write_all(o_.stderr_fd, "scaletrain launch: " + line + "\n"); }
+
+  const LaunchOptions& o_;
+  std::vector<Worker> workers_;
+  Fd devnull_;
+  pid_t pgid_ = 0;  // rank 0's pid once spawned
+  Stop stop_ = Stop::kNone;
+  int stop_signal_ = 0;
+  bool term_sent_ = false, kill_sent_ = false;
+  Clock::time_point kill_at_{};
+  bool out_ok_ = true, err_ok_ = true;
+};
+
+void Supervisor::spawn_all(const std::vector<std::string>& command, const sigset_t& caller_mask) {
+  // Workers read /dev/null: they sit in a background process group, and a
+  // background read from the terminal would stop them with SIGTTIN.
+  devnull_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!devnull_.valid()) throw std::runtime_error("launch: cannot open /dev/null");
+  const std::string path = resolve_executable(command[0]);
+  workers_.reserve(o_.nproc_per_node);
+  for (int lr = 0; lr < o_.nproc_per_node; ++lr) {
+    ExecPlan plan;
+    plan.path = path;
+    plan.args = command;
+    plan.env = worker_environment(o_, lr);
+    plan.seal();
+    spawn(lr, plan, caller_mask);
+  }
+}
+
+void Supervisor::spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_mask) {
+  Worker& w = workers_.emplace_back();
+  w.rank = o_.node_rank * o_.nproc_per_node + local_rank;
+  Pipe out = make_pipe(), err = make_pipe();
+  if (!o_.log_dir.empty()) {
+    const std::string name = o_.log_dir + "/rank" + std::to_string(w.rank) + ".log";
+    w.log = Fd(::open(name.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!w.log.valid()) throw UsageError("launch: cannot write log file " + name + ": " + std::strerror(errno));
+  }
+  const pid_t parent = ::getpid();
+  const pid_t group = pgid_;  // 0 for the first worker: it becomes the leader
+
+  // Block every signal across fork so our handlers cannot run in the child
+  // (they would write to the launcher's self-pipe) before it resets them.
+  sigset_t all, before;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &before);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int s : kHandledSignals) ::sigaction(s, &dfl, nullptr);
+    // Die with the launcher; if it already died, the re-parenting happened
+    // before prctl could arm the signal, so check and leave.
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) child_fail("prctl failed for", plan.quoted_path);
+    if (::getppid() != parent) ::_exit(kExecFailedCode);
+    if (::setpgid(0, group) != 0) child_fail("setpgid failed for", plan.quoted_path);
+    if (::dup2(devnull_.get(), STDIN_FILENO) < 0 || ::dup2(out.write.get(), STDOUT_FILENO) < 0 ||
+        ::dup2(err.write.get(), STDERR_FILENO) < 0)
+      ::_exit(kExecFailedCode);
+    ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
+    ::execve(plan.path.c_str(), plan.argv.data(), plan.envp.data());
+    child_fail("cannot execute", plan.quoted_path);
+  }
+  const int fork_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  if (pid < 0) {
+    workers_.pop_back();
+    throw std::runtime_error(std::string("launch: fork failed: ") + std::strerror(fork_errno));
+  }
+  w.pid = pid;
+  // Also set the group from the parent, so it is in place before we could
+  // signal it (whichever of the two calls runs first wins; the other fails
+  // harmlessly, e.g. with EACCES after exec).
+  ::setpgid(pid, group == 0 ? pid : group);
+  if (pgid_ == 0) pgid_ = pid;
+  w.out.fd = std::move(out.read);
+  w.err.fd = std::move(err.read);
+  w.err.is_err = true;
+}
+
+void Supervisor::kill_all(int sig) {
+  // The group id is only ours while its leader (rank 0 here) is unreaped.
+  if (pgid_ > 0 && !workers_.front().reaped) ::killpg(pgid_, sig);
+  // Also by pid, in case a worker left the group (setsid). Only unreaped
+  // pids: a reaped one may already belong to someone else.
+  for (auto& w : workers_)
+    if (w.pid > 0 && !w.reaped && !w.exited) ::kill(w.pid, sig);
+}
+
+void Supervisor::observe_exits() {
+  for (auto& w : workers_) {
+    if (w.exited) continue;
+    siginfo_t info{};
+    // WNOWAIT: read the status but leave the zombie; see Note [No process left behind].
+    if (::waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) continue;
+    if (info.si_pid == 0) continue;  // still running
+    w.exited = true;
+    w.status = info;
+    if (w.pid != pgid_) {
+      ::waitpid(w.pid, nullptr, 0);
+      w.reaped = true;
+    }
+    const bool ok = info.si_code == CLD_EXITED && info.si_status == 0;
+    if (!ok && stop_ == Stop::kNone) {
+      if (info.si_code == CLD_EXITED)
+        say("rank " + std::to_string(w.rank) + " exited with code " + std::to_string(info.si_status));
+      else
+        say("rank " + std::to_string(w.rank) + " was killed by signal " + std::to_string(info.si_status) +
+            " (" + signal_name(info.si_status) + ")");
+      begin_stop(Stop::kFailure, 0);
+    }
+  }
+}
+
+// Stops the job gracefully: SIGTERM (or the forwarded signal) now, SIGKILL
+// after grace_s. Only the first reason counts.
+void Supervisor::begin_stop(Stop why, int signo) {
+  if (stop_ != Stop::kNone) return;
+  stop_ = why;
+  stop_signal_ = signo;
+  kill_all(why == Stop::kSignal ? signo : SIGTERM);
+  term_sent_ = true;
+  kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.grace_s));
+}
+
+void Supervisor::handle_signal(int sig) {
+  if (stop_ == Stop::kNone) {
+    say(std::string("received ") + signal_name(sig) + ", stopping workers");
+    begin_stop(Stop::kSignal, sig);
+  } else if (!kill_sent_) {
+    // A second Ctrl-C means "now": do not wait out the grace period.
+    say(std::string("received ") + signal_name(sig) + " again, killing workers");
+    kill_all(SIGKILL);
+    kill_sent_ = true;
+  }
+}
+
+void Supervisor::emit(Worker& w, const Stream& s, const std::string& text) {
+  // One write() per line keeps a line whole even if others share the fd.
+  bool& ok = s.is_err ? err_ok_ : out_ok_;
+  if (ok) ok = write_all(s.is_err ? o_.stderr_fd : o_.stdout_fd, "[rank " + std::to_string(w.rank) + "] " + text);
+  if (w.log.valid() && !write_all(w.log.get(), text)) w.log.reset();
+}
+
+void Supervisor::read_stream(Worker& w, Stream& s) {
+  char buf[16384];
+  const ssize_t n = ::read(s.fd.get(), buf, sizeof buf);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (n <= 0) {  // EOF (or a broken pipe): flush the unfinished line
+    if (!s.partial.empty()) emit(w, s, s.partial + "\n");
+    s.partial.clear();
+    s.fd.reset();
+    return;
+  }
+  s.partial.append(buf, static_cast<size_t>(n));
+  size_t start = 0;
+  for (size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1)
+    emit(w, s, s.partial.substr(start, nl + 1 - start));
+  s.partial.erase(0, start);
+  while (s.partial.size() >= kMaxLine) {
+    emit(w, s, s.partial.substr(0, kMaxLine) + "\n");
+    s.partial.erase(0, kMaxLine);
+  }
+}
+
+int Supervisor::supervise(int wake_fd) {
+  using std::chrono::duration;
+  const Clock::time_point start = Clock::now();
+  const bool has_timeout = o_.timeout_s > 0;
+  const Clock::time_point deadline =
+      start + std::chrono::duration_cast<Clock::duration>(duration<double>(has_timeout ? o_.timeout_s : 0));
+  bool all_exited = false;
+  Clock::time_point drain_until{};
+
+  for (;;) {
+    for (int n = g_pending_int.exchange(0); n > 0; --n) handle_signal(SIGINT);
+    for (int n = g_pending_term.exchange(0); n > 0; --n) handle_signal(SIGTERM);
+    observe_exits();
+    const Clock::time_point now = Clock::now();
+    if (has_timeout && stop_ == Stop::kNone && now >= deadline) {
+      say("timed out after " + format_seconds(o_.timeout_s) + " s");
+      begin_stop(Stop::kTimeout, 0);
+    }
+    if (term_sent_ && !kill_sent_ && now >= kill_at_) {
+      kill_all(SIGKILL);
+      kill_sent_ = true;
+    }
+    if (!all_exited && std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.exited; })) {
+      all_exited = true;
+      // The leader is still a zombie, so pgid_ is still ours: sweep up any
+      // children the workers left behind, which also closes their pipes.
+      ::killpg(pgid_, SIGKILL);
+      drain_until = now + std::chrono::duration_cast<Clock::duration>(duration<double>(kDrainSeconds));
+    }
+
+    std::vector<pollfd> fds{{wake_fd, POLLIN, 0}};
+    std::vector<std::pair<Worker*, Stream*>> owners{{nullptr, nullptr}};
+    for (auto& w : workers_)
+      for (Stream* s : {&w.out, &w.err})
+        if (s->fd.valid()) {
+          fds.push_back({s->fd.get(), POLLIN, 0});
+          owners.emplace_back(&w, s);
+        }
+    if (all_exited && (fds.size() == 1 || now >= drain_until)) break;
+
+    // Sleep until output, a signal (SIGCHLD included), or the next deadline.
+    auto wait = std::chrono::milliseconds(kMaxPollMs);
+    auto until = [&](Clock::time_point t) {
+      wait = std::min(wait, std::chrono::ceil<std::chrono::milliseconds>(std::max(t - now, Clock::duration::zero())));
+    };
+    if (has_timeout && stop_ == Stop::kNone) until(deadline);
+    if (term_sent_ && !kill_sent_) until(kill_at_);
+    if (all_exited) until(drain_until);
+    const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+    if (ready < 0 && errno != EINTR) throw std::runtime_error(std::string("launch: poll failed: ") + std::strerror(errno));
+    if (ready <= 0) continue;
+    if (fds[0].revents) {
+      char sink[256];
+      while (::read(wake_fd, sink, sizeof sink) > 0) {
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i)
+      if (fds[i].revents) read_stream(*owners[i].first, *owners[i].second);
+  }
+
+  // Flush what processes outside the group may still have left unterminated.
+  for (auto& w : workers_)
+    for (Stream* s : {&w.out, &w.err}) {
+      if (!s->partial.empty()) emit(w, *s, s->partial + "\n");
+      s->partial.clear();
+      s->fd.reset();
+    }
+  for (auto& w : workers_)
+    if (!w.reaped) {
+      ::waitpid(w.pid, nullptr, 0);
+      w.reaped = true;
+    }
+
+  switch (stop_) {
+    case Stop::kNone: return 0;
+    case Stop::kFailure: return 1;
+    case Stop::kSignal: return 128 + stop_signal_;
+    case Stop::kTimeout: return kTimeoutExitCode;
+  }
+  return 1;
+}
+
+// Makes the one-run-per-process rule loud instead of a handler mix-up.
+class RunningFlag {
+ public:
+  RunningFlag() {
+    if (g_running.exchange(true)) throw std::logic_error("launch::run: another run() is active in this process");
+  }
+  ~RunningFlag() { g_running = false; }
+  RunningFlag(const RunningFlag&) = delete;
+  RunningFlag& operator=(const RunningFlag&) = delete;
+};
+
+}  // namespace
+
+void validate(const LaunchOptions& o, const std::vector<std::string>& command) {
+  auto fail = [](const std::string& m) { throw UsageError("launch: " + m); };
+  if (o.nproc_per_node < 1) fail("--nproc-per-node must be >= 1, got " + std::to_string(o.nproc_per_node));
+  if (o.nnodes < 1) fail("--nnodes must be >= 1, got " + std::to_string(o.nnodes));
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    fail("--node-rank must be in [0, " + std::to_string(o.nnodes) + "), got " + std::to_string(o.node_rank));
+  if (static_cast<long long>(o.nnodes) * o.nproc_per_node > INT_MAX) fail("--nnodes * --nproc-per-node is too large");
+  if (o.master_addr.empty()) fail("--master-addr must not be empty");
+  if (o.master_port < 1 || o.master_port > 65535)
+    fail("--master-port must be in [1, 65535], got " + std::to_string(o.master_port));
+  if (o.threads < 0) fail("--threads must be >= 0 (0 = auto), got " + std::to_string(o.threads));
+  if (!(o.timeout_s >= 0)) fail("--timeout must be >= 0 seconds (0 = none), got " + format_seconds(o.timeout_s));
+  if (!(o.grace_s >= 0)) fail("grace period must be >= 0 seconds, got " + format_seconds(o.grace_s));
+  if (command.empty() || command[0].empty()) fail("no worker command given (put it after --)");
+}
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+int resolve_threads(const LaunchOptions& o, const char* omp_env) {
+  if (o.threads > 0) return o.threads;
+  if (omp_env) {
+    // OMP_NUM_THREADS may be a nested list ("4,2"): its first level is the
+    // intra-op count.
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(omp_env, &end, 10);
+    if (end != omp_env && errno == 0 && v > 0 && v <= INT_MAX) return static_cast<int>(v);
+  }
+  return std::max(1, usable_cores() / std::max(1, o.nproc_per_node));
+}
+
+int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
+  validate(opts, command);
+  if (!opts.log_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(opts.log_dir, ec);
+    if (ec) throw UsageError("launch: cannot create --log-dir " + opts.log_dir + ": " + ec.message());
+  }
+  RunningFlag running;
+  Pipe wake = make_pipe(O_NONBLOCK);
+  SignalScope signals(wake.write.get());
+  // Destroyed before `signals`: workers are reaped while SIGCHLD is still ours.
+  Supervisor sup(opts);
+  sup.spawn_all(command, signals.caller_mask());
+  return sup.supervise(wake.read.get());
+}
+
+}  // namespace scaletrain::launch

@@ -1,0 +1,93 @@
+#pragma once
+// The process launcher: `scaletrain launch`, the C++ counterpart of torchrun.
+//
+// run() starts nproc_per_node copies of a worker command on this node, each
+// with the environment contract that comm/ reads to join the world (RANK,
+// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+// MASTER_PORT, OMP_NUM_THREADS, SCALETRAIN_THREADS), and supervises them:
+//
+//  - every line a worker writes to stdout/stderr is printed by the launcher,
+//    prefixed with "[rank N] ", on its own stdout/stderr (and copied, without
+//    the prefix, to <log_dir>/rank<N>.log when log_dir is set);
+//  - SIGINT/SIGTERM sent to the launcher are forwarded to all workers;
+//  - the first worker that exits non-zero or dies from a signal stops the job:
+//    the others get SIGTERM, then SIGKILL after a grace period;
+//  - nothing outlives run(): workers die with the launcher (PR_SET_PDEATHSIG),
+//    live in one process group that is killed as a whole, and are all reaped.
+//
+// This layer is torch-free on purpose (DESIGN.md rule 4): rendezvous happens
+// in the workers, never here. Linux only (prctl, pipe2).
+#include <string>
+#include <vector>
+
+namespace scaletrain::launch {
+
+// Exit status run() returns when the job hit LaunchOptions::timeout_s; the
+// same code as coreutils `timeout`, so scripts can tell it from a failure.
+inline constexpr int kTimeoutExitCode = 124;
+
+struct LaunchOptions {
+  // Workers started on this node (torchrun --nproc-per-node). Must be >= 1.
+  int nproc_per_node = 1;
+  // Nodes in the job; WORLD_SIZE = nnodes * nproc_per_node. Must be >= 1.
+  int nnodes = 1;
+  // Index of this node in [0, nnodes); RANK = node_rank * nproc_per_node +
+  // local_rank, so each node must be given a distinct node_rank.
+  int node_rank = 0;
+  // Address of the rank-0 node, where the workers' TCPStore rendezvous lives.
+  std::string master_addr = "127.0.0.1";
+  // Port of that rendezvous on master_addr, in [1, 65535].
+  int master_port = 29500;
+  // If non-empty, each worker's output is also written to
+  // <log_dir>/rank<RANK>.log (stdout and stderr interleaved in arrival order,
+  // without the prefix). The directory is created if missing.
+  std::string log_dir;
+  // Intra-op threads per worker (OMP_NUM_THREADS and SCALETRAIN_THREADS).
+  // > 0: used as given, overriding any OMP_NUM_THREADS in the environment.
+  // 0 (auto): an OMP_NUM_THREADS already in the environment is kept; else
+  // usable cores / nproc_per_node, at least 1, so that workers sharing a node
+  // do not oversubscribe it.
+  int threads = 0;
+  // Kill all workers and return kTimeoutExitCode after this many seconds;
+  // 0 = no limit.
+  double timeout_s = 0;
+  // Seconds between the SIGTERM sent to the workers on a stop (failure,
+  // forwarded signal, timeout) and the SIGKILL that follows if they have not
+  // exited. Short, so a failed job ends within seconds.
+  double grace_s = 3.0;
+  // Where the prefixed stdout lines of the workers go. Tests point it at a file.
+  int stdout_fd = 1;
+  // Where the prefixed stderr lines of the workers and the launcher's own
+  // messages ("scaletrain launch: ...") go.
+  int stderr_fd = 2;
+};
+
+// Throws UsageError, naming the field, for options that cannot work
+// (nproc_per_node < 1, node_rank outside [0, nnodes), a bad port, a negative
+// timeout, ...) or an empty command.
+void validate(const LaunchOptions& opts, const std::vector<std::string>& command);
+
+// Threads per worker as described at LaunchOptions::threads; `omp_env` is the
+// current OMP_NUM_THREADS (nullptr if unset). Exposed for tests and --help.
+int resolve_threads(const LaunchOptions& opts, const char* omp_env);
+
+// Cores this process may run on (its CPU affinity mask), at least 1.
+int usable_cores();
+
+// Runs `command` (argv; command[0] is looked up in PATH unless it contains a
+// '/') once per local rank and supervises the workers until all have exited.
+// Returns 0 if every worker exited 0; 1 if one failed (the first failure is
+// reported on stderr_fd as "scaletrain launch: rank 1 exited with code 3" or
+// "... rank 0 was killed by signal 9 (SIGKILL)"); 128 + signo if the launcher
+// was stopped by SIGINT/SIGTERM; kTimeoutExitCode on timeout. Throws
+// UsageError for invalid options, an unknown command or an unusable log_dir,
+// before any worker is started.
+//
+// run() installs process-wide handlers for SIGINT, SIGTERM and SIGCHLD while
+// it runs (restored on return), so only one run() may be active per process;
+// a second concurrent call throws std::logic_error. Call it from the thread
+// that lives longest: PR_SET_PDEATHSIG fires when the *thread* that forked the
+// workers exits.
+int run(const LaunchOptions& opts, const std::vector<std::string>& command);
+
+}  // namespace scaletrain::launch
