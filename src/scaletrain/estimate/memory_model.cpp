@@ -1,0 +1,352 @@
+// Per-rank memory and per-step communication of a layout. See memory_model.h.
+//
+// Note [Rank grid]
+// ----------------
+// Ranks are laid out TP fastest, then DP, then PP (Megatron's default order):
+// rank = tp_rank + tp * (dp_rank + dp * pp_rank). A group with stride `st` and
+// size `n` stays inside a node when st * n <= gpus_per_node. This decides which
+// link bandwidth a collective runs at, and the shard group of HYBRID sharding
+// (the dp ranks that share a node).
+//
+// Note [Pipeline split]
+// ---------------------
+// Layers are split as evenly as possible, the first L % pp stages taking one
+// more. Stage 0 also holds the embeddings, the last stage the final norm, the
+// pooler and the LM head; with tied embeddings and pp > 1 the last stage keeps
+// its own copy of the word embedding (Megatron does the same and all-reduces
+// the two gradients). We report the stage with the largest total.
+#include "scaletrain/estimate/memory_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::estimate {
+
+const char* sharding_name(Sharding s, bool fsdp) {
+  switch (s) {
+    case Sharding::kNone: return fsdp ? "fsdp-no-shard" : "ddp";
+    case Sharding::kZero1: return "zero-1";
+    case Sharding::kZero2: return fsdp ? "fsdp-shard-grad-op" : "zero-2";
+    case Sharding::kZero3: return fsdp ? "fsdp-full-shard" : "zero-3";
+    case Sharding::kHybrid: return fsdp ? "fsdp-hybrid-shard" : "zero-3-hybrid";
+  }
+  return "?";
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kMixed16: return "mixed16";
+    case Precision::kAutocast16: return "autocast16";
+    case Precision::kPure16: return "pure16";
+  }
+  return "?";
+}
+
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kGPipe: return "gpipe";
+    case Schedule::k1F1B: return "1f1b";
+    case Schedule::kInterleaved: return "interleaved";
+  }
+  return "?";
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::kNone: return "none";
+    case Recompute::kSelective: return "selective";
+    case Recompute::kFull: return "full";
+  }
+  return "?";
+}
+
+namespace {
+
+// Bytes per parameter of each state under a precision policy.
+struct Widths {
+  double weight;     // working weights
+  double grad;       // gradients
+  double master;     // fp32 master copy (0 when weights are fp32 already)
+  double optimizer;  // Adam m and v
+  double compute;    // width of gathered weights / activations
+};
+
+Widths widths(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return {4, 4, 0, 8, 4};
+    case Precision::kMixed16: return {2, 2, 4, 8, 2};
+    case Precision::kAutocast16: return {4, 4, 0, 8, 2};
+    case Precision::kPure16: return {2, 2, 0, 4, 2};
+  }
+  return {4, 4, 0, 8, 4};
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t layers_on_stage(int64_t layers, int64_t pp, int64_t stage) {
+  return layers / pp + (stage < layers % pp ? 1 : 0);
+}
+
+// Ring collectives: bytes each rank sends.
+double all_reduce(double bytes, int64_t n) { return n > 1 ? 2.0 * (n - 1) / n * bytes : 0.0; }
+double gather_or_scatter(double bytes, int64_t n) { return n > 1 ? 1.0 * (n - 1) / n * bytes : 0.0; }
+
+// LoRA adapter parameters of one block: r * (in + out) for each targeted linear.
+int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets) {
+  const int64_t h = s.hidden_size, I = s.intermediate_size;
+  const int64_t hd = s.head_dim > 0 ? s.head_dim : h / s.num_heads;
+  const int64_t q_out = s.num_heads * hd, kv_out = (s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads) * hd;
+  int64_t sum = 0;
+  auto lin = [&](int64_t in, int64_t out) { sum += r * (in + out); };
+  if (s.arch == Arch::kGpt2) {
+    lin(h, 3 * h);  // c_attn is the fused qkv projection: PEFT's default target for GPT-2
+    if (targets != LoraTargets::kQv) lin(h, h);
+    if (targets == LoraTargets::kAllLinear) { lin(h, I); lin(I, h); }
+    return sum;
+  }
+  lin(h, q_out);   // q
+  lin(h, kv_out);  // v
+  if (targets != LoraTargets::kQv) { lin(h, kv_out); lin(q_out, h); }  // k, o
+  if (targets == LoraTargets::kAllLinear) {
+    if (s.arch == Arch::kBert) { lin(h, I); lin(I, h); }
+    else { lin(h, I); lin(h, I); lin(I, h); }  // gate, up, down
+  }
+  return sum;
+}
+
+bool intra_node(int64_t stride, int64_t size, int64_t gpn) { return gpn <= 0 || stride * size <= gpn; }
+
+}  // namespace
+
+void validate_layout(const ModelSpec& s, const Layout& l) {
+  auto degrees = [&] {
+    std::ostringstream o;
+    o << "(world_size=" << l.world_size << ", tp=" << l.tp << ", pp=" << l.pp;
+    if (l.gpus_per_node > 0) o << ", gpus_per_node=" << l.gpus_per_node;
+    o << ")";
+    return o.str();
+  };
+  auto fail = [&](const std::string& why) { throw UsageError("impossible layout " + degrees() + ": " + why); };
+  if (l.world_size < 1 || l.tp < 1 || l.pp < 1) fail("degrees must be >= 1");
+  if (l.microbatches < 1 || l.micro_batch < 1 || l.seq_len < 0) fail("micro-batches, micro-batch size must be >= 1");
+  if (l.world_size % (l.tp * l.pp) != 0)
+    fail("world size " + std::to_string(l.world_size) + " is not divisible by tp*pp = " + std::to_string(l.tp * l.pp));
+  if (l.gpus_per_node > 0 && l.world_size % l.gpus_per_node != 0)
+    fail("world size is not a whole number of nodes of " + std::to_string(l.gpus_per_node) + " GPUs");
+  if (s.arch == Arch::kRaw) {
+    if (l.tp > 1 || l.pp > 1) fail("tensor/pipeline parallelism needs the model's shapes (give a preset or config.json)");
+    if (l.lora_rank > 0) fail("LoRA needs the model's shapes (give a preset or config.json)");
+  } else {
+    const int64_t kv = s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads;
+    if (s.num_heads % l.tp != 0)
+      fail("tp=" + std::to_string(l.tp) + " does not divide num_heads=" + std::to_string(s.num_heads));
+    if (kv % l.tp != 0)
+      fail("tp=" + std::to_string(l.tp) + " does not divide num_kv_heads=" + std::to_string(kv));
+    if (l.pp > s.num_layers)
+      fail("pp=" + std::to_string(l.pp) + " exceeds num_layers=" + std::to_string(s.num_layers));
+  }
+  if (l.sequence_parallel && l.tp < 2) fail("sequence parallelism needs tp > 1");
+  if (l.offload_params && l.sharding != Sharding::kZero3 && l.sharding != Sharding::kHybrid)
+    fail("parameter offload needs ZeRO-3 / FSDP full or hybrid sharding");
+  if (l.lora_rank < 0) fail("LoRA rank must be >= 0");
+  if (l.pp > 1 && l.schedule == Schedule::kInterleaved) {
+    if (l.virtual_stages < 1) fail("interleaved schedule needs virtual stages >= 1");
+    if (s.num_layers % (l.pp * l.virtual_stages) != 0)
+      fail("interleaved schedule needs num_layers divisible by pp*virtual_stages = " +
+           std::to_string(l.pp * l.virtual_stages));
+    if (l.microbatches % l.pp != 0) fail("interleaved schedule needs micro-batches divisible by pp");
+  }
+}
+
+double activation_bytes_per_layer(int64_t s_, int64_t b_, int64_t h_, int64_t a_, int64_t t_, bool sp,
+                                  Recompute recompute) {
+  const double s = s_, b = b_, h = h_, a = a_, t = t_;
+  const double sbh = s * b * h;
+  const bool split = sp && t_ > 1;
+  switch (recompute) {
+    case Recompute::kNone:
+      if (t_ == 1) return sbh * (34 + 5 * a * s / h);
+      return split ? sbh * (34 + 5 * a * s / h) / t : sbh * (10 + 24 / t + 5 * a * s / (h * t));
+    case Recompute::kSelective:
+      return split ? sbh * 34 / t : sbh * (10 + 24 / t);
+    case Recompute::kFull:
+      return split ? 2 * sbh / t : 2 * sbh;
+  }
+  return 0;
+}
+
+double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64_t m, int64_t v) {
+  if (pp <= 1) return 1;  // gradient accumulation frees each micro-batch before the next
+  switch (schedule) {
+    case Schedule::kGPipe: return static_cast<double>(m);
+    case Schedule::k1F1B: return static_cast<double>(std::min(m, pp - stage));
+    case Schedule::kInterleaved:
+      // Korthikanti et al. 2022 sec. 4.2.3: the first stage stores
+      // (1 + (p-1)/(p*v)) times what 1F1B stores.
+      return static_cast<double>(std::min(m, pp - stage)) * (1.0 + (pp - 1.0) / (pp * static_cast<double>(v)));
+  }
+  return 1;
+}
+
+RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
+  validate_layout(spec, l);
+  const ParamCounts c = count_params(spec);
+  const Widths w = widths(l.precision);
+  const bool raw = spec.arch == Arch::kRaw;
+  const int64_t t = l.tp, pp = l.pp, dp = l.world_size / (t * pp);
+  const int64_t gpn = l.gpus_per_node;
+
+  RankEstimate best;
+  best.dp = dp;
+  best.shard = 1;
+  if (l.sharding != Sharding::kNone) best.shard = dp;
+  if (l.sharding == Sharding::kHybrid && gpn > 0) {
+    // Shard over the dp ranks inside one node (Note [Rank grid]).
+    best.shard = std::max<int64_t>(1, std::min(dp, gpn / t));
+    while (dp % best.shard != 0) --best.shard;
+  }
+  const int64_t N = best.shard;
+  const bool shard_opt = l.sharding != Sharding::kNone;
+  const bool shard_grad = l.sharding == Sharding::kZero2 || l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  const bool shard_weights = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  const int64_t seq = l.seq_len > 0 ? l.seq_len : (spec.max_positions > 0 ? spec.max_positions : 2048);
+  const double act_scale = w.compute / 2.0;  // the formulas assume 16-bit activations
+  const double m = static_cast<double>(l.microbatches);
+
+  best.total = -1;
+  for (int64_t stage = 0; stage < pp; ++stage) {
+    RankEstimate e = best;
+    e.worst_stage = stage;
+    e.seq_len = raw ? 0 : seq;
+    const bool first = stage == 0, last = stage == pp - 1;
+    const int64_t nl = raw ? 0 : layers_on_stage(spec.num_layers, pp, stage);
+    // Parameters of this stage's TP slice.
+    const int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
+    const int64_t emb_tp = ceil_div(c.embedding_tp_split, t) + (c.embedding - c.embedding_tp_split);
+    const int64_t head_full = c.head > 0 ? c.head : (spec.tie_word_embeddings && pp > 1 ? c.embedding_tp_split : 0);
+    const int64_t head_tp = ceil_div(head_full, t);
+    int64_t params = raw ? spec.raw_params : nl * layer_tp;
+    if (!raw && first) params += emb_tp;
+    if (!raw && last) params += c.final_norm + c.pooler + head_tp;
+    e.stage_params = params;
+    e.trainable_params = params;
+    if (l.lora_rank > 0) {
+      e.trainable_params = ceil_div(nl * lora_params_per_layer(spec, l.lora_rank, l.lora_targets), t);
+      e.frozen_params = params;  // base weights stay, frozen
+    }
+    const double P = static_cast<double>(params), Tr = static_cast<double>(e.trainable_params);
+
+    // Model states (ZeRO paper accounting; frozen LoRA bases have weights only).
+    const double weight_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.weight;
+    e.params = shard_weights ? weight_bytes / N : weight_bytes;
+    e.gradients = Tr * w.grad / (shard_grad ? N : 1);
+    e.master = Tr * w.master / (shard_opt ? N : 1);
+    e.optimizer = Tr * w.optimizer / (shard_opt ? N : 1);
+    if (l.offload_optimizer) {
+      e.host += e.master + e.optimizer;
+      e.master = e.optimizer = 0;
+    }
+    if (l.offload_params) {
+      e.host += e.params;
+      e.params = 0;
+    }
+
+    // Transient unsharded state: gathered units under ZeRO-3, the autocast
+    // weight cache otherwise, gradient buckets for DDP / ZeRO-1/2.
+    if (shard_weights && N > 1) {
+      const double unit = static_cast<double>(std::max({raw ? 0 : layer_tp, first ? emb_tp : 0, last ? head_tp : 0}));
+      const double unit_trainable = l.lora_rank > 0 && nl > 0 ? Tr / nl : unit;
+      e.gathered = (1 + l.prefetch_units) * unit * w.compute + unit_trainable * w.grad;
+    } else if (l.precision == Precision::kAutocast16) {
+      e.gathered = P * w.compute;  // autocast caches a 16-bit copy of every weight it casts
+    }
+    if (!shard_weights && dp > 1)
+      e.comm_buffers = std::min(2.0 * static_cast<double>(l.bucket_bytes), Tr * w.grad);
+
+    // Activations.
+    if (!raw) {
+      const double fl = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
+      const double per_layer = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size,
+                                                                      spec.num_heads, t, l.sequence_parallel,
+                                                                      l.recompute);
+      e.activations = per_layer * nl * fl;
+      if (l.recompute == Recompute::kFull && nl > 0)  // one layer re-materialized during its backward
+        e.activations += act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size,
+                                                                spec.num_heads, t, l.sequence_parallel,
+                                                                Recompute::kNone);
+      const double sbh = static_cast<double>(seq) * l.micro_batch * spec.hidden_size;
+      const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
+      if (first) e.activations += fl * sbh / sp_div;  // embedding dropout mask, 1 byte per element
+      if (last) {
+        e.activations += fl * 2 * sbh * act_scale / sp_div;  // final norm input
+        if (spec.arch != Arch::kBert)  // logits (16-bit) + fp32 softmax of the vocab-parallel loss
+          e.activations += fl * static_cast<double>(seq) * l.micro_batch * spec.vocab_size * (2 * act_scale + 4) / t;
+      }
+    }
+    e.total = e.params + e.gradients + e.master + e.optimizer + e.gathered + e.comm_buffers + e.activations;
+
+    // Communication of one step (bytes sent per rank).
+    const double grad_bytes = Tr * w.grad, gather_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.compute;
+    const double trainable_gather = Tr * w.compute;
+    // The sharding group (dp ranks, or the intra-node shard group of hybrid)
+    // and, for hybrid, the replica group across nodes.
+    double group_bytes = 0, replica_bytes = 0;
+    switch (l.sharding) {
+      case Sharding::kNone: group_bytes = all_reduce(grad_bytes, dp); break;
+      case Sharding::kZero1:  // reduce-scatter grads, all-gather updated weights: the all-reduce volume
+        group_bytes = gather_or_scatter(grad_bytes, dp) + gather_or_scatter(trainable_gather, dp);
+        break;
+      case Sharding::kZero2:  // no full gradient is kept, so every micro-batch is reduce-scattered
+        group_bytes = m * gather_or_scatter(grad_bytes, dp) + gather_or_scatter(trainable_gather, dp);
+        break;
+      case Sharding::kZero3:
+      case Sharding::kHybrid:  // gather for forward and again for backward, reduce-scatter grads
+        group_bytes = m * (2 * gather_or_scatter(gather_bytes, N) + gather_or_scatter(grad_bytes, N));
+        replica_bytes = all_reduce(grad_bytes / N, dp / N);
+        break;
+    }
+    e.dp_comm_bytes = group_bytes + replica_bytes;
+    double tp_time_bytes = 0;
+    if (!raw && t > 1) {
+      const double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
+      const double per_layer_ops = l.recompute == Recompute::kFull ? 6 : 4;  // fwd 2, bwd 2, recompute 2
+      e.tp_comm_bytes = nl * m * per_layer_ops * all_reduce(act, t);
+      tp_time_bytes = e.tp_comm_bytes;
+    }
+    if (!raw && pp > 1) {
+      double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
+      if (l.sequence_parallel) act /= static_cast<double>(t);
+      const double directions = (first || last) ? 1 : 2;
+      e.pp_comm_bytes = directions * m * act;
+    }
+    const auto secs = [&](double bytes, bool intra) {
+      return bytes / ((intra ? l.intra_node_gbps : l.inter_node_gbps) * 1e9);
+    };
+    const int64_t group = shard_weights ? N : dp;
+    e.comm_seconds = secs(group_bytes, intra_node(t, group, gpn)) +
+                     secs(replica_bytes, intra_node(t * group, dp / group, gpn)) +
+                     secs(tp_time_bytes, intra_node(1, t, gpn)) + secs(e.pp_comm_bytes, intra_node(t * dp, pp, gpn));
+    if (e.total > best.total) best = e;
+  }
+  return best;
+}
+
+std::string describe(const Layout& l, const RankEstimate& e) {
+  std::ostringstream o;
+  o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp << " " << sharding_name(l.sharding, l.fsdp_names);
+  if (l.sharding == Sharding::kHybrid) o << "(shard=" << e.shard << ")";
+  if (l.offload_optimizer) o << " offload-opt";
+  if (l.offload_params) o << " offload-param";
+  o << " " << precision_name(l.precision);
+  if (l.pp > 1) o << " " << schedule_name(l.schedule) << " m=" << l.microbatches;
+  if (l.recompute != Recompute::kNone) o << " recompute=" << recompute_name(l.recompute);
+  if (l.sequence_parallel) o << " sp";
+  if (l.lora_rank > 0) o << " lora=" << l.lora_rank;
+  return o.str();
+}
+
+}  // namespace scaletrain::estimate

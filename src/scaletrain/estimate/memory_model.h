@@ -1,0 +1,138 @@
+#pragma once
+// scaletrain's own memory model: bytes per rank for a model under a layout
+// (data / tensor / pipeline parallel degrees, ZeRO stage or FSDP strategy,
+// precision policy, pipeline schedule, activation recompute, LoRA), plus the
+// communication volume of one optimizer step. This is the function the trainer
+// calls to log "estimated vs measured" (see estimate_rank).
+//
+// Model states follow the ZeRO paper (Rajbhandari et al. 2019): with mixed
+// precision Adam every parameter costs 2 (16-bit weight) + 2 (16-bit grad) +
+// K=12 (fp32 master, momentum, variance) bytes; stage 1 shards the K part over
+// the N data-parallel ranks, stage 2 also the gradients, stage 3 everything:
+//   baseline 16Psi, ZeRO-1 4Psi + 12Psi/N, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N.
+// Activations follow Korthikanti et al. 2022 ("Reducing Activation
+// Recomputation in Large Transformer Models"); see activation_bytes_per_layer.
+#include <cstdint>
+#include <string>
+
+#include "scaletrain/estimate/model_spec.h"
+
+namespace scaletrain::estimate {
+
+// How data-parallel ranks split model states. FSDP strategies map onto these:
+// NO_SHARD = kNone, SHARD_GRAD_OP = kZero2, FULL_SHARD = kZero3,
+// HYBRID_SHARD = kHybrid (ZeRO-3 inside a node, replicas across nodes).
+enum class Sharding { kNone, kZero1, kZero2, kZero3, kHybrid };
+
+// Where parameters, gradients and optimizer states live and in which width.
+enum class Precision {
+  kFp32,        // fp32 weights, grads, Adam states: 4 + 4 + 8 bytes/param
+  kMixed16,     // 16-bit weights and grads + fp32 master and Adam states: 2 + 2 + 12 (ZeRO paper, K = 12)
+  kAutocast16,  // fp32 weights, grads, states; 16-bit compute (torch autocast, FSDP MixedPrecision)
+  kPure16,      // bf16 everywhere, Adam states in bf16: 2 + 2 + 4
+};
+
+// Pipeline schedules, by how many micro-batches a stage keeps activations for.
+enum class Schedule {
+  kGPipe,        // all forwards then all backwards: m micro-batches in flight
+  k1F1B,         // one-forward-one-backward: stage i holds min(m, p - i)
+  kInterleaved,  // 1F1B over v model chunks per stage: (1 + (p-1)/(p*v)) x the 1F1B volume
+};
+
+// Activation recomputation (Korthikanti et al. 2022, section 4).
+enum class Recompute {
+  kNone,       // store everything: s*b*h*(34 + 5*a*s/h) bytes per layer
+  kSelective,  // recompute the attention core (softmax, dropout, QK^T, AV): s*b*h*34
+  kFull,       // store only each layer's input: 2*s*b*h
+};
+
+// Which linear layers carry LoRA adapters.
+enum class LoraTargets { kQv, kAttention, kAllLinear };
+
+const char* sharding_name(Sharding s, bool fsdp_names = false);
+const char* precision_name(Precision p);
+const char* schedule_name(Schedule s);
+const char* recompute_name(Recompute r);
+
+// One training layout. World = dp * tp * pp; dp is derived.
+struct Layout {
+  int64_t world_size = 1;         // ranks in the job
+  int64_t gpus_per_node = 0;      // ranks per machine; 0 = all on one machine
+  int64_t tp = 1;                 // tensor-parallel degree (must divide heads and kv heads)
+  int64_t pp = 1;                 // pipeline stages (must not exceed layers)
+  Sharding sharding = Sharding::kNone;   // ZeRO stage / FSDP strategy over the dp ranks
+  bool fsdp_names = false;        // label the sharding with FSDP's names in reports
+  bool offload_optimizer = false;  // fp32 master + Adam states in host memory (ZeRO-Offload)
+  bool offload_params = false;    // sharded 16-bit weights in host memory (ZeRO-3 / FSDP only)
+  Precision precision = Precision::kMixed16;  // parameter/gradient/optimizer widths
+  Schedule schedule = Schedule::k1F1B;        // pipeline schedule (ignored when pp == 1)
+  int64_t virtual_stages = 2;     // model chunks per stage for kInterleaved
+  int64_t microbatches = 1;       // micro-batches per optimizer step per dp rank (pipeline / accumulation)
+  int64_t seq_len = 0;            // tokens per sample; 0 = model's max_positions (2048 if unknown)
+  int64_t micro_batch = 1;        // samples per micro-batch
+  Recompute recompute = Recompute::kNone;  // activation checkpointing policy
+  bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
+  int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
+  LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
+  int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
+  int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
+  double intra_node_gbps = 150;   // GB/s per rank inside a node (NVLink class), for comm time
+  double inter_node_gbps = 25;    // GB/s per rank across nodes (200 Gb/s IB), for comm time
+};
+
+// Bytes per rank on the worst pipeline stage, and the step's communication.
+struct RankEstimate {
+  // Degrees actually used.
+  int64_t dp = 1;              // data-parallel replicas
+  int64_t shard = 1;           // ranks a sharded state is split over (dp, or intra-node for hybrid)
+  int64_t worst_stage = 0;     // pipeline stage that needs the most memory
+  int64_t seq_len = 0;         // sequence length used
+  // Parameter counts on that rank (after TP and PP split, before sharding).
+  int64_t stage_params = 0;    // parameters of the stage's TP slice
+  int64_t trainable_params = 0;  // of those, trained (LoRA adapters, or all)
+  int64_t frozen_params = 0;     // of those, frozen base weights under LoRA
+  // Device bytes.
+  double params = 0;           // working weights held between steps (sharded under ZeRO-3)
+  double gradients = 0;        // gradient storage (sharded under ZeRO-2/3)
+  double master = 0;           // fp32 master copy of 16-bit weights
+  double optimizer = 0;        // Adam momentum + variance
+  double gathered = 0;         // ZeRO-3/FSDP: unsharded weights + grads of the units in flight
+  double comm_buffers = 0;     // gradient buckets in flight (DDP, ZeRO-1/2)
+  double activations = 0;      // saved for backward, incl. embedding/logits extras on end stages
+  double total = 0;            // sum of the above: the predicted peak
+  double host = 0;             // host bytes for offloaded states (per rank)
+  // Communication of one optimizer step, bytes sent per rank (ring algorithms).
+  double dp_comm_bytes = 0;    // gradient all-reduce / reduce-scatter / parameter all-gather
+  double tp_comm_bytes = 0;    // Megatron all-reduces (or SP all-gather + reduce-scatter)
+  double pp_comm_bytes = 0;    // activations and their gradients between stages
+  double comm_seconds = 0;     // the above over the link bandwidths of the groups they use
+  double model_states() const { return params + gradients + master + optimizer; }
+};
+
+// Throws UsageError naming every degree when the layout cannot run the model:
+// world not divisible by tp*pp, tp not dividing heads / kv heads, pp above the
+// layer count, SP without TP, param offload without ZeRO-3, and so on.
+void validate_layout(const ModelSpec& spec, const Layout& layout);
+
+// The per-rank breakdown. Validates first. A raw parameter count (no shapes)
+// gets model states only; tp/pp > 1 need shapes.
+RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
+
+// Korthikanti et al. 2022, activation bytes of one transformer layer for
+// sequence s, micro-batch b, hidden h, heads a, TP degree t (16-bit activations):
+//   no TP:            s*b*h*(34 + 5*a*s/h)
+//   TP:               s*b*h*(10 + 24/t + 5*a*s/(h*t))
+//   TP + SP:          s*b*h*(34 + 5*a*s/h)/t
+//   selective:        s*b*h*(10 + 24/t)      (TP + SP: s*b*h*34/t)
+//   full recompute:   2*s*b*h                (TP + SP: 2*s*b*h/t)
+double activation_bytes_per_layer(int64_t s, int64_t b, int64_t h, int64_t a, int64_t t,
+                                  bool sequence_parallel, Recompute recompute);
+
+// Micro-batches whose activations stage `stage` holds at its peak.
+double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64_t microbatches,
+                             int64_t virtual_stages);
+
+// Human-readable one-line description ("tp=2 pp=4 dp=8 zero-1 1f1b m=8 ...").
+std::string describe(const Layout& layout, const RankEstimate& est);
+
+}  // namespace scaletrain::estimate
