@@ -1,0 +1,53 @@
+// `scaletrain train` and `scaletrain bench-gemm`.
+#include <torch/torch.h>
+
+#include <cstdio>
+
+#include "commands.h"
+#include "scaletrain/train/config.h"
+#include "scaletrain/train/metrics.h"
+#include "scaletrain/train/trainer.h"
+
+namespace scaletrain::cli {
+
+void add_train(CLI::App& app, Runner& run) {
+  auto* cmd = app.add_subcommand("train", "train a model: scaletrain train CONFIG.yaml [--section.key=value ...]");
+  auto config = std::make_shared<std::string>();
+  cmd->add_option("config", *config, "YAML config file")->required();
+  cmd->allow_extras();
+  cmd->footer("Overrides: --train.steps=10 --model.preset=gpt2 ... (any key of the config file)");
+  cmd->callback([&run, cmd, config] {
+    // Extras are the overrides; accept both --k=v and --k v.
+    std::vector<std::string> raw = cmd->remaining(), overrides;
+    for (size_t i = 0; i < raw.size(); ++i) {
+      if (raw[i].find('=') == std::string::npos && i + 1 < raw.size() && raw[i + 1].rfind("--", 0) != 0)
+        overrides.push_back(raw[i] + "=" + raw[i + 1]), ++i;
+      else
+        overrides.push_back(raw[i]);
+    }
+    run = [config, overrides] {
+      auto cfg = train::load_config(*config, overrides);
+      train::run_training(cfg);
+      return 0;
+    };
+  });
+}
+
+void add_bench_gemm(CLI::App& app, Runner& run) {
+  auto* cmd = app.add_subcommand("bench-gemm", "measure the fp32 GEMM peak that MFU is reported against");
+  auto n = std::make_shared<int64_t>(1024);
+  auto threads = std::make_shared<int>(0);
+  cmd->add_option("--size", *n, "matrix size n (n x n times n x n)");
+  cmd->add_option("--threads", *threads, "torch threads (0 = libtorch default)");
+  cmd->callback([&run, n, threads] {
+    run = [n, threads] {
+      if (*threads > 0) torch::set_num_threads(*threads);
+      double f = train::measure_gemm_flops(*n);
+      std::printf("gemm %lldx%lld fp32, %d thread(s): %.2f GFLOP/s (use as metrics.peak_flops: %.4g)\n",
+                  static_cast<long long>(*n), static_cast<long long>(*n), torch::get_num_threads(), f / 1e9, f);
+      return 0;
+    };
+  });
+}
+
+}  // namespace scaletrain::cli

@@ -1,0 +1,100 @@
+#include "scaletrain/comm/env.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::comm {
+namespace {
+
+int parse_int(const GetEnv& getenv, const char* name, int fallback, bool required) {
+  const char* v = getenv(name);
+  if (!v || !*v) {
+    if (required) throw UsageError(std::string("environment variable ") + name + " is not set");
+    return fallback;
+  }
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0 || x > 1 << 24)
+    throw UsageError(std::string("environment variable ") + name + "='" + v + "' is not a valid count");
+  return static_cast<int>(x);
+}
+
+std::string str(const GetEnv& getenv, const char* name, const std::string& fallback) {
+  const char* v = getenv(name);
+  return (v && *v) ? std::string(v) : fallback;
+}
+
+// "2(x3),1" -> 2: tasks on the first node, which is the one we cannot tell
+// apart from others without more variables; SLURM_NTASKS_PER_NODE wins if set.
+int leading_int(const std::string& s, int fallback) {
+  size_t i = 0;
+  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i;
+  return i ? std::stoi(s.substr(0, i)) : fallback;
+}
+
+void validate(const WorldInfo& w) {
+  if (w.world_size < 1) throw UsageError("world size must be at least 1");
+  if (w.rank >= w.world_size)
+    throw UsageError("rank " + std::to_string(w.rank) + " is not below world size " +
+                     std::to_string(w.world_size) + " (from " + w.source + " variables)");
+  if (w.local_world_size < 1 || w.local_rank >= w.local_world_size)
+    throw UsageError("local rank " + std::to_string(w.local_rank) + " is not below local world size " +
+                     std::to_string(w.local_world_size) + " (from " + w.source + " variables)");
+  if (w.master_port < 1 || w.master_port > 65535)
+    throw UsageError("MASTER_PORT " + std::to_string(w.master_port) + " is not a TCP port");
+}
+
+}  // namespace
+
+std::string first_slurm_host(const std::string& nodelist) {
+  std::string first = nodelist.substr(0, nodelist.find_first_of(",["));
+  size_t open = nodelist.find('[');
+  size_t comma = nodelist.find(',');
+  if (open == std::string::npos || (comma != std::string::npos && comma < open)) return first;
+  // prefix[07-09,12] -> prefix07 (keeping leading zeros)
+  size_t end = nodelist.find_first_of("-,]", open + 1);
+  return first + nodelist.substr(open + 1, end - open - 1);
+}
+
+WorldInfo world_info_from_env(const GetEnv& getenv) {
+  WorldInfo w;
+  if (getenv("RANK") || getenv("WORLD_SIZE")) {
+    w.source = "torchrun";
+    w.rank = parse_int(getenv, "RANK", 0, true);
+    w.world_size = parse_int(getenv, "WORLD_SIZE", 1, true);
+    w.local_rank = parse_int(getenv, "LOCAL_RANK", w.rank, false);
+    w.local_world_size = parse_int(getenv, "LOCAL_WORLD_SIZE", w.world_size, false);
+  } else if (getenv("OMPI_COMM_WORLD_RANK")) {
+    w.source = "openmpi";
+    w.rank = parse_int(getenv, "OMPI_COMM_WORLD_RANK", 0, true);
+    w.world_size = parse_int(getenv, "OMPI_COMM_WORLD_SIZE", 1, true);
+    w.local_rank = parse_int(getenv, "OMPI_COMM_WORLD_LOCAL_RANK", 0, false);
+    w.local_world_size = parse_int(getenv, "OMPI_COMM_WORLD_LOCAL_SIZE", w.world_size, false);
+  } else if (getenv("SLURM_PROCID")) {
+    w.source = "slurm";
+    w.rank = parse_int(getenv, "SLURM_PROCID", 0, true);
+    w.world_size = parse_int(getenv, "SLURM_NTASKS", 1, true);
+    w.local_rank = parse_int(getenv, "SLURM_LOCALID", 0, false);
+    std::string per_node = str(getenv, "SLURM_NTASKS_PER_NODE", str(getenv, "SLURM_TASKS_PER_NODE", ""));
+    w.local_world_size = leading_int(per_node, w.world_size);
+    std::string nodes = str(getenv, "SLURM_JOB_NODELIST", str(getenv, "SLURM_NODELIST", ""));
+    if (!nodes.empty()) w.master_addr = first_slurm_host(nodes);
+    // One port per job, so two jobs sharing a node do not collide.
+    int job = parse_int(getenv, "SLURM_JOB_ID", 0, false);
+    w.master_port = 20000 + job % 20000;
+  }
+  // An explicit MASTER_ADDR / MASTER_PORT overrides whatever the launcher implied.
+  w.master_addr = str(getenv, "MASTER_ADDR", w.master_addr);
+  w.master_port = parse_int(getenv, "MASTER_PORT", w.master_port, false);
+  validate(w);
+  return w;
+}
+
+WorldInfo world_info_from_env() {
+  return world_info_from_env([](const char* name) { return std::getenv(name); });
+}
+
+}  // namespace scaletrain::comm

@@ -1,0 +1,32 @@
+#pragma once
+// Where this process sits in the job, read from the environment that a
+// launcher left: torchrun / `scaletrain launch` (RANK, WORLD_SIZE, ...), Open
+// MPI's mpirun (OMPI_COMM_WORLD_*), or Slurm's srun (SLURM_PROCID, ...).
+// No variables at all means a single process.
+#include <functional>
+#include <string>
+
+namespace scaletrain::comm {
+
+struct WorldInfo {
+  int rank = 0;              // global rank, 0 <= rank < world_size
+  int world_size = 1;        // number of processes in the job
+  int local_rank = 0;        // rank among the processes on this host
+  int local_world_size = 1;  // processes on this host
+  std::string master_addr = "127.0.0.1";  // host of the rendezvous store (rank 0's host)
+  int master_port = 29500;                // port of the rendezvous store
+  std::string source = "single";          // "torchrun", "openmpi", "slurm" or "single"
+};
+
+using GetEnv = std::function<const char*(const char*)>;
+
+// Reads the launcher's variables through `getenv` (tests pass a fake one).
+// Precedence: torchrun's RANK/WORLD_SIZE, then Open MPI, then Slurm.
+// Inconsistent values throw UsageError naming the variable.
+WorldInfo world_info_from_env(const GetEnv& getenv);
+WorldInfo world_info_from_env();
+
+// First host of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07".
+std::string first_slurm_host(const std::string& nodelist);
+
+}  // namespace scaletrain::comm

@@ -1,0 +1,117 @@
+#pragma once
+// A process group and the one collectives API every strategy uses.
+//
+// Every collective returns a Work handle: call wait() for the synchronous form,
+// or keep the handle and wait later to overlap communication with compute.
+// Errors (a timeout, a peer that vanished) surface from wait() as CommError,
+// naming the operation, the group and the operation's sequence number.
+//
+// Flat-tensor convention shared by reduce_scatter and all_gather: a flat tensor
+// of N elements is split into `size()` chunks of shard_numel(N) = ceil(N/size)
+// elements, the last ones padded. reduce_scatter(full, shard) leaves rank r
+// with the reduction of chunk r; all_gather(shard, full) is its inverse and
+// drops the padding. Uneven sizes are padded, never rejected.
+//
+// Note [Gloo 1.13 gaps]: ProcessGroupGloo has no reduce_scatter and no
+// _allgather_base, does not support AVG, and refuses 16-bit float arithmetic.
+// So on Gloo: reduce_scatter = all_to_all of chunks + a local sum (each rank
+// sends and receives (n-1)/n of the data, the ring optimum); AVG = SUM then a
+// local division; bf16/fp16 reductions move their 16-bit payloads as bytes and
+// are summed locally in fp32; an all-reduce of such a tensor is that
+// reduce_scatter followed by an all_gather. Pure data movement (broadcast,
+// all_gather, all_to_all, gather, scatter, send/recv) moves any dtype as bytes.
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/compat.h"
+
+namespace scaletrain::comm {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+
+// A failed or timed-out collective.
+class CommError : public std::runtime_error {
+ public:
+  explicit CommError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Handle of an operation in flight. Move-only; waiting twice is a no-op.
+class Work {
+ public:
+  Work() = default;
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&&) noexcept = default;
+
+  // Blocks until the operation (and its local post-processing) completes.
+  void wait();
+  bool done() const { return pending_.empty() && !then_; }
+
+ private:
+  friend class Group;
+  std::string label_;  // "all_reduce on group 'dp' (seq 12)"
+  std::chrono::milliseconds timeout_{0};
+  std::vector<compat::WorkPtr> pending_;
+  // Runs after `pending_` completed; may start a further stage (a Work).
+  std::function<Work()> then_;
+};
+
+enum class BackendKind { Gloo, Nccl };
+
+class Group {
+ public:
+  // `ranks` are the global ranks of the members, in group-rank order.
+  Group(std::string name, std::vector<int> ranks, int rank, BackendKind kind,
+        compat::BackendPtr backend, std::chrono::milliseconds timeout);
+
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const std::vector<int>& ranks() const { return ranks_; }
+  BackendKind kind() const { return kind_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  // Elements of one rank's chunk of a flat tensor of `numel` elements.
+  int64_t shard_numel(int64_t numel) const { return (numel + size() - 1) / size(); }
+  // Operations issued so far (the sequence number of the next one).
+  uint64_t sequence() const { return seq_.load(); }
+
+  [[nodiscard]] Work broadcast(at::Tensor tensor, int root);
+  [[nodiscard]] Work all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::Sum);
+  [[nodiscard]] Work reduce(at::Tensor tensor, int root, ReduceOp op = ReduceOp::Sum);
+  // full: N elements (any shape, contiguous); shard: shard_numel(N) elements.
+  [[nodiscard]] Work reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op = ReduceOp::Sum);
+  [[nodiscard]] Work all_gather(at::Tensor shard, at::Tensor full);
+  // Equal splits: chunk j of `input` goes to rank j, chunk i of `output` comes from rank i.
+  [[nodiscard]] Work all_to_all(at::Tensor input, at::Tensor output);
+  // On root, outputs has size() tensors shaped like input; elsewhere ignored.
+  [[nodiscard]] Work gather(at::Tensor input, std::vector<at::Tensor> outputs, int root);
+  // On root, inputs has size() tensors shaped like output; elsewhere ignored.
+  [[nodiscard]] Work scatter(std::vector<at::Tensor> inputs, at::Tensor output, int root);
+  [[nodiscard]] Work send(at::Tensor tensor, int dst, int tag = 0);
+  [[nodiscard]] Work recv(at::Tensor tensor, int src, int tag = 0);
+  [[nodiscard]] Work barrier();
+
+ private:
+  Work start(const char* op, compat::WorkPtr w);
+  Work start(const char* op, std::vector<compat::WorkPtr> ws);
+  std::string label(const char* op, uint64_t seq) const;
+  bool gloo() const { return kind_ == BackendKind::Gloo; }
+  // Gloo stage of reduce_scatter: all_to_all of raw chunks, local fp32 sum.
+  Work reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, ReduceOp op, const char* op_name);
+
+  std::string name_;
+  std::vector<int> ranks_;
+  int rank_;
+  BackendKind kind_;
+  compat::BackendPtr backend_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<uint64_t> seq_{0};
+};
+
+}  // namespace scaletrain::comm

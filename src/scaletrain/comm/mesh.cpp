@@ -1,0 +1,81 @@
+#include "scaletrain/comm/mesh.h"
+
+#include <functional>
+#include <sstream>
+
+#include "scaletrain/comm/world.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::comm {
+
+std::string MeshDims::describe() const {
+  std::ostringstream s;
+  s << "pp=" << pp << " x dp=" << (dp_shard > 0 ? std::to_string(dp()) : "?") << " (replicate=" << dp_replicate
+    << " x shard=" << (dp_shard > 0 ? std::to_string(dp_shard) : "auto") << ") x tp=" << tp;
+  return s.str();
+}
+
+MeshDims MeshDims::resolved(int world_size) const {
+  MeshDims d = *this;
+  if (d.pp < 1 || d.tp < 1 || d.dp_replicate < 1 || d.dp_shard == 0 || d.dp_shard < -1)
+    throw UsageError("mesh degrees must be positive: " + describe());
+  const int fixed = d.pp * d.dp_replicate * d.tp;
+  if (d.dp_shard == -1) {
+    if (world_size % fixed != 0)
+      throw UsageError("mesh " + describe() + " does not fit world size " + std::to_string(world_size) +
+                       ": pp x dp_replicate x tp = " + std::to_string(fixed) + " does not divide it");
+    d.dp_shard = world_size / fixed;
+  }
+  const int product = d.pp * d.dp() * d.tp;
+  if (product != world_size)
+    throw UsageError("mesh " + d.describe() + " = " + std::to_string(product) + " ranks does not match world size " +
+                     std::to_string(world_size));
+  return d;
+}
+
+int Mesh::rank_of(const MeshDims& d, const MeshCoord& c) {
+  return ((c.pp * d.dp_replicate + c.dp_replicate) * d.dp_shard + c.dp_shard) * d.tp + c.tp;
+}
+
+MeshCoord Mesh::coord_of(const MeshDims& d, int rank) {
+  MeshCoord c;
+  c.tp = rank % d.tp;
+  rank /= d.tp;
+  c.dp_shard = rank % d.dp_shard;
+  rank /= d.dp_shard;
+  c.dp_replicate = rank % d.dp_replicate;
+  c.pp = rank / d.dp_replicate;
+  return c;
+}
+
+Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), rank_(world.rank()) {
+  coord_ = coord_of(dims_, rank_);
+  // The ranks that share every coordinate with this one except those `vary` changes.
+  auto members = [&](const std::function<void(MeshCoord&, int)>& set, int extent) {
+    std::vector<int> ranks;
+    for (int i = 0; i < extent; ++i) {
+      MeshCoord c = coord_;
+      set(c, i);
+      ranks.push_back(rank_of(dims_, c));
+    }
+    return ranks;
+  };
+  auto name = [&](const char* dim, const std::vector<int>& ranks) {
+    // Named by the first member: unique per group and agreed by all members.
+    return std::string("mesh/") + dim + "/" + std::to_string(ranks.front());
+  };
+  auto make = [&](const char* dim, std::vector<int> ranks) {
+    if (static_cast<int>(ranks.size()) == world.size()) return world.group();
+    std::string group_name = name(dim, ranks);  // before `ranks` is moved from
+    return world.new_group(group_name, std::move(ranks));
+  };
+  world_ = world.group();
+  tp_ = make("tp", members([](MeshCoord& c, int i) { c.tp = i; }, dims_.tp));
+  pp_ = make("pp", members([](MeshCoord& c, int i) { c.pp = i; }, dims_.pp));
+  dp_shard_ = make("dp_shard", members([](MeshCoord& c, int i) { c.dp_shard = i; }, dims_.dp_shard));
+  dp_replicate_ = make("dp_replicate", members([](MeshCoord& c, int i) { c.dp_replicate = i; }, dims_.dp_replicate));
+  const int S = dims_.dp_shard;
+  dp_ = make("dp", members([S](MeshCoord& c, int i) { c.dp_replicate = i / S; c.dp_shard = i % S; }, dims_.dp()));
+}
+
+}  // namespace scaletrain::comm

@@ -1,0 +1,67 @@
+#pragma once
+// The rank grid and its subgroups, built once and passed explicitly.
+//
+// Dimensions, outermost first: pp x dp_replicate x dp_shard x tp. tp is
+// innermost so tensor-parallel peers sit on neighbouring ranks (one host);
+// pp is outermost because stages exchange the least data. dp = dp_replicate x
+// dp_shard: plain data parallelism uses dp_shard = 1 ... any split; HYBRID
+// sharding shards inside dp_shard (a node) and replicates across dp_replicate.
+//
+//   global rank = ((pp_i * R + r_i) * S + s_i) * T + t_i
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/group.h"
+
+namespace scaletrain::comm {
+
+class World;
+
+struct MeshDims {
+  int pp = 1;            // pipeline stages
+  int dp_replicate = 1;  // data-parallel replicas (outer part of dp)
+  int dp_shard = -1;     // data-parallel shards (inner part of dp); -1 = whatever the world leaves
+  int tp = 1;            // tensor-parallel degree
+
+  int dp() const { return dp_replicate * dp_shard; }
+  // Fills dp_shard = -1 from the world size and checks that the degrees
+  // multiply to it; the error names every degree.
+  MeshDims resolved(int world_size) const;
+  std::string describe() const;
+};
+
+// Coordinates of one rank in the grid.
+struct MeshCoord {
+  int pp = 0, dp_replicate = 0, dp_shard = 0, tp = 0;
+  int dp(const MeshDims& d) const { return dp_replicate * d.dp_shard + dp_shard; }
+};
+
+class Mesh {
+ public:
+  // Builds every subgroup this rank belongs to (only members create a group).
+  Mesh(World& world, MeshDims dims);
+
+  const MeshDims& dims() const { return dims_; }
+  const MeshCoord& coord() const { return coord_; }
+  int rank() const { return rank_; }
+
+  Group& world() const { return *world_; }
+  Group& dp() const { return *dp_; }              // dp_replicate x dp_shard
+  Group& dp_shard() const { return *dp_shard_; }
+  Group& dp_replicate() const { return *dp_replicate_; }
+  Group& tp() const { return *tp_; }
+  Group& pp() const { return *pp_; }
+
+  // Pure grid arithmetic, usable without a world (tests, the estimator).
+  static int rank_of(const MeshDims& d, const MeshCoord& c);
+  static MeshCoord coord_of(const MeshDims& d, int rank);
+
+ private:
+  MeshDims dims_;
+  MeshCoord coord_;
+  int rank_ = 0;
+  std::shared_ptr<Group> world_, dp_, dp_shard_, dp_replicate_, tp_, pp_;
+};
+
+}  // namespace scaletrain::comm

@@ -1,0 +1,62 @@
+#pragma once
+// Joining the job: rendezvous through a store on the master address, the
+// world process group, and named subgroups. Rendezvous and launching stay
+// here; sharding math never sees them.
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/env.h"
+#include "scaletrain/comm/group.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace scaletrain::comm {
+
+enum class Backend { Auto, Gloo, Nccl };
+Backend parse_backend(const std::string& name);  // "auto" | "gloo" | "nccl"
+
+struct WorldOptions {
+  // Auto: NCCL when this build has CUDA and a GPU is visible, else Gloo.
+  Backend backend = Backend::Auto;
+  // Deadline of every collective and of the rendezvous itself.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Network interface for Gloo; empty reads GLOO_SOCKET_IFNAME.
+  std::string interface;
+};
+
+class World {
+ public:
+  // Reads the environment (see env.h), rendezvous with the other ranks and
+  // builds the world group. Blocks until every rank has joined or the timeout.
+  static std::shared_ptr<World> init(const WorldOptions& options = {});
+  static std::shared_ptr<World> init(const WorldInfo& info, const WorldOptions& options);
+  ~World();
+
+  const WorldInfo& info() const { return info_; }
+  int rank() const { return info_.rank; }
+  int size() const { return info_.world_size; }
+  BackendKind backend() const { return kind_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  const std::shared_ptr<Group>& group() const { return world_; }
+
+  // A group of the given global ranks (this rank must be one of them). Only
+  // members call it; `name` must be unique within the job and the same on
+  // every member, as it namespaces the group's keys in the store.
+  std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
+
+ private:
+  World(WorldInfo info, WorldOptions options);
+  WorldInfo info_;
+  WorldOptions options_;
+  BackendKind kind_ = BackendKind::Gloo;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<Group> world_;
+};
+
+}  // namespace scaletrain::comm

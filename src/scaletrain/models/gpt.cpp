@@ -1,0 +1,174 @@
+#include "scaletrain/models/gpt.h"
+
+#include <cmath>
+#include <map>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::models {
+
+void GPTConfig::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    if (v <= 0) throw UsageError(std::string("model.") + name + " must be positive, got " + std::to_string(v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(block_size, "block_size");
+  positive(n_layer, "n_layer");
+  positive(n_head, "n_head");
+  positive(n_embd, "n_embd");
+  if (n_embd % n_head != 0)
+    throw UsageError("model.n_head=" + std::to_string(n_head) + " does not divide model.n_embd=" +
+                     std::to_string(n_embd));
+  if (dropout < 0 || dropout >= 1) throw UsageError("model.dropout must be in [0, 1)");
+}
+
+namespace {
+const std::map<std::string, GPTConfig>& presets() {
+  static const std::map<std::string, GPTConfig> p = [] {
+    std::map<std::string, GPTConfig> m;
+    m["tiny"] = GPTConfig{256, 128, 4, 4, 128};
+    m["gpt2"] = GPTConfig{50257, 1024, 12, 12, 768};
+    m["gpt2-medium"] = GPTConfig{50257, 1024, 24, 16, 1024};
+    m["gpt2-large"] = GPTConfig{50257, 1024, 36, 20, 1280};
+    m["gpt2-xl"] = GPTConfig{50257, 1024, 48, 25, 1600};
+    return m;
+  }();
+  return p;
+}
+}  // namespace
+
+std::vector<std::string> gpt_preset_names() {
+  std::vector<std::string> names;
+  for (auto& [k, v] : presets()) names.push_back(k);
+  return names;
+}
+
+GPTConfig gpt_preset(const std::string& name) {
+  auto it = presets().find(name);
+  if (it == presets().end()) {
+    std::string known;
+    for (auto& n : gpt_preset_names()) known += (known.empty() ? "" : ", ") + n;
+    throw UsageError("unknown model preset '" + name + "' (known: " + known + ")");
+  }
+  return it->second;
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
+    : n_head_(c.n_head), n_embd_(c.n_embd), dropout_(c.dropout) {
+  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)));
+  mask_ = torch::ones({c.block_size, c.block_size}, torch::kBool).tril();
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), hs = n_embd_ / n_head_;
+  auto qkv = c_attn(x).split(n_embd_, 2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hs}).transpose(1, 2); };
+  torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
+  att = att.masked_fill(mask_.slice(0, 0, T).slice(1, 0, T).logical_not(), -std::numeric_limits<float>::infinity());
+  att = torch::softmax(att, -1);
+  if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
+  auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, n_embd_});
+  y = c_proj(y);
+  if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
+  return y;
+}
+
+MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout) {
+  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  auto y = c_proj(torch::gelu(c_fc(x), "tanh"));  // GPT-2's tanh approximation
+  if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
+  return y;
+}
+
+BlockImpl::BlockImpl(const GPTConfig& c) {
+  auto ln = [&] {
+    return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).elementwise_affine(true).eps(1e-5));
+  };
+  ln_1 = register_module("ln_1", ln());
+  attn = register_module("attn", CausalSelfAttention(c));
+  ln_2 = register_module("ln_2", ln());
+  mlp = register_module("mlp", MLP(c));
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  x = x + attn(ln_1(x));
+  return x + mlp(ln_2(x));
+}
+
+GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
+  c.validate();
+  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(Block(c));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  drop_ = register_module("drop", torch::nn::Dropout(c.dropout));
+
+  // GPT-2 initialisation: N(0, 0.02), zero biases, and the projections that
+  // write into the residual stream scaled by 1/sqrt(2 * n_layer).
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    auto& p = item.value();
+    if (name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps 1 / 0
+    if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
+      p.zero_();
+    } else if (name.find("c_proj.weight") != std::string::npos) {
+      p.normal_(0.0, 0.02 / std::sqrt(2.0 * c.n_layer));
+    } else {
+      p.normal_(0.0, 0.02);
+    }
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  const int64_t T = idx.size(1);
+  if (T > config_.block_size)
+    throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
+                                std::to_string(config_.block_size));
+  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
+  auto x = drop_(wte(idx) + wpe(pos));
+  for (auto& block : *h) x = block->as<Block>()->forward(x);
+  x = ln_f(x);
+  return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
+}
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  auto logits = forward(idx);
+  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat),
+                                              targets.reshape({-1}));
+}
+
+torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < max_new_tokens; ++i) {
+    auto ctx = idx.size(1) <= config_.block_size ? idx : idx.slice(1, idx.size(1) - config_.block_size);
+    auto logits = forward(ctx).select(1, ctx.size(1) - 1).to(torch::kFloat) / std::max(temperature, 1e-6);
+    if (top_k > 0 && top_k < logits.size(-1)) {
+      auto kth = std::get<0>(logits.topk(top_k, -1)).select(-1, top_k - 1).unsqueeze(-1);
+      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+    }
+    auto next = torch::multinomial(torch::softmax(logits, -1), 1);
+    idx = torch::cat({idx, next}, 1);
+  }
+  return idx;
+}
+
+int64_t GPTImpl::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+double GPTImpl::flops_per_token(int64_t seq_len) const {
+  const double N = static_cast<double>(num_parameters() - wpe->weight.numel());
+  return 6.0 * N + 12.0 * config_.n_layer * config_.n_embd * seq_len;
+}
+
+}  // namespace scaletrain::models

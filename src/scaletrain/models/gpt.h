@@ -1,0 +1,91 @@
+#pragma once
+// A GPT-2 style decoder-only transformer in torch::nn: token and position
+// embeddings, pre-LayerNorm blocks of causal self-attention and a GELU MLP, a
+// final LayerNorm and an output head tied to the token embedding. Module and
+// parameter names follow Hugging Face's GPT-2 (wte, wpe, h.N.attn.c_attn, ...)
+// so checkpoints map onto it by name (linear weights are transposed there).
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace scaletrain::models {
+
+struct GPTConfig {
+  int64_t vocab_size = 256;  // token ids are in [0, vocab_size)
+  int64_t block_size = 128;  // longest sequence (position embeddings)
+  int64_t n_layer = 4;       // transformer blocks
+  int64_t n_head = 4;        // attention heads; must divide n_embd
+  int64_t n_embd = 128;      // model width
+  double dropout = 0.0;      // on attention, residual and embedding outputs
+  bool bias = true;          // biases in Linear and LayerNorm (GPT-2 has them)
+
+  void validate() const;     // throws UsageError naming the bad field
+};
+
+// Presets: "tiny" (~0.8M parameters, byte vocabulary), "gpt2" (124M),
+// "gpt2-medium" (350M), "gpt2-large" (774M), "gpt2-xl" (1.5B).
+GPTConfig gpt_preset(const std::string& name);
+std::vector<std::string> gpt_preset_names();
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  int64_t n_head_, n_embd_;
+  double dropout_;
+  torch::Tensor mask_;  // [block, block] lower triangle; not a parameter or buffer
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const GPTConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+
+ private:
+  double dropout_;
+};
+TORCH_MODULE(MLP);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& c);
+  torch::Tensor forward(torch::Tensor x);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const GPTConfig& c);
+  // idx: [B, T] int64 token ids -> logits [B, T, vocab].
+  torch::Tensor forward(const torch::Tensor& idx);
+  // Mean cross-entropy of the next-token prediction.
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // Appends `max_new_tokens` sampled tokens (temperature, top-k) to `idx` [1, T].
+  torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k);
+
+  const GPTConfig& config() const { return config_; }
+  int64_t num_parameters() const;
+  // Training FLOPs per token: 6N + 12*L*H*Q*T, N = parameters without the
+  // position embedding (it costs no matmul), H*Q = n_embd, T = sequence length.
+  double flops_per_token(int64_t seq_len) const;
+
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GPTConfig config_;
+  torch::nn::Dropout drop_{nullptr};
+};
+TORCH_MODULE(GPT);
+
+}  // namespace scaletrain::models

@@ -1,0 +1,73 @@
+#include "scaletrain/optim/adamw.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace scaletrain::optim {
+
+AdamW::AdamW(std::vector<at::Tensor> params, std::vector<bool> decay, AdamWOptions options)
+    : params_(std::move(params)), decay_(std::move(decay)), options_(options) {
+  if (decay_.size() != params_.size()) throw std::invalid_argument("AdamW: one decay flag per tensor");
+  for (auto& p : params_) {
+    m_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    v_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+  }
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++step_;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step_));
+  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, static_cast<double>(step_)));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (decay_[i] && options_.weight_decay != 0) p.mul_(1.0 - lr * options_.weight_decay);
+    m_[i].lerp_(g, 1.0 - b1);
+    v_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
+    at::Tensor denom = (v_[i].sqrt() / bc2_sqrt).add_(options_.eps);
+    p.addcdiv_(m_[i], denom, -lr / bc1);
+  }
+}
+
+void AdamW::zero_grad() {
+  for (auto& p : params_)
+    if (p.grad().defined()) p.mutable_grad().zero_();
+}
+
+std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params) {
+  std::vector<bool> d;
+  for (auto& p : params) d.push_back(p.dim() >= 2);
+  return d;
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
+                      const std::vector<comm::Group*>& groups) {
+  torch::NoGradGuard no_grad;
+  at::Tensor sq = at::zeros({1}, at::kDouble);
+  for (auto& p : params)
+    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
+  for (comm::Group* g : groups) g->all_reduce(sq).wait();
+  const double norm = std::sqrt(sq.item<double>());
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (auto& p : params)
+      if (p.grad().defined()) p.mutable_grad().mul_(scale);
+  }
+  return norm;
+}
+
+double lr_at(int64_t step, double peak_lr, const ScheduleOptions& s) {
+  if (step < s.warmup_steps) return peak_lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
+  const int64_t decay_steps = std::max<int64_t>(1, s.total_steps - s.warmup_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) / decay_steps);
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  const double floor = s.min_lr_ratio * peak_lr;
+  return floor + (peak_lr - floor) * cosine;
+}
+
+}  // namespace scaletrain::optim

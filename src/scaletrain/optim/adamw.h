@@ -1,0 +1,68 @@
+#pragma once
+// AdamW (decoupled weight decay, Loshchilov & Hutter) over a list of tensors.
+//
+// It works on whatever tensors it is given: full parameters (DDP) or flat
+// shards of them (ZeRO/FSDP), as long as each tensor's .grad is set. State is
+// plain tensors so checkpoints can save and reshard it.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "scaletrain/comm/group.h"
+
+namespace scaletrain::optim {
+
+struct AdamWOptions {
+  double lr = 3e-4;            // peak learning rate (a schedule may scale it per step)
+  double beta1 = 0.9;          // decay of the first-moment average
+  double beta2 = 0.95;         // decay of the second-moment average (0.95 is GPT's choice)
+  double eps = 1e-8;           // added to the denominator
+  double weight_decay = 0.1;   // decoupled decay, applied to tensors marked decay=true
+};
+
+class AdamW {
+ public:
+  // decay[i] says whether params[i] gets weight decay (matrices yes,
+  // biases/LayerNorm/1-D no, by the GPT convention).
+  AdamW(std::vector<at::Tensor> params, std::vector<bool> decay, AdamWOptions options = {});
+
+  // One update with learning rate `lr`. Tensors without a gradient are skipped.
+  void step(double lr);
+  // Zeroes gradients in place (keeps .grad storage, which DDP's buckets own).
+  void zero_grad();
+
+  int64_t steps() const { return step_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<at::Tensor>& exp_avg() const { return m_; }
+  const std::vector<at::Tensor>& exp_avg_sq() const { return v_; }
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<bool> decay_;
+  std::vector<at::Tensor> m_, v_;
+  AdamWOptions options_;
+  int64_t step_ = 0;
+};
+
+// Marks 2-D and larger tensors for weight decay.
+std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params);
+
+// Scales gradients so their global L2 norm is at most max_norm and returns the
+// norm before clipping. Each tensor's squared norm is summed locally, then
+// all-reduced over `groups` (the groups across which the tensors are sharded;
+// none for replicated DDP gradients, which are already identical everywhere).
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
+                      const std::vector<comm::Group*>& groups = {});
+
+struct ScheduleOptions {
+  int64_t warmup_steps = 0;  // linear ramp from ~0 to the peak
+  int64_t total_steps = 1;   // cosine decay ends here
+  double min_lr_ratio = 0.1; // the decay floor, as a fraction of the peak
+};
+
+// Linear warmup then cosine decay to min_lr_ratio * peak.
+double lr_at(int64_t step, double peak_lr, const ScheduleOptions& s);
+
+}  // namespace scaletrain::optim

@@ -1,0 +1,234 @@
+#include "scaletrain/parallel/ddp/ddp.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "scaletrain/comm/compat.h"
+#include "scaletrain/parallel/ddp/ddp_comm.h"
+
+namespace scaletrain::parallel {
+
+namespace {
+
+struct Bucket {
+  std::vector<size_t> params;  // indices into State::params
+  at::Tensor flat;             // gradients, in the parameters' dtype
+  at::Tensor staging;          // comm-dtype copy when it differs, else undefined
+  int pending = 0;             // gradients still missing in this backward
+  comm::Work work;
+  bool started = false;
+};
+
+}  // namespace
+
+// Everything the autograd hooks touch. Hooks hold a weak_ptr, so a hook that
+// outlives its DDP object (the module lives on) does nothing.
+struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
+  comm::Group* group = nullptr;
+  DDPOptions options;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> views;  // params[i]'s gradient slot in its bucket
+  std::vector<size_t> bucket_of;
+  std::vector<bool> ready;
+  std::vector<Bucket> buckets;
+  // Keeps the AccumulateGrad nodes alive: a parameter only holds them weakly,
+  // and a new node would not carry our hook.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  bool sync = true;
+  bool in_backward = false;
+  size_t next_to_start = 0;
+  double wait_ms = 0;
+  int64_t bytes = 0;
+  std::mutex mu;  // hooks may run on autograd worker threads (CUDA)
+
+  void on_grad_ready(size_t i);
+  void start_ready_buckets();
+  void finish_backward();
+  void reset_step();
+};
+
+void DistributedDataParallel::State::reset_step() {
+  std::fill(ready.begin(), ready.end(), false);
+  for (auto& b : buckets) {
+    b.pending = static_cast<int>(b.params.size());
+    b.started = false;
+  }
+  next_to_start = 0;
+  in_backward = false;
+}
+
+void DistributedDataParallel::State::on_grad_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!sync) return;
+  if (!in_backward) {
+    in_backward = true;
+    // Runs once backward is over, on the thread that called backward.
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [self = shared_from_this()] { self->finish_backward(); });
+  }
+  if (ready[i])
+    throw std::runtime_error("DDP: gradient of '" + names[i] +
+                             "' became ready twice in one backward (reentrant backward is not supported)");
+  // Make .grad the bucket view again if something replaced it (zero_grad
+  // that sets gradients to None, or accumulation that began under no_sync).
+  at::Tensor& g = params[i].mutable_grad();
+  if (!g.is_same(views[i])) {
+    torch::NoGradGuard no_grad;
+    views[i].copy_(g);
+    g = views[i];
+  }
+  ready[i] = true;
+  Bucket& b = buckets[bucket_of[i]];
+  if (--b.pending == 0) start_ready_buckets();
+}
+
+void DistributedDataParallel::State::start_ready_buckets() {
+  while (next_to_start < buckets.size() && buckets[next_to_start].pending == 0) {
+    Bucket& b = buckets[next_to_start++];
+    b.work = ddp_comm::start_bucket_average(*group, b.flat, b.staging);
+    b.started = true;
+    bytes += (b.staging.defined() ? b.staging : b.flat).nbytes();
+  }
+}
+
+void DistributedDataParallel::State::finish_backward() {
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (ready[i]) continue;
+    if (!options.find_unused_parameters) {
+      missing.push_back(names[i]);
+      continue;
+    }
+    // Unused here: contributes zero (another rank may have used it).
+    torch::NoGradGuard no_grad;
+    views[i].zero_();
+    params[i].mutable_grad() = views[i];
+    ready[i] = true;
+    --buckets[bucket_of[i]].pending;
+  }
+  if (!missing.empty()) {
+    std::ostringstream s;
+    s << "DDP: " << missing.size() << " parameter(s) received no gradient in this backward (";
+    for (size_t k = 0; k < missing.size() && k < 5; ++k) s << (k ? ", " : "") << missing[k];
+    if (missing.size() > 5) s << ", ...";
+    s << "); set find_unused_parameters if parts of the model are legitimately unused";
+    reset_step();
+    throw std::runtime_error(s.str());
+  }
+  start_ready_buckets();
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& b : buckets) {
+    b.work.wait();
+    if (b.staging.defined()) b.flat.copy_(b.staging);
+  }
+  wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  reset_step();
+}
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
+                                                 DDPOptions options)
+    : module_(std::move(module)), options_(options), state_(std::make_shared<State>()) {
+  if (options_.comm_dtype != at::kFloat && options_.comm_dtype != at::kBFloat16)
+    throw std::invalid_argument("DDP: comm_dtype must be float32 or bfloat16");
+  if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0)
+    throw std::invalid_argument("DDP: bucket caps must be positive");
+  State& s = *state_;
+  s.group = &group;
+  s.options = options_;
+
+  // 1. Every rank starts from rank 0's weights.
+  std::vector<at::Tensor> states;
+  for (auto& p : module_->parameters()) states.push_back(p);
+  if (options_.broadcast_buffers)
+    for (auto& b : module_->buffers()) states.push_back(b);
+  ddp_comm::broadcast_coalesced(group, states, 0);
+
+  // 2. Buckets, in reverse registration order.
+  for (auto& item : module_->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    s.names.push_back(item.key());
+    s.params.push_back(item.value());
+  }
+  if (s.params.empty()) throw std::invalid_argument("DDP: the module has no trainable parameters");
+  std::vector<std::vector<size_t>> groups(1);
+  int64_t bytes = 0;
+  for (size_t k = s.params.size(); k-- > 0;) {
+    const at::Tensor& p = s.params[k];
+    const int64_t cap = groups.size() == 1 ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
+    if (!groups.back().empty() &&
+        (bytes >= cap || p.scalar_type() != s.params[groups.back().front()].scalar_type())) {
+      groups.emplace_back();
+      bytes = 0;
+    }
+    groups.back().push_back(k);
+    bytes += p.numel() * p.element_size();
+  }
+  s.views.resize(s.params.size());
+  s.bucket_of.resize(s.params.size());
+  s.ready.assign(s.params.size(), false);
+  torch::NoGradGuard no_grad;
+  for (auto& members : groups) {
+    Bucket b;
+    b.params = members;
+    int64_t numel = 0;
+    for (size_t i : members) numel += s.params[i].numel();
+    b.flat = at::zeros({numel}, s.params[members.front()].options());
+    if (options_.comm_dtype != b.flat.scalar_type()) b.staging = at::empty({numel}, b.flat.options().dtype(options_.comm_dtype));
+    int64_t off = 0;
+    for (size_t i : members) {
+      at::Tensor& p = s.params[i];
+      s.views[i] = b.flat.narrow(0, off, p.numel()).view(p.sizes());
+      if (p.grad().defined()) s.views[i].copy_(p.grad());
+      p.mutable_grad() = s.views[i];
+      s.bucket_of[i] = s.buckets.size();
+      off += p.numel();
+    }
+    s.buckets.push_back(std::move(b));
+  }
+  s.reset_step();
+
+  // 3. Hooks after each gradient's accumulation.
+  std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(s.params[i]);
+    acc->add_post_hook(comm::compat::post_hook([weak, i] {
+      if (auto st = weak.lock()) st->on_grad_ready(i);
+    }));
+    s.accumulators.push_back(std::move(acc));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.state_->sync) {
+  ddp_.state_->sync = false;
+}
+DistributedDataParallel::NoSync::~NoSync() { ddp_.state_->sync = previous_; }
+
+int DistributedDataParallel::num_buckets() const { return static_cast<int>(state_->buckets.size()); }
+
+std::vector<std::vector<std::string>> DistributedDataParallel::bucket_layout() const {
+  std::vector<std::vector<std::string>> out;
+  for (auto& b : state_->buckets) {
+    out.emplace_back();
+    for (size_t i : b.params) out.back().push_back(state_->names[i]);
+  }
+  return out;
+}
+
+double DistributedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
+int64_t DistributedDataParallel::bytes_reduced() const { return state_->bytes; }
+void DistributedDataParallel::reset_stats() {
+  state_->wait_ms = 0;
+  state_->bytes = 0;
+}
+
+}  // namespace scaletrain::parallel

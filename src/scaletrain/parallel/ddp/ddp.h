@@ -1,0 +1,93 @@
+#pragma once
+// Data parallelism with bucketed gradient all-reduce overlapped with backward.
+//
+// Construction broadcasts rank 0's parameters and buffers, then lays the
+// gradients of the trainable parameters out in flat buckets, in reverse
+// registration order (a proxy for the order backward produces them): the
+// first bucket is small (first_bucket_cap_bytes) so communication starts early,
+// the rest hold up to bucket_cap_bytes. Each parameter's .grad becomes a view
+// into its bucket, so AccumulateGrad writes straight into the buffer that is
+// communicated and nothing is copied on the way out or back.
+//
+// During backward a post-hook on each parameter's AccumulateGrad node counts
+// the bucket's ready gradients; when a bucket is complete it is divided by the
+// world size and its all-reduce is started asynchronously, while autograd goes
+// on computing the earlier layers. See Note [Bucket order]. A callback queued
+// on the autograd engine waits for the outstanding buckets when backward ends,
+// so after loss.backward() returns every rank holds the averaged gradients.
+//
+// Note [Bucket order]: c10d matches collectives by the order they are issued,
+// so every rank must start bucket all-reduces in the same order. Buckets are
+// started strictly in index order: a bucket that is ready early waits for the
+// ones before it. Gradient arrival order may differ between ranks; this order
+// does not.
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/group.h"
+
+namespace scaletrain::parallel {
+
+struct DDPOptions {
+  // Maximum bytes of gradients in one bucket (PyTorch's default, 25 MiB).
+  int64_t bucket_cap_bytes = 25ll << 20;
+  // Cap of the first bucket (the last layers' gradients), small so the first
+  // all-reduce starts as early as possible in backward.
+  int64_t first_bucket_cap_bytes = 1ll << 20;
+  // Parameters that get no gradient in a step are an error unless this is
+  // set; then their gradient counts as zero on that rank.
+  bool find_unused_parameters = false;
+  // Dtype gradients travel in: kFloat, or kBFloat16 to halve the bytes sent
+  // (sums are still taken in fp32; see Note [Gloo 1.13 gaps]).
+  at::ScalarType comm_dtype = at::kFloat;
+  // Broadcast rank 0's buffers along with its parameters at construction.
+  bool broadcast_buffers = true;
+};
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group, DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // While a NoSync lives, backward accumulates gradients locally and
+  // communicates nothing; the next backward outside it reduces the sum (the
+  // gradient-accumulation pattern: no_sync for micro-batches 1..k-1).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  const DDPOptions& options() const { return options_; }
+  int num_buckets() const;
+  // Parameter names in each bucket, in bucket order (for tests and logs).
+  std::vector<std::vector<std::string>> bucket_layout() const;
+  // Milliseconds backward spent blocked on communication, and bytes handed to
+  // all-reduce, since the last call to reset_stats().
+  double comm_wait_ms() const;
+  int64_t bytes_reduced() const;
+  void reset_stats();
+
+  struct State;  // shared with the autograd hooks (see ddp.cpp)
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  DDPOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace scaletrain::parallel

@@ -1,0 +1,74 @@
+#include "scaletrain/train/metrics.h"
+
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+
+MetricsSink::MetricsSink(const std::string& path, int64_t total_steps, bool progress)
+    : total_(total_steps), bar_(progress && isatty(STDOUT_FILENO)) {
+  if (!path.empty()) {
+    file_.open(path, std::ios::out | std::ios::trunc);
+    if (!file_) throw UsageError("metrics.path " + path + " cannot be written");
+  }
+}
+
+MetricsSink::~MetricsSink() {
+  if (bar_) std::printf("\n");
+}
+
+void MetricsSink::write(const StepMetrics& m, bool log_line) {
+  if (file_.is_open()) {
+    nlohmann::json j = {{"step", m.step},       {"loss", m.loss},
+                        {"lr", m.lr},           {"step_ms", m.step_ms},
+                        {"tokens_per_s", m.tokens_per_s}, {"mfu", m.mfu},
+                        {"peak_rss_mb", m.peak_rss_mb},   {"comm_wait_ms", m.comm_wait_ms},
+                        {"grad_norm", m.grad_norm}};
+    file_ << j.dump() << "\n";
+    file_.flush();
+  }
+  if (bar_) std::printf("\r\033[K");
+  if (log_line) {
+    std::printf("step %5lld | loss %.4f | lr %.2e | %7.1f ms | %8.0f tok/s | mfu %5.1f%% | rss %6.0f MB | comm wait %6.1f ms\n",
+                static_cast<long long>(m.step), m.loss, m.lr, m.step_ms, m.tokens_per_s, 100.0 * m.mfu,
+                m.peak_rss_mb, m.comm_wait_ms);
+  }
+  if (bar_) {
+    const int width = 30;
+    const int filled = static_cast<int>(width * m.step / std::max<int64_t>(1, total_));
+    std::printf("[%s%s] %lld/%lld loss %.4f", std::string(filled, '#').c_str(),
+                std::string(width - filled, '.').c_str(), static_cast<long long>(m.step),
+                static_cast<long long>(total_), m.loss);
+  }
+  std::fflush(stdout);
+}
+
+double peak_rss_mb() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+double measure_gemm_flops(int64_t n, int reps) {
+  torch::NoGradGuard no_grad;
+  auto a = torch::randn({n, n}), b = torch::randn({n, n});
+  auto c = torch::mm(a, b);  // warm-up
+  std::vector<double> secs;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    c = torch::mm(a, b);
+    secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(secs.begin(), secs.end());
+  return 2.0 * n * n * n / secs[secs.size() / 2];
+}
+
+}  // namespace scaletrain::train

@@ -1,0 +1,44 @@
+#pragma once
+// Per-step measurements of a run and where they go: one log line, a JSON line
+// in metrics.path (rank 0), and a progress bar when stdout is a terminal.
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace scaletrain::train {
+
+struct StepMetrics {
+  int64_t step = 0;         // 1-based optimizer step
+  double loss = 0;          // mean training loss over the global batch
+  double lr = 0;            // learning rate used by this step
+  double step_ms = 0;       // wall time of the step
+  double tokens_per_s = 0;  // global tokens per second
+  double mfu = 0;           // model FLOPs utilization per rank, 0..1
+  double peak_rss_mb = 0;   // this process's peak resident set
+  double comm_wait_ms = 0;  // time backward/step blocked on communication
+  double grad_norm = 0;     // global gradient norm before clipping
+};
+
+class MetricsSink {
+ public:
+  // `path` may be empty (no file). Progress bar only if `progress` and stdout
+  // is a terminal.
+  MetricsSink(const std::string& path, int64_t total_steps, bool progress);
+  ~MetricsSink();
+  void write(const StepMetrics& m, bool log_line);
+
+ private:
+  std::ofstream file_;
+  int64_t total_;
+  bool bar_;
+};
+
+// Peak resident set size of this process in MiB (getrusage).
+double peak_rss_mb();
+
+// FLOP/s of a square fp32 GEMM of size n on the current torch threads: the
+// peak MFU is measured against (`scaletrain bench-gemm`). Median of `reps`.
+double measure_gemm_flops(int64_t n = 1024, int reps = 7);
+
+}  // namespace scaletrain::train
