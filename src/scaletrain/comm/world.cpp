@@ -2,13 +2,13 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "scaletrain/comm/compat.h"
+#include "scaletrain/comm/rendezvous_store.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::comm {
@@ -45,14 +45,17 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   if (info.world_size == 1) {
     w->store_ = c10::make_intrusive<c10d::HashStore>();
   } else {
-    c10d::TCPStoreOptions o;
+    // Our own store rather than c10d::TCPStore: its 1.13 server listens on
+    // every interface, ours only on MASTER_ADDR.
+    RendezvousStoreOptions o;
+    o.host = info.master_addr;
     o.port = static_cast<uint16_t>(info.master_port);
-    o.isServer = info.rank == 0;
-    o.numWorkers = info.world_size;
-    o.waitWorkers = true;
+    o.is_server = info.rank == 0;
+    o.world_size = info.world_size;
+    o.connect_timeout = options.timeout;
     o.timeout = options.timeout;
     try {
-      w->store_ = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+      w->store_ = c10::make_intrusive<RendezvousStore>(o);
     } catch (const std::exception& e) {
       std::string msg = e.what();
       throw CommError("rendezvous with " + info.master_addr + ":" + std::to_string(info.master_port) +

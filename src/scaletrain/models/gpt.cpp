@@ -141,8 +141,9 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   auto logits = forward(idx);
-  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}).to(torch::kFloat),
-                                              targets.reshape({-1}));
+  // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
+  if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf) logits = logits.to(torch::kFloat);
+  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
 torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {

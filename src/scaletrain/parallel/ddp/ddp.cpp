@@ -181,7 +181,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     int64_t numel = 0;
     for (size_t i : members) numel += s.params[i].numel();
     b.flat = at::zeros({numel}, s.params[members.front()].options());
-    if (options_.comm_dtype != b.flat.scalar_type()) b.staging = at::empty({numel}, b.flat.options().dtype(options_.comm_dtype));
+    // fp32 means "as computed": float64 gradients stay float64.
+    if (options_.comm_dtype == at::kBFloat16 && b.flat.scalar_type() != at::kBFloat16) b.staging = at::empty({numel}, b.flat.options().dtype(options_.comm_dtype));
     int64_t off = 0;
     for (size_t i : members) {
       at::Tensor& p = s.params[i];

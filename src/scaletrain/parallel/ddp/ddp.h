@@ -41,7 +41,8 @@ struct DDPOptions {
   // Parameters that get no gradient in a step are an error unless this is
   // set; then their gradient counts as zero on that rank.
   bool find_unused_parameters = false;
-  // Dtype gradients travel in: kFloat, or kBFloat16 to halve the bytes sent
+  // Dtype gradients travel in: kFloat (as computed; float64 stays float64),
+  // or kBFloat16 to halve the bytes sent
   // (sums are still taken in fp32; see Note [Gloo 1.13 gaps]).
   at::ScalarType comm_dtype = at::kFloat;
   // Broadcast rank 0's buffers along with its parameters at construction.

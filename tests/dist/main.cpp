@@ -1,0 +1,34 @@
+// Entry point of the multi-process tests: every rank runs the same GoogleTest
+// binary under `scaletrain launch`, sharing one World for all tests. Tests run
+// in the same order on every rank, so their collectives line up.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dist_env.h"
+
+namespace scaletrain::test {
+
+std::shared_ptr<comm::World>& world_ptr() {
+  static std::shared_ptr<comm::World> w;
+  return w;
+}
+
+comm::World& world() { return *world_ptr(); }
+
+}  // namespace scaletrain::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  torch::set_num_threads(1);
+  scaletrain::comm::WorldOptions o;
+  o.timeout = std::chrono::seconds(60);
+  scaletrain::test::world_ptr() = scaletrain::comm::World::init(o);
+  // Only rank 0 prints the test log; failures on any rank still fail the exit code.
+  if (scaletrain::test::world().rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  scaletrain::test::world().group()->barrier().wait();
+  return rc;
+}
