@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# DDP step time, scaletrain vs PyTorch's own DDP (gloo), 2 ranks, 1 thread per
+# rank, same GPT, same global batch; plus compute-only and all-reduce-only
+# times and the overlap efficiency. Two links:
+#   loopback  both ranks on 127.0.0.1 (started by `scaletrain launch`)
+#   netem     rank 0 and rank 1 in two network namespaces joined by a veth
+#             pair shaped with `tc netem delay D rate R` on both ends, so that
+#             communication is a sizeable part of the step (needs root)
+# The two implementations alternate (ours, torch, torch, ours, ...) for
+# --repeats runs per link and configuration; each run prints its medians as a
+# JSON line; the table shows the median over runs.
+#
+# usage: scripts/bench-ddp.sh [--build DIR] [--repeats K] [--rounds R] [--steps S]
+#                             [--delay MS] [--rate MBIT] [--links loopback,netem]
+#                             [--configs default,small] [--global-batch B] [--out FILE]
+# configs: default = buckets 25 MiB / first 1 MiB (both libraries' defaults)
+#          small   = buckets 0.25 MiB / first 0.25 MiB (more, smaller buckets)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=$ROOT/build-bench
+REPEATS=3 ROUNDS=3 STEPS=10 DELAY=1 RATE=200 GB=16
+LINKS=loopback,netem CONFIGS=default,small OUT=""
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --build) BUILD=$2; shift 2 ;;
+    --repeats) REPEATS=$2; shift 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --delay) DELAY=$2; shift 2 ;;
+    --rate) RATE=$2; shift 2 ;;
+    --links) LINKS=$2; shift 2 ;;
+    --configs) CONFIGS=$2; shift 2 ;;
+    --global-batch) GB=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "bench-ddp.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+LAUNCH=$BUILD/scaletrain
+OURS=$BUILD/bench/bench_ddp
+TORCH=$ROOT/bench/ddp_vs_torch/torch_ddp.py
+PY=/usr/bin/python3
+for f in "$LAUNCH" "$OURS"; do
+  [[ -x $f ]] || { echo "bench-ddp.sh: $f not built (cmake --build $BUILD --target scaletrain bench_ddp)" >&2; exit 2; }
+done
+RESULTS=${OUT:-$(mktemp /tmp/bench-ddp.XXXXXX.jsonl)}
+: > "$RESULTS"
+PORT=$((29700 + RANDOM % 200))
+
+SHAPER=""
+NS0=stb-ns0 NS1=stb-ns1 IF0=stb-veth0 IF1=stb-veth1 IP0=10.77.0.1 IP1=10.77.0.2
+cleanup() {
+  ip netns del $NS0 2>/dev/null || true
+  ip netns del $NS1 2>/dev/null || true
+}
+trap 'cleanup; [[ -n ${BUSY_PID:-} ]] && kill "$BUSY_PID" 2>/dev/null; true' EXIT
+trap 'exit 130' INT TERM
+
+setup_netns() {
+  cleanup
+  ip netns add $NS0
+  ip netns add $NS1
+  ip link add $IF0 type veth peer name $IF1
+  ip link set $IF0 netns $NS0
+  ip link set $IF1 netns $NS1
+  ip -n $NS0 addr add $IP0/24 dev $IF0
+  ip -n $NS1 addr add $IP1/24 dev $IF1
+  for ns in $NS0 $NS1; do ip -n $ns link set lo up; done
+  ip -n $NS0 link set $IF0 up
+  ip -n $NS1 link set $IF1 up
+  # Same shaping both ways; a long queue so the rate limit delays packets
+  # instead of dropping them. Kernels built without sch_netem (e.g. some
+  # microVM kernels) get a token bucket (tbf) with the same rate and no
+  # added delay; SHAPER says which one ran.
+  local dev ns
+  for pair in "$NS0:$IF0" "$NS1:$IF1"; do
+    ns=${pair%%:*} dev=${pair#*:}
+    if ip netns exec $ns tc qdisc add dev $dev root netem delay "${DELAY}ms" rate "${RATE}mbit" limit 100000 2>/dev/null; then
+      SHAPER="netem delay ${DELAY} ms rate ${RATE} Mbit/s"
+    else
+      # burst >= the largest (GSO) packet veth hands over, else tbf drops it
+      ip netns exec $ns tc qdisc add dev $dev root tbf rate "${RATE}mbit" burst 128kb latency 2000ms
+      SHAPER="tbf rate ${RATE} Mbit/s, no added delay (this kernel has no sch_netem)"
+    fi
+  done
+  if command -v ping >/dev/null; then ip netns exec $NS0 ping -c 2 -q $IP1 >/dev/null; fi
+}
+
+config_args() {
+  case $1 in
+    default) echo "--bucket-mb 25 --first-bucket-mb 1" ;;
+    small) echo "--bucket-mb 0.25 --first-bucket-mb 0.25" ;;
+    *) echo "bench-ddp.sh: unknown config $1" >&2; exit 2 ;;
+  esac
+}
+
+# run_one LINK CONFIG IMPL PORT: one 2-rank run; prints its JSON line, tagged.
+run_one() {
+  local link=$1 cfg=$2 impl=$3 port=$4 line
+  local args="--global-batch $GB --rounds $ROUNDS --steps $STEPS $(config_args "$cfg")"
+  local cmd
+  if [[ $impl == scaletrain ]]; then cmd="$OURS $args"; else cmd="$PY $TORCH $args"; fi
+  if [[ $link == loopback ]]; then
+    line=$(timeout 900 "$LAUNCH" launch --nproc-per-node 2 --threads 1 --master-port $port -- $cmd | grep -o '{.*}' | head -1)
+  else
+    local common="WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=$IP0 MASTER_PORT=$port OMP_NUM_THREADS=1 SCALETRAIN_THREADS=1"
+    local log1
+    log1=$(mktemp)
+    ip netns exec $NS1 env $common RANK=1 GLOO_SOCKET_IFNAME=$IF1 timeout 900 $cmd >"$log1" 2>&1 &
+    local pid1=$!
+    line=$(ip netns exec $NS0 env $common RANK=0 GLOO_SOCKET_IFNAME=$IF0 timeout 900 $cmd | grep -o '{.*}' | head -1) || true
+    if ! wait $pid1; then echo "bench-ddp.sh: rank 1 failed:" >&2; cat "$log1" >&2; fi
+    rm -f "$log1"
+  fi
+  [[ -n $line ]] || { echo "bench-ddp.sh: $impl on $link/$cfg produced no result" >&2; return 1; }
+  echo "{\"link\": \"$link\", \"config\": \"$cfg\", ${line#\{}"
+}
+
+source "$ROOT/scripts/bench-common.sh"
+
+IFS=, read -r -a links <<<"$LINKS"
+IFS=, read -r -a configs <<<"$CONFIGS"
+for link in "${links[@]}"; do
+  [[ $link == netem ]] && setup_netns
+  for cfg in "${configs[@]}"; do
+    for ((k = 0; k < REPEATS; k++)); do
+      if ((k % 2 == 0)); then order="scaletrain pytorch"; else order="pytorch scaletrain"; fi
+      # Both implementations of a repeat run on a quiet machine, else the
+      # pair is measured again (up to 5 tries).
+      for try in 1 2 3 4 5; do
+        wait_quiet
+        busy_watch_start
+        pair=""
+        for impl in $order; do
+          PORT=$((PORT + 2))
+          pair+="$(run_one "$link" "$cfg" "$impl" $PORT)"$'\n' || exit 1
+        done
+        if busy_watch_stop && ((try < 5)); then
+          echo "bench-ddp.sh: a compiler ran during this pair; measuring it again" >&2
+          continue
+        fi
+        printf '%s' "$pair" | tee -a "$RESULTS"
+        break
+      done
+    done
+  done
+  [[ $link == netem ]] && cleanup
+done
+
+echo
+echo "shaped link: ${SHAPER:-not used}, each way; global batch $GB; $REPEATS runs per cell; results in $RESULTS"
+$PY "$ROOT/bench/ddp_vs_torch/summarize.py" "$RESULTS"

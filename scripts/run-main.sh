@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job: install, build, prepare the corpus, train a GPT with DDP on 2
+# local processes, and draw the curves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build --target scaletrain -j"$(nproc)"
+mkdir -p data runs/main
+if [ ! -s data/kjv.tok ]; then
+  bible "gen1:1-rev22:21" > data/kjv.txt   # the whole King James Bible, from Debian's bible-kjv
+  build/scaletrain prepare data/kjv.txt -o data/kjv.tok
+fi
+build/scaletrain launch --nproc-per-node 2 -- build/scaletrain train examples/main.yaml "$@"
+build/scaletrain plot runs/main/metrics.jsonl -o runs/main/curves.svg
+echo "metrics: runs/main/metrics.jsonl, curves: runs/main/curves.svg"

@@ -1,0 +1,166 @@
+// Single-process pieces of the engine: environment contract, mesh arithmetic,
+// model presets, optimizer schedule, config overrides.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+
+#include "scaletrain/comm/env.h"
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/train/config.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain {
+namespace {
+
+comm::GetEnv fake(std::map<std::string, std::string> vars) {
+  auto store = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
+  return [store](const char* name) -> const char* {
+    auto it = store->find(name);
+    return it == store->end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(WorldEnv, Torchrun) {
+  auto w = comm::world_info_from_env(fake({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                           {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+                                           {"MASTER_PORT", "1234"}}));
+  EXPECT_EQ(w.rank, 3);
+  EXPECT_EQ(w.world_size, 4);
+  EXPECT_EQ(w.local_rank, 1);
+  EXPECT_EQ(w.local_world_size, 2);
+  EXPECT_EQ(w.master_addr, "10.0.0.1");
+  EXPECT_EQ(w.master_port, 1234);
+  EXPECT_EQ(w.source, "torchrun");
+}
+
+TEST(WorldEnv, OpenMpi) {
+  auto w = comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+                                           {"MASTER_ADDR", "node1"}}));
+  EXPECT_EQ(w.rank, 5);
+  EXPECT_EQ(w.world_size, 8);
+  EXPECT_EQ(w.local_world_size, 4);
+  EXPECT_EQ(w.source, "openmpi");
+}
+
+TEST(WorldEnv, Slurm) {
+  auto w = comm::world_info_from_env(fake({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
+                                           {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                                           {"SLURM_JOB_ID", "4242"}}));
+  EXPECT_EQ(w.rank, 6);
+  EXPECT_EQ(w.local_rank, 2);
+  EXPECT_EQ(w.local_world_size, 4);
+  EXPECT_EQ(w.master_addr, "gpu07");
+  EXPECT_EQ(w.master_port, 20000 + 4242);
+  EXPECT_EQ(comm::first_slurm_host("a1,b2"), "a1");
+  EXPECT_EQ(comm::first_slurm_host("n[003-004,9],x"), "n003");
+}
+
+TEST(WorldEnv, NoVariablesIsOneProcess) {
+  auto w = comm::world_info_from_env(fake({}));
+  EXPECT_EQ(w.world_size, 1);
+  EXPECT_EQ(w.source, "single");
+}
+
+TEST(WorldEnv, InconsistentValuesAreUsageErrors) {
+  EXPECT_THROW(comm::world_info_from_env(fake({{"RANK", "4"}, {"WORLD_SIZE", "4"}})), UsageError);
+  EXPECT_THROW(comm::world_info_from_env(fake({{"RANK", "x"}, {"WORLD_SIZE", "4"}})), UsageError);
+  EXPECT_THROW(comm::world_info_from_env(fake({{"RANK", "0"}})), UsageError);
+}
+
+TEST(MeshDims, ResolvesAndRoundTrips) {
+  comm::MeshDims d{2, 2, -1, 2};
+  auto r = d.resolved(16);
+  EXPECT_EQ(r.dp_shard, 2);
+  for (int rank = 0; rank < 16; ++rank) EXPECT_EQ(comm::Mesh::rank_of(r, comm::Mesh::coord_of(r, rank)), rank);
+  // tp innermost: ranks 0 and 1 differ only in tp
+  EXPECT_EQ(comm::Mesh::coord_of(r, 1).tp, 1);
+  EXPECT_EQ(comm::Mesh::coord_of(r, 1).dp_shard, 0);
+}
+
+TEST(MeshDims, MismatchNamesEveryDegree) {
+  try {
+    comm::MeshDims{1, 1, 3, 2}.resolved(4);
+    FAIL();
+  } catch (const UsageError& e) {
+    std::string m = e.what();
+    for (const char* s : {"pp=1", "dp=3", "replicate=1", "shard=3", "tp=2", "world size 4"})
+      EXPECT_NE(m.find(s), std::string::npos) << m;
+  }
+  EXPECT_THROW(comm::MeshDims({1, 1, -1, 3}).resolved(4), UsageError);
+}
+
+TEST(Gpt, PresetParameterCounts) {
+  // gpt2 with the head tied to wte: 124,439,808 (Hugging Face's count).
+  auto counts = [](const std::string& preset) {
+    auto c = models::gpt_preset(preset);
+    const int64_t n = c.n_embd, L = c.n_layer;
+    // wte + wpe + L x (2 LN + qkv + proj + fc + proj) + ln_f
+    return c.vocab_size * n + c.block_size * n + L * (4 * n + (3 * n * n + 3 * n) + (n * n + n) +
+                                                      (4 * n * n + 4 * n) + (4 * n * n + n)) + 2 * n;
+  };
+  EXPECT_EQ(counts("gpt2"), 124439808);
+  torch::NoGradGuard ng;
+  EXPECT_EQ(models::GPT(models::gpt_preset("gpt2"))->num_parameters(), 124439808);
+  auto tiny = models::GPT(models::gpt_preset("tiny"));
+  EXPECT_EQ(tiny->num_parameters(), counts("tiny"));
+  EXPECT_THROW(models::gpt_preset("gpt5"), UsageError);
+  EXPECT_THROW(models::GPT(models::GPTConfig{256, 16, 1, 3, 32}), UsageError);
+}
+
+TEST(Gpt, IsCausal) {
+  torch::manual_seed(0);
+  auto m = models::GPT(models::GPTConfig{32, 8, 1, 2, 16});
+  auto a = torch::randint(0, 32, {1, 8}, torch::kLong), b = a.clone();
+  b[0][7] = (a[0][7].item<int64_t>() + 1) % 32;  // change only the last token
+  auto la = m->forward(a), lb = m->forward(b);
+  EXPECT_TRUE(torch::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7)));
+  EXPECT_FALSE(torch::allclose(la.narrow(1, 7, 1), lb.narrow(1, 7, 1)));
+}
+
+TEST(Schedule, WarmupThenCosine) {
+  optim::ScheduleOptions s{10, 110, 0.1};
+  EXPECT_NEAR(optim::lr_at(0, 1.0, s), 0.1, 1e-12);
+  EXPECT_NEAR(optim::lr_at(9, 1.0, s), 1.0, 1e-12);
+  EXPECT_NEAR(optim::lr_at(60, 1.0, s), 0.55, 1e-12);
+  EXPECT_NEAR(optim::lr_at(110, 1.0, s), 0.1, 1e-12);
+}
+
+TEST(AdamW, MatchesLibtorchAdamW) {
+  torch::manual_seed(0);
+  auto p1 = torch::randn({5, 3}).requires_grad_(), p2 = p1.detach().clone().requires_grad_();
+  optim::AdamW ours({p1}, {true}, {1e-2, 0.9, 0.95, 1e-8, 0.1});
+  torch::optim::AdamW theirs({p2}, torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
+  for (int i = 0; i < 5; ++i) {
+    auto g = torch::randn({5, 3});
+    p1.mutable_grad() = g.clone();
+    p2.mutable_grad() = g.clone();
+    ours.step(1e-2);
+    theirs.step();
+  }
+  EXPECT_TRUE(torch::allclose(p1, p2, 1e-6, 1e-7));
+}
+
+TEST(ClipGradNorm, ScalesToMaxNorm) {
+  auto p = torch::zeros({2}).requires_grad_();
+  p.mutable_grad() = torch::tensor({3.0f, 4.0f});
+  EXPECT_DOUBLE_EQ(optim::clip_grad_norm({p}, 1.0), 5.0);
+  EXPECT_NEAR(p.grad().norm().item<double>(), 1.0, 1e-5);
+}
+
+TEST(Config, OverridesAndErrors) {
+  train::Config c;
+  train::apply_override(c, "--train.steps=7");
+  train::apply_override(c, "parallel.comm_dtype=bf16");
+  EXPECT_EQ(c.train.steps, 7);
+  EXPECT_EQ(c.parallel.comm_dtype, "bf16");
+  EXPECT_THROW(train::apply_override(c, "--train.steps"), UsageError);
+  EXPECT_THROW(train::apply_override(c, "--nosection.x=1"), UsageError);
+  EXPECT_THROW(train::apply_override(c, "--metrics.progress=maybe"), UsageError);
+}
+
+}  // namespace
+}  // namespace scaletrain
