@@ -1,0 +1,57 @@
+// A collective whose peer never comes, and one whose peer has exited, must
+// raise CommError naming the operation, the group and the sequence number
+// instead of hanging. Run alone (dist.failures.w2) with a 2 s timeout
+// (SCALETRAIN_TEST_TIMEOUT_S), since it leaves the world group unusable.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "dist_env.h"
+
+namespace scaletrain::test {
+namespace {
+
+void expect_named_error(const std::string& what, const char* op) {
+  EXPECT_NE(what.find(op), std::string::npos) << what;
+  EXPECT_NE(what.find("group 'world'"), std::string::npos) << what;
+  EXPECT_NE(what.find("seq "), std::string::npos) << what;
+}
+
+TEST(Failure, TimeoutNamesTheOperation) {
+  ASSERT_EQ(world().size(), 2);
+  ASSERT_LE(world().timeout().count(), 5000) << "run with SCALETRAIN_TEST_TIMEOUT_S=2";
+  if (world().rank() == 1) {
+    // Never joins the all_reduce; outlives rank 0's deadline, then leaves.
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    std::_Exit(0);
+  }
+  auto t = torch::ones({1000});
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    world().group()->all_reduce(t).wait();
+    FAIL() << "all_reduce without its peer returned";
+  } catch (const comm::CommError& e) {
+    expect_named_error(e.what(), "all_reduce");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+}
+
+TEST(Failure, VanishedPeerNamesTheOperation) {
+  // Rank 1 has exited by now (or exits while we wait).
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  auto t = torch::ones({1000});
+  try {
+    world().group()->broadcast(t, 0).wait();
+    world().group()->all_reduce(t).wait();
+    FAIL() << "collective with a vanished peer returned";
+  } catch (const comm::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("seq "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("group 'world'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace scaletrain::test
