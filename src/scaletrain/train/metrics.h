@@ -38,7 +38,7 @@ class MetricsSink {
 double peak_rss_mb();
 
 // FLOP/s of a square fp32 GEMM of size n on the current torch threads: the
-// peak MFU is measured against (`scaletrain bench-gemm`). Median of `reps`.
+// peak MFU is measured against (`scaletrain bench-gemm`). Best of `reps`.
 double measure_gemm_flops(int64_t n = 1024, int reps = 7);
 
 }  // namespace scaletrain::train
