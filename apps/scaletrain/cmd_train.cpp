@@ -41,7 +41,7 @@ void add_bench_gemm(CLI::App& app, Runner& run) {
   cmd->add_option("--threads", *threads, "torch threads (0 = libtorch default)");
   cmd->callback([&run, n, threads] {
     run = [n, threads] {
-      if (*threads > 0) torch::set_num_threads(*threads);
+      if (*threads > 0) train::set_compute_threads(*threads);
       double f = train::measure_gemm_flops(*n);
       std::printf("gemm %lldx%lld fp32, %d thread(s): %.2f GFLOP/s (use as metrics.peak_flops: %.4g)\n",
                   static_cast<long long>(*n), static_cast<long long>(*n), torch::get_num_threads(), f / 1e9, f);

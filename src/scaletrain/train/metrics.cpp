@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
 #include <torch/torch.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,6 +56,12 @@ double peak_rss_mb() {
   struct rusage u {};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+void set_compute_threads(int n) {
+  torch::set_num_threads(n);
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
 }
 
 double measure_gemm_flops(int64_t n, int reps) {

@@ -37,6 +37,10 @@ class MetricsSink {
 // Peak resident set size of this process in MiB (getrusage).
 double peak_rss_mb();
 
+// Sets torch's intra-op threads and, when the BLAS is OpenBLAS's pthread
+// build (which ignores torch's setting), OpenBLAS's own thread count.
+void set_compute_threads(int n);
+
 // FLOP/s of a square fp32 GEMM of size n on the current torch threads: the
 // peak MFU is measured against (`scaletrain bench-gemm`). Best of `reps`.
 double measure_gemm_flops(int64_t n = 1024, int reps = 7);

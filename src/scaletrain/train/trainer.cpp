@@ -41,7 +41,7 @@ void set_threads() {
     if (const char* v = std::getenv(var)) {
       int n = std::atoi(v);
       if (n > 0) {
-        torch::set_num_threads(n);
+        set_compute_threads(n);
         return;
       }
     }
