@@ -14,11 +14,22 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -x $BUILD/bench/bench_collectives ]] || { echo "build it: cmake --build $BUILD --target scaletrain bench_collectives" >&2; exit 2; }
+source "$ROOT/scripts/bench-common.sh"
 IFS=, read -r -a worlds <<<"$WORLDS"
+port=$((29600 + RANDOM % 100))
 for n in "${worlds[@]}"; do
+  # A run disturbed by a compiler or a test run is done again (up to 5 tries).
+  for try in 1 2 3 4 5; do
+    wait_quiet
+    busy_watch_start
+    port=$((port + 2))
+    table=$("$BUILD/scaletrain" launch --nproc-per-node "$n" --threads 1 --master-port $port -- \
+      "$BUILD/bench/bench_collectives" "${EXTRA[@]}" | sed -n 's/^\[rank 0\] //p')
+    if busy_watch_stop && ((try < 5)); then echo "bench-collectives.sh: disturbed; again" >&2; continue; fi
+    break
+  done
   echo "## world size $n"
   echo
-  "$BUILD/scaletrain" launch --nproc-per-node "$n" --threads 1 --master-port $((29600 + n * 7)) -- \
-    "$BUILD/bench/bench_collectives" "${EXTRA[@]}" | sed -n 's/^\[rank 0\] //p'
+  echo "$table"
   echo
 done

@@ -1,15 +1,21 @@
 # Sourced by scripts/bench-*.sh: keep measurements away from compilers.
 # The machine is shared with people who build; a compile running next to a
 # benchmark on 2 cores halves what it measures. wait_quiet blocks until no
-# compiler (cc1plus, ld) has run for QUIET_S seconds (default 5; at most
+# compiler or test run (see BUSY_PATTERN) has run for QUIET_S seconds (default 5; at most
 # QUIET_MAX_S, default 1800); busy_watch_start/busy_watch_stop tell whether
 # one ran in between (the caller then repeats the measurement).
 
 QUIET_S=${QUIET_S:-5}
 QUIET_MAX_S=${QUIET_MAX_S:-1800}
-BUSY_PATTERN='^(cc1plus|cc1|ld|ld.gold|ld.bfd|lto1)$'
+# Compilers, linkers, and the project's own test runs (ctest, st_* test
+# binaries, the build/ CLI; the benchmarks run from build-bench/).
+BUSY_PATTERN='^(cc1plus|cc1|ld|ld.gold|ld.bfd|lto1|ctest|st_unit|st_unit_core|st_dist)$'
+BUSY_ARGS_PATTERN='(^|[ /])build/scaletrain( |$)'
 
-compiler_running() { ps -eo comm= | grep -Eq "$BUSY_PATTERN"; }
+compiler_running() {
+  ps -eo comm= | grep -Eq "$BUSY_PATTERN" && return 0
+  ps -eo args= | grep -Eq "$BUSY_ARGS_PATTERN"
+}
 
 wait_quiet() {
   local quiet=0 waited=0 said=0
