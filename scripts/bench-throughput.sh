@@ -32,7 +32,7 @@ echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 IFS=, read -r -a threads <<<"$THREADS"
 for t in "${threads[@]}"; do
   wait_quiet
-  peak=$(for i in 1 2 3; do "$ST" bench-gemm --threads "$t" | grep -o '[0-9.]* GFLOP/s' | head -1 | cut -d' ' -f1; done | median)
+  peak=$(for i in 1 2 3; do OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t "$ST" bench-gemm --threads "$t" | grep -o '[0-9.]* GFLOP/s' | head -1 | cut -d' ' -f1; done | median)
   for model in "tiny|" "L6-E384-H6|--model.n_layer=6 --model.n_embd=384 --model.n_head=6"; do
     name=${model%%|*} over=${model#*|}
     m="$WORK/m-$name-$t.jsonl"
@@ -40,7 +40,7 @@ for t in "${threads[@]}"; do
       wait_quiet
       busy_watch_start
       OMP_NUM_THREADS=$t SCALETRAIN_THREADS=$t "$ST" train "$ROOT/bench/train-throughput.yaml" --data.path="$DATA" \
-        --train.steps="$STEPS" --metrics.path="$m" --metrics.peak_flops="$(echo "$peak * 1e9" | bc)" $over >"$WORK/log" 2>&1 \
+        --train.steps="$STEPS" --metrics.path="$m" --metrics.peak_flops="$(awk -v p="$peak" 'BEGIN {printf "%.4e", p * 1e9}')" $over >"$WORK/log" 2>&1 \
         || { busy_watch_stop || true; cat "$WORK/log" >&2; exit 1; }
       if busy_watch_stop && ((try < 5)); then echo "bench-throughput.sh: disturbed; again" >&2; continue; fi
       break
