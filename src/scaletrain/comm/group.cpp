@@ -69,6 +69,17 @@ void Work::wait() {
   }
 }
 
+void Work::and_then(std::function<Work()> next) {
+  if (!then_) {
+    then_ = std::move(next);
+    return;
+  }
+  then_ = [first = std::move(then_), next = std::move(next)]() {
+    first().wait();
+    return next();
+  };
+}
+
 // --- Group ------------------------------------------------------------------
 
 Group::Group(std::string name, std::vector<int> ranks, int rank, BackendKind kind,

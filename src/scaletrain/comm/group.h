@@ -52,6 +52,9 @@ class Work {
   // Blocks until the operation (and its local post-processing) completes.
   void wait();
   bool done() const { return pending_.empty() && !then_; }
+  // Appends a stage: once this work (and its own stages) completed, wait()
+  // runs `next`, which may start a further operation whose Work is waited too.
+  void and_then(std::function<Work()> next);
 
  private:
   friend class Group;

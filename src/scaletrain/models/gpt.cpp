@@ -134,7 +134,13 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
                                 std::to_string(config_.block_size));
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
   auto x = drop_(wte(idx) + wpe(pos));
-  for (auto& block : *h) x = block->as<Block>()->forward(x);
+  for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
+    auto* block = (*h)[i]->as<Block>();
+    if (runner_)
+      x = runner_(i, [block](const torch::Tensor& in) { return block->forward(in); }, x);
+    else
+      x = block->forward(x);
+  }
   x = ln_f(x);
   return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
 }

@@ -6,6 +6,7 @@
 // so checkpoints map onto it by name (linear weights are transposed there).
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -62,7 +63,27 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class GPTImpl : public torch::nn::Module {
+// How a parallel strategy takes part in a model's forward: the model calls the
+// runner for each transformer block instead of the block itself, and the
+// runner calls `body` (the block's forward) between whatever it must do before
+// and after (gather a sharded unit, register a pre-backward hook, recompute in
+// backward). No runner: blocks run directly.
+using BlockBody = std::function<torch::Tensor(const torch::Tensor&)>;
+using BlockRunner = std::function<torch::Tensor(int64_t index, const BlockBody& body, const torch::Tensor& x)>;
+
+// What a strategy needs to know about a model built of repeated blocks.
+class Blockwise {
+ public:
+  virtual ~Blockwise() = default;
+  virtual int64_t num_blocks() const = 0;
+  // Parameter-name prefix of block i ("h.3."), as in named_parameters().
+  virtual std::string block_prefix(int64_t i) const = 0;
+  // Class name of the blocks, for transformer-based wrap policies.
+  virtual std::string block_class() const = 0;
+  virtual void set_block_runner(BlockRunner runner) = 0;
+};
+
+class GPTImpl : public torch::nn::Module, public Blockwise {
  public:
   explicit GPTImpl(const GPTConfig& c);
   // idx: [B, T] int64 token ids -> logits [B, T, vocab].
@@ -78,6 +99,11 @@ class GPTImpl : public torch::nn::Module {
   // position embedding (it costs no matmul), H*Q = n_embd, T = sequence length.
   double flops_per_token(int64_t seq_len) const;
 
+  int64_t num_blocks() const override { return config_.n_layer; }
+  std::string block_prefix(int64_t i) const override { return "h." + std::to_string(i) + "."; }
+  std::string block_class() const override { return "Block"; }
+  void set_block_runner(BlockRunner runner) override { runner_ = std::move(runner); }
+
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -85,6 +111,7 @@ class GPTImpl : public torch::nn::Module {
  private:
   GPTConfig config_;
   torch::nn::Dropout drop_{nullptr};
+  BlockRunner runner_;
 };
 TORCH_MODULE(GPT);
 

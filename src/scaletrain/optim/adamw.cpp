@@ -7,9 +7,25 @@
 
 namespace scaletrain::optim {
 
+namespace {
+std::vector<int64_t> decay_counts(const std::vector<at::Tensor>& params, const std::vector<bool>& decay) {
+  if (decay.size() != params.size()) throw std::invalid_argument("AdamW: one decay flag per tensor");
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < params.size(); ++i) n.push_back(decay[i] ? params[i].numel() : 0);
+  return n;
+}
+}  // namespace
+
 AdamW::AdamW(std::vector<at::Tensor> params, std::vector<bool> decay, AdamWOptions options)
-    : params_(std::move(params)), decay_(std::move(decay)), options_(options) {
-  if (decay_.size() != params_.size()) throw std::invalid_argument("AdamW: one decay flag per tensor");
+    : AdamW(params, decay_counts(params, decay), options) {}
+
+AdamW::AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, AdamWOptions options)
+    : params_(std::move(params)), decay_numel_(std::move(decay_numel)), options_(options) {
+  if (decay_numel_.size() != params_.size()) throw std::invalid_argument("AdamW: one decay count per tensor");
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (decay_numel_[i] < 0 || decay_numel_[i] > params_[i].numel() ||
+        (decay_numel_[i] != 0 && decay_numel_[i] != params_[i].numel() && params_[i].dim() != 1))
+      throw std::invalid_argument("AdamW: a partial decay count needs a flat (1-D) tensor");
   for (auto& p : params_) {
     m_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
     v_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
@@ -26,7 +42,13 @@ void AdamW::step(double lr) {
     at::Tensor& p = params_[i];
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (decay_[i] && options_.weight_decay != 0) p.mul_(1.0 - lr * options_.weight_decay);
+    const int64_t nd = decay_numel_[i];
+    if (nd > 0 && options_.weight_decay != 0) {
+      if (nd == p.numel())
+        p.mul_(1.0 - lr * options_.weight_decay);
+      else
+        p.narrow(0, 0, nd).mul_(1.0 - lr * options_.weight_decay);
+    }
     m_[i].lerp_(g, 1.0 - b1);
     v_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
     at::Tensor denom = (v_[i].sqrt() / bc2_sqrt).add_(options_.eps);

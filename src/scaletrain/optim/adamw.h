@@ -26,6 +26,10 @@ class AdamW {
   // decay[i] says whether params[i] gets weight decay (matrices yes,
   // biases/LayerNorm/1-D no, by the GPT convention).
   AdamW(std::vector<at::Tensor> params, std::vector<bool> decay, AdamWOptions options = {});
+  // Flat shards mix matrices and vectors: decay_numel[i] says how many leading
+  // elements of params[i] get weight decay (sharded strategies lay out each
+  // flat buffer decayed tensors first).
+  AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, AdamWOptions options = {});
 
   // One update with learning rate `lr`. Tensors without a gradient are skipped.
   void step(double lr);
@@ -40,7 +44,7 @@ class AdamW {
 
  private:
   std::vector<at::Tensor> params_;
-  std::vector<bool> decay_;
+  std::vector<int64_t> decay_numel_;
   std::vector<at::Tensor> m_, v_;
   AdamWOptions options_;
   int64_t step_ = 0;

@@ -1,0 +1,171 @@
+#include "scaletrain/parallel/fsdp/flat_param.h"
+
+#include <c10/core/StorageImpl.h>
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace scaletrain::parallel::fsdp {
+
+void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  TORCH_CHECK(s->nbytes() == 0, "scaletrain: storage is partly allocated");
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vector<at::Tensor> params,
+                     size_t decay_count, comm::Group& group, FlatParamOptions options)
+    : unit_(std::move(unit)),
+      names_(std::move(names)),
+      params_(std::move(params)),
+      group_(group),
+      options_(options),
+      n_(group.size()) {
+  if (params_.empty()) throw std::invalid_argument("FlatParam: no parameters in unit " + unit_);
+  const at::TensorOptions topt = params_.front().options();
+  trainable_ = params_.front().requires_grad();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    if (p.scalar_type() != params_.front().scalar_type() || p.device() != params_.front().device() ||
+        p.requires_grad() != trainable_)
+      throw std::invalid_argument("FlatParam: '" + names_[i] + "' differs in dtype, device or requires_grad");
+    offsets_.push_back(numel_);
+    numel_ += p.numel();
+    if (i + 1 == decay_count) decay_end_ = numel_;
+  }
+  k_ = (numel_ + n_ - 1) / n_;
+
+  torch::NoGradGuard no_grad;
+  // Note [Flat parameters]: one copy into the padded buffer, then every
+  // parameter becomes a view of it for good.
+  full_ = at::zeros({padded_numel()}, topt.requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor view = full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
+    view.copy_(params_[i]);
+    params_[i].set_data(view);
+  }
+  at::Tensor mine = full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
+  shard_is_view_ = options_.replicated_params && options_.master_dtype == full_.scalar_type();
+  shard_ = shard_is_view_ ? mine : mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
+  if (trainable_) {
+    grad_full_ = at::zeros({padded_numel()}, topt.requires_grad(false));
+    for (size_t i = 0; i < params_.size(); ++i)
+      grad_views_.push_back(grad_full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
+    if (options_.keep_full_grads && shard_is_view_) {
+      // ZeRO-1: reduce in place into this rank's chunk, which is the shard's gradient.
+      reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
+      shard_.mutable_grad() = reduce_out_;
+    } else {
+      shard_.mutable_grad() = at::zeros({k_}, shard_.options());
+      reduce_out_ = at::empty({k_}, full_.options());
+      options_.keep_full_grads = false;  // the in-place layout needs a shard view
+      free_storage(grad_full_);
+    }
+  }
+  reshard();
+}
+
+int64_t FlatParam::shard_decay_numel() const {
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  return std::clamp<int64_t>(decay_end_ - begin, 0, k_);
+}
+
+int64_t FlatParam::full_bytes() const { return static_cast<int64_t>(full_.storage().nbytes()); }
+
+comm::Work FlatParam::start_unshard() {
+  if (unsharded()) return comm::Work();
+  alloc_storage(full_);
+  at::Tensor src = shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
+  torch::NoGradGuard no_grad;
+  return group_.all_gather(src.detach(), full_);
+}
+
+void FlatParam::reshard() {
+  if (!options_.replicated_params) free_storage(full_);
+}
+
+void FlatParam::alloc_grad_full() {
+  if (grad_full_.storage().nbytes() > 0) return;
+  alloc_storage(grad_full_);
+  grad_full_.zero_();
+}
+
+void FlatParam::on_grad_ready(size_t i) {
+  torch::NoGradGuard no_grad;
+  alloc_grad_full();
+  at::Tensor& g = params_[i].mutable_grad();
+  if (g.is_same(grad_views_[i])) return;
+  // AccumulateGrad made a fresh tensor (the slot was empty): move it in. From
+  // now on it accumulates into the view in place (no_sync micro-batches).
+  if (g.defined()) grad_views_[i].add_(g);
+  g = grad_views_[i];
+}
+
+comm::Work FlatParam::start_reduce(comm::Group* replicate) {
+  torch::NoGradGuard no_grad;
+  if (reduced_)
+    throw std::logic_error("zero1 reduces gradients once per optimizer step (unit " + unit_ +
+                           "): run the micro-batches before the last under no_sync(), and zero_grad() after the step");
+  alloc_grad_full();  // a unit none of whose parameters got a gradient contributes zeros
+  comm::Work w = group_.reduce_scatter(grad_full_, reduce_out_, comm::ReduceOp::Avg);
+  if (replicate != nullptr && replicate->size() > 1) {
+    at::Tensor out = reduce_out_;
+    w.and_then([replicate, out]() mutable { return replicate->all_reduce(out, comm::ReduceOp::Avg); });
+  }
+  return w;
+}
+
+void FlatParam::finish_reduce() {
+  torch::NoGradGuard no_grad;
+  if (options_.keep_full_grads) {
+    // The chunk now holds the average; the rest of the local sums are spent.
+    const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+    grad_full_.narrow(0, 0, begin).zero_();
+    grad_full_.narrow(0, begin + k_, padded_numel() - begin - k_).zero_();
+    reduced_ = true;
+    return;
+  }
+  shard_.mutable_grad().add_(reduce_out_);
+  for (auto& p : params_) p.mutable_grad().reset();
+  free_storage(grad_full_);
+}
+
+void FlatParam::zero_grad() {
+  if (!trainable_) return;
+  shard_.mutable_grad().zero_();
+  if (grad_full_.storage().nbytes() > 0) grad_full_.zero_();
+  reduced_ = false;
+}
+
+comm::Work FlatParam::start_refresh_replicated() {
+  if (!options_.replicated_params) return comm::Work();
+  torch::NoGradGuard no_grad;
+  // The shard may alias its chunk of `full`: gather from a copy.
+  at::Tensor src = shard_.to(full_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  return group_.all_gather(src, full_);
+}
+
+int64_t FlatParam::param_bytes() const {
+  int64_t b = full_bytes();
+  if (!shard_is_view_) b += shard_.numel() * shard_.element_size();
+  return b;
+}
+
+int64_t FlatParam::grad_bytes() const {
+  if (!trainable_) return 0;
+  int64_t b = static_cast<int64_t>(grad_full_.storage().nbytes());
+  if (!options_.keep_full_grads) b += shard_.grad().numel() * shard_.grad().element_size();
+  return b;
+}
+
+}  // namespace scaletrain::parallel::fsdp

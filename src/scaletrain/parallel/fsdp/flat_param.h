@@ -1,0 +1,124 @@
+#pragma once
+// One flat buffer of parameters inside a sharded unit, and this rank's shard
+// of it.
+//
+// Note [Flat parameters]: the parameters of a unit that share a dtype and a
+// requires_grad flag are laid out back to back in one 1-D buffer `full`,
+// padded to size() * k elements with k = ceil(numel / size()), so every rank's
+// shard has the same length and any world size works. Each parameter's data
+// becomes a view into `full` once, at construction, and stays that view for
+// the life of the model. Resharding does not swap the parameters' data: it
+// releases the bytes of `full`'s storage (the storage object survives with
+// zero bytes) and unsharding allocates and gathers them again. Autograd saves
+// views of weights in forward (linear saves weight.t()); those views share the
+// same storage object, so after a re-gather in backward they read the
+// gathered values again, and while resharded they hold no memory. This is how
+// PyTorch's FSDP frees unsharded parameters (storage resize to 0).
+//
+// The shard (k elements, the master dtype) is what the optimizer updates. When
+// parameters stay replicated (ZeRO-1/2) and the master dtype is the parameter
+// dtype, the shard is a view of this rank's chunk of `full`, so no bytes are
+// duplicated.
+//
+// Gradients use the same trick: `grad_full` has the padded layout, each
+// parameter's .grad is a view into it while it holds memory, and the reduced
+// chunk lands in `grad_shard`, which is the shard's .grad.
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/group.h"
+
+namespace scaletrain::parallel::fsdp {
+
+struct FlatParamOptions {
+  // Keep `full` allocated between steps (ZeRO-1/2: only optimizer states and
+  // gradients are sharded). Otherwise `full` holds memory only while unsharded.
+  bool replicated_params = false;
+  // Keep `grad_full` allocated between backward passes (ZeRO-1: gradients are
+  // kept whole and reduced once per step, in place: the gradient shard is
+  // this rank's chunk of grad_full, so no bytes are duplicated).
+  bool keep_full_grads = false;
+  // Dtype of the shard the optimizer updates (the fp32 master copy).
+  at::ScalarType master_dtype = at::kFloat;
+};
+
+class FlatParam {
+ public:
+  // `params` share dtype, device and requires_grad; `decay_count` of them, at
+  // the front, get weight decay. `group` is the group the buffer is sharded over.
+  FlatParam(std::string unit, std::vector<std::string> names, std::vector<at::Tensor> params, size_t decay_count,
+            comm::Group& group, FlatParamOptions options);
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  const std::string& unit() const { return unit_; }
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  bool trainable() const { return trainable_; }
+  int64_t numel() const { return numel_; }          // without padding
+  int64_t shard_numel() const { return k_; }        // elements per rank
+  int64_t padded_numel() const { return k_ * n_; }  // size() * shard_numel()
+  // Leading elements of this rank's shard that get weight decay.
+  int64_t shard_decay_numel() const;
+
+  // The optimizer's tensor: this rank's chunk, master dtype, .grad = grad shard.
+  at::Tensor& shard() { return shard_; }
+  bool unsharded() const { return full_bytes() > 0; }
+
+  // Starts gathering `full` from every rank's shard (allocates it first).
+  // A replicated buffer is always unsharded: nothing to do.
+  [[nodiscard]] comm::Work start_unshard();
+  // Releases `full`'s bytes (unless replicated).
+  void reshard();
+
+  // Called from the AccumulateGrad post-hook of params()[i]: makes sure its
+  // .grad is the view into grad_full (allocating grad_full if needed).
+  void on_grad_ready(size_t i);
+  // Reduce-scatters grad_full (averaged over the group) into a scratch shard
+  // and, if `replicate` is given, averages that across replicas too. finish_
+  // reduce() adds the result to the gradient shard and releases grad_full
+  // unless keep_full_grads.
+  [[nodiscard]] comm::Work start_reduce(comm::Group* replicate);
+  void finish_reduce();
+  // Sets gradients to zero: the shard's and, if kept, the full buffer.
+  void zero_grad();
+  // After the optimizer stepped the shards: replicated buffers gather the
+  // updated shards back into `full` (the ZeRO-1/2 parameter all-gather).
+  [[nodiscard]] comm::Work start_refresh_replicated();
+
+  // Bytes this buffer holds now: parameters (full and shard when distinct),
+  // gradients (full and shard). Optimizer state is counted by the optimizer.
+  int64_t param_bytes() const;
+  int64_t grad_bytes() const;
+
+ private:
+  int64_t full_bytes() const;
+  void alloc_grad_full();
+
+  std::string unit_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<int64_t> offsets_;
+  int64_t decay_end_ = 0;  // elements of the flat layout that decay
+  comm::Group& group_;
+  FlatParamOptions options_;
+  bool trainable_;
+  int n_;
+  int64_t numel_ = 0, k_ = 0;
+  at::Tensor full_;   // [n*k], parameter dtype; bytes only while unsharded
+  at::Tensor shard_;  // [k], master dtype
+  bool shard_is_view_ = false;
+  at::Tensor grad_full_;  // [n*k]; bytes only while gradients accumulate
+  std::vector<at::Tensor> grad_views_;
+  at::Tensor reduce_out_;  // [k] scratch of the reduce in flight (ZeRO-1: the shard's chunk)
+  bool reduced_ = false;   // ZeRO-1: the chunk holds reduced values until zero_grad()
+};
+
+// Allocates or releases the bytes of a tensor's storage, keeping the storage
+// object (and every view of it) alive. See Note [Flat parameters].
+void alloc_storage(const at::Tensor& t);
+void free_storage(const at::Tensor& t);
+
+}  // namespace scaletrain::parallel::fsdp

@@ -1,0 +1,472 @@
+#include "scaletrain/parallel/fsdp/fsdp.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "scaletrain/comm/compat.h"
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/parallel/fsdp/flat_param.h"
+
+namespace scaletrain::parallel::fsdp {
+
+Sharding parse_sharding(const std::string& s) {
+  if (s == "zero1") return Sharding::Zero1;
+  if (s == "zero2") return Sharding::Zero2;
+  if (s == "zero3") return Sharding::Zero3;
+  if (s == "FULL_SHARD") return Sharding::FullShard;
+  if (s == "SHARD_GRAD_OP") return Sharding::ShardGradOp;
+  if (s == "HYBRID_SHARD") return Sharding::HybridShard;
+  throw std::invalid_argument("unknown sharding '" + s +
+                              "' (zero1 | zero2 | zero3 | FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD)");
+}
+
+std::string to_string(Sharding s) {
+  switch (s) {
+    case Sharding::Zero1:
+      return "zero1";
+    case Sharding::Zero2:
+      return "zero2";
+    case Sharding::Zero3:
+      return "zero3";
+    case Sharding::FullShard:
+      return "FULL_SHARD";
+    case Sharding::ShardGradOp:
+      return "SHARD_GRAD_OP";
+    case Sharding::HybridShard:
+      return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+BackwardPrefetch parse_backward_prefetch(const std::string& s) {
+  if (s == "BACKWARD_PRE") return BackwardPrefetch::Pre;
+  if (s == "BACKWARD_POST") return BackwardPrefetch::Post;
+  if (s == "NONE" || s == "NO_PREFETCH") return BackwardPrefetch::None;
+  throw std::invalid_argument("unknown backward_prefetch '" + s + "' (BACKWARD_PRE | BACKWARD_POST | NONE)");
+}
+
+namespace {
+
+bool replicated_params(Sharding s) { return s == Sharding::Zero1 || s == Sharding::Zero2; }
+bool reshard_after_forward(Sharding s) {
+  return s == Sharding::Zero3 || s == Sharding::FullShard || s == Sharding::HybridShard;
+}
+
+struct Unit {
+  std::string name;
+  int64_t first_block = -1, last_block = -1;  // -1: the root unit
+  std::vector<std::unique_ptr<FlatParam>> flats;
+  std::vector<comm::Work> gathers;  // in flight; empty once waited
+  bool gathering = false;
+  int trainable = 0;  // parameters with gradients
+  int pending = 0;    // of those, not yet accumulated in this backward
+  bool reduced = false;
+
+  bool unsharded() const {
+    for (auto& f : flats)
+      if (!f->unsharded()) return false;
+    return true;
+  }
+};
+
+// Where a trainable parameter lives.
+struct Slot {
+  size_t unit, flat, index;
+};
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
+  ShardedOptions options;
+  comm::Group* shard = nullptr;
+  comm::Group* replicate = nullptr;
+  std::shared_ptr<comm::Group> grads_group;  // reduce-scatters (Note [Unit order])
+  std::vector<Unit> units;                   // 0 = root, then block units in forward order
+  std::vector<size_t> unit_of_block;         // 0 = in the root unit
+  std::vector<size_t> reduce_order;          // block units last to first, then root
+  std::vector<Slot> slots;                   // per trainable parameter (hook index)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::deque<std::pair<size_t, std::vector<comm::Work>>> inflight;  // unit, its reduces
+  size_t next_reduce = 0;
+  bool sync = true;
+  bool in_backward = false;
+  bool summoned = false;
+  double wait_ms = 0;
+  std::recursive_mutex mu;
+
+  // Gathering and freeing units.
+  void start_unshard(size_t u);
+  void unshard(size_t u);
+  void reshard(size_t u);
+  void prefetch(size_t u);
+  // Hooks.
+  at::Tensor run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x);
+  void pre_backward(size_t u);
+  void on_grad_ready(size_t slot);
+  void issue_ready_reduces(bool flush);
+  void finish_oldest_reduce();
+  void finish_backward();
+  void begin_backward();
+};
+
+void ShardedDataParallel::State::start_unshard(size_t u) {
+  Unit& unit = units[u];
+  if (unit.gathering || unit.unsharded()) return;
+  for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard());
+  unit.gathering = true;
+}
+
+void ShardedDataParallel::State::unshard(size_t u) {
+  start_unshard(u);
+  Unit& unit = units[u];
+  if (!unit.gathering) return;
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : unit.gathers) w.wait();
+  wait_ms += ms_since(t0);
+  unit.gathers.clear();
+  unit.gathering = false;
+}
+
+void ShardedDataParallel::State::reshard(size_t u) {
+  Unit& unit = units[u];
+  if (unit.gathering) unshard(u);  // never free a buffer a gather still writes
+  for (auto& f : unit.flats) f->reshard();
+}
+
+// Starts gathering unit `u` early, unless limit_all_gathers would then hold
+// more than two block units at once. Decided from state every rank shares.
+void ShardedDataParallel::State::prefetch(size_t u) {
+  if (u == 0 || u >= units.size() || replicated_params(options.sharding)) return;
+  if (options.limit_all_gathers) {
+    int live = 0;
+    for (size_t v = 1; v < units.size(); ++v)
+      if (v != u && (units[v].gathering || units[v].unsharded())) ++live;
+    if (live >= 2) return;
+  }
+  start_unshard(u);
+}
+
+at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x) {
+  const size_t u = unit_of_block[static_cast<size_t>(i)];
+  if (summoned || u == 0) return body(x);
+  Unit& unit = units[u];
+  if (i == unit.first_block) {
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    unshard(u);
+    if (options.forward_prefetch) prefetch(u + 1);
+  }
+  at::Tensor y = body(x);
+  if (i != unit.last_block) return y;
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  const bool grad = torch::GradMode::is_enabled() && y.requires_grad();
+  if (grad) {
+    std::weak_ptr<State> weak = weak_from_this();
+    y.register_hook([weak, u](const at::Tensor& g) {
+      if (auto st = weak.lock()) st->pre_backward(u);
+      return g;
+    });
+  }
+  if (!grad || reshard_after_forward(options.sharding)) reshard(u);
+  return y;
+}
+
+void ShardedDataParallel::State::begin_backward() {
+  if (in_backward) return;
+  in_backward = true;
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [self = shared_from_this()] { self->finish_backward(); });
+}
+
+void ShardedDataParallel::State::pre_backward(size_t u) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  begin_backward();
+  unshard(u);
+  if (options.backward_prefetch == BackwardPrefetch::Pre) prefetch(u - 1);
+}
+
+void ShardedDataParallel::State::on_grad_ready(size_t s) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  begin_backward();
+  const Slot& slot = slots[s];
+  Unit& unit = units[slot.unit];
+  unit.flats[slot.flat]->on_grad_ready(slot.index);
+  if (--unit.pending > 0) return;
+  // The unit's backward is over: its parameters can go, its gradients travel.
+  if (slot.unit != 0) {
+    reshard(slot.unit);
+    if (options.backward_prefetch == BackwardPrefetch::Post) prefetch(slot.unit - 1);
+  }
+  if (sync) issue_ready_reduces(/*flush=*/false);
+}
+
+// Issues the reduce-scatters of complete units in reduce_order (Note [Unit
+// order]); `flush` treats every remaining unit as complete (end of backward:
+// parameters nobody used contribute zeros).
+void ShardedDataParallel::State::issue_ready_reduces(bool flush) {
+  while (next_reduce < reduce_order.size()) {
+    const size_t u = reduce_order[next_reduce];
+    Unit& unit = units[u];
+    if (unit.trainable == 0 || unit.reduced) {
+      ++next_reduce;
+      continue;
+    }
+    if (unit.pending > 0 && !flush) return;
+    std::vector<comm::Work> works;
+    for (auto& f : unit.flats)
+      if (f->trainable()) works.push_back(f->start_reduce(replicate));
+    unit.reduced = true;
+    inflight.emplace_back(u, std::move(works));
+    ++next_reduce;
+    while (static_cast<int>(inflight.size()) > options.max_inflight_reduces) finish_oldest_reduce();
+  }
+}
+
+void ShardedDataParallel::State::finish_oldest_reduce() {
+  auto [u, works] = std::move(inflight.front());
+  inflight.pop_front();
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : works) w.wait();
+  wait_ms += ms_since(t0);
+  for (auto& f : units[u].flats)
+    if (f->trainable()) f->finish_reduce();
+}
+
+void ShardedDataParallel::State::finish_backward() {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  if (sync) {
+    issue_ready_reduces(/*flush=*/true);
+    while (!inflight.empty()) finish_oldest_reduce();
+  }
+  // Everything not replicated goes back to its shard, the root included.
+  for (size_t u = 0; u < units.size(); ++u) reshard(u);
+  for (auto& unit : units) {
+    unit.pending = unit.trainable;
+    unit.reduced = false;
+  }
+  next_reduce = 0;
+  in_backward = false;
+}
+
+ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks,
+                                         comm::World& world, comm::Group& shard, comm::Group* replicate,
+                                         ShardedOptions options)
+    : module_(std::move(module)), blocks_(blocks), options_(options), state_(std::make_shared<State>()) {
+  State& s = *state_;
+  s.options = options_;
+  s.shard = &shard;
+  if (options_.sharding == Sharding::HybridShard) {
+    if (replicate == nullptr) throw std::invalid_argument("HYBRID_SHARD needs a replicate group");
+    s.replicate = replicate;
+  } else if (replicate != nullptr && replicate->size() > 1) {
+    throw std::invalid_argument(to_string(options_.sharding) +
+                                " shards over one group; use HYBRID_SHARD to replicate across another");
+  }
+  if (options_.max_inflight_reduces < 1) throw std::invalid_argument("max_inflight_reduces must be at least 1");
+  // Every engine gets its own reduce group; members create engines in the
+  // same order, so the counter agrees across them.
+  static std::atomic<int> instances{0};
+  s.grads_group = world.new_group(shard.name() + "/grads/" + std::to_string(instances.fetch_add(1)), shard.ranks());
+
+  // 1. Rank 0's weights everywhere (over the shard group, then across replicas).
+  auto named = module_->named_parameters();
+  if (options_.sync_module_states) {
+    std::vector<at::Tensor> all;
+    for (auto& item : named) all.push_back(item.value());
+    ddp_comm::broadcast_coalesced(shard, all, 0);
+    if (s.replicate) ddp_comm::broadcast_coalesced(*s.replicate, all, 0);
+  }
+
+  // 2. Units: the wrap policy over blocks, the rest in the root.
+  const int64_t nblocks = blocks_.num_blocks();
+  std::vector<int64_t> block_numel(static_cast<size_t>(nblocks), 0);
+  std::vector<int64_t> block_of_param;
+  for (auto& item : named) {
+    int64_t b = -1;
+    for (int64_t i = 0; i < nblocks && b < 0; ++i)
+      if (item.key().rfind(blocks_.block_prefix(i), 0) == 0) b = i;
+    block_of_param.push_back(b);
+    if (b >= 0) block_numel[static_cast<size_t>(b)] += item.value().numel();
+  }
+  const std::vector<UnitPlan> plan = plan_units(blocks_, block_numel, options_.wrap);
+  s.units.resize(plan.size() + 1);
+  s.units[0].name = "root";
+  s.unit_of_block.assign(static_cast<size_t>(nblocks), 0);
+  for (size_t u = 0; u < plan.size(); ++u) {
+    s.units[u + 1].name = plan[u].name;
+    s.units[u + 1].first_block = plan[u].first_block;
+    s.units[u + 1].last_block = plan[u].last_block;
+    for (int64_t b = plan[u].first_block; b <= plan[u].last_block; ++b) s.unit_of_block[static_cast<size_t>(b)] = u + 1;
+  }
+  for (size_t u = s.units.size(); u-- > 1;) s.reduce_order.push_back(u);
+  s.reduce_order.push_back(0);
+
+  // 3. Flat buffers per unit: one per (dtype, trainable), decayed matrices first.
+  FlatParamOptions fo;
+  fo.replicated_params = replicated_params(options_.sharding);
+  fo.keep_full_grads = options_.sharding == Sharding::Zero1;
+  std::vector<std::pair<size_t, size_t>> hook_slots;  // (unit, index into `named`)
+  for (size_t u = 0; u < s.units.size(); ++u) {
+    // key: (dtype, trainable) -> (decayed, not decayed) indices into `named`
+    std::map<std::pair<int, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
+    for (size_t i = 0; i < named.size(); ++i) {
+      const int64_t b = block_of_param[i];
+      const size_t owner = b < 0 ? 0 : s.unit_of_block[static_cast<size_t>(b)];
+      if (owner != u) continue;
+      const at::Tensor& p = named[i].value();
+      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad()}];
+      (p.requires_grad() && p.dim() >= 2 ? g.first : g.second).push_back(i);
+    }
+    Unit& unit = s.units[u];
+    for (auto& [key, members] : groups) {
+      std::vector<size_t> order = members.first;
+      order.insert(order.end(), members.second.begin(), members.second.end());
+      std::vector<std::string> names;
+      std::vector<at::Tensor> params;
+      for (size_t i : order) {
+        names.push_back(named[i].key());
+        params.push_back(named[i].value());
+      }
+      fo.master_dtype =
+          options_.master_dtype == at::ScalarType::Undefined ? params.front().scalar_type() : options_.master_dtype;
+      unit.flats.push_back(std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo));
+      if (key.second) {
+        for (size_t j = 0; j < params.size(); ++j) s.slots.push_back({u, unit.flats.size() - 1, j});
+        unit.trainable += static_cast<int>(params.size());
+      }
+    }
+    unit.pending = unit.trainable;
+  }
+  if (s.slots.empty()) throw std::invalid_argument("sharded data parallel: the module has no trainable parameters");
+
+  // 4. Hooks: after each gradient's accumulation, and around every block.
+  std::weak_ptr<State> weak = state_;
+  for (size_t k = 0; k < s.slots.size(); ++k) {
+    const Slot& sl = s.slots[k];
+    const at::Tensor& p = s.units[sl.unit].flats[sl.flat]->params()[sl.index];
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    acc->add_post_hook(comm::compat::post_hook([weak, k] {
+      if (auto st = weak.lock()) st->on_grad_ready(k);
+    }));
+    s.accumulators.push_back(std::move(acc));
+  }
+  blocks_.set_block_runner([weak](int64_t i, const models::BlockBody& body, const at::Tensor& x) {
+    if (auto st = weak.lock()) return st->run_block(i, body, x);
+    return body(x);
+  });
+}
+
+ShardedDataParallel::~ShardedDataParallel() { blocks_.set_block_runner(nullptr); }
+
+at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
+  {
+    std::lock_guard<std::recursive_mutex> lock(state_->mu);
+    state_->unshard(0);
+    if (options_.forward_prefetch) state_->prefetch(1);
+  }
+  at::Tensor out = fn();
+  // Without autograd no backward will come to free the root.
+  if (!torch::GradMode::is_enabled() || !out.requires_grad()) state_->reshard(0);
+  return out;
+}
+
+ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& e) : e_(e), previous_(e.state_->sync) {
+  e_.state_->sync = false;
+}
+ShardedDataParallel::NoSync::~NoSync() { e_.state_->sync = previous_; }
+
+std::vector<at::Tensor> ShardedDataParallel::shards() const {
+  std::vector<at::Tensor> out;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats)
+      if (f->trainable()) out.push_back(f->shard());
+  return out;
+}
+
+std::vector<int64_t> ShardedDataParallel::shard_decay_numel() const {
+  std::vector<int64_t> out;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats)
+      if (f->trainable()) out.push_back(f->shard_decay_numel());
+  return out;
+}
+
+double ShardedDataParallel::clip_grad_norm(double max_norm) {
+  // Shards partition the gradient over the shard group; replicas hold the same.
+  return optim::clip_grad_norm(shards(), max_norm, {state_->shard});
+}
+
+void ShardedDataParallel::after_step() {
+  if (!replicated_params(options_.sharding)) return;
+  std::vector<comm::Work> works;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats)
+      if (f->trainable()) works.push_back(f->start_refresh_replicated());
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : works) w.wait();
+  state_->wait_ms += ms_since(t0);
+}
+
+void ShardedDataParallel::zero_grad() {
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) f->zero_grad();
+}
+
+ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
+  std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
+  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->start_unshard(u);
+  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->unshard(u);
+  e_.state_->summoned = true;
+}
+
+ShardedDataParallel::FullParams::~FullParams() {
+  std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
+  e_.state_->summoned = false;
+  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->reshard(u);
+}
+
+std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
+  FullParams full(*this);
+  std::vector<at::Tensor> out;
+  for (auto& p : module_->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+int ShardedDataParallel::num_units() const { return static_cast<int>(state_->units.size()); }
+
+std::vector<std::string> ShardedDataParallel::unit_names() const {
+  std::vector<std::string> out;
+  for (auto& u : state_->units) out.push_back(u.name);
+  return out;
+}
+
+int64_t ShardedDataParallel::param_bytes() const {
+  int64_t b = 0;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) b += f->param_bytes();
+  return b;
+}
+
+int64_t ShardedDataParallel::grad_bytes() const {
+  int64_t b = 0;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) b += f->grad_bytes();
+  return b;
+}
+
+double ShardedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
+void ShardedDataParallel::reset_stats() { state_->wait_ms = 0; }
+
+}  // namespace scaletrain::parallel::fsdp

@@ -1,0 +1,150 @@
+#pragma once
+// Sharded data parallelism: ZeRO stages 1-3 and FSDP's sharding strategies,
+// one engine.
+//
+// Every strategy keeps each unit's parameters in flat buffers (Note [Flat
+// parameters] in flat_param.h) and gives the optimizer only this rank's shard
+// of them, so optimizer states always exist on the owning rank only. They
+// differ in what else is sharded and when parameters are gathered:
+//
+//   strategy        params between steps   params in fwd/bwd         gradients kept
+//   Zero1           replicated             replicated                whole (reduced into shards at the step)
+//   Zero2           replicated             replicated                shard (reduce-scatter per unit in backward)
+//   Zero3/FullShard shard                  unit gathered per use,    shard
+//                                          freed after fwd and bwd
+//   ShardGradOp     shard                  gathered in fwd, kept     shard
+//                                          until the unit's bwd ends
+//   HybridShard     FullShard within the shard group, gradients averaged across the replicate group
+//
+// FSDP's NO_SHARD is DDP (parallel/ddp).
+//
+// A step: forward(fn) gathers the root unit and runs fn; the model's block
+// runner gathers each unit before its first block and, for the strategies
+// that reshard after forward, frees it after its last block and hooks its
+// output so the unit is gathered again just before its backward. Each
+// parameter's AccumulateGrad post-hook counts the unit's gradients; when a
+// unit's are complete its reduce-scatter starts (Note [Unit order]) and its
+// parameters are freed. A callback queued on the autograd engine waits for
+// the reduces when backward ends. Then clip_grad_norm(), the optimizer on
+// shards(), and after_step().
+//
+// Note [Unit order]: c10d matches collectives by issue order. Gathers run on
+// the shard group in the order the hooks ask for them, which is the same on
+// every rank (same graph). Reduce-scatters run on a second group of the same
+// ranks, so they never interleave with gathers, and are issued strictly in
+// the expected backward order (last block's unit first, root last): a unit
+// that completes early waits for those before it.
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/group.h"
+#include "scaletrain/comm/world.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/parallel/fsdp/wrap.h"
+
+namespace scaletrain::parallel::fsdp {
+
+enum class Sharding { Zero1, Zero2, Zero3, FullShard, ShardGradOp, HybridShard };
+
+enum class BackwardPrefetch {
+  Pre,   // gather the next unit when the current unit's backward starts
+  Post,  // gather the next unit when the current unit's gradients are done
+  None,
+};
+
+struct ShardedOptions {
+  Sharding sharding = Sharding::FullShard;
+  WrapOptions wrap;  // how parameters form units
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::Pre;
+  bool forward_prefetch = false;   // gather unit i+1 while unit i runs forward
+  bool limit_all_gathers = true;   // at most two block units gathered at once
+  bool sync_module_states = true;  // start from rank 0's weights (broadcast)
+  // Reduce-scatters in flight before backward waits for the oldest; bounds
+  // the unsharded gradients held at once.
+  int max_inflight_reduces = 2;
+  // Dtype of the shards the optimizer updates; Undefined = the parameters'.
+  at::ScalarType master_dtype = at::ScalarType::Undefined;
+};
+
+Sharding parse_sharding(const std::string& s);  // zero1..3, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD
+std::string to_string(Sharding s);
+BackwardPrefetch parse_backward_prefetch(const std::string& s);  // BACKWARD_PRE | BACKWARD_POST | NONE
+
+class ShardedDataParallel {
+ public:
+  // `module` is also `blocks` (e.g. a GPT). Parameters are sharded over
+  // `shard`; HybridShard also needs `replicate` (the other data-parallel
+  // dimension). `world` creates the engine's second group (Note [Unit order]).
+  ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks, comm::World& world,
+                      comm::Group& shard, comm::Group* replicate, ShardedOptions options = {});
+  ~ShardedDataParallel();
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+  // Runs a forward pass (fn calls the model) with the root unit gathered.
+  at::Tensor forward(const std::function<at::Tensor()>& fn);
+
+  // While a NoSync lives, backward keeps whole gradients locally and reduces
+  // nothing; the next backward outside it reduces the accumulated sum.
+  class NoSync {
+   public:
+    explicit NoSync(ShardedDataParallel& e);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    ShardedDataParallel& e_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // The optimizer's tensors (this rank's shards; .grad is the reduced
+  // gradient shard) and how many leading elements of each get weight decay.
+  std::vector<at::Tensor> shards() const;
+  std::vector<int64_t> shard_decay_numel() const;
+  // Global gradient norm over every shard (and clipping to max_norm if > 0).
+  double clip_grad_norm(double max_norm);
+  // After the optimizer step: replicated strategies gather updated shards.
+  void after_step();
+  void zero_grad();
+
+  // Gathers every unit (collective: all ranks call it) for as long as it
+  // lives; the model then runs without hooks (evaluation, sampling, export).
+  class FullParams {
+   public:
+    explicit FullParams(ShardedDataParallel& e);
+    ~FullParams();
+    FullParams(const FullParams&) = delete;
+    FullParams& operator=(const FullParams&) = delete;
+
+   private:
+    ShardedDataParallel& e_;
+  };
+  // Copies of every parameter, whole, in named_parameters() order (collective).
+  std::vector<at::Tensor> full_parameters();
+
+  const ShardedOptions& options() const { return options_; }
+  int num_units() const;  // including the root
+  std::vector<std::string> unit_names() const;
+  // Bytes this rank holds now for parameters and for gradients.
+  int64_t param_bytes() const;
+  int64_t grad_bytes() const;
+  // Milliseconds spent blocked on gathers and reduces since reset_stats().
+  double comm_wait_ms() const;
+  void reset_stats();
+
+  struct State;  // shared with the autograd hooks (fsdp.cpp)
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  models::Blockwise& blocks_;
+  ShardedOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace scaletrain::parallel::fsdp

@@ -1,0 +1,31 @@
+#include "scaletrain/parallel/zero/zero.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace scaletrain::parallel::zero {
+
+fsdp::ShardedOptions sharded_options(const ZeroOptions& options) {
+  fsdp::ShardedOptions o;
+  o.max_inflight_reduces = options.max_inflight_reduces;
+  switch (options.stage) {
+    case 1:
+    case 2:
+      o.sharding = options.stage == 1 ? fsdp::Sharding::Zero1 : fsdp::Sharding::Zero2;
+      if (options.reduce_bucket_numel <= 0) throw std::invalid_argument("zero: reduce_bucket_numel must be positive");
+      o.wrap.policy = fsdp::WrapPolicy::Size;
+      o.wrap.min_num_params = options.reduce_bucket_numel;
+      return o;
+    case 3:
+      o.sharding = fsdp::Sharding::Zero3;
+      o.wrap.policy = fsdp::WrapPolicy::Transformer;
+      o.backward_prefetch = options.prefetch ? fsdp::BackwardPrefetch::Pre : fsdp::BackwardPrefetch::None;
+      o.forward_prefetch = options.prefetch;
+      return o;
+    default:
+      throw std::invalid_argument("ZeRO stage " + std::to_string(options.stage) +
+                                  " does not exist (1, 2 or 3; stage 0 is parallel.strategy=ddp)");
+  }
+}
+
+}  // namespace scaletrain::parallel::zero
