@@ -91,12 +91,20 @@ struct RunSpec {
   bool no_sync = true;  // accumulate locally, reduce once per step
   std::vector<std::string> frozen;
   comm::Mesh* hybrid = nullptr;  // HYBRID_SHARD over this mesh's shard x replicate
+  bool deferred = false;         // build the model without bytes, initialize per tensor
   // Filled in: model-state bytes per rank at the end of a step.
   int64_t state_bytes = 0, grad_bytes = 0;
 };
 
+models::GPT make_deferred_model(ShardedOptions& options) {
+  torch::manual_seed(42);  // as make_model(); deferred models are built in the default dtype (fp32)
+  auto m = models::GPT(odd_gpt(), /*materialize=*/false);
+  options.deferred_init = [raw = m.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); };
+  return m;
+}
+
 std::vector<at::Tensor> train_sharded(const std::vector<Batch>& data, RunSpec& run) {
-  auto model = make_model(run.frozen);
+  auto model = run.deferred ? make_deferred_model(run.options) : make_model(run.frozen);
   comm::Group& shard = run.hybrid ? run.hybrid->dp_shard() : *world().group();
   comm::Group* replicate = run.hybrid ? &run.hybrid->dp_replicate() : nullptr;
   ShardedDataParallel engine(model.ptr(), *model, world(), shard, replicate, run.options);
@@ -287,6 +295,34 @@ TEST(Sharded, ZeroStagesMapOntoTheEngine) {
   RunSpec run;
   run.options = parallel::zero::sharded_options(z);
   expect_parity(run, "zero2 from ZeroOptions (bucket 15000)");
+}
+
+// Memory-efficient initialization: the model never exists whole on any rank,
+// yet every rank ends up with exactly the eagerly built weights.
+TEST(Sharded, DeferredInitializationGivesTheEagerWeights) {
+  g_prec = {at::kFloat, 1e-4};
+  auto eager = make_model()->parameters();
+  for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+    for (bool sync : {true, false}) {
+      ShardedOptions o = with(s);
+      o.sync_module_states = sync;
+      auto model = make_deferred_model(o);
+      for (auto& p : model->parameters()) EXPECT_EQ(p.storage().nbytes(), 0u) << "built with bytes";
+      ShardedDataParallel engine(model.ptr(), *model, world(), *world().group(), nullptr, o);
+      if (s == Sharding::FullShard)
+        EXPECT_LE(engine.param_bytes(), (model->num_parameters() / world().size() + 64) * 4);
+      auto got = engine.full_parameters();
+      ASSERT_EQ(got.size(), eager.size());
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_TRUE(torch::equal(got[i], eager[i]))
+            << parallel::fsdp::to_string(s) << " sync " << sync << " tensor " << i;
+    }
+  }
+  RunSpec run;
+  run.options = with(Sharding::FullShard);
+  run.deferred = true;
+  expect_parity(run, "FULL_SHARD deferred init");
+  g_prec = {};
 }
 
 TEST(Sharded, ParametersAreFreedBetweenSteps) {

@@ -17,8 +17,8 @@ void GPTConfig::validate() const {
   positive(n_head, "n_head");
   positive(n_embd, "n_embd");
   if (n_embd % n_head != 0)
-    throw UsageError("model.n_head=" + std::to_string(n_head) + " does not divide model.n_embd=" +
-                     std::to_string(n_embd));
+    throw UsageError("model.n_head=" + std::to_string(n_head) +
+                     " does not divide model.n_embd=" + std::to_string(n_embd));
   if (dropout < 0 || dropout >= 1) throw UsageError("model.dropout must be in [0, 1)");
 }
 
@@ -101,29 +101,45 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
   return x + mlp(ln_2(x));
 }
 
-GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
+GPTImpl::GPTImpl(const GPTConfig& c, bool materialize) : config_(c) {
   c.validate();
+  // Without materialization each module's bytes go as soon as it is built
+  // (its constructor's own random draws still happen, so the generator is
+  // where an eager build leaves it): the peak is one block, not the model.
+  auto settle = [&](torch::nn::Module& m) {
+    if (!materialize) free_parameters(m);
+  };
   wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
+  settle(*wte);
   wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+  settle(*wpe);
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(Block(c));
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    Block block(c);
+    settle(*block);
+    h->push_back(block);
+  }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  settle(*ln_f);
   drop_ = register_module("drop", torch::nn::Dropout(c.dropout));
-
-  // GPT-2 initialisation: N(0, 0.02), zero biases, and the projections that
-  // write into the residual stream scaled by 1/sqrt(2 * n_layer).
+  if (!materialize) return;
   torch::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
-    const std::string& name = item.key();
-    auto& p = item.value();
-    if (name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps 1 / 0
-    if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
-      p.zero_();
-    } else if (name.find("c_proj.weight") != std::string::npos) {
-      p.normal_(0.0, 0.02 / std::sqrt(2.0 * c.n_layer));
-    } else {
-      p.normal_(0.0, 0.02);
-    }
+  for (auto& item : named_parameters()) init_parameter(item.key(), item.value());
+}
+
+// GPT-2 initialisation: N(0, 0.02), zero biases, LayerNorm 1 / 0, and the
+// projections that write into the residual stream scaled by 1/sqrt(2 * n_layer).
+void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
+  torch::NoGradGuard no_grad;
+  const bool bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  if (name.find("ln_") != std::string::npos) {
+    p.fill_(bias ? 0.0 : 1.0);
+  } else if (bias) {
+    p.zero_();
+  } else if (name.find("c_proj.weight") != std::string::npos) {
+    p.normal_(0.0, 0.02 / std::sqrt(2.0 * config_.n_layer));
+  } else {
+    p.normal_(0.0, 0.02);
   }
 }
 
@@ -137,7 +153,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
     auto* block = (*h)[i]->as<Block>();
     if (runner_)
-      x = runner_(i, [block](const torch::Tensor& in) { return block->forward(in); }, x);
+      x = runner_(
+          i, [block](const torch::Tensor& in) { return block->forward(in); }, x);
     else
       x = block->forward(x);
   }
@@ -148,7 +165,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   auto logits = forward(idx);
   // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
-  if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf) logits = logits.to(torch::kFloat);
+  if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
+    logits = logits.to(torch::kFloat);
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 

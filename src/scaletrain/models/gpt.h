@@ -6,6 +6,8 @@
 // so checkpoints map onto it by name (linear weights are transposed there).
 #include <torch/torch.h>
 
+#include "scaletrain/models/deferred.h"
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -21,7 +23,7 @@ struct GPTConfig {
   double dropout = 0.0;      // on attention, residual and embedding outputs
   bool bias = true;          // biases in Linear and LayerNorm (GPT-2 has them)
 
-  void validate() const;     // throws UsageError naming the bad field
+  void validate() const;  // throws UsageError naming the bad field
 };
 
 // Presets: "tiny" (~0.8M parameters, byte vocabulary), "gpt2" (124M),
@@ -85,7 +87,12 @@ class Blockwise {
 
 class GPTImpl : public torch::nn::Module, public Blockwise {
  public:
-  explicit GPTImpl(const GPTConfig& c);
+  // materialize=false builds the model without its parameters' bytes (see
+  // models/deferred.h); a strategy then fills them through init_parameter(),
+  // in registration order, before anything else draws random numbers.
+  explicit GPTImpl(const GPTConfig& c, bool materialize = true);
+  // GPT-2 initialisation of parameter `name` into `p` (shaped like it).
+  void init_parameter(const std::string& name, at::Tensor& p) const;
   // idx: [B, T] int64 token ids -> logits [B, T, vocab].
   torch::Tensor forward(const torch::Tensor& idx);
   // Mean cross-entropy of the next-token prediction.

@@ -1,5 +1,7 @@
 #include "scaletrain/parallel/fsdp/flat_param.h"
 
+#include "scaletrain/models/deferred.h"
+
 #include <c10/core/StorageImpl.h>
 #include <torch/torch.h>
 
@@ -7,24 +9,8 @@
 
 namespace scaletrain::parallel::fsdp {
 
-void alloc_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (s->nbytes() == bytes) return;
-  TORCH_CHECK(s->nbytes() == 0, "scaletrain: storage is partly allocated");
-  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
-  s->set_nbytes(bytes);
-}
-
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == 0) return;
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-}
-
 FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vector<at::Tensor> params,
-                     size_t decay_count, comm::Group& group, FlatParamOptions options)
+                     size_t decay_count, comm::Group& group, FlatParamOptions options, bool deferred)
     : unit_(std::move(unit)),
       names_(std::move(names)),
       params_(std::move(params)),
@@ -48,31 +34,54 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
   torch::NoGradGuard no_grad;
   // Note [Flat parameters]: one copy into the padded buffer, then every
   // parameter becomes a view of it for good.
-  full_ = at::zeros({padded_numel()}, topt.requires_grad(false));
+  // A deferred model's sharded buffer is never filled whole: at::empty does
+  // not touch its pages, and reshard() below releases them.
+  full_ = at::empty({padded_numel()}, topt.requires_grad(false));
+  full_.narrow(0, numel_, padded_numel() - numel_).zero_();
+  if (deferred && options_.replicated_params) full_.zero_();
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor view = full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes());
-    view.copy_(params_[i]);
+    if (!deferred) view.copy_(params_[i]);
     params_[i].set_data(view);
   }
   at::Tensor mine = full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
   shard_is_view_ = options_.replicated_params && options_.master_dtype == full_.scalar_type();
-  shard_ = shard_is_view_ ? mine : mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
+  if (shard_is_view_)
+    shard_ = mine;
+  else if (deferred)
+    shard_ = at::zeros({k_}, topt.dtype(options_.master_dtype).requires_grad(false));
+  else
+    shard_ = mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
   if (trainable_) {
-    grad_full_ = at::zeros({padded_numel()}, topt.requires_grad(false));
+    grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
     for (size_t i = 0; i < params_.size(); ++i)
       grad_views_.push_back(grad_full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
     if (options_.keep_full_grads && shard_is_view_) {
       // ZeRO-1: reduce in place into this rank's chunk, which is the shard's gradient.
+      grad_full_.zero_();
       reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
       shard_.mutable_grad() = reduce_out_;
     } else {
       shard_.mutable_grad() = at::zeros({k_}, shard_.options());
       reduce_out_ = at::empty({k_}, full_.options());
       options_.keep_full_grads = false;  // the in-place layout needs a shard view
-      free_storage(grad_full_);
+      models::free_storage(grad_full_);
     }
   }
   reshard();
+}
+
+void FlatParam::load_param(size_t i, const at::Tensor& value) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor flat = value.reshape({-1});
+  TORCH_CHECK(flat.numel() == params_[i].numel(), "FlatParam: value of '", names_[i], "' has ", flat.numel(),
+              " elements, expected ", params_[i].numel());
+  if (options_.replicated_params) params_[i].copy_(value.view(params_[i].sizes()));
+  if (shard_is_view_) return;
+  // The overlap of the parameter's range with this rank's chunk.
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  const int64_t lo = std::max(offsets_[i], begin), hi = std::min(offsets_[i] + flat.numel(), begin + k_);
+  if (lo < hi) shard_.narrow(0, lo - begin, hi - lo).copy_(flat.narrow(0, lo - offsets_[i], hi - lo));
 }
 
 int64_t FlatParam::shard_decay_numel() const {
@@ -84,19 +93,19 @@ int64_t FlatParam::full_bytes() const { return static_cast<int64_t>(full_.storag
 
 comm::Work FlatParam::start_unshard() {
   if (unsharded()) return comm::Work();
-  alloc_storage(full_);
+  models::alloc_storage(full_);
   at::Tensor src = shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
   torch::NoGradGuard no_grad;
   return group_.all_gather(src.detach(), full_);
 }
 
 void FlatParam::reshard() {
-  if (!options_.replicated_params) free_storage(full_);
+  if (!options_.replicated_params) models::free_storage(full_);
 }
 
 void FlatParam::alloc_grad_full() {
   if (grad_full_.storage().nbytes() > 0) return;
-  alloc_storage(grad_full_);
+  models::alloc_storage(grad_full_);
   grad_full_.zero_();
 }
 
@@ -137,7 +146,7 @@ void FlatParam::finish_reduce() {
   }
   shard_.mutable_grad().add_(reduce_out_);
   for (auto& p : params_) p.mutable_grad().reset();
-  free_storage(grad_full_);
+  models::free_storage(grad_full_);
 }
 
 void FlatParam::zero_grad() {

@@ -47,9 +47,11 @@ struct FlatParamOptions {
 class FlatParam {
  public:
   // `params` share dtype, device and requires_grad; `decay_count` of them, at
-  // the front, get weight decay. `group` is the group the buffer is sharded over.
+  // the front, get weight decay. `group` is the group the buffer is sharded
+  // over. `deferred`: the parameters hold no bytes yet (models/deferred.h);
+  // their values arrive through load_param().
   FlatParam(std::string unit, std::vector<std::string> names, std::vector<at::Tensor> params, size_t decay_count,
-            comm::Group& group, FlatParamOptions options);
+            comm::Group& group, FlatParamOptions options, bool deferred = false);
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -66,6 +68,10 @@ class FlatParam {
   // The optimizer's tensor: this rank's chunk, master dtype, .grad = grad shard.
   at::Tensor& shard() { return shard_; }
   bool unsharded() const { return full_bytes() > 0; }
+
+  // Deferred initialization: stores the value of params()[i] (whole, any
+  // layout) — only the part in this rank's shard when parameters are sharded.
+  void load_param(size_t i, const at::Tensor& value);
 
   // Starts gathering `full` from every rank's shard (allocates it first).
   // A replicated buffer is always unsharded: nothing to do.
@@ -115,10 +121,5 @@ class FlatParam {
   at::Tensor reduce_out_;  // [k] scratch of the reduce in flight (ZeRO-1: the shard's chunk)
   bool reduced_ = false;   // ZeRO-1: the chunk holds reduced values until zero_grad()
 };
-
-// Allocates or releases the bytes of a tensor's storage, keeping the storage
-// object (and every view of it) alive. See Note [Flat parameters].
-void alloc_storage(const at::Tensor& t);
-void free_storage(const at::Tensor& t);
 
 }  // namespace scaletrain::parallel::fsdp

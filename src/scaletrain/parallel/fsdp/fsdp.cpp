@@ -282,7 +282,8 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
 
   // 1. Rank 0's weights everywhere (over the shard group, then across replicas).
   auto named = module_->named_parameters();
-  if (options_.sync_module_states) {
+  const bool deferred = static_cast<bool>(options_.deferred_init);
+  if (options_.sync_module_states && !deferred) {
     std::vector<at::Tensor> all;
     for (auto& item : named) all.push_back(item.value());
     ddp_comm::broadcast_coalesced(shard, all, 0);
@@ -317,7 +318,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   FlatParamOptions fo;
   fo.replicated_params = replicated_params(options_.sharding);
   fo.keep_full_grads = options_.sharding == Sharding::Zero1;
-  std::vector<std::pair<size_t, size_t>> hook_slots;  // (unit, index into `named`)
+  std::vector<Slot> where(named.size());  // every parameter's place, for deferred init
   for (size_t u = 0; u < s.units.size(); ++u) {
     // key: (dtype, trainable) -> (decayed, not decayed) indices into `named`
     std::map<std::pair<int, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
@@ -341,7 +342,9 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       }
       fo.master_dtype =
           options_.master_dtype == at::ScalarType::Undefined ? params.front().scalar_type() : options_.master_dtype;
-      unit.flats.push_back(std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo));
+      unit.flats.push_back(
+          std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo, deferred));
+      for (size_t j = 0; j < order.size(); ++j) where[order[j]] = {u, unit.flats.size() - 1, j};
       if (key.second) {
         for (size_t j = 0; j < params.size(); ++j) s.slots.push_back({u, unit.flats.size() - 1, j});
         unit.trainable += static_cast<int>(params.size());
@@ -350,6 +353,20 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     unit.pending = unit.trainable;
   }
   if (s.slots.empty()) throw std::invalid_argument("sharded data parallel: the module has no trainable parameters");
+  if (deferred) {
+    // One parameter at a time: the peak is the shards plus one tensor.
+    const bool source = shard.rank() == 0 && (s.replicate == nullptr || s.replicate->rank() == 0);
+    for (size_t i = 0; i < named.size(); ++i) {
+      const at::Tensor& p = named[i].value();
+      at::Tensor value = at::empty(p.sizes(), p.options().requires_grad(false));
+      if (source || !options_.sync_module_states) options_.deferred_init(named[i].key(), value);
+      if (options_.sync_module_states) {
+        shard.broadcast(value, 0).wait();
+        if (s.replicate) s.replicate->broadcast(value, 0).wait();
+      }
+      s.units[where[i].unit].flats[where[i].flat]->load_param(where[i].index, value);
+    }
+  }
 
   // 4. Hooks: after each gradient's accumulation, and around every block.
   std::weak_ptr<State> weak = state_;

@@ -68,6 +68,11 @@ struct ShardedOptions {
   int max_inflight_reduces = 2;
   // Dtype of the shards the optimizer updates; Undefined = the parameters'.
   at::ScalarType master_dtype = at::ScalarType::Undefined;
+  // Memory-efficient initialization: the model was built without parameter
+  // bytes (models/deferred.h); each parameter is initialized by this function
+  // into a temporary, one at a time in registration order (on rank 0 only and
+  // broadcast, with sync_module_states), and only this rank's part is kept.
+  models::InitFn deferred_init;
 };
 
 Sharding parse_sharding(const std::string& s);  // zero1..3, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD

@@ -1,0 +1,29 @@
+#pragma once
+// Parameters without bytes: building a model whose weights are materialized
+// later, one tensor at a time, by a strategy that keeps only its shard
+// (memory-efficient initialization of models larger than one rank's memory).
+//
+// A deferred parameter keeps its Variable, shape, dtype and requires_grad, but
+// its storage holds zero bytes; reading it before it is materialized is a bug.
+// The model says how each parameter is initialized (an InitFn), and the
+// strategy calls it into a temporary of that shape, in registration order, so
+// the random draws are exactly those of an eagerly built model.
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+
+namespace scaletrain::models {
+
+// Fills `out` (shaped like the parameter `name`) with its initial value.
+using InitFn = std::function<void(const std::string& name, at::Tensor& out)>;
+
+// Allocates or releases the bytes of a tensor's storage, keeping the storage
+// object and every view of it (Note [Flat parameters] in parallel/fsdp).
+void alloc_storage(const at::Tensor& t);
+void free_storage(const at::Tensor& t);
+
+// Releases the bytes of every parameter of `module` (and its children).
+void free_parameters(torch::nn::Module& module);
+
+}  // namespace scaletrain::models
