@@ -18,9 +18,12 @@ void add_train(CLI::App& app, Runner& run) {
   auto config = std::make_shared<std::string>();
   auto deepspeed = std::make_shared<std::string>();
   cmd->add_option("config", *config, "YAML config file")->required();
-  cmd->add_option("--deepspeed", *deepspeed, "DeepSpeed JSON config applied over the YAML (ZeRO, batch, optimizer, ...)");
+  cmd->add_option("--deepspeed", *deepspeed,
+                  "DeepSpeed JSON config applied over the YAML (ZeRO, batch, optimizer, ...)");
   cmd->allow_extras();
-  cmd->footer("Overrides: --train.steps=10 --model.preset=gpt2 --parallel.fsdp.sharding_strategy=FULL_SHARD ... (any key of the config file)");
+  cmd->footer(
+      "Overrides: --train.steps=10 --model.preset=gpt2 --parallel.fsdp.sharding_strategy=FULL_SHARD ... (any key of "
+      "the config file)");
   cmd->callback([&run, cmd, config, deepspeed] {
     // Extras are the overrides; accept both --k=v and --k v.
     std::vector<std::string> raw = cmd->remaining(), overrides;
