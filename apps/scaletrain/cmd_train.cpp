@@ -1,10 +1,13 @@
 // `scaletrain train` and `scaletrain bench-gemm`.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "commands.h"
+#include "scaletrain/comm/env.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/train/metrics.h"
 #include "scaletrain/train/trainer.h"
 
@@ -13,10 +16,15 @@ namespace scaletrain::cli {
 void add_train(CLI::App& app, Runner& run) {
   auto* cmd = app.add_subcommand("train", "train a model: scaletrain train CONFIG.yaml [--section.key=value ...]");
   auto config = std::make_shared<std::string>();
+  auto deepspeed = std::make_shared<std::string>();
   cmd->add_option("config", *config, "YAML config file")->required();
+  cmd->add_option("--deepspeed", *deepspeed,
+                  "DeepSpeed JSON config applied over the YAML (ZeRO, batch, optimizer, ...)");
   cmd->allow_extras();
-  cmd->footer("Overrides: --train.steps=10 --model.preset=gpt2 ... (any key of the config file)");
-  cmd->callback([&run, cmd, config] {
+  cmd->footer(
+      "Overrides: --train.steps=10 --model.preset=gpt2 --parallel.fsdp.sharding_strategy=FULL_SHARD ... (any key of "
+      "the config file)");
+  cmd->callback([&run, cmd, config, deepspeed] {
     // Extras are the overrides; accept both --k=v and --k v.
     std::vector<std::string> raw = cmd->remaining(), overrides;
     for (size_t i = 0; i < raw.size(); ++i) {
@@ -25,8 +33,14 @@ void add_train(CLI::App& app, Runner& run) {
       else
         overrides.push_back(raw[i]);
     }
-    run = [config, overrides] {
+    run = [config, deepspeed, overrides] {
       auto cfg = train::load_config(*config, overrides);
+      if (!deepspeed->empty()) {
+        // DeepSpeed's batch rule needs the data-parallel degree: the world over tp x pp.
+        const int world = comm::world_info_from_env().world_size;
+        const int model_parallel = static_cast<int>(std::max<int64_t>(1, cfg.parallel.tp * cfg.parallel.pp));
+        train::apply_deepspeed_config(cfg, *deepspeed, std::max(1, world / model_parallel));
+      }
       train::run_training(cfg);
       return 0;
     };

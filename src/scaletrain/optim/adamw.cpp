@@ -84,12 +84,18 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
 }
 
 double lr_at(int64_t step, double peak_lr, const ScheduleOptions& s) {
-  if (step < s.warmup_steps) return peak_lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
+  if (step < s.warmup_steps) {
+    const double w = static_cast<double>(s.warmup_steps);
+    const double p = s.warmup == Warmup::Log ? std::log(static_cast<double>(step) + 2.0) / std::log(w + 1.0)
+                                             : static_cast<double>(step + 1) / w;
+    return peak_lr * (s.warmup_start_ratio + (1.0 - s.warmup_start_ratio) * p);
+  }
+  if (s.decay == Decay::Constant) return peak_lr;
   const int64_t decay_steps = std::max<int64_t>(1, s.total_steps - s.warmup_steps);
   const double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) / decay_steps);
-  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  const double shape = s.decay == Decay::Linear ? 1.0 - progress : 0.5 * (1.0 + std::cos(M_PI * progress));
   const double floor = s.min_lr_ratio * peak_lr;
-  return floor + (peak_lr - floor) * cosine;
+  return floor + (peak_lr - floor) * shape;
 }
 
 }  // namespace scaletrain::optim

@@ -60,13 +60,21 @@ std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params);
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
                       const std::vector<comm::Group*>& groups = {});
 
+enum class Decay { Cosine, Linear, Constant };
+enum class Warmup { Linear, Log };
+
 struct ScheduleOptions {
-  int64_t warmup_steps = 0;  // linear ramp from ~0 to the peak
-  int64_t total_steps = 1;   // cosine decay ends here
+  int64_t warmup_steps = 0;  // ramp from warmup_start_ratio x peak (or ~0) to the peak
+  int64_t total_steps = 1;   // the decay ends here
   double min_lr_ratio = 0.1; // the decay floor, as a fraction of the peak
+  Decay decay = Decay::Cosine;     // shape after warmup (Constant: stays at the peak)
+  Warmup warmup = Warmup::Linear;  // Log: DeepSpeed's log-shaped ramp, fast at first
+  double warmup_start_ratio = 0;   // lr at the ramp's origin, as a fraction of the peak
 };
 
-// Linear warmup then cosine decay to min_lr_ratio * peak.
+// Warmup then decay to min_lr_ratio * peak. The ramp reaches the peak at step
+// warmup_steps - 1: progress p = (step + 1) / W (linear) or
+// log(step + 2) / log(W + 1) (log), lr = peak * (s + (1 - s) * p).
 double lr_at(int64_t step, double peak_lr, const ScheduleOptions& s);
 
 }  // namespace scaletrain::optim

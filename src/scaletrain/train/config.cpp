@@ -2,11 +2,14 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "scaletrain/util/error.h"
 
@@ -19,8 +22,13 @@ int64_t to_int(const std::string& key, const std::string& v) {
   char* end = nullptr;
   errno = 0;
   long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno == ERANGE) throw UsageError(key + ": '" + v + "' is not an integer");
-  return x;
+  if (!v.empty() && *end == '\0' && errno != ERANGE) return x;
+  // Counts written like 1e8 (PyTorch's min_num_params) are fine when they are whole numbers.
+  errno = 0;
+  double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || errno == ERANGE || d != std::floor(d) || std::fabs(d) > 9.2e18)
+    throw UsageError(key + ": '" + v + "' is not an integer");
+  return static_cast<int64_t>(d);
 }
 
 double to_double(const std::string& key, const std::string& v) {
@@ -37,11 +45,59 @@ bool to_bool(const std::string& key, const std::string& v) {
   throw UsageError(key + ": '" + v + "' is not true or false");
 }
 
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : " | ") + (x.empty() ? std::string("\"\"") : x);
+  return out;
+}
 
-// The table of keys: one line per field.
+// Enum-like keys: their choices and how to read the current value.
+struct Choice {
+  std::vector<std::string> values;
+  std::function<const std::string&(const Config&)> get;
+};
+
+const std::map<std::string, Choice>& choices() {
+  static const std::map<std::string, Choice> table = [] {
+    std::map<std::string, Choice> t;
+    const std::vector<std::string> dtypes{"fp32", "bf16", "fp16"}, dtype_or_same{"", "fp32", "bf16", "fp16"},
+        offload{"none", "cpu", "nvme"};
+    // clang-format off
+#define ST_CHOICE(section, name, ...) \
+  t[#section "." #name] = Choice{__VA_ARGS__, [](const Config& c) -> const std::string& { return c.section.name; }};
+    ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
+    ST_CHOICE(train, warmup_type, {"linear", "log"})
+    ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
+    ST_CHOICE(parallel, comm_dtype, {"fp32", "bf16"})
+    ST_CHOICE(parallel, backend, {"auto", "gloo", "nccl"})
+    ST_CHOICE(parallel.fsdp, sharding_strategy, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    ST_CHOICE(parallel.fsdp, auto_wrap_policy, {"transformer", "size", "none"})
+    ST_CHOICE(parallel.fsdp, backward_prefetch, {"BACKWARD_PRE", "BACKWARD_POST", "NONE"})
+    ST_CHOICE(parallel.fsdp, state_dict_type, {"FULL_STATE_DICT", "SHARDED_STATE_DICT"})
+    ST_CHOICE(parallel.zero, offload_optimizer, offload)
+    ST_CHOICE(parallel.zero, offload_param, offload)
+    ST_CHOICE(precision, mode, dtypes)
+    ST_CHOICE(precision, param_dtype, dtypes)
+    ST_CHOICE(precision, reduce_dtype, dtype_or_same)
+    ST_CHOICE(precision, buffer_dtype, dtype_or_same)
+#undef ST_CHOICE
+    // clang-format on
+    return t;
+  }();
+  return table;
+}
+
+void check_choice(const std::string& key, const std::string& value) {
+  const auto& c = choices().at(key);
+  if (std::find(c.values.begin(), c.values.end(), value) == c.values.end())
+    throw UsageError(key + " must be one of " + join(c.values) + ", got '" + value + "'");
+}
+
+// The table of keys: one entry per field. `section` may be nested (parallel.fsdp).
 const std::map<std::string, Setter>& fields() {
   static const std::map<std::string, Setter> table = [] {
     std::map<std::string, Setter> t;
+    // clang-format off: one table row per group of keys
 #define ST_INT(section, name) \
   t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_int(#section "." #name, v); };
 #define ST_DBL(section, name) \
@@ -49,54 +105,242 @@ const std::map<std::string, Setter>& fields() {
 #define ST_BOOL(section, name) \
   t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_bool(#section "." #name, v); };
 #define ST_STR(section, name) t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = v; };
-    ST_STR(model, preset) ST_INT(model, n_layer) ST_INT(model, n_head) ST_INT(model, n_embd)
-    ST_INT(model, block_size) ST_INT(model, vocab_size) ST_DBL(model, dropout)
-    ST_STR(data, path)
-    ST_INT(train, steps) ST_INT(train, global_batch) ST_INT(train, micro_batch) ST_DBL(train, lr)
-    ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(train, weight_decay) ST_DBL(train, beta1)
-    ST_DBL(train, beta2) ST_DBL(train, grad_clip) ST_INT(train, seed) ST_INT(train, sample_tokens)
-    ST_STR(train, sample_prompt)
-    ST_STR(parallel, strategy) ST_INT(parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp)
-    ST_INT(parallel, pp) ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb)
-    ST_BOOL(parallel, find_unused_parameters) ST_STR(parallel, comm_dtype) ST_STR(parallel, backend)
-    ST_DBL(parallel, timeout_s)
-    ST_STR(metrics, path) ST_DBL(metrics, peak_flops) ST_INT(metrics, log_every) ST_BOOL(metrics, progress)
+#define ST_ENUM(section, name)                                  \
+  t[#section "." #name] = [](Config& c, const std::string& v) { \
+    check_choice(#section "." #name, v);                        \
+    c.section.name = v;                                         \
+  };
+    ST_STR(model, preset)
+    ST_INT(model, n_layer) ST_INT(model, n_head) ST_INT(model, n_embd) ST_INT(model, block_size) ST_INT(
+        model, vocab_size) ST_DBL(model, dropout) ST_STR(data, path) ST_INT(train, steps) ST_INT(train, global_batch)
+        ST_INT(train, micro_batch) ST_DBL(train, lr) ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(
+            train, weight_decay) ST_DBL(train, beta1) ST_DBL(train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip)
+            ST_INT(train, seed) ST_INT(train, sample_tokens) ST_STR(train, sample_prompt) ST_ENUM(
+                train, lr_schedule) ST_ENUM(train, warmup_type) ST_DBL(train, warmup_start_ratio)
+                ST_ENUM(parallel, strategy) ST_INT(parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(
+                    parallel, tp) ST_INT(parallel, pp) ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb)
+                    ST_BOOL(parallel, find_unused_parameters) ST_ENUM(parallel, comm_dtype) ST_ENUM(
+                        parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(parallel.fsdp, sharding_strategy)
+                        ST_ENUM(parallel.fsdp, auto_wrap_policy) ST_STR(parallel.fsdp, transformer_layer_cls)
+                            ST_INT(parallel.fsdp, min_num_params) ST_ENUM(parallel.fsdp, backward_prefetch) ST_BOOL(
+                                parallel.fsdp, forward_prefetch) ST_BOOL(parallel.fsdp, limit_all_gathers)
+                                ST_BOOL(parallel.fsdp, offload_params) ST_BOOL(parallel.fsdp, sync_module_states)
+                                    ST_BOOL(parallel.fsdp, cpu_ram_efficient_loading) ST_ENUM(
+                                        parallel.fsdp, state_dict_type) ST_DBL(parallel.zero, reduce_bucket_mb)
+                                        ST_DBL(parallel.zero, allgather_bucket_mb) ST_BOOL(
+                                            parallel.zero, overlap_comm) ST_BOOL(parallel.zero, contiguous_gradients)
+                                            ST_BOOL(parallel.zero, reduce_scatter) ST_BOOL(
+                                                parallel.zero, allgather_partitions)
+                                                ST_ENUM(parallel.zero, offload_optimizer) ST_ENUM(
+                                                    parallel.zero, offload_param) ST_STR(parallel.zero, offload_dir)
+                                                    ST_BOOL(parallel.zero, offload_pin_memory)
+                                                        ST_DBL(parallel.zero, prefetch_bucket_mb) ST_INT(
+                                                            parallel.zero, max_live_parameters)
+                                                            ST_STR(metrics, path) ST_DBL(metrics, peak_flops) ST_INT(
+                                                                metrics, log_every) ST_BOOL(metrics, progress)
+                                                                ST_ENUM(precision, mode) ST_ENUM(precision, param_dtype)
+                                                                    ST_ENUM(precision, reduce_dtype) ST_ENUM(
+                                                                        precision, buffer_dtype) ST_DBL(precision,
+                                                                                                        loss_scale)
+                                                                        ST_INT(precision, initial_scale_power)
+                                                                            ST_INT(precision, loss_scale_window)
+                                                                                ST_INT(precision, hysteresis)
+                                                                                    ST_DBL(precision, min_loss_scale)
+                                                                                        ST_BOOL(precision, scale_bf16)
 #undef ST_INT
 #undef ST_DBL
 #undef ST_BOOL
 #undef ST_STR
-    return t;
+#undef ST_ENUM
+        // clang-format on
+        return t;
   }();
   return table;
+}
+
+const char* const kSections = "(known: model, data, train, parallel, metrics, precision, fsdp_config, mixed_precision)";
+
+// True when some key starts with "prefix." (a section or sub-section).
+bool is_section(const std::string& prefix) {
+  for (auto& [k, s] : fields())
+    if (k.compare(0, prefix.size() + 1, prefix + ".") == 0) return true;
+  return false;
 }
 
 void set_key(Config& c, const std::string& key, const std::string& value) {
   auto it = fields().find(key);
   if (it == fields().end()) {
-    std::string section = key.substr(0, key.find('.')), known;
+    // Name the keys of the innermost known (sub-)section: "parallel.fsdp", then "parallel".
+    std::string section = key.substr(0, key.rfind('.'));
+    while (!is_section(section) && section.find('.') != std::string::npos)
+      section = section.substr(0, section.rfind('.'));
+    std::string known;
     for (auto& [k, s] : fields())
       if (k.compare(0, section.size() + 1, section + ".") == 0) known += (known.empty() ? "" : ", ") + k;
-    if (known.empty())
-      throw UsageError("unknown config section '" + section + "' (known: model, data, train, parallel, metrics)");
+    if (known.empty()) throw UsageError("unknown config section '" + section + "' " + kSections);
     throw UsageError("unknown config key '" + key + "' (known in " + section + ": " + known + ")");
   }
   it->second(c, value);
 }
 
-void validate(const Config& c) {
+// Note [Accelerate keys]: Hugging Face Accelerate's config files carry FSDP
+// settings in a top-level `fsdp_config:` map of fsdp_* keys and the compute
+// dtype in a top-level `mixed_precision:` (no | bf16 | fp16). We accept those
+// keys, and only those (any other is an error naming it), and map each onto
+// parallel.fsdp.* or precision.mode. An fsdp_config section implies
+// parallel.strategy=fsdp; an explicit other strategy, or a precision.mode
+// that disagrees with mixed_precision, is an error. Older Accelerate versions
+// wrote the sharding strategy as 1..4 (PyTorch's ShardingStrategy values);
+// 5 (HYBRID_SHARD_ZERO2) has no equivalent here. Explicit parallel.fsdp.*
+// keys and overrides are applied after fsdp_config and win.
+std::string map_value(const std::string& key, const std::string& v,
+                      const std::vector<std::pair<std::string, std::string>>& table) {
+  std::vector<std::string> accepted;
+  for (const auto& [from, to] : table) {
+    if (v == from) return to;
+    accepted.push_back(from);
+  }
+  throw UsageError(key + " must be one of " + join(accepted) + ", got '" + v + "'");
+}
+
+void set_accelerate_key(Config& c, const std::string& name, const std::string& v) {
+  const std::string key = "fsdp_config." + name;
+  auto& f = c.parallel.fsdp;
+  if (name == "fsdp_sharding_strategy")
+    f.sharding_strategy = map_value(key, v,
+                                    {{"FULL_SHARD", "FULL_SHARD"},
+                                     {"SHARD_GRAD_OP", "SHARD_GRAD_OP"},
+                                     {"NO_SHARD", "NO_SHARD"},
+                                     {"HYBRID_SHARD", "HYBRID_SHARD"},
+                                     {"1", "FULL_SHARD"},
+                                     {"2", "SHARD_GRAD_OP"},
+                                     {"3", "NO_SHARD"},
+                                     {"4", "HYBRID_SHARD"}});
+  else if (name == "fsdp_auto_wrap_policy")
+    f.auto_wrap_policy = map_value(
+        key, v, {{"TRANSFORMER_BASED_WRAP", "transformer"}, {"SIZE_BASED_WRAP", "size"}, {"NO_WRAP", "none"}});
+  else if (name == "fsdp_transformer_layer_cls_to_wrap")
+    f.transformer_layer_cls = v;
+  else if (name == "fsdp_min_num_params")
+    f.min_num_params = to_int(key, v);
+  else if (name == "fsdp_backward_prefetch")
+    f.backward_prefetch = map_value(
+        key, v, {{"BACKWARD_PRE", "BACKWARD_PRE"}, {"BACKWARD_POST", "BACKWARD_POST"}, {"NO_PREFETCH", "NONE"}});
+  else if (name == "fsdp_forward_prefetch")
+    f.forward_prefetch = to_bool(key, v);
+  else if (name == "fsdp_offload_params")
+    f.offload_params = to_bool(key, v);
+  else if (name == "fsdp_sync_module_states")
+    f.sync_module_states = to_bool(key, v);
+  else if (name == "fsdp_cpu_ram_efficient_loading")
+    f.cpu_ram_efficient_loading = to_bool(key, v);
+  else if (name == "fsdp_state_dict_type")
+    f.state_dict_type =
+        map_value(key, v, {{"FULL_STATE_DICT", "FULL_STATE_DICT"}, {"SHARDED_STATE_DICT", "SHARDED_STATE_DICT"}});
+  else
+    throw UsageError("unknown config key '" + key +
+                     "' (known in fsdp_config: fsdp_sharding_strategy, fsdp_auto_wrap_policy, "
+                     "fsdp_transformer_layer_cls_to_wrap, fsdp_min_num_params, fsdp_backward_prefetch, "
+                     "fsdp_forward_prefetch, fsdp_offload_params, fsdp_sync_module_states, "
+                     "fsdp_cpu_ram_efficient_loading, fsdp_state_dict_type)");
+}
+
+// Sets every scalar of a YAML map under `prefix` ("train", "parallel.fsdp").
+void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::set<std::string>& given) {
+  for (const auto& kv : map) {
+    const std::string key = prefix + "." + kv.first.as<std::string>();
+    if (kv.second.IsMap() && is_section(key)) {
+      load_map(c, kv.second, key, given);
+      continue;
+    }
+    if (!kv.second.IsScalar() && (fields().count(key) || !kv.second.IsMap()))
+      throw UsageError(key + " must be a single value");
+    set_key(c, key, kv.second.IsScalar() ? kv.second.Scalar() : "");  // an unknown map: the error names it
+    given.insert(key);
+  }
+}
+
+// Reads the YAML file into `c`; returns the keys it set and Accelerate's sections.
+struct Loaded {
+  std::set<std::string> given;  // "section.key" set explicitly
+  bool fsdp_config = false;     // an Accelerate fsdp_config section was present
+  std::string mixed_precision;  // precision.mode implied by Accelerate's mixed_precision ("" = none)
+};
+
+void load_file(Config& c, const std::string& path, Loaded& loaded) {
+  std::ifstream probe(path);
+  if (!probe) throw UsageError("config file " + path + " cannot be read");
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    throw UsageError("config file " + path + " is not valid YAML (line " + std::to_string(e.mark.line + 1) +
+                     ", column " + std::to_string(e.mark.column + 1) + "): " + e.msg);
+  }
+  if (!root || root.IsNull()) return;
+  if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
+  for (const auto& section : root) {
+    const std::string name = section.first.as<std::string>();
+    try {
+      if (name == "mixed_precision") {  // Note [Accelerate keys]
+        if (!section.second.IsScalar()) throw UsageError("mixed_precision must be a single value");
+        loaded.mixed_precision =
+            map_value("mixed_precision", section.second.Scalar(), {{"no", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}});
+        continue;
+      }
+      if (name != "fsdp_config" && !is_section(name))
+        throw UsageError("unknown config section '" + name + "' " + kSections);
+      if (!section.second.IsMap() && !section.second.IsNull())
+        throw UsageError("section '" + name + "' must be a map of keys");
+      if (name == "fsdp_config") {
+        for (const auto& kv : section.second) {
+          const std::string key = kv.first.as<std::string>();
+          if (!kv.second.IsScalar()) throw UsageError("fsdp_config." + key + " must be a single value");
+          set_accelerate_key(c, key, kv.second.Scalar());
+        }
+        loaded.fsdp_config = true;
+        continue;
+      }
+      load_map(c, section.second, name, loaded.given);
+    } catch (const UsageError& e) {
+      throw UsageError("config file " + path + ": " + e.what());
+    }
+  }
+}
+
+}  // namespace
+
+void validate_config(const Config& c) {
+  for (const auto& [key, choice] : choices()) check_choice(key, choice.get(c));
   if (c.train.steps < 1) throw UsageError("train.steps must be at least 1");
   if (c.train.global_batch < 1 || c.train.micro_batch < 1)
     throw UsageError("train.global_batch and train.micro_batch must be at least 1");
   if (c.train.lr <= 0) throw UsageError("train.lr must be positive");
-  if (c.parallel.comm_dtype != "fp32" && c.parallel.comm_dtype != "bf16")
-    throw UsageError("parallel.comm_dtype must be fp32 or bf16, got '" + c.parallel.comm_dtype + "'");
+  if (c.train.eps <= 0) throw UsageError("train.eps must be positive");
+  if (c.train.warmup_start_ratio < 0 || c.train.warmup_start_ratio > 1)
+    throw UsageError("train.warmup_start_ratio must be in [0, 1]");
   if (c.parallel.bucket_cap_mb <= 0 || c.parallel.first_bucket_mb <= 0)
     throw UsageError("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
   if (c.parallel.timeout_s <= 0) throw UsageError("parallel.timeout_s must be positive");
+  const auto& f = c.parallel.fsdp;
+  if (f.min_num_params < 1) throw UsageError("parallel.fsdp.min_num_params must be at least 1");
+  if (f.auto_wrap_policy == "transformer" && f.transformer_layer_cls.empty())
+    throw UsageError("parallel.fsdp.transformer_layer_cls is empty but auto_wrap_policy is transformer");
+  const auto& z = c.parallel.zero;
+  if (z.reduce_bucket_mb <= 0 || z.allgather_bucket_mb <= 0 || z.prefetch_bucket_mb <= 0)
+    throw UsageError("parallel.zero.reduce_bucket_mb, allgather_bucket_mb and prefetch_bucket_mb must be positive");
+  if (z.max_live_parameters < 1) throw UsageError("parallel.zero.max_live_parameters must be at least 1");
+  if ((z.offload_optimizer == "nvme" || z.offload_param == "nvme") && z.offload_dir.empty())
+    throw UsageError("parallel.zero.offload_dir must be set when offloading to nvme");
+  const auto& p = c.precision;
+  if (p.loss_scale < 0) throw UsageError("precision.loss_scale must be 0 (dynamic) or positive");
+  if (p.initial_scale_power < 0 || p.initial_scale_power > 62)
+    throw UsageError("precision.initial_scale_power must be in [0, 62]");
+  if (p.loss_scale_window < 1) throw UsageError("precision.loss_scale_window must be at least 1");
+  if (p.hysteresis < 1) throw UsageError("precision.hysteresis must be at least 1");
+  if (p.min_loss_scale <= 0) throw UsageError("precision.min_loss_scale must be positive");
   if (c.metrics.log_every < 1) throw UsageError("metrics.log_every must be at least 1");
 }
-
-}  // namespace
 
 std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
@@ -115,33 +359,26 @@ void apply_override(Config& config, const std::string& assignment) {
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   Config c;
-  if (!path.empty()) {
-    std::ifstream probe(path);
-    if (!probe) throw UsageError("config file " + path + " cannot be read");
-    YAML::Node root;
-    try {
-      root = YAML::LoadFile(path);
-    } catch (const YAML::Exception& e) {
-      throw UsageError("config file " + path + " is not valid YAML (line " + std::to_string(e.mark.line + 1) +
-                       ", column " + std::to_string(e.mark.column + 1) + "): " + e.msg);
-    }
-    if (root && !root.IsNull()) {
-      if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
-      for (const auto& section : root) {
-        const std::string name = section.first.as<std::string>();
-        if (!section.second.IsMap() && !section.second.IsNull())
-          throw UsageError("config file " + path + ": section '" + name + "' must be a map of keys");
-        for (const auto& kv : section.second) {
-          const std::string key = name + "." + kv.first.as<std::string>();
-          if (!kv.second.IsScalar())
-            throw UsageError("config file " + path + ": " + key + " must be a single value");
-          set_key(c, key, kv.second.Scalar());
-        }
-      }
-    }
+  Loaded loaded;
+  if (!path.empty()) load_file(c, path, loaded);
+  for (const auto& o : overrides) {
+    apply_override(c, o);
+    const std::string a = o.rfind("--", 0) == 0 ? o.substr(2) : o;
+    loaded.given.insert(a.substr(0, a.find('=')));
   }
-  for (const auto& o : overrides) apply_override(c, o);
-  validate(c);
+  if (loaded.fsdp_config) {  // Note [Accelerate keys]
+    if (loaded.given.count("parallel.strategy") && c.parallel.strategy != "fsdp")
+      throw UsageError("fsdp_config implies parallel.strategy=fsdp, but parallel.strategy is '" + c.parallel.strategy +
+                       "'");
+    c.parallel.strategy = "fsdp";
+  }
+  if (!loaded.mixed_precision.empty()) {
+    if (loaded.given.count("precision.mode") && c.precision.mode != loaded.mixed_precision)
+      throw UsageError("mixed_precision implies precision.mode=" + loaded.mixed_precision +
+                       ", but precision.mode is '" + c.precision.mode + "'");
+    c.precision.mode = loaded.mixed_precision;
+  }
+  validate_config(c);
   return c;
 }
 

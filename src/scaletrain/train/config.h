@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "scaletrain/precision/options.h"
+
 namespace scaletrain::train {
 
 struct ModelOptions {
@@ -13,50 +15,89 @@ struct ModelOptions {
   int64_t n_layer = 0;          // 0 keeps the preset's value (same for the next four)
   int64_t n_head = 0;
   int64_t n_embd = 0;
-  int64_t block_size = 0;       // sequence length trained on
+  int64_t block_size = 0;  // sequence length trained on
   int64_t vocab_size = 0;
-  double dropout = 0.0;         // dropout probability
+  double dropout = 0.0;  // dropout probability
 };
 
 struct DataOptions {
-  std::string path;             // token file written by `scaletrain prepare` (required)
+  std::string path;  // token file written by `scaletrain prepare` (required)
 };
 
 struct TrainOptions {
-  int64_t steps = 100;          // optimizer steps
-  int64_t global_batch = 32;    // sequences per optimizer step, over all data-parallel ranks
-  int64_t micro_batch = 8;      // sequences per forward/backward; accumulation = global / (micro x dp)
-  double lr = 1e-3;             // peak learning rate
-  int64_t warmup_steps = 10;    // linear warmup, then cosine decay to min_lr_ratio x lr
-  double min_lr_ratio = 0.1;
-  double weight_decay = 0.1;    // AdamW decoupled decay on matrices
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double grad_clip = 1.0;       // max global gradient norm; 0 disables clipping
-  uint64_t seed = 1337;         // model init and sample order
-  int64_t sample_tokens = 200;  // length of the text sample printed at the end (0: none)
+  int64_t steps = 100;                         // optimizer steps
+  int64_t global_batch = 32;                   // sequences per optimizer step, over all data-parallel ranks
+  int64_t micro_batch = 8;                     // sequences per forward/backward; accumulation = global / (micro x dp)
+  double lr = 1e-3;                            // peak learning rate
+  int64_t warmup_steps = 10;                   // warmup (warmup_type), then lr_schedule's decay to min_lr_ratio x lr
+  double min_lr_ratio = 0.1;                   // the decay's floor, as a fraction of lr
+  double weight_decay = 0.1;                   // AdamW decoupled decay on matrices
+  double beta1 = 0.9;                          // AdamW first-moment decay
+  double beta2 = 0.95;                         // AdamW second-moment decay
+  double eps = 1e-8;                           // AdamW denominator epsilon
+  double grad_clip = 1.0;                      // max global gradient norm; 0 disables clipping
+  std::string lr_schedule = "cosine";          // cosine | linear | constant: decay after warmup, to min_lr_ratio x lr
+  std::string warmup_type = "linear";          // linear | log (DeepSpeed's log-shaped ramp)
+  double warmup_start_ratio = 0;               // warmup starts from this fraction of lr (0: from ~0)
+  uint64_t seed = 1337;                        // model init and sample order
+  int64_t sample_tokens = 200;                 // length of the text sample printed at the end (0: none)
   std::string sample_prompt = "And God said";  // prompt of that sample
 };
 
-struct ParallelOptions {
-  std::string strategy = "ddp"; // ddp (later: zero1, zero2, zero3, fsdp)
-  int dp_replicate = 1;         // mesh: outer data-parallel degree
-  int dp_shard = -1;            // mesh: inner data-parallel degree; -1 = the rest of the world
-  int tp = 1;                   // tensor-parallel degree (not yet supported: must be 1)
-  int pp = 1;                   // pipeline stages (not yet supported: must be 1)
-  double bucket_cap_mb = 25;    // DDP bucket size in MiB
-  double first_bucket_mb = 1;   // DDP first bucket size in MiB
-  bool find_unused_parameters = false;  // tolerate parameters without gradients
-  std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in
-  std::string backend = "auto"; // auto | gloo | nccl
-  double timeout_s = 300;       // deadline of every collective and of the rendezvous
+// parallel.fsdp: PyTorch FSDP's knobs, with its names and defaults.
+struct FsdpOptions {
+  std::string sharding_strategy = "FULL_SHARD";    // FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD
+  std::string auto_wrap_policy = "transformer";    // transformer | size | none: what becomes an FSDP unit
+  std::string transformer_layer_cls = "Block";     // module class wrapped by the transformer policy
+  int64_t min_num_params = 100000000;              // size policy: wrap a subtree once it has this many parameters
+  std::string backward_prefetch = "BACKWARD_PRE";  // BACKWARD_PRE | BACKWARD_POST | NONE
+  bool forward_prefetch = false;                   // all-gather the next unit's parameters during this unit's forward
+  bool limit_all_gathers = true;                   // at most two all-gathers in flight (bounds memory)
+  bool offload_params = false;                     // keep parameter shards (and their gradients) in CPU memory
+  bool sync_module_states = true;                  // broadcast rank 0's parameters and buffers at wrap time
+  bool cpu_ram_efficient_loading = false;  // only rank 0 materialises the full model; others get it by broadcast
+  std::string state_dict_type = "SHARDED_STATE_DICT";  // FULL_STATE_DICT | SHARDED_STATE_DICT: checkpoint layout
 };
 
+// parallel.zero: DeepSpeed ZeRO's knobs (sizes in MiB rather than elements).
+struct ZeroOptions {
+  double reduce_bucket_mb = 25;              // gradient reduce(-scatter) bucket size
+  double allgather_bucket_mb = 25;           // parameter all-gather bucket size (stages 1-2)
+  bool overlap_comm = true;                  // reduce gradients while backward still runs
+  bool contiguous_gradients = true;          // copy gradients into one flat buffer as they are produced
+  bool reduce_scatter = true;                // reduce gradients with reduce-scatter (false: all-reduce, keep own part)
+  bool allgather_partitions = true;          // gather updated partitions with all-gather (false: one broadcast each)
+  std::string offload_optimizer = "none";    // none | cpu | nvme: where optimizer states live
+  std::string offload_param = "none";        // none | cpu | nvme: where parameter shards live (stage 3)
+  std::string offload_dir;                   // directory of nvme offload files (required by nvme)
+  bool offload_pin_memory = false;           // page-locked CPU buffers for offloaded tensors
+  double prefetch_bucket_mb = 50;            // stage 3: parameters fetched ahead of use
+  int64_t max_live_parameters = 1000000000;  // stage 3: gathered parameters kept before releasing
+};
+
+struct ParallelOptions {
+  std::string strategy = "ddp";         // ddp | zero1 | zero2 | zero3 | fsdp
+  int dp_replicate = 1;                 // mesh: outer data-parallel degree
+  int dp_shard = -1;                    // mesh: inner data-parallel degree; -1 = the rest of the world
+  int tp = 1;                           // tensor-parallel degree (not yet supported: must be 1)
+  int pp = 1;                           // pipeline stages (not yet supported: must be 1)
+  double bucket_cap_mb = 25;            // DDP bucket size in MiB
+  double first_bucket_mb = 1;           // DDP first bucket size in MiB
+  bool find_unused_parameters = false;  // tolerate parameters without gradients
+  std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in
+  std::string backend = "auto";         // auto | gloo | nccl
+  double timeout_s = 300;               // deadline of every collective and of the rendezvous
+  FsdpOptions fsdp;                     // used by strategy fsdp
+  ZeroOptions zero;                     // used by strategies zero1..zero3
+};
+
+using precision::PrecisionOptions;
+
 struct MetricsOptions {
-  std::string path;             // JSON lines written by rank 0 ("" = none)
-  double peak_flops = 0;        // per-rank peak FLOP/s for MFU; 0 = measure a GEMM at start
-  int64_t log_every = 1;        // steps between log lines
-  bool progress = true;         // progress bar when stdout is a terminal
+  std::string path;       // JSON lines written by rank 0 ("" = none)
+  double peak_flops = 0;  // per-rank peak FLOP/s for MFU; 0 = measure a GEMM at start
+  int64_t log_every = 1;  // steps between log lines
+  bool progress = true;   // progress bar when stdout is a terminal
 };
 
 struct Config {
@@ -65,15 +106,21 @@ struct Config {
   TrainOptions train;
   ParallelOptions parallel;
   MetricsOptions metrics;
+  PrecisionOptions precision;
 };
 
-// Reads a YAML file of sections (model, data, train, parallel, metrics) of
-// scalar keys, then applies overrides of the form "section.key=value".
-// Malformed YAML, unknown sections or keys and ill-typed values throw
+// Reads a YAML file of sections (model, data, train, parallel, metrics,
+// precision) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
+// and Accelerate's top-level `fsdp_config:` and `mixed_precision:` (see
+// config.cpp, Note [Accelerate keys]), then applies overrides of the form
+// "section.key=value" or "section.sub.key=value". Malformed YAML, unknown
+// sections or keys, ill-typed values and values outside a key's choices throw
 // UsageError naming the file, the key and the problem.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
-// Applies one "section.key=value" to `config`.
+// Applies one "section.key=value" to `config` (enum-like keys are checked here).
 void apply_override(Config& config, const std::string& assignment);
+// Checks values and their combinations; load_config calls it last.
+void validate_config(const Config& config);
 // Every known key, "section.key", for help texts and error messages.
 std::vector<std::string> config_keys();
 

@@ -109,6 +109,17 @@ TEST(Cli, UnsupportedStrategy) {
   expect_usage_error(run("train " + cfg.string()), "zero9");
 }
 
+TEST(Cli, DeepSpeedConfigErrors) {
+  auto cfg = write("ds.yaml", "data:\n  path: " + tokens().string() + "\n");
+  auto bad_json = write("bad.json", "{\"train_batch_size\": 8,,}");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed " + bad_json.string()), "bad.json");
+  auto stage4 = write("stage4.json", "{\"zero_optimization\": {\"stage\": 4}}");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed " + stage4.string()), "zero_optimization.stage");
+  auto unknown = write("unknown.json", "{\"steps_per_print\": 5, \"flops_profiler\": {}}");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed " + unknown.string()), "'flops_profiler'");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed /nonexistent/ds.json"), "/nonexistent/ds.json");
+}
+
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
   auto metrics = scratch() / "m.jsonl";
   auto cfg = write("tiny.yaml", "data:\n  path: " + tokens().string() +

@@ -1,0 +1,353 @@
+#include "scaletrain/train/deepspeed_config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <optional>
+#include <set>
+
+#include "scaletrain/util/error.h"
+
+// Note [DeepSpeed mapping]
+// - Every key is mapped onto a Config field, or is an error naming it
+//   ("file: unknown key 'zero_optimization.sub_group_size' (known: ...)").
+//   Keys accepted only for values that match our behaviour:
+//   wall_clock_breakdown (false only). Purely cosmetic keys, accepted and
+//   ignored: optimizer.params.torch_adam (picks PyTorch's Adam kernel over
+//   DeepSpeed's fused one; same arithmetic). Nothing else is ignored.
+// - "auto" (Hugging Face's convention) means "take it from the YAML config":
+//   the field is left as the YAML and overrides set it.
+// - Explicit values win over the YAML config and over --section.key overrides.
+// - Absent keys: where DeepSpeed's default changes the arithmetic (optimizer
+//   hyper-parameters, scheduler parameters, fp16 loss scaling) DeepSpeed's
+//   default applies once its section is present; performance knobs (bucket
+//   sizes, overlap) and absent sections keep the YAML's values.
+// - Sizes: DeepSpeed counts bucket sizes in elements, we in MiB. An element is
+//   2 bytes when bf16 or fp16 is enabled, else 4.
+// - Batch sizes: DeepSpeed's rule train_batch_size = micro x accumulation x dp.
+//   Three explicit values must agree; two determine the third; with fewer,
+//   the missing ones come from the YAML (train.micro_batch, then
+//   train.global_batch). The result sets train.global_batch and
+//   train.micro_batch (the accumulation is implied by them).
+// - Schedulers map onto train.lr_schedule: WarmupLR -> constant after warmup
+//   at warmup_max_lr; WarmupDecayLR -> linear decay to warmup_min_lr at
+//   total_num_steps; WarmupCosineLR -> cosine decay to cos_min_ratio x lr.
+//   total_num_steps sets train.steps. Our ramp counts from step + 1 (see
+//   optim::lr_at), DeepSpeed's from step: the same curve shifted by one step.
+// - Optimizer: only AdamW. "AdamW", or "Adam" whose adam_w_mode is true
+//   (DeepSpeed's default), is AdamW; "Adam" with adam_w_mode false (L2
+//   regularised Adam) and any other type is an error.
+
+namespace scaletrain::train {
+namespace {
+
+using nlohmann::json;
+
+class Reader {
+ public:
+  explicit Reader(std::string file) : file_(std::move(file)) {}
+
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    throw UsageError(file_ + ": " + key + (msg.rfind('=', 0) == 0 ? "" : " ") + msg);
+  }
+
+  // Rejects keys of `obj` outside `known`; `prefix` names obj ("" = top level).
+  void check_keys(const json& obj, const std::string& prefix, const std::set<std::string>& known) const {
+    if (!obj.is_object()) fail(prefix.empty() ? "the top level" : prefix, "must be an object");
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+      if (known.count(it.key())) continue;
+      std::string list;
+      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      throw UsageError(file_ + ": unknown key '" + name(prefix, it.key()) + "' (known" +
+                       (prefix.empty() ? "" : " in " + prefix) + ": " + list + ")");
+    }
+  }
+
+  static std::string name(const std::string& prefix, const std::string& key) {
+    return prefix.empty() ? key : prefix + "." + key;
+  }
+  static bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "auto"; }
+
+  // Typed getters: nullopt when the key is absent or "auto".
+  std::optional<double> number(const json& obj, const std::string& prefix, const std::string& key) const {
+    if (!obj.contains(key) || is_auto(obj[key])) return std::nullopt;
+    if (!obj[key].is_number()) fail(name(prefix, key), "must be a number, got " + obj[key].dump());
+    return obj[key].get<double>();
+  }
+  std::optional<int64_t> integer(const json& obj, const std::string& prefix, const std::string& key) const {
+    auto d = number(obj, prefix, key);  // DeepSpeed configs write counts as 5e8 too
+    if (d && (*d != std::floor(*d) || std::fabs(*d) > 9.2e18))
+      fail(name(prefix, key), "must be an integer, got " + obj[key].dump());
+    return d ? std::optional<int64_t>(static_cast<int64_t>(*d)) : std::nullopt;
+  }
+  std::optional<bool> boolean(const json& obj, const std::string& prefix, const std::string& key) const {
+    if (!obj.contains(key) || is_auto(obj[key])) return std::nullopt;
+    if (!obj[key].is_boolean()) fail(name(prefix, key), "must be true or false, got " + obj[key].dump());
+    return obj[key].get<bool>();
+  }
+  std::optional<std::string> string(const json& obj, const std::string& prefix, const std::string& key) const {
+    if (!obj.contains(key) || is_auto(obj[key])) return std::nullopt;
+    if (!obj[key].is_string()) fail(name(prefix, key), "must be a string, got " + obj[key].dump());
+    return obj[key].get<std::string>();
+  }
+  const json& object(const json& obj, const std::string& prefix, const std::string& key,
+                     const std::set<std::string>& known) const {
+    check_keys(obj[key], name(prefix, key), known);
+    return obj[key];
+  }
+
+ private:
+  std::string file_;
+};
+
+template <typename T>
+void set_if(T& field, const std::optional<T>& v) {
+  if (v) field = *v;
+}
+
+// bf16 / fp16 sections: precision.mode and param_dtype, fp16 loss scaling.
+void map_precision(const Reader& r, const json& root, Config& c) {
+  std::optional<bool> bf16, fp16;
+  if (root.contains("bf16")) bf16 = r.boolean(r.object(root, "", "bf16", {"enabled"}), "bf16", "enabled");
+  if (root.contains("fp16")) {
+    const json& f =
+        r.object(root, "", "fp16",
+                 {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"});
+    fp16 = r.boolean(f, "fp16", "enabled");
+    auto& p = c.precision;
+    // DeepSpeed's defaults for absent keys: dynamic, 2^16, window 1000, hysteresis 2, min 1.
+    p.loss_scale = r.number(f, "fp16", "loss_scale").value_or(f.contains("loss_scale") ? p.loss_scale : 0.0);
+    p.initial_scale_power = r.integer(f, "fp16", "initial_scale_power")
+                                .value_or(f.contains("initial_scale_power") ? p.initial_scale_power : 16);
+    p.loss_scale_window = r.integer(f, "fp16", "loss_scale_window")
+                              .value_or(f.contains("loss_scale_window") ? p.loss_scale_window : 1000);
+    p.hysteresis = r.integer(f, "fp16", "hysteresis").value_or(f.contains("hysteresis") ? p.hysteresis : 2);
+    p.min_loss_scale =
+        r.number(f, "fp16", "min_loss_scale").value_or(f.contains("min_loss_scale") ? p.min_loss_scale : 1.0);
+  }
+  if (bf16.value_or(false) && fp16.value_or(false)) r.fail("bf16.enabled", "and fp16.enabled cannot both be true");
+  std::optional<std::string> dtype;
+  if (bf16.value_or(false))
+    dtype = "bf16";
+  else if (fp16.value_or(false))
+    dtype = "fp16";
+  else if ((bf16 && !*bf16) || (fp16 && !*fp16))
+    dtype = "fp32";  // explicitly disabled
+  if (dtype) c.precision.mode = c.precision.param_dtype = *dtype;
+}
+
+void map_offload(const Reader& r, const json& z, const std::string& key, std::string& device,
+                 std::optional<std::string>& nvme_path, std::optional<bool>& pin) {
+  const std::string prefix = "zero_optimization." + key;
+  const json& o = r.object(z, "zero_optimization", key, {"device", "nvme_path", "pin_memory"});
+  if (auto d = r.string(o, prefix, "device")) {
+    if (*d != "none" && *d != "cpu" && *d != "nvme")
+      r.fail(prefix + ".device", "must be none, cpu or nvme, got '" + *d + "'");
+    device = *d;
+  }
+  if (auto p = r.string(o, prefix, "nvme_path")) {
+    if (nvme_path && *nvme_path != *p)
+      r.fail(prefix + ".nvme_path", "differs from the other offload's nvme_path (one offload directory is supported)");
+    nvme_path = p;
+  }
+  if (auto p = r.boolean(o, prefix, "pin_memory")) {
+    if (pin && *pin != *p) r.fail(prefix + ".pin_memory", "differs from the other offload's pin_memory");
+    pin = p;
+  }
+}
+
+void map_zero(const Reader& r, const json& root, Config& c, double element_bytes) {
+  if (!root.contains("zero_optimization")) return;
+  const std::string P = "zero_optimization";
+  const json& z = r.object(root, "", P,
+                           {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                            "contiguous_gradients", "offload_optimizer", "offload_param", "stage3_prefetch_bucket_size",
+                            "stage3_max_live_parameters", "reduce_scatter", "allgather_partitions"});
+  if (auto s = r.integer(z, P, "stage")) {
+    if (*s < 0 || *s > 3) r.fail(P + ".stage", "must be 0, 1, 2 or 3, got " + std::to_string(*s));
+    c.parallel.strategy = *s == 0 ? "ddp" : "zero" + std::to_string(*s);
+  }
+  auto& o = c.parallel.zero;
+  const double mib = 1024.0 * 1024.0;
+  auto elements_to_mb = [&](const char* key, double& field) {
+    if (auto n = r.integer(z, P, key)) {
+      if (*n < 1) r.fail(P + "." + key, "must be positive");
+      field = static_cast<double>(*n) * element_bytes / mib;
+    }
+  };
+  elements_to_mb("reduce_bucket_size", o.reduce_bucket_mb);
+  elements_to_mb("allgather_bucket_size", o.allgather_bucket_mb);
+  elements_to_mb("stage3_prefetch_bucket_size", o.prefetch_bucket_mb);
+  set_if(o.max_live_parameters, r.integer(z, P, "stage3_max_live_parameters"));
+  set_if(o.overlap_comm, r.boolean(z, P, "overlap_comm"));
+  set_if(o.contiguous_gradients, r.boolean(z, P, "contiguous_gradients"));
+  set_if(o.reduce_scatter, r.boolean(z, P, "reduce_scatter"));
+  set_if(o.allgather_partitions, r.boolean(z, P, "allgather_partitions"));
+  std::optional<std::string> nvme_path;
+  std::optional<bool> pin;
+  if (z.contains("offload_optimizer")) map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path, pin);
+  if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path, pin);
+  set_if(o.offload_dir, nvme_path);
+  set_if(o.offload_pin_memory, pin);
+}
+
+void map_batch(const Reader& r, const json& root, Config& c, int dp) {
+  auto tb = r.integer(root, "", "train_batch_size");
+  auto mb = r.integer(root, "", "train_micro_batch_size_per_gpu");
+  auto ga = r.integer(root, "", "gradient_accumulation_steps");
+  for (auto [v, key] : {std::pair{tb, "train_batch_size"}, std::pair{mb, "train_micro_batch_size_per_gpu"},
+                        std::pair{ga, "gradient_accumulation_steps"}})
+    if (v && *v < 1) r.fail(key, "must be at least 1, got " + std::to_string(*v));
+  if (!tb && !mb && !ga) return;
+  const std::string rule =
+      " (DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu x "
+      "gradient_accumulation_steps x data-parallel size " +
+      std::to_string(dp) + ")";
+  // Fewer than two explicit values: complete them from the YAML config.
+  if (!tb + !mb + !ga >= 2) {
+    if (!mb && !(tb && ga)) mb = c.train.micro_batch;
+    if (!tb && !ga) tb = c.train.global_batch;
+  }
+  if (tb && mb && ga) {
+    if (*tb != *mb * *ga * dp)
+      r.fail("train_batch_size", "=" + std::to_string(*tb) + " does not equal train_micro_batch_size_per_gpu=" +
+                                     std::to_string(*mb) + " x gradient_accumulation_steps=" + std::to_string(*ga) +
+                                     " x data-parallel size " + std::to_string(dp));
+  } else if (tb && mb) {
+    if (*tb % (*mb * dp) != 0)
+      r.fail("train_batch_size", "=" + std::to_string(*tb) + " is not a multiple of train_micro_batch_size_per_gpu=" +
+                                     std::to_string(*mb) + " x data-parallel size " + std::to_string(dp) + rule);
+  } else if (tb && ga) {
+    if (*tb % (*ga * dp) != 0)
+      r.fail("train_batch_size", "=" + std::to_string(*tb) + " is not a multiple of gradient_accumulation_steps=" +
+                                     std::to_string(*ga) + " x data-parallel size " + std::to_string(dp) + rule);
+    mb = *tb / (*ga * dp);
+  } else {  // mb && ga
+    tb = *mb * *ga * dp;
+  }
+  c.train.global_batch = *tb;
+  c.train.micro_batch = *mb;
+}
+
+void map_optimizer(const Reader& r, const json& root, Config& c) {
+  if (!root.contains("optimizer")) return;
+  const json& o = r.object(root, "", "optimizer", {"type", "params"});
+  const auto type = r.string(o, "optimizer", "type");
+  if (!type) r.fail("optimizer.type", "must be set (AdamW)");
+  const json empty = json::object();
+  const json& p = o.contains("params") ? r.object(o, "optimizer", "params",
+                                                  {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"})
+                                       : empty;
+  const std::string P = "optimizer.params";
+  r.boolean(p, P, "torch_adam");  // cosmetic (kernel choice), only type-checked
+  const bool adam_w_mode = r.boolean(p, P, "adam_w_mode").value_or(true);
+  if (*type == "Adam" && !adam_w_mode)
+    r.fail("optimizer.type", "Adam with adam_w_mode false (L2-regularised Adam) is not supported: use AdamW");
+  if (*type != "Adam" && *type != "AdamW")
+    r.fail("optimizer.type", "'" + *type + "' is not supported (supported: AdamW, or Adam with adam_w_mode true)");
+  // DeepSpeed's defaults for absent parameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.
+  auto& t = c.train;
+  t.lr = r.number(p, P, "lr").value_or(p.contains("lr") ? t.lr : 1e-3);
+  t.eps = r.number(p, P, "eps").value_or(p.contains("eps") ? t.eps : 1e-8);
+  t.weight_decay = r.number(p, P, "weight_decay").value_or(p.contains("weight_decay") ? t.weight_decay : 0.0);
+  if (!p.contains("betas")) {
+    t.beta1 = 0.9, t.beta2 = 0.999;
+  } else if (!Reader::is_auto(p["betas"])) {
+    const json& b = p["betas"];
+    if (!b.is_array() || b.size() != 2 || !b[0].is_number() || !b[1].is_number())
+      r.fail(P + ".betas", "must be a list of two numbers, got " + b.dump());
+    t.beta1 = b[0].get<double>(), t.beta2 = b[1].get<double>();
+  }
+}
+
+void map_scheduler(const Reader& r, const json& root, Config& c) {
+  if (!root.contains("scheduler")) return;
+  const json& s = r.object(root, "", "scheduler", {"type", "params"});
+  const auto type = r.string(s, "scheduler", "type");
+  if (!type) r.fail("scheduler.type", "must be set (WarmupLR, WarmupDecayLR or WarmupCosineLR)");
+  const bool cosine = *type == "WarmupCosineLR";
+  std::set<std::string> known;
+  if (*type == "WarmupLR")
+    known = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"};
+  else if (*type == "WarmupDecayLR")
+    known = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"};
+  else if (cosine)
+    known = {"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps", "warmup_type", "total_num_steps"};
+  else
+    r.fail("scheduler.type", "'" + *type + "' is not supported (supported: WarmupLR, WarmupDecayLR, WarmupCosineLR)");
+  const json empty = json::object();
+  const json& p = s.contains("params") ? r.object(s, "scheduler", "params", known) : empty;
+  const std::string P = "scheduler.params";
+  auto& t = c.train;
+  // DeepSpeed's defaults for absent parameters: 1000 warmup steps, log ramp,
+  // min lr 0, max lr 1e-3 (WarmupLR/WarmupDecayLR), cos_min_ratio 1e-4.
+  auto given = [&](const char* k) { return p.contains(k); };
+  t.warmup_steps = r.integer(p, P, "warmup_num_steps").value_or(given("warmup_num_steps") ? t.warmup_steps : 1000);
+  const auto wt = r.string(p, P, "warmup_type");
+  if (wt && *wt != "log" && *wt != "linear") r.fail(P + ".warmup_type", "must be log or linear, got '" + *wt + "'");
+  t.warmup_type = wt.value_or(given("warmup_type") ? t.warmup_type : "log");
+  if (auto n = r.integer(p, P, "total_num_steps")) {
+    if (*n < 1) r.fail(P + ".total_num_steps", "must be at least 1");
+    t.steps = *n;
+  }
+  if (cosine) {
+    t.lr_schedule = "cosine";
+    t.warmup_start_ratio =
+        r.number(p, P, "warmup_min_ratio").value_or(given("warmup_min_ratio") ? t.warmup_start_ratio : 0.0);
+    t.min_lr_ratio = r.number(p, P, "cos_min_ratio").value_or(given("cos_min_ratio") ? t.min_lr_ratio : 1e-4);
+    return;
+  }
+  t.lr_schedule = *type == "WarmupLR" ? "constant" : "linear";
+  // The scheduler's warmup_max_lr is the peak (it overrides the optimizer's lr, as in DeepSpeed).
+  t.lr = r.number(p, P, "warmup_max_lr").value_or(given("warmup_max_lr") ? t.lr : 1e-3);
+  if (t.lr <= 0) r.fail(P + ".warmup_max_lr", "must be positive");
+  const auto min_lr = r.number(p, P, "warmup_min_lr");
+  if (min_lr || !given("warmup_min_lr")) {
+    const double ratio = min_lr.value_or(0.0) / t.lr;
+    t.warmup_start_ratio = ratio;
+    t.min_lr_ratio = ratio;  // WarmupDecayLR decays to warmup_min_lr
+  }
+}
+
+}  // namespace
+
+void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
+  if (dp < 1) throw UsageError("data-parallel size must be at least 1, got " + std::to_string(dp));
+  std::ifstream in(path);
+  if (!in) throw UsageError("deepspeed config " + path + " cannot be read");
+  json root;
+  try {
+    root = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw UsageError("deepspeed config " + path + " is not valid JSON (byte " + std::to_string(e.byte) + ")");
+  }
+  const Reader r(path);
+  r.check_keys(
+      root, "",
+      {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+       "gradient_clipping", "optimizer", "scheduler", "bf16", "fp16", "steps_per_print", "wall_clock_breakdown"});
+  map_precision(r, root, c);
+  const double element_bytes = c.precision.param_dtype == "fp32" ? 4.0 : 2.0;
+  map_zero(r, root, c, element_bytes);
+  map_batch(r, root, c, dp);
+  map_optimizer(r, root, c);
+  map_scheduler(r, root, c);
+  if (auto g = r.number(root, "", "gradient_clipping")) {
+    if (*g < 0) r.fail("gradient_clipping", "must be 0 (off) or positive");
+    c.train.grad_clip = *g;
+  }
+  if (auto n = r.integer(root, "", "steps_per_print")) {
+    if (*n < 1) r.fail("steps_per_print", "must be at least 1");
+    c.metrics.log_every = *n;
+  }
+  if (r.boolean(root, "", "wall_clock_breakdown").value_or(false))
+    r.fail("wall_clock_breakdown", "true is not supported (per-phase timings are not implemented)");
+  try {
+    validate_config(c);
+  } catch (const UsageError& e) {
+    throw UsageError(path + ": " + e.what());
+  }
+}
+
+}  // namespace scaletrain::train
