@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,22 @@ TEST(Safetensors, MatchesRustLayout) {
             make_file(R"({"attn0":{"dtype":"F32","shape":[1,1,2,3],"data_offsets":[0,24]}}       )", data));
   EXPECT_EQ(serialize_safetensors({}), make_file("{}      "));
   EXPECT_EQ(serialize_safetensors({}, {{"framework", "pt"}}), make_file(R"({"__metadata__":{"framework":"pt"}}     )"));
+}
+
+// The committed fuzz seeds were written by an independent Python script that
+// follows the Rust layout; the writer must reproduce them byte for byte.
+TEST(Safetensors, SeedCorpusIsCanonical) {
+  int seen = 0;
+  for (const auto& entry : fs::directory_iterator(fs::path(SCALETRAIN_SOURCE_DIR) / "fuzz" / "corpus")) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const SafetensorsView v = parse(bytes);
+    std::vector<TensorRef> refs;
+    for (const TensorView& t : v.tensors()) refs.push_back({t.name, t.dtype, t.shape, t.data, t.nbytes});
+    EXPECT_EQ(serialize_safetensors(refs, v.metadata()), bytes) << entry.path();
+    ++seen;
+  }
+  EXPECT_GE(seen, 5);
 }
 
 TEST(Safetensors, WriteOrderIsDtypeThenNameAndDeterministic) {
