@@ -165,7 +165,33 @@ TEST(HFGPT2, ExportThenImportGivesIdenticalParametersAndLogits) {
   EXPECT_TRUE(torch::equal(a->forward(idx), b->forward(idx)));
 }
 
-TEST(HFGPT2, ExportLayoutIsWhatGPT2LMHeadModelLoads) {
+// The exported file, read by an independent Python implementation of HF's
+// GPT2LMHeadModel forward (tests/unit/torch/hf_gpt2_reference.py), gives our
+// logits: checks the Conv1D transposition and the names against HF semantics,
+// not just export/import symmetry.
+TEST(HFGPT2, PythonReferenceForwardGivesOurLogits) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "/usr/bin/python3 with torch (Debian python3-torch) not installed";
+  }
+  TempDir dir;
+  torch::manual_seed(3);
+  models::GPT m(small_config());
+  m->eval();
+  const auto idx = torch::randint(0, 50, {2, 11}, torch::kLong);
+  export_hf_gpt2(m, dir.file("model.safetensors"));
+  save_safetensors(dir.file("ids.safetensors"), {{"ids", idx}});
+  const std::string cmd = std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR +
+                          "/tests/unit/torch/hf_gpt2_reference.py " + dir.file("model.safetensors") + " " +
+                          dir.file("ids.safetensors") + " 2 " + dir.file("logits.safetensors");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const at::Tensor ref = load_safetensors(dir.file("logits.safetensors")).at("logits");
+  torch::NoGradGuard no_grad;
+  const at::Tensor ours = m->forward(idx);
+  ASSERT_EQ(ref.sizes(), ours.sizes());
+  EXPECT_TRUE(torch::allclose(ours, ref, 1e-5, 1e-5)) << (ours - ref).abs().max().item<float>();
+}
+
+TEST(HFGPT2, ExportLayoutUsesHFNamesAndConv1DShapes) {
   TempDir dir;
   models::GPT m(small_config());
   const std::string path = dir.file("model.safetensors");
