@@ -11,7 +11,6 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <utility>
 
 #include "scaletrain/checkpoint/safetensors_detail.h"
@@ -120,8 +119,9 @@ struct Entry {
 class HeaderSax {
  public:
   using json = nlohmann::json;
-  HeaderSax(const std::string& source, std::vector<Entry>* entries, Metadata* metadata)
-      : source_(source), entries_(entries), metadata_(metadata) {}
+  HeaderSax(const std::string& source, std::vector<Entry>* entries, std::map<std::string, std::size_t>* index,
+            Metadata* metadata)
+      : source_(source), entries_(entries), index_(index), metadata_(metadata) {}
 
   bool null() { return scalar("null"); }
   bool boolean(bool) { return scalar("a boolean"); }
@@ -186,7 +186,9 @@ class HeaderSax {
   bool key(std::string& k) {
     if (skip_ > 0) return true;
     if (where_ == kTop) {
-      if (!top_keys_.insert(k).second) fail(source_, "duplicate key " + quote_name(k) + " in the header");
+      const bool fresh =
+          k == kMetadataKey ? !std::exchange(saw_metadata_, true) : index_->emplace(k, entries_->size()).second;
+      if (!fresh) fail(source_, "duplicate key " + quote_name(k) + " in the header");
       key_ = std::move(k);
     } else if (where_ == kMetadata) {
       if (metadata_->count(k)) fail(source_, "duplicate __metadata__ key " + quote_name(k));
@@ -305,8 +307,9 @@ class HeaderSax {
 
   const std::string& source_;
   std::vector<Entry>* entries_;
+  std::map<std::string, std::size_t>* index_;  // tensor name -> position in *entries_
   Metadata* metadata_;
-  std::set<std::string> top_keys_;  // tensor names and __metadata__, for duplicates
+  bool saw_metadata_ = false;  // "__metadata__" was a key already
   Where where_ = kStart;
   Field field_ = kOther;     // the tensor field whose value comes next
   unsigned seen_ = 0;        // bit per Field already seen in this tensor
@@ -385,7 +388,7 @@ SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const
   SafetensorsView view;
   view.source_ = source;
   std::vector<Entry> entries;
-  HeaderSax sax(source, &entries, &view.metadata_);
+  HeaderSax sax(source, &entries, &view.index_, &view.metadata_);
   const char* text = reinterpret_cast<const char*>(header);
   nlohmann::json::sax_parse(text, text + n, &sax, nlohmann::json::input_format_t::json, /*strict=*/true);
   if (!sax.done()) fail(source, "header is not a complete JSON object");
@@ -442,7 +445,7 @@ SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const
   view.tensors_.reserve(entries.size());
   for (const std::size_t i : order) {
     Entry& e = entries[i];
-    view.index_.emplace(e.name, view.tensors_.size());
+    view.index_[e.name] = view.tensors_.size();  // header position -> data position
     view.tensors_.push_back(TensorView{std::move(e.name), e.dtype, std::move(e.shape), base + e.begin,
                                        static_cast<std::size_t>(e.end - e.begin)});
   }
