@@ -8,6 +8,7 @@ packages=(
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev          # libFuzzer + sanitizers for fuzz/ (the main build uses g++)
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
   bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
   iproute2 procps

@@ -1,0 +1,189 @@
+#include "scaletrain/checkpoint/hf_gpt2.h"
+
+#include <cctype>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::checkpoint {
+namespace {
+
+constexpr const char* kPrefix = "transformer.";
+
+[[noreturn]] void fail(const std::string& path, const std::string& problem) {
+  throw UsageError("hf gpt2 " + path + ": " + problem);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Conv1D weights, stored [in, out] by HF (Note [HF GPT-2 names]).
+bool is_conv1d_weight(const std::string& name) {
+  return ends_with(name, ".attn.c_attn.weight") || ends_with(name, ".attn.c_proj.weight") ||
+         ends_with(name, ".mlp.c_fc.weight") || ends_with(name, ".mlp.c_proj.weight");
+}
+
+// The name without "transformer.".
+std::string bare(const std::string& name) { return name.compare(0, 12, kPrefix) == 0 ? name.substr(12) : name; }
+
+// If `name` (bare) is "h.N.<rest>", stores N and rest and returns true.
+bool block_index(const std::string& name, int64_t* n, std::string* rest) {
+  if (name.compare(0, 2, "h.") != 0) return false;
+  std::size_t i = 2;
+  while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+  if (i == 2 || i - 2 > 9 || i >= name.size() || name[i] != '.') return false;
+  *n = std::stoll(name.substr(2, i - 2));
+  *rest = name.substr(i + 1);
+  return true;
+}
+
+// HF's causal-mask buffers, which carry no weights.
+bool is_mask_buffer(const std::string& bare_name) {
+  int64_t n = 0;
+  std::string rest;
+  return block_index(bare_name, &n, &rest) && (rest == "attn.bias" || rest == "attn.masked_bias");
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+bool is_float(Dtype d) { return d == Dtype::F64 || d == Dtype::F32 || d == Dtype::F16 || d == Dtype::BF16; }
+
+// The file's tensors by bare name, without mask buffers; lm_head separately.
+struct HfTensors {
+  std::map<std::string, const TensorView*> by_name;
+  const TensorView* lm_head = nullptr;
+};
+
+HfTensors index_file(const SafetensorsFile& file) {
+  HfTensors out;
+  for (const TensorView& t : file.tensors()) {
+    const std::string name = bare(t.name);
+    if (is_mask_buffer(name)) continue;
+    if (name == "lm_head.weight") {
+      out.lm_head = &t;
+      continue;
+    }
+    if (!out.by_name.emplace(name, &t).second) {
+      fail(file.path(), "tensor '" + t.name + "' appears twice (with and without the \"transformer.\" prefix)");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void export_hf_gpt2(const models::GPT& model, const std::string& path) {
+  if (!model->config().bias)
+    fail(path, "HF GPT-2 has biases in every layer; a model with bias=false cannot be exported");
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& p = item.value();
+    at::Tensor t = is_conv1d_weight(item.key()) ? p.detach().t() : p.detach();
+    tensors.emplace_back(kPrefix + item.key(), t.to(at::kFloat));
+  }
+  save_safetensors(path, tensors, {{"format", "pt"}});
+}
+
+void import_hf_gpt2(models::GPT& model, const std::string& path) {
+  if (!model->config().bias) fail(path, "HF GPT-2 has biases in every layer; a model with bias=false cannot load it");
+  const SafetensorsFile file(path);
+  const HfTensors hf = index_file(file);
+  const auto params = model->named_parameters();
+
+  // Check everything first, so that a bad file leaves the model untouched.
+  std::set<std::string> expected;
+  for (const auto& item : params) {
+    const std::string& name = item.key();
+    expected.insert(name);
+    const auto it = hf.by_name.find(name);
+    if (it == hf.by_name.end()) {
+      fail(path, "missing tensor '" + std::string(kPrefix) + name + "' (or '" + name + "')");
+    }
+    const TensorView& t = *it->second;
+    std::vector<int64_t> want = item.value().sizes().vec();
+    if (is_conv1d_weight(name)) std::swap(want[0], want[1]);
+    if (t.shape != want) {
+      const auto& c = model->config();
+      fail(path, "tensor '" + t.name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str(want) +
+                     " (vocab_size=" + std::to_string(c.vocab_size) + ", block_size=" + std::to_string(c.block_size) +
+                     ", n_embd=" + std::to_string(c.n_embd) + ")");
+    }
+    if (!is_float(t.dtype)) fail(path, "tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) + ", not a float");
+  }
+  for (const auto& [name, t] : hf.by_name) {
+    if (!expected.count(name)) {
+      fail(path, "unexpected tensor '" + t->name +
+                     "' (not a parameter of a GPT with n_layer=" + std::to_string(model->config().n_layer) + ")");
+    }
+  }
+  if (hf.lm_head) {
+    const TensorView& wte = *hf.by_name.at("wte.weight");
+    if (hf.lm_head->shape != wte.shape || hf.lm_head->dtype != wte.dtype ||
+        !tensor_from_view(*hf.lm_head, path).equal(tensor_from_view(wte, path))) {
+      fail(path, "tensor '" + hf.lm_head->name + "' differs from '" + wte.name + "'; this model ties its head to wte");
+    }
+  }
+
+  torch::NoGradGuard no_grad;
+  for (const auto& item : params) {
+    const TensorView& t = *hf.by_name.at(item.key());
+    at::Tensor src = tensor_from_view(t, path);
+    if (is_conv1d_weight(item.key())) src = src.t();
+    item.value().copy_(src);  // converts dtype and device; copies the transpose's strides
+  }
+}
+
+models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {
+  const SafetensorsFile file(path);
+  const HfTensors hf = index_file(file);
+  auto shape_of = [&](const std::string& name) -> const std::vector<int64_t>& {
+    const auto it = hf.by_name.find(name);
+    if (it == hf.by_name.end()) fail(path, "missing tensor '" + std::string(kPrefix) + name + "' (or '" + name + "')");
+    if (it->second->shape.size() != 2) {
+      fail(path, "tensor '" + it->second->name + "' has shape " + shape_str(it->second->shape) + ", expected 2-D");
+    }
+    return it->second->shape;
+  };
+  const auto& wte = shape_of("wte.weight");
+  const auto& wpe = shape_of("wpe.weight");
+  if (wte[1] != wpe[1]) {
+    fail(path,
+         "wte.weight width " + std::to_string(wte[1]) + " differs from wpe.weight width " + std::to_string(wpe[1]));
+  }
+  std::set<int64_t> blocks;
+  for (const auto& [name, t] : hf.by_name) {
+    int64_t n = 0;
+    std::string rest;
+    if (block_index(name, &n, &rest)) blocks.insert(n);
+  }
+  if (blocks.empty()) fail(path, "no transformer blocks (no tensor named h.N.*)");
+  const int64_t n_layer = *blocks.rbegin() + 1;
+  if (static_cast<int64_t>(blocks.size()) != n_layer) {
+    for (int64_t i = 0; i < n_layer; ++i) {
+      if (!blocks.count(i))
+        fail(path, "block h." + std::to_string(i) + " is missing but h." + std::to_string(n_layer - 1) + " exists");
+    }
+  }
+  models::GPTConfig c;
+  c.vocab_size = wte[0];
+  c.n_embd = wte[1];
+  c.block_size = wpe[0];
+  c.n_layer = n_layer;
+  c.n_head = n_head;
+  c.dropout = 0.0;
+  c.bias = hf.by_name.count("h.0.attn.c_attn.bias") > 0;
+  c.validate();
+  return c;
+}
+
+}  // namespace scaletrain::checkpoint

@@ -1,0 +1,50 @@
+#pragma once
+// Hugging Face GPT-2 checkpoints (model.safetensors) <-> models::GPT.
+//
+// Note [HF GPT-2 names]
+// Our parameter names are HF's without the "transformer." prefix (see
+// models/gpt.h). HF files come in two spellings:
+//   - the published hub file (openai-community/gpt2 model.safetensors): bare
+//     names ("wte.weight", "h.0.attn.c_attn.weight"), plus the causal-mask
+//     buffers "h.N.attn.bias" and sometimes "h.N.attn.masked_bias";
+//   - GPT2LMHeadModel.save_pretrained(): "transformer."-prefixed names, and
+//     "lm_head.weight" when the tied head is not deduplicated.
+// Both load. HF's Conv1D stores its weight as [in, out], the transpose of
+// torch Linear's [out, in]: c_attn, c_proj (attention and MLP) and c_fc are
+// transposed on the way in and out; embeddings and LayerNorms are not. The
+// mask buffers are ignored (we rebuild the mask from block_size); a present
+// lm_head.weight must equal wte.weight, because our head is tied.
+//
+// export_hf_gpt2() writes the prefixed spelling without lm_head.weight, in
+// F32, with metadata {"format": "pt"}: GPT2LMHeadModel.from_pretrained()
+// accepts exactly that (prefixed names match its state dict; the missing head
+// is re-tied to wte, and the missing mask buffers are non-persistent or on its
+// ignore list), and so does our import.
+#include <cstdint>
+#include <string>
+
+#include "scaletrain/models/gpt.h"
+
+namespace scaletrain::checkpoint {
+
+// Writes `model`'s parameters to `path` as an HF GPT2LMHeadModel safetensors
+// file (Note [HF GPT-2 names]). Throws UsageError if the model has
+// config().bias == false (HF GPT-2 has biases everywhere); SafetensorsError on
+// write failure.
+void export_hf_gpt2(const models::GPT& model, const std::string& path);
+
+// Loads an HF GPT-2 safetensors file into `model`, in place, on the model's
+// device and dtype. Every tensor is checked before any parameter is written:
+// a missing, unexpected, duplicated, misshaped or non-floating tensor throws
+// UsageError naming the tensor ("hf gpt2 PATH: ..."), and leaves the model
+// untouched. Malformed files throw SafetensorsError.
+void import_hf_gpt2(models::GPT& model, const std::string& path);
+
+// The GPTConfig an HF GPT-2 file describes: vocab_size and n_embd from
+// wte.weight, block_size from wpe.weight, n_layer from the h.N blocks present
+// (they must be 0..L-1), bias from h.0.attn.c_attn.bias, dropout 0. The head
+// count is not recorded in the weights, so it is a parameter (GPT-2 small: 12).
+// Throws UsageError naming what is missing or inconsistent.
+models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head);
+
+}  // namespace scaletrain::checkpoint
