@@ -15,8 +15,10 @@
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/precision/loss_scaler.h"
+#include "scaletrain/precision/policy.h"
 #include "scaletrain/train/metrics.h"
+#include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -49,11 +51,22 @@ void set_threads() {
 }
 
 void check_supported(const ParallelOptions& p) {
-  if (p.strategy != "ddp")
-    throw UsageError("parallel.strategy '" + p.strategy + "' is not available in this build (supported: ddp)");
   if (p.tp != 1 || p.pp != 1)
     throw UsageError("parallel.tp=" + std::to_string(p.tp) + " and parallel.pp=" + std::to_string(p.pp) +
                      ": tensor and pipeline parallelism are not available yet (both must be 1)");
+}
+
+optim::ScheduleOptions schedule(const TrainOptions& t) {
+  optim::ScheduleOptions s;
+  s.warmup_steps = t.warmup_steps;
+  s.total_steps = t.steps;
+  s.min_lr_ratio = t.min_lr_ratio;
+  s.decay = t.lr_schedule == "linear"   ? optim::Decay::Linear
+            : t.lr_schedule == "constant" ? optim::Decay::Constant
+                                          : optim::Decay::Cosine;
+  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
+  s.warmup_start_ratio = t.warmup_start_ratio;
+  return s;
 }
 
 }  // namespace
@@ -63,6 +76,14 @@ TrainResult run_training(const Config& cfg) {
   // input fails fast and identically on every rank.
   check_supported(cfg.parallel);
   const models::GPTConfig mcfg = model_config(cfg.model);
+  const bool cuda = false;  // the trainer computes on CPU (CUDA placement is not wired yet)
+  const precision::PrecisionPolicy policy = precision::PrecisionPolicy::from_options(cfg.precision, cuda);
+  check_strategy(cfg, cuda);
+  if (policy.param != at::kFloat && (cfg.parallel.strategy == "ddp" || cfg.parallel.fsdp.sharding_strategy == "NO_SHARD"))
+    throw UsageError("precision.param_dtype=" + precision::dtype_name(policy.param) +
+                     " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); ddp has none");
+  if (policy.reduce != policy.param)
+    throw UsageError("precision.reduce_dtype different from param_dtype is not available yet");
   if (cfg.data.path.empty()) throw UsageError("data.path is not set (a token file from `scaletrain prepare`)");
   data::TokenDataset dataset(cfg.data.path, data::DatasetOptions{mcfg.block_size});
   if (dataset.vocab() > static_cast<uint32_t>(mcfg.vocab_size))
@@ -86,23 +107,23 @@ TrainResult run_training(const Config& cfg) {
   comm::Mesh mesh(*world, dims);
   const bool lead = world->rank() == 0;
 
-  torch::manual_seed(cfg.train.seed);
-  auto model = models::GPT(mcfg);
-  parallel::DDPOptions ddp_opts;
-  ddp_opts.bucket_cap_bytes = static_cast<int64_t>(cfg.parallel.bucket_cap_mb * (1 << 20));
-  ddp_opts.first_bucket_cap_bytes = static_cast<int64_t>(cfg.parallel.first_bucket_mb * (1 << 20));
-  ddp_opts.find_unused_parameters = cfg.parallel.find_unused_parameters;
-  ddp_opts.comm_dtype = cfg.parallel.comm_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  parallel::DistributedDataParallel ddp(model.ptr(), mesh.dp(), ddp_opts);
+  Parallelized par = parallelize(cfg, mcfg, *world, mesh, policy.param);
+  models::GPT model = par.model;
+  DataParallel& dp = *par.dp;
 
-  std::vector<at::Tensor> params = model->parameters();
+  std::vector<at::Tensor> params = dp.optimizer_params();
   optim::AdamWOptions ao;
   ao.lr = cfg.train.lr;
   ao.beta1 = cfg.train.beta1;
   ao.beta2 = cfg.train.beta2;
+  ao.eps = cfg.train.eps;
   ao.weight_decay = cfg.train.weight_decay;
-  optim::AdamW opt(params, optim::decay_matrices(params), ao);
-  optim::ScheduleOptions sched{cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio};
+  optim::AdamW opt(params, dp.decay_numel(), ao);
+  const optim::ScheduleOptions sched = schedule(cfg.train);
+  std::unique_ptr<precision::LossScaler> scaler;
+  if (policy.loss_scaling) scaler = std::make_unique<precision::LossScaler>(precision::loss_scaler_options(cfg.precision));
+  int64_t opt_bytes = 0;
+  for (size_t i = 0; i < opt.exp_avg().size(); ++i) opt_bytes += opt.exp_avg()[i].nbytes() + opt.exp_avg_sq()[i].nbytes();
 
   const double peak = cfg.metrics.peak_flops > 0 ? cfg.metrics.peak_flops : measure_gemm_flops();
   const double flops_per_token = model->flops_per_token(mcfg.block_size);
@@ -111,10 +132,14 @@ TrainResult run_training(const Config& cfg) {
                 static_cast<long long>(model->num_parameters()), world->size(), info.source.c_str(),
                 dims.describe().c_str(), world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo");
     std::printf("scaletrain: %lld samples of %lld tokens; global batch %lld = micro %lld x accumulation %lld x dp %d; "
-                "%d DDP buckets; %d threads/rank; peak %.1f GFLOP/s/rank\n",
+                "%d threads/rank; peak %.1f GFLOP/s/rank\n",
                 static_cast<long long>(dataset.num_samples()), static_cast<long long>(mcfg.block_size),
                 static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
-                static_cast<long long>(accum), dims.dp(), ddp.num_buckets(), torch::get_num_threads(), peak / 1e9);
+                static_cast<long long>(accum), dims.dp(), torch::get_num_threads(), peak / 1e9);
+    std::printf("scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
+                "optimizer %.1f)\n",
+                dp.describe().c_str(), policy.describe().c_str(), (dp.model_state_bytes() + opt_bytes) / 1048576.0,
+                dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0);
     std::fflush(stdout);
   }
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
@@ -127,24 +152,35 @@ TrainResult run_training(const Config& cfg) {
   model->train();
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
-    ddp.reset_stats();
+    dp.reset_stats();
     double loss_sum = 0;
+    const double loss_scale = scaler ? scaler->scale() : 1.0;
     for (int64_t k = 0; k < accum; ++k) {
       auto idx = sampler.indices(step, dp_rank, dims.dp(), static_cast<int>(k), static_cast<int>(B));
       dataset.copy_batch(idx, inputs.data_ptr<int64_t>(), targets.data_ptr<int64_t>());
-      auto loss = model->loss(inputs, targets) / static_cast<double>(accum);
-      if (k + 1 < accum) {
-        auto guard = ddp.no_sync();
-        loss.backward();
-      } else {
-        loss.backward();  // gradients are averaged across dp when this returns
-      }
-      loss_sum += loss.item<double>();
+      loss_sum += dp.forward_backward(
+                      [&] {
+                        precision::AutocastGuard autocast(policy, at::kCPU);
+                        return model->loss(inputs, targets) * (loss_scale / static_cast<double>(accum));
+                      },
+                      k, accum) /
+                  loss_scale;
     }
-    const double norm = optim::clip_grad_norm(params, cfg.train.grad_clip);
+    double norm = 0;
+    bool skipped = false;
+    if (scaler) {
+      std::vector<at::Tensor> grads;
+      for (auto& p : params) grads.push_back(p.grad());
+      skipped = scaler->unscale_and_check(grads, dp.grad_groups());
+      scaler->update(skipped);
+    }
     const double lr = optim::lr_at(step, cfg.train.lr, sched);
-    opt.step(lr);
-    opt.zero_grad();
+    if (!skipped) {
+      norm = dp.clip_grad_norm(cfg.train.grad_clip);
+      opt.step(lr);
+      dp.after_step();
+    }
+    dp.zero_grad();
     // Report the global mean loss (one scalar all-reduce).
     auto l = torch::full({1}, loss_sum, torch::kDouble);
     mesh.dp().all_reduce(l, comm::ReduceOp::Avg).wait();
@@ -158,7 +194,7 @@ TrainResult run_training(const Config& cfg) {
     m.tokens_per_s = static_cast<double>(cfg.train.global_batch * T) / (ms / 1000.0);
     m.mfu = m.tokens_per_s / world->size() * flops_per_token / peak;
     m.peak_rss_mb = peak_rss_mb();
-    m.comm_wait_ms = ddp.comm_wait_ms();
+    m.comm_wait_ms = dp.comm_wait_ms();
     m.grad_norm = norm;
     result.losses.push_back(m.loss);
     if (step > 0) throughput.push_back(m.tokens_per_s);
@@ -168,18 +204,22 @@ TrainResult run_training(const Config& cfg) {
     std::sort(throughput.begin(), throughput.end());
     result.tokens_per_s = throughput[throughput.size() / 2];
   }
-  if (lead && cfg.train.sample_tokens > 0) {
-    model->eval();
-    data::ByteTokenizer tok;
-    auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
-    std::vector<int64_t> ids64(ids.begin(), ids.end());
-    auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1});
-    torch::manual_seed(cfg.train.seed);
-    auto out = model->generate(prompt, cfg.train.sample_tokens, 0.8, 40);
-    std::vector<uint16_t> gen;
-    for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint16_t>(out[0][i].item<int64_t>()));
-    std::printf("sample: %s\n", tok.decode(gen).c_str());
-    std::fflush(stdout);
+  if (cfg.train.sample_tokens > 0) {
+    // Collective: sharded strategies gather every unit; only rank 0 samples.
+    dp.with_full_parameters([&] {
+      if (!lead) return;
+      model->eval();
+      data::ByteTokenizer tok;
+      auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
+      std::vector<int64_t> ids64(ids.begin(), ids.end());
+      auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1});
+      torch::manual_seed(cfg.train.seed);
+      at::Tensor out = model->generate(prompt, cfg.train.sample_tokens, 0.8, 40);
+      std::vector<uint16_t> gen;
+      for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint16_t>(out[0][i].item<int64_t>()));
+      std::printf("sample: %s\n", tok.decode(gen).c_str());
+      std::fflush(stdout);
+    });
   }
   world->group()->barrier().wait();
   return result;

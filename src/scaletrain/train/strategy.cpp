@@ -1,0 +1,215 @@
+#include "scaletrain/train/strategy.h"
+
+#include <sstream>
+
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/zero/zero.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+namespace fsdp = parallel::fsdp;
+
+// Micro-batches before the last accumulate locally (no communication) under
+// DDP, ZeRO-1 and FSDP; ZeRO-2/3 reduce every micro-batch into their gradient
+// shards, as DeepSpeed does, so whole gradients never pile up.
+class DDPStrategy final : public DataParallel {
+ public:
+  DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p) : model_(std::move(model)) {
+    parallel::DDPOptions o;
+    o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
+    o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+    o.find_unused_parameters = p.find_unused_parameters;
+    o.comm_dtype = p.comm_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_.ptr(), group, o);
+    params_ = model_->parameters();
+  }
+  double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
+    at::Tensor loss = fn();
+    if (micro + 1 < accum) {
+      auto guard = ddp_->no_sync();
+      loss.backward();
+    } else {
+      loss.backward();
+    }
+    return loss.item<double>();
+  }
+  std::vector<at::Tensor> optimizer_params() override { return params_; }
+  std::vector<int64_t> decay_numel() override {
+    std::vector<int64_t> n;
+    for (auto& p : params_) n.push_back(p.dim() >= 2 ? p.numel() : 0);
+    return n;
+  }
+  double clip_grad_norm(double max_norm) override { return optim::clip_grad_norm(params_, max_norm); }
+  std::vector<comm::Group*> grad_groups() override { return {}; }
+  void after_step() override {}
+  void zero_grad() override {
+    for (auto& p : params_)
+      if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  double comm_wait_ms() const override { return ddp_->comm_wait_ms(); }
+  void reset_stats() override { ddp_->reset_stats(); }
+  int64_t model_state_bytes() const override {
+    int64_t b = 0;
+    for (auto& p : params_) b += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
+    return b;
+  }
+  void with_full_parameters(const std::function<void()>& fn) override { fn(); }
+  std::string describe() const override {
+    return "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
+  }
+
+ private:
+  models::GPT model_;
+  std::unique_ptr<parallel::DistributedDataParallel> ddp_;
+  std::vector<at::Tensor> params_;
+};
+
+class ShardedStrategy final : public DataParallel {
+ public:
+  ShardedStrategy(models::GPT model, comm::World& world, comm::Group& shard, comm::Group* replicate,
+                  const fsdp::ShardedOptions& o, bool no_sync, std::string label)
+      : model_(std::move(model)), shard_(shard), no_sync_(no_sync), label_(std::move(label)) {
+    engine_ = std::make_unique<fsdp::ShardedDataParallel>(model_.ptr(), *model_, world, shard, replicate, o);
+  }
+  double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
+    at::Tensor loss = engine_->forward(fn);
+    if (no_sync_ && micro + 1 < accum) {
+      auto guard = engine_->no_sync();
+      loss.backward();
+    } else {
+      loss.backward();
+    }
+    return loss.item<double>();
+  }
+  std::vector<at::Tensor> optimizer_params() override { return engine_->shards(); }
+  std::vector<int64_t> decay_numel() override { return engine_->shard_decay_numel(); }
+  double clip_grad_norm(double max_norm) override { return engine_->clip_grad_norm(max_norm); }
+  std::vector<comm::Group*> grad_groups() override { return {&shard_}; }
+  void after_step() override { engine_->after_step(); }
+  void zero_grad() override { engine_->zero_grad(); }
+  double comm_wait_ms() const override { return engine_->comm_wait_ms(); }
+  void reset_stats() override { engine_->reset_stats(); }
+  int64_t model_state_bytes() const override { return engine_->param_bytes() + engine_->grad_bytes(); }
+  void with_full_parameters(const std::function<void()>& fn) override {
+    fsdp::ShardedDataParallel::FullParams full(*engine_);
+    fn();
+  }
+  std::string describe() const override {
+    return label_ + ", " + std::to_string(engine_->num_units()) + " units (root + " +
+           std::to_string(engine_->num_units() - 1) + " wrapped)";
+  }
+
+ private:
+  models::GPT model_;
+  comm::Group& shard_;
+  bool no_sync_;
+  std::string label_;
+  std::unique_ptr<fsdp::ShardedDataParallel> engine_;
+};
+
+int64_t mib_to_numel(double mib, at::ScalarType dtype) {
+  return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+}  // namespace
+
+void check_strategy(const Config& c, bool cuda) {
+  const auto& p = c.parallel;
+  const auto& z = p.zero;
+  const bool zero = p.strategy.rfind("zero", 0) == 0;
+  if (zero) {
+    if (z.offload_param != "none")
+      throw UsageError("parallel.zero.offload_param=" + z.offload_param +
+                       " is not available: parameter offload needs a CUDA build, and is not implemented yet");
+    if (z.offload_optimizer == "cpu")
+      throw UsageError(cuda ? "parallel.zero.offload_optimizer=cpu is not implemented yet on CUDA"
+                            : "parallel.zero.offload_optimizer=cpu: optimizer states already live in CPU memory "
+                              "on a CPU run; use nvme for file-backed states");
+    if (!z.overlap_comm || !z.contiguous_gradients || !z.reduce_scatter || !z.allgather_partitions)
+      throw UsageError(
+          "parallel.zero: overlap_comm, contiguous_gradients, reduce_scatter and allgather_partitions must stay true "
+          "(scaletrain always reduce-scatters flat gradient buffers during backward)");
+  }
+  if (p.strategy == "fsdp" && p.fsdp.offload_params)
+    throw UsageError(std::string("parallel.fsdp.offload_params is not available: ") +
+                     (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
+  if (p.strategy != "fsdp" && p.strategy != "ddp" && !zero)
+    throw UsageError("parallel.strategy '" + p.strategy + "' is not available");
+  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
+    throw UsageError("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
+  if (p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD")
+    if (p.dp_replicate != 1 && p.strategy != "ddp")
+      throw UsageError("parallel.dp_replicate=" + std::to_string(p.dp_replicate) + " needs strategy ddp or "
+                       "fsdp with HYBRID_SHARD (" + p.strategy + " shards over the whole data-parallel group)");
+}
+
+Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
+                         at::ScalarType param_dtype) {
+  const auto& p = c.parallel;
+  Parallelized out;
+  const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
+  if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
+    torch::manual_seed(c.train.seed);
+    out.model = models::GPT(mcfg);
+    out.model->to(param_dtype);
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), p);
+    return out;
+  }
+  fsdp::ShardedOptions o;
+  o.master_dtype = at::kFloat;
+  bool deferred = false, no_sync = true;
+  comm::Group* shard = &mesh.dp();
+  comm::Group* replicate = nullptr;
+  std::string label = p.strategy;
+  if (p.strategy == "fsdp") {
+    const auto& f = p.fsdp;
+    o.sharding = fsdp::parse_sharding(f.sharding_strategy);
+    o.wrap.policy = fsdp::parse_wrap_policy(f.auto_wrap_policy);
+    o.wrap.layer_cls = f.transformer_layer_cls;
+    o.wrap.min_num_params = f.min_num_params;
+    o.backward_prefetch = fsdp::parse_backward_prefetch(f.backward_prefetch);
+    o.forward_prefetch = f.forward_prefetch;
+    o.limit_all_gathers = f.limit_all_gathers;
+    o.sync_module_states = f.sync_module_states;
+    deferred = f.cpu_ram_efficient_loading;
+    if (o.sharding == fsdp::Sharding::HybridShard) {
+      shard = &mesh.dp_shard();
+      replicate = &mesh.dp_replicate();
+    }
+    label = "fsdp " + f.sharding_strategy;
+  } else {
+    parallel::zero::ZeroOptions z;
+    z.stage = p.strategy.back() - '0';
+    z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
+    z.prefetch = p.zero.prefetch_bucket_mb > 0;
+    o = parallel::zero::sharded_options(z);
+    o.master_dtype = at::kFloat;
+    // stage3_max_live_parameters: gathered units stay bounded to two unless
+    // the whole model may be live at once.
+    o.limit_all_gathers = z.stage == 3;
+    deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
+    no_sync = z.stage == 1;
+  }
+  torch::manual_seed(c.train.seed);
+  // Deferred models are built in fp32 and initialized per tensor in the
+  // parameter dtype; the engine's buffers take the parameters' dtype.
+  if (deferred && param_dtype == at::kFloat) {
+    out.model = models::GPT(mcfg, /*materialize=*/false);
+    o.deferred_init = [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); };
+  } else {
+    out.model = models::GPT(mcfg);
+    out.model->to(param_dtype);
+  }
+  try {
+    out.dp = std::make_unique<ShardedStrategy>(out.model, world, *shard, replicate, o, no_sync, label);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());  // a wrap policy the model cannot take, etc.
+  }
+  return out;
+}
+
+}  // namespace scaletrain::train

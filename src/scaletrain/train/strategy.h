@@ -1,0 +1,55 @@
+#pragma once
+// The data-parallel strategy of a run behind one small interface, so the
+// training loop reads the same for DDP, ZeRO-1/2/3 and every FSDP strategy.
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/comm/world.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/train/config.h"
+
+namespace scaletrain::train {
+
+class DataParallel {
+ public:
+  virtual ~DataParallel() = default;
+  // Runs one forward (fn calls the model) and its backward, of micro-batch
+  // `micro` out of `accum` in this step; returns the loss value.
+  virtual double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) = 0;
+  // What the optimizer updates, and how many leading elements of each decay.
+  virtual std::vector<at::Tensor> optimizer_params() = 0;
+  virtual std::vector<int64_t> decay_numel() = 0;
+  // Global gradient norm (clipped to max_norm when > 0).
+  virtual double clip_grad_norm(double max_norm) = 0;
+  // The groups over which optimizer_params() are sharded (for agreeing on overflow).
+  virtual std::vector<comm::Group*> grad_groups() = 0;
+  virtual void after_step() = 0;
+  virtual void zero_grad() = 0;
+  virtual double comm_wait_ms() const = 0;
+  virtual void reset_stats() = 0;
+  // Bytes of parameters and gradients this rank holds now.
+  virtual int64_t model_state_bytes() const = 0;
+  // Runs fn with every parameter whole on every rank (collective).
+  virtual void with_full_parameters(const std::function<void()>& fn) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// Builds the model (deferred when the strategy initializes it shard by
+// shard) and the strategy the config asks for. Throws UsageError, one line,
+// for combinations this build cannot run.
+struct Parallelized {
+  models::GPT model{nullptr};
+  std::unique_ptr<DataParallel> dp;
+};
+Parallelized parallelize(const Config& config, const models::GPTConfig& model_config, comm::World& world,
+                         comm::Mesh& mesh, at::ScalarType param_dtype);
+
+// Checks the parallel section against what this build can do (no peers needed).
+void check_strategy(const Config& config, bool cuda);
+
+}  // namespace scaletrain::train
