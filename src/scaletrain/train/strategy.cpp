@@ -58,9 +58,7 @@ class DDPStrategy final : public DataParallel {
     return b;
   }
   void with_full_parameters(const std::function<void()>& fn) override { fn(); }
-  std::string describe() const override {
-    return "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
-  }
+  std::string describe() const override { return "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets"; }
 
  private:
   models::GPT model_;
@@ -143,8 +141,10 @@ void check_strategy(const Config& c, bool cuda) {
     throw UsageError("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
   if (p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD")
     if (p.dp_replicate != 1 && p.strategy != "ddp")
-      throw UsageError("parallel.dp_replicate=" + std::to_string(p.dp_replicate) + " needs strategy ddp or "
-                       "fsdp with HYBRID_SHARD (" + p.strategy + " shards over the whole data-parallel group)");
+      throw UsageError("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
+                       " needs strategy ddp or "
+                       "fsdp with HYBRID_SHARD (" +
+                       p.strategy + " shards over the whole data-parallel group)");
 }
 
 Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,

@@ -61,7 +61,7 @@ optim::ScheduleOptions schedule(const TrainOptions& t) {
   s.warmup_steps = t.warmup_steps;
   s.total_steps = t.steps;
   s.min_lr_ratio = t.min_lr_ratio;
-  s.decay = t.lr_schedule == "linear"   ? optim::Decay::Linear
+  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
             : t.lr_schedule == "constant" ? optim::Decay::Constant
                                           : optim::Decay::Cosine;
   s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
@@ -79,7 +79,8 @@ TrainResult run_training(const Config& cfg) {
   const bool cuda = false;  // the trainer computes on CPU (CUDA placement is not wired yet)
   const precision::PrecisionPolicy policy = precision::PrecisionPolicy::from_options(cfg.precision, cuda);
   check_strategy(cfg, cuda);
-  if (policy.param != at::kFloat && (cfg.parallel.strategy == "ddp" || cfg.parallel.fsdp.sharding_strategy == "NO_SHARD"))
+  if (policy.param != at::kFloat &&
+      (cfg.parallel.strategy == "ddp" || cfg.parallel.fsdp.sharding_strategy == "NO_SHARD"))
     throw UsageError("precision.param_dtype=" + precision::dtype_name(policy.param) +
                      " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); ddp has none");
   if (policy.reduce != policy.param)
@@ -121,9 +122,11 @@ TrainResult run_training(const Config& cfg) {
   optim::AdamW opt(params, dp.decay_numel(), ao);
   const optim::ScheduleOptions sched = schedule(cfg.train);
   std::unique_ptr<precision::LossScaler> scaler;
-  if (policy.loss_scaling) scaler = std::make_unique<precision::LossScaler>(precision::loss_scaler_options(cfg.precision));
+  if (policy.loss_scaling)
+    scaler = std::make_unique<precision::LossScaler>(precision::loss_scaler_options(cfg.precision));
   int64_t opt_bytes = 0;
-  for (size_t i = 0; i < opt.exp_avg().size(); ++i) opt_bytes += opt.exp_avg()[i].nbytes() + opt.exp_avg_sq()[i].nbytes();
+  for (size_t i = 0; i < opt.exp_avg().size(); ++i)
+    opt_bytes += opt.exp_avg()[i].nbytes() + opt.exp_avg_sq()[i].nbytes();
 
   const double peak = cfg.metrics.peak_flops > 0 ? cfg.metrics.peak_flops : measure_gemm_flops();
   const double flops_per_token = model->flops_per_token(mcfg.block_size);
@@ -131,15 +134,17 @@ TrainResult run_training(const Config& cfg) {
     std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s\n", cfg.model.preset.c_str(),
                 static_cast<long long>(model->num_parameters()), world->size(), info.source.c_str(),
                 dims.describe().c_str(), world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo");
-    std::printf("scaletrain: %lld samples of %lld tokens; global batch %lld = micro %lld x accumulation %lld x dp %d; "
-                "%d threads/rank; peak %.1f GFLOP/s/rank\n",
-                static_cast<long long>(dataset.num_samples()), static_cast<long long>(mcfg.block_size),
-                static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
-                static_cast<long long>(accum), dims.dp(), torch::get_num_threads(), peak / 1e9);
-    std::printf("scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
-                "optimizer %.1f)\n",
-                dp.describe().c_str(), policy.describe().c_str(), (dp.model_state_bytes() + opt_bytes) / 1048576.0,
-                dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0);
+    std::printf(
+        "scaletrain: %lld samples of %lld tokens; global batch %lld = micro %lld x accumulation %lld x dp %d; "
+        "%d threads/rank; peak %.1f GFLOP/s/rank\n",
+        static_cast<long long>(dataset.num_samples()), static_cast<long long>(mcfg.block_size),
+        static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
+        static_cast<long long>(accum), dims.dp(), torch::get_num_threads(), peak / 1e9);
+    std::printf(
+        "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
+        "optimizer %.1f)\n",
+        dp.describe().c_str(), policy.describe().c_str(), (dp.model_state_bytes() + opt_bytes) / 1048576.0,
+        dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0);
     std::fflush(stdout);
   }
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
@@ -184,8 +189,7 @@ TrainResult run_training(const Config& cfg) {
     // Report the global mean loss (one scalar all-reduce).
     auto l = torch::full({1}, loss_sum, torch::kDouble);
     mesh.dp().all_reduce(l, comm::ReduceOp::Avg).wait();
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     StepMetrics m;
     m.step = step + 1;
     m.loss = l.item<double>();

@@ -132,7 +132,7 @@ TEST(Schedule, WarmupThenCosine) {
 TEST(AdamW, MatchesLibtorchAdamW) {
   torch::manual_seed(0);
   auto p1 = torch::randn({5, 3}).requires_grad_(), p2 = p1.detach().clone().requires_grad_();
-  optim::AdamW ours({p1}, {true}, {1e-2, 0.9, 0.95, 1e-8, 0.1});
+  optim::AdamW ours({p1}, std::vector<bool>{true}, {1e-2, 0.9, 0.95, 1e-8, 0.1});
   torch::optim::AdamW theirs({p2}, torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
   for (int i = 0; i < 5; ++i) {
     auto g = torch::randn({5, 3});
