@@ -12,7 +12,7 @@
 // that serves all clients with poll() and keeps the key/value map. The server
 // answers blocking get/wait requests when their keys appear (a list of pending
 // waiters, no polling) and answers "timed out" itself when their deadline
-// passes. See Note [Rendezvous wire protocol] in rendezvous_store.cpp.
+// passes. See Note [Rendezvous wire protocol] in rendezvous_protocol.h.
 //
 // Works as the store for c10d::ProcessGroupGloo and through c10d::PrefixStore.
 // It compiles against libtorch 1.13 and 2.x: it overrides only what 1.13's
