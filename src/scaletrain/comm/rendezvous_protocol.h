@@ -56,8 +56,16 @@ constexpr uint32_t kMagic = 0x53545256;  // "STRV": refuses foreign peers
 constexpr uint32_t kVersion = 1;
 
 enum Op : uint8_t {
-  kHello = 1, kSet, kGet, kAdd, kCompareSet, kDelete, kCheck, kNumKeys,
-  kWait, kWaitWorkers,
+  kHello = 1,
+  kSet,
+  kGet,
+  kAdd,
+  kCompareSet,
+  kDelete,
+  kCheck,
+  kNumKeys,
+  kWait,
+  kWaitWorkers,
 };
 enum Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 
@@ -69,7 +77,10 @@ struct ProtocolError : RendezvousStoreError {
 class Writer {
  public:
   Writer() : buf_(4, 0) {}
-  Writer& u8(uint8_t v) { buf_.push_back(v); return *this; }
+  Writer& u8(uint8_t v) {
+    buf_.push_back(v);
+    return *this;
+  }
   Writer& u32(uint32_t v) {
     for (int s = 24; s >= 0; s -= 8) buf_.push_back(uint8_t(v >> s));
     return *this;
@@ -85,9 +96,7 @@ class Writer {
     buf_.insert(buf_.end(), p, p + n);
     return *this;
   }
-  Writer& str(const std::string& s) {
-    return bytes(reinterpret_cast<const uint8_t*>(s.data()), s.size());
-  }
+  Writer& str(const std::string& s) { return bytes(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
   Writer& blob(const Bytes& b) { return bytes(b.data(), b.size()); }
   Writer& keys(const std::vector<std::string>& ks) {
     u32(static_cast<uint32_t>(ks.size()));
@@ -111,8 +120,7 @@ class Reader {
   uint8_t u8() { return *take(1); }
   uint32_t u32() {
     const uint8_t* p = take(4);
-    return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 |
-        p[3];
+    return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3];
   }
   int64_t i64() {
     const uint8_t* p = take(8);
@@ -154,15 +162,13 @@ class Reader {
 };
 
 inline uint32_t frameLength(const uint8_t* p) {
-  return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 |
-      p[3];
+  return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3];
 }
 
 inline std::string errnoText(int err) { return std::strerror(err); }
 
 inline std::string joinHostPort(const std::string& host, uint16_t port) {
-  if (host.find(':') != std::string::npos)
-    return "[" + host + "]:" + std::to_string(port);
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
   return host + ":" + std::to_string(port);
 }
 

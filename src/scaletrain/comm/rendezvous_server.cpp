@@ -25,8 +25,7 @@ namespace {
 
 std::string numericHost(const sockaddr* sa, socklen_t len) {
   char buf[NI_MAXHOST] = {0};
-  if (::getnameinfo(sa, len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) != 0)
-    return "?";
+  if (::getnameinfo(sa, len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) != 0) return "?";
   return buf;
 }
 
@@ -44,21 +43,17 @@ RendezvousStore::Server::Server(const Options& options) : options_(options) {
       setFlag(fd.get(), SOL_SOCKET, SO_REUSEADDR);
       // "::" must mean IPv6 only, not every IPv4 address too.
       if (ai->ai_family == AF_INET6) setFlag(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY);
-      ok = ::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 &&
-          ::listen(fd.get(), options_.listen_backlog) == 0;
+      ok = ::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd.get(), options_.listen_backlog) == 0;
     }
     if (!ok) {
       const int err = errno;
-      error += (error.empty() ? "" : "; ") + numericHost(ai->ai_addr, ai->ai_addrlen) +
-          ": " + errnoText(err);
+      error += (error.empty() ? "" : "; ") + numericHost(ai->ai_addr, ai->ai_addrlen) + ": " + errnoText(err);
       continue;
     }
     listen_fd_ = std::move(fd);
   }
   where_ = joinHostPort(options_.host, options_.port);
-  if (!listen_fd_.valid())
-    throw RendezvousStoreError(
-        "rendezvous store " + where_ + ": cannot listen: " + error);
+  if (!listen_fd_.valid()) throw RendezvousStoreError("rendezvous store " + where_ + ": cannot listen: " + error);
 
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
@@ -76,8 +71,7 @@ RendezvousStore::Server::Server(const Options& options) : options_(options) {
   where_ = joinHostPort(options_.host, port_);
   wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_.valid())
-    throw RendezvousStoreError("rendezvous store " + where_ +
-                               ": eventfd failed: " + errnoText(errno));
+    throw RendezvousStoreError("rendezvous store " + where_ + ": eventfd failed: " + errnoText(errno));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -95,8 +89,7 @@ void RendezvousStore::Server::run() {
     while (loopOnce()) {
     }
   } catch (const std::exception& e) {
-    std::cerr << "scaletrain: rendezvous store server " << where_
-              << " stopped: " << e.what() << std::endl;
+    std::cerr << "scaletrain: rendezvous store server " << where_ << " stopped: " << e.what() << std::endl;
   }
   // Closing every socket turns a stopped server into a clear "connection
   // lost" on the clients instead of a hang.
@@ -163,8 +156,7 @@ void RendezvousStore::Server::acceptAll() {
       if (err == EMFILE || err == ENFILE) {
         // Out of descriptors: back off instead of spinning on a readable
         // listening socket; the pending connection waits in the backlog.
-        std::cerr << "scaletrain: rendezvous store server " << where_
-                  << ": accept: " << errnoText(err) << std::endl;
+        std::cerr << "scaletrain: rendezvous store server " << where_ << ": accept: " << errnoText(err) << std::endl;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       return;
@@ -191,8 +183,7 @@ bool RendezvousStore::Server::readFrom(Client& c) {
 
 void RendezvousStore::Server::flush(Client& c) {
   while (c.out_off < c.out.size()) {
-    ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off,
-                       c.out.size() - c.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (k > 0) {
       c.out_off += size_t(k);
     } else if (k < 0 && errno == EINTR) {
@@ -268,8 +259,7 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       const bool counts = r.u8() != 0;
       r.expectEnd();
       if (magic != kMagic || version != kVersion) {
-        w.u8(kError).str("protocol mismatch (server speaks version " +
-                         std::to_string(kVersion) + ")");
+        w.u8(kError).str("protocol mismatch (server speaks version " + std::to_string(kVersion) + ")");
         reply(c, w);
         close(id, c);
         return;
@@ -317,8 +307,7 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
           used = 0;
         }
         if (used == 0 || used != text.size())
-          return reply(c, w.u8(kError).str("add: value of key '" + key +
-                                           "' is not an integer"));
+          return reply(c, w.u8(kError).str("add: value of key '" + key + "' is not an integer"));
       }
       const int64_t next = current + delta;
       const std::string text = std::to_string(next);
@@ -381,8 +370,7 @@ void RendezvousStore::Server::setKey(const std::string& key, Bytes value) {
 }
 
 bool RendezvousStore::Server::hasAll(const std::vector<std::string>& keys) const {
-  return std::all_of(keys.begin(), keys.end(),
-                     [this](const std::string& k) { return data_.count(k) != 0; });
+  return std::all_of(keys.begin(), keys.end(), [this](const std::string& k) { return data_.count(k) != 0; });
 }
 
 void RendezvousStore::Server::addWaiter(uint64_t id, Waiter w) {

@@ -35,12 +35,12 @@ class RendezvousStore::Server {
  private:
   struct Client {
     rdzv::UniqueFd fd;
-    rdzv::Bytes in;            // bytes received, not yet parsed
-    size_t in_off = 0;   // start of the unparsed bytes in `in`
-    rdzv::Bytes out;           // replies not yet written (socket was full)
+    rdzv::Bytes in;     // bytes received, not yet parsed
+    size_t in_off = 0;  // start of the unparsed bytes in `in`
+    rdzv::Bytes out;    // replies not yet written (socket was full)
     size_t out_off = 0;
-    bool hello = false;  // handshake done
-    bool closed = false; // to be dropped at the end of this loop turn
+    bool hello = false;   // handshake done
+    bool closed = false;  // to be dropped at the end of this loop turn
   };
   // A blocking request (get, wait, wait-for-workers) not yet answerable.
   struct Waiter {
@@ -70,7 +70,7 @@ class RendezvousStore::Server {
   const Options options_;
   std::string where_;  // "host:port" for log lines
   rdzv::UniqueFd listen_fd_;
-  rdzv::UniqueFd wake_fd_;   // written by the destructor to stop the loop
+  rdzv::UniqueFd wake_fd_;  // written by the destructor to stop the loop
   uint16_t port_ = 0;
   bool wildcard_ = false;
   bool v6_ = false;
@@ -78,10 +78,10 @@ class RendezvousStore::Server {
   std::map<std::string, rdzv::Bytes> data_;
   std::map<uint64_t, Client> clients_;
   uint64_t next_id_ = 0;
-  std::map<uint64_t, Waiter> waiters_;  // by client id: one per client
+  std::map<uint64_t, Waiter> waiters_;                     // by client id: one per client
   std::map<std::string, std::set<uint64_t>> key_waiters_;  // key -> clients
-  std::deque<uint64_t> ready_;  // clients whose buffered requests may go on
-  int64_t joined_ = 0;          // clients that joined counting as workers
+  std::deque<uint64_t> ready_;                             // clients whose buffered requests may go on
+  int64_t joined_ = 0;                                     // clients that joined counting as workers
 
   std::thread thread_;  // last: starts after everything above exists
 };

@@ -44,16 +44,12 @@ std::string formatDuration(std::chrono::milliseconds d) {
 std::string describeKeys(const std::vector<std::string>& keys) {
   constexpr size_t kShown = 8;
   std::string s = keys.size() == 1 ? "key " : "keys ";
-  for (size_t i = 0; i < keys.size() && i < kShown; ++i)
-    s += (i ? ", '" : "'") + keys[i] + "'";
-  if (keys.size() > kShown)
-    s += ", ... (" + std::to_string(keys.size() - kShown) + " more)";
+  for (size_t i = 0; i < keys.size() && i < kShown; ++i) s += (i ? ", '" : "'") + keys[i] + "'";
+  if (keys.size() > kShown) s += ", ... (" + std::to_string(keys.size() - kShown) + " more)";
   return s;
 }
 
-int64_t wireTimeout(std::chrono::milliseconds t) {
-  return t.count() <= 0 ? 0 : static_cast<int64_t>(t.count());
-}
+int64_t wireTimeout(std::chrono::milliseconds t) { return t.count() <= 0 ? 0 : static_cast<int64_t>(t.count()); }
 
 // Blocking-with-deadline I/O on a non-blocking socket. They return "" on
 // success, otherwise why they failed.
@@ -113,9 +109,12 @@ UniqueFd tryConnect(const addrinfo& ai, const Deadline& dl, std::string& error) 
     } while (rc < 0 && errno == EINTR);
     int err = 0;
     socklen_t len = sizeof(err);
-    if (rc == 0) err = ETIMEDOUT;
-    else if (rc < 0) err = errno;
-    else ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+    if (rc == 0)
+      err = ETIMEDOUT;
+    else if (rc < 0)
+      err = errno;
+    else
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     if (err != 0) {
       error = errnoText(err);
       return {};
@@ -155,16 +154,12 @@ std::chrono::milliseconds replyGrace(std::chrono::milliseconds t) {
   using std::chrono::milliseconds;
   return std::clamp<milliseconds>(t / 10, milliseconds(1000), milliseconds(30000));
 }
-std::chrono::milliseconds withGrace(std::chrono::milliseconds t) {
-  return t.count() <= 0 ? t : t + replyGrace(t);
-}
+std::chrono::milliseconds withGrace(std::chrono::milliseconds t) { return t.count() <= 0 ? t : t + replyGrace(t); }
 }  // namespace
 
-RendezvousStore::RendezvousStore(Options options)
-    : c10d::Store(options.timeout), options_(std::move(options)) {
+RendezvousStore::RendezvousStore(Options options) : c10d::Store(options.timeout), options_(std::move(options)) {
   if (options_.host.empty())
-    throw RendezvousStoreError(
-        "rendezvous store: empty host; give the master address (MASTER_ADDR)");
+    throw RendezvousStoreError("rendezvous store: empty host; give the master address (MASTER_ADDR)");
   port_ = options_.port;
   connect_host_ = options_.host;
   if (options_.is_server) {
@@ -178,17 +173,14 @@ RendezvousStore::RendezvousStore(Options options)
     std::lock_guard<std::mutex> lock(mutex_);
     connectLocked();
   }
-  if (options_.is_server && options_.wait_for_workers && options_.world_size > 0)
-    waitForWorkers();
+  if (options_.is_server && options_.wait_for_workers && options_.world_size > 0) waitForWorkers();
 }
 
 // Members go in reverse order: the client socket closes, then the server
 // stops and joins (see the member order in the header).
 RendezvousStore::~RendezvousStore() = default;
 
-std::string RendezvousStore::address() const {
-  return joinHostPort(options_.host, port_);
-}
+std::string RendezvousStore::address() const { return joinHostPort(options_.host, port_); }
 
 void RendezvousStore::fail(const std::string& message) const {
   throw RendezvousStoreError("rendezvous store " + address() + ": " + message);
@@ -197,8 +189,7 @@ void RendezvousStore::fail(const std::string& message) const {
 void RendezvousStore::failBroken(const std::string& what, const std::string& why) {
   broken_ = why;
   fd_.reset();
-  fail("connection lost during " + what + ": " + why +
-       " (did the server process exit?)");
+  fail("connection lost during " + what + ": " + why + " (did the server process exit?)");
 }
 
 void RendezvousStore::connectLocked() {
@@ -217,8 +208,8 @@ void RendezvousStore::connectLocked() {
     if (fd_.valid()) break;
     const auto now = Clock::now();
     if (now >= deadline)
-      fail("could not connect within " + formatDuration(options_.connect_timeout) +
-           " (last error: " + error + "); is the server (rank 0) running?");
+      fail("could not connect within " + formatDuration(options_.connect_timeout) + " (last error: " + error +
+           "); is the server (rank 0) running?");
     // Refused: the server may not be listening yet. Back off, then retry.
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
@@ -231,20 +222,16 @@ void RendezvousStore::connectLocked() {
   uint8_t head[5];
   if (err.empty()) err = recvAll(fd_.get(), head, sizeof(head), dl);
   if (!err.empty()) failBroken("handshake", err);
-  if (frameLength(head) < 1 || head[4] != kOk)
-    failBroken("handshake", "the peer does not speak this protocol version");
+  if (frameLength(head) < 1 || head[4] != kOk) failBroken("handshake", "the peer does not speak this protocol version");
 }
 
-RendezvousStore::Reply RendezvousStore::roundTrip(
-    const std::vector<uint8_t>& request,
-    const std::string& what,
-    std::chrono::milliseconds reply_timeout) {
+RendezvousStore::Reply RendezvousStore::roundTrip(const std::vector<uint8_t>& request, const std::string& what,
+                                                  std::chrono::milliseconds reply_timeout) {
   // Held for the whole exchange: one request in flight per connection. A
   // blocking get/wait therefore also blocks this object's other callers;
   // threads that must not wait on each other use clone().
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!broken_.empty())
-    fail("cannot run " + what + ": the connection was lost earlier (" + broken_ + ")");
+  if (!broken_.empty()) fail("cannot run " + what + ": the connection was lost earlier (" + broken_ + ")");
   const Deadline dl = deadlineAfter(reply_timeout);
   std::string err = sendAll(fd_.get(), request.data(), request.size(), dl);
   if (!err.empty()) failBroken(what, err);
@@ -252,19 +239,16 @@ RendezvousStore::Reply RendezvousStore::roundTrip(
   err = recvAll(fd_.get(), head, sizeof(head), dl);
   Reply reply{kError, {}};
   const uint32_t len = frameLength(head);
-  if (err.empty() && (len < 1 || len > options_.max_frame_bytes))
-    err = "malformed reply from the server";
+  if (err.empty() && (len < 1 || len > options_.max_frame_bytes)) err = "malformed reply from the server";
   if (err.empty()) {
     reply.body.resize(len);
     err = recvAll(fd_.get(), reply.body.data(), len, dl);
   }
-  if (err == "timeout")
-    failBroken(what, "the server did not answer within " + formatDuration(reply_timeout));
+  if (err == "timeout") failBroken(what, "the server did not answer within " + formatDuration(reply_timeout));
   if (!err.empty()) failBroken(what, err);
   reply.status = static_cast<Status>(reply.body[0]);
   if (reply.status == kError) fail(what + " failed: " + reply.fields().str());
-  if (reply.status != kOk && reply.status != kTimeout)
-    failBroken(what, "malformed reply from the server");
+  if (reply.status != kOk && reply.status != kTimeout) failBroken(what, "malformed reply from the server");
   return reply;
 }
 
@@ -280,8 +264,7 @@ std::vector<uint8_t> RendezvousStore::get(const std::string& key) {
   w.u8(kGet).str(key).i64(wireTimeout(timeout));
   Reply reply = roundTrip(w.take(), "get of key '" + key + "'", withGrace(timeout));
   if (reply.status == kTimeout)
-    fail("get timed out after " + formatDuration(timeout) + " waiting for key '" +
-         key + "'");
+    fail("get timed out after " + formatDuration(timeout) + " waiting for key '" + key + "'");
   return reply.fields().blob();
 }
 
@@ -291,15 +274,11 @@ int64_t RendezvousStore::add(const std::string& key, int64_t value) {
   return roundTrip(w.take(), "add to key '" + key + "'", timeout_).fields().i64();
 }
 
-std::vector<uint8_t> RendezvousStore::compareSet(
-    const std::string& key,
-    const std::vector<uint8_t>& currentValue,
-    const std::vector<uint8_t>& newValue) {
+std::vector<uint8_t> RendezvousStore::compareSet(const std::string& key, const std::vector<uint8_t>& currentValue,
+                                                 const std::vector<uint8_t>& newValue) {
   Writer w;
   w.u8(kCompareSet).str(key).blob(currentValue).blob(newValue);
-  return roundTrip(w.take(), "compareSet of key '" + key + "'", timeout_)
-      .fields()
-      .blob();
+  return roundTrip(w.take(), "compareSet of key '" + key + "'", timeout_).fields().blob();
 }
 
 bool RendezvousStore::deleteKey(const std::string& key) {
@@ -320,20 +299,15 @@ int64_t RendezvousStore::getNumKeys() {
   return roundTrip(w.take(), "getNumKeys", timeout_).fields().i64();
 }
 
-void RendezvousStore::wait(const std::vector<std::string>& keys) {
-  wait(keys, timeout_);
-}
+void RendezvousStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
-void RendezvousStore::wait(
-    const std::vector<std::string>& keys,
-    const std::chrono::milliseconds& timeout) {
+void RendezvousStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
   Writer w;
   w.u8(kWait).keys(keys).i64(wireTimeout(timeout));
   Reply reply = roundTrip(w.take(), "wait for " + describeKeys(keys), withGrace(timeout));
   if (reply.status != kTimeout) return;
-  fail("wait timed out after " + formatDuration(timeout) + " waiting for " +
-       describeKeys(keys) + " (still missing: " +
-       describeKeys(reply.fields().keys()) + ")");
+  fail("wait timed out after " + formatDuration(timeout) + " waiting for " + describeKeys(keys) +
+       " (still missing: " + describeKeys(reply.fields().keys()) + ")");
 }
 
 void RendezvousStore::waitForWorkers() {
@@ -343,8 +317,7 @@ void RendezvousStore::waitForWorkers() {
   Reply reply = roundTrip(w.take(), "wait for workers", withGrace(timeout));
   if (reply.status != kTimeout) return;
   fail("timed out after " + formatDuration(timeout) + " waiting for workers to join: " +
-       std::to_string(reply.fields().i64()) + " of " +
-       std::to_string(options_.world_size) + " joined");
+       std::to_string(reply.fields().i64()) + " of " + std::to_string(options_.world_size) + " joined");
 }
 
 c10::intrusive_ptr<c10d::Store> RendezvousStore::clone() {
