@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
 #include "dist_env.h"
+#include "scaletrain/comm/compat.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
@@ -95,8 +98,7 @@ std::vector<at::Tensor> train_ddp(const std::vector<Batch>& data, comm::Group& g
 // Zero-initialised biases make the per-tensor form divide by ~lr x steps, so
 // in fp32 it measures Adam's amplified rounding (see the Note above) rather
 // than the strategy; fp32 and bf16 comparisons use the global form.
-double max_relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                         bool per_tensor = true) {
+double max_relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, bool per_tensor = true) {
   double worst = 0, diff = 0, scale = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     const double d = (a[i] - b[i]).abs().max().item<double>(), s = b[i].abs().max().item<double>();
@@ -127,8 +129,9 @@ TEST_P(DDPParity, MatchesSingleProcessAfterFiveSteps) {
   const double diff = max_relative_diff(got, ref, /*per_tensor=*/g_dtype == at::kDouble);
   RecordProperty("max_relative_diff", std::to_string(diff));
   EXPECT_LE(diff, 1e-5) << "world " << world().size() << ", accumulation " << accum;
-  if (world().rank() == 0) std::printf("[parity] %s world %d accumulation %d: max relative diff %.3g\n",
-                                       c10::toString(g_dtype), world().size(), accum, diff);
+  if (world().rank() == 0)
+    std::printf("[parity] %s world %d accumulation %d: max relative diff %.3g\n", c10::toString(g_dtype),
+                world().size(), accum, diff);
   // The initial weights must actually have moved, or the comparison is empty.
   auto init = make_model()->parameters();
   EXPECT_GT(max_relative_diff(got, init), 1e-3);
@@ -176,6 +179,139 @@ TEST(DDP, BucketsFollowReverseRegistrationOrder) {
   auto names = model->named_parameters().keys();
   EXPECT_EQ(layout[0].front(), names.back());
   EXPECT_EQ(layout[1].back(), names.front());
+}
+
+// Parameter names in the order their AccumulateGrad nodes finish, recorded by
+// hooks of the test's own (independent of DDP's).
+struct ReadyOrder {
+  explicit ReadyOrder(torch::nn::Module& m) {
+    for (auto& item : m.named_parameters()) {
+      auto acc = torch::autograd::impl::grad_accumulator(item.value());
+      acc->add_post_hook(comm::compat::post_hook([names = names, name = item.key()] { names->push_back(name); }));
+      accumulators.push_back(std::move(acc));
+    }
+  }
+  std::shared_ptr<std::vector<std::string>> names = std::make_shared<std::vector<std::string>>();
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+};
+
+std::vector<std::string> flatten(const std::vector<std::vector<std::string>>& layout) {
+  std::vector<std::string> out;
+  for (auto& b : layout) out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+// Registered a, b, c, d but applied b, d, a, c: backward produces c's
+// gradients first and b's last, far from reverse registration order.
+struct Shuffled : torch::nn::Module {
+  Shuffled() {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    b = register_module("b", torch::nn::Linear(4, 4));
+    c = register_module("c", torch::nn::Linear(4, 4));
+    d = register_module("d", torch::nn::Linear(4, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return c(torch::tanh(a(torch::tanh(d(torch::tanh(b(x))))))); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, d{nullptr};
+};
+
+// One parameter per bucket: the layout is the order.
+parallel::DDPOptions one_per_bucket() {
+  parallel::DDPOptions o;
+  o.first_bucket_cap_bytes = 1;
+  o.bucket_cap_bytes = 1;
+  return o;
+}
+
+TEST(DDP, BucketsAreRebuiltInGradientReadyOrder) {
+  torch::manual_seed(0);
+  auto m = std::make_shared<Shuffled>();
+  parallel::DistributedDataParallel ddp(m, *world().group(), one_per_bucket());
+  ReadyOrder seen(*m);
+  const auto before = ddp.bucket_layout();
+  EXPECT_FALSE(ddp.buckets_rebuilt());
+  EXPECT_EQ(before.front().front(), "d.bias");  // reverse registration
+  {
+    auto guard = ddp.no_sync();  // no_sync backwards neither record nor rebuild
+    m->forward(torch::ones({2, 4})).sum().backward();
+  }
+  EXPECT_FALSE(ddp.buckets_rebuilt());
+  EXPECT_EQ(ddp.bucket_layout(), before);
+  seen.names->clear();
+  m->forward(torch::ones({2, 4})).sum().backward();
+  ASSERT_TRUE(ddp.buckets_rebuilt());
+  const auto after = ddp.bucket_layout();
+  EXPECT_EQ(flatten(after), *seen.names);
+  EXPECT_EQ(after.size(), before.size());
+  EXPECT_EQ(after.front().front().substr(0, 2), "c.");
+  EXPECT_EQ(after.back().front().substr(0, 2), "b.");
+  // Rebuilt once: later steps keep the layout.
+  m->forward(torch::ones({2, 4})).sum().backward();
+  EXPECT_EQ(ddp.bucket_layout(), after);
+}
+
+TEST(DDP, TiedEmbeddingEndsInTheLastBucket) {
+  auto model = make_model();
+  parallel::DistributedDataParallel ddp(model.ptr(), *world().group(), one_per_bucket());
+  ReadyOrder seen(*model);
+  auto data = make_data();
+  model->loss(data[0].x.narrow(0, 0, 4), data[0].y.narrow(0, 0, 4)).backward();
+  ASSERT_TRUE(ddp.buckets_rebuilt());
+  const auto layout = ddp.bucket_layout();
+  EXPECT_EQ(flatten(layout), *seen.names);
+  // wte is complete only after the embedding's backward, the last thing
+  // backward does; only wpe (the other embedding, ready at the same time) may
+  // follow it.
+  size_t wte_bucket = layout.size();
+  for (size_t b = 0; b < layout.size(); ++b)
+    for (auto& n : layout[b])
+      if (n == "wte.weight") wte_bucket = b;
+  ASSERT_LT(wte_bucket, layout.size());
+  for (size_t b = wte_bucket + 1; b < layout.size(); ++b) EXPECT_EQ(layout[b], std::vector<std::string>{"wpe.weight"});
+  EXPECT_GE(wte_bucket + 2, layout.size());
+}
+
+// The rebuild carries the reduced gradients over and keeps .grad the bucket
+// views: gradients after the first and later steps equal those of a DDP that
+// never rebuilds, with and without no_sync accumulation.
+TEST(DDP, RebuildKeepsGradients) {
+  g_dtype = at::kDouble;
+  auto data = make_data();
+  auto a = make_model(), b = make_model();
+  auto o = one_per_bucket();
+  parallel::DistributedDataParallel da(a.ptr(), *world().group(), o);
+  o.rebuild_buckets = false;
+  parallel::DistributedDataParallel db(b.ptr(), *world().group(), o);
+  const int64_t micro = 2, start = world().rank() * 2 * micro;
+  for (int step = 0; step < 3; ++step) {
+    for (auto* m : {&a, &b}) {
+      auto& ddp = m == &a ? da : db;
+      auto x = data[step].x.narrow(0, start, 2 * micro), y = data[step].y.narrow(0, start, 2 * micro);
+      {
+        auto guard = ddp.no_sync();
+        (*m)->loss(x.narrow(0, 0, micro), y.narrow(0, 0, micro)).backward();
+      }
+      (*m)->loss(x.narrow(0, micro, micro), y.narrow(0, micro, micro)).backward();
+    }
+    EXPECT_TRUE(da.buckets_rebuilt());
+    EXPECT_FALSE(db.buckets_rebuilt());
+    auto pa = a->named_parameters(), pb = b->named_parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      auto &ga = pa[i].value().mutable_grad(), &gb = pb[i].value().mutable_grad();
+      EXPECT_TRUE(torch::allclose(ga, gb, 1e-12, 1e-14)) << pa[i].key() << " step " << step;
+      // zero_grad as the optimizer does it: in place, keeping the views.
+      ga.zero_();
+      gb.zero_();
+    }
+  }
+  g_dtype = at::kFloat;
+}
+
+TEST(DDP, RebuiltBucketsWithAccumulationMatchReference) {
+  g_dtype = at::kDouble;
+  auto data = make_data();
+  auto ref = train_reference(data);
+  EXPECT_LE(max_relative_diff(train_ddp(data, *world().group(), 2, one_per_bucket()), ref), 1e-5);
+  g_dtype = at::kFloat;
 }
 
 TEST(DDP, BroadcastsRankZeroWeights) {

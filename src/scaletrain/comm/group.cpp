@@ -3,10 +3,95 @@
 
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <mutex>
 #include <sstream>
 
 namespace scaletrain::comm {
+
+// --- Scratch buffers (Note [Scratch buffers] in group.h) ----------------------
+
+namespace detail {
+
+class ScratchPool : public std::enable_shared_from_this<ScratchPool> {
+ public:
+  // One checked-out buffer. `finish()` says the operation using it is over;
+  // only then does destruction hand the buffer back to the pool.
+  class Lease {
+   public:
+    Lease(std::weak_ptr<ScratchPool> pool, at::Tensor bytes, at::Tensor tensor)
+        : pool_(std::move(pool)), bytes_(std::move(bytes)), tensor_(std::move(tensor)) {}
+    ~Lease() {
+      if (!finished_ || !bytes_.defined()) return;
+      if (auto pool = pool_.lock()) pool->give_back(std::move(bytes_));
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+
+    const at::Tensor& tensor() const { return tensor_; }
+    void finish() { finished_ = true; }
+
+   private:
+    std::weak_ptr<ScratchPool> pool_;
+    at::Tensor bytes_;   // the pooled storage (undefined when not pooled)
+    at::Tensor tensor_;  // the caller's typed 1-D view of it
+    bool finished_ = false;
+  };
+  using LeasePtr = std::shared_ptr<Lease>;
+
+  // An uninitialised contiguous 1-D tensor of `numel` elements.
+  LeasePtr take(int64_t numel, const at::TensorOptions& options) {
+    if (options.device().type() != at::kCPU || numel == 0)
+      return std::make_shared<Lease>(weak_from_this(), at::Tensor(), at::empty({numel}, options));
+    const int64_t nbytes = numel * static_cast<int64_t>(options.dtype().itemsize());
+    at::Tensor bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Best fit among the free buffers; if none is large enough, the
+      // largest one is replaced by a bigger one (the pool only grows).
+      size_t best = free_.size(), largest = free_.size();
+      for (size_t i = 0; i < free_.size(); ++i) {
+        const int64_t cap = free_[i].numel();
+        if (cap >= nbytes && (best == free_.size() || cap < free_[best].numel())) best = i;
+        if (largest == free_.size() || cap > free_[largest].numel()) largest = i;
+      }
+      size_t pick = best != free_.size() ? best : largest;
+      if (pick != free_.size()) {
+        bytes = std::move(free_[pick]);
+        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(pick));
+      }
+      if (!bytes.defined() || bytes.numel() < nbytes) {
+        if (bytes.defined()) held_ -= bytes.numel();
+        bytes = at::Tensor();
+        held_ += nbytes;
+      }
+    }
+    if (!bytes.defined()) bytes = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
+    at::Tensor typed = bytes.narrow(0, 0, nbytes).view(options.dtype().toScalarType());
+    return std::make_shared<Lease>(weak_from_this(), std::move(bytes), std::move(typed));
+  }
+
+  int64_t held_bytes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_;
+  }
+
+ private:
+  void give_back(at::Tensor bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(bytes));
+  }
+
+  mutable std::mutex mu_;
+  std::vector<at::Tensor> free_;  // 1-D uint8 CPU tensors not checked out
+  int64_t held_ = 0;              // bytes of all pooled buffers, free or out
+};
+
+}  // namespace detail
+
 namespace {
+
+using detail::ScratchPool;
 
 bool is_16bit_float(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
@@ -15,24 +100,16 @@ at::Tensor bytes_of(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return c10d::ReduceOp::SUM;
-    case ReduceOp::Avg: return c10d::ReduceOp::AVG;
-    case ReduceOp::Max: return c10d::ReduceOp::MAX;
-    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Sum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Avg:
+      return c10d::ReduceOp::AVG;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
   }
   return c10d::ReduceOp::SUM;
-}
-
-// Reduces the rows of `rows` ([n, k], any float dtype) in fp32 or wider.
-at::Tensor reduce_rows(const at::Tensor& rows, ReduceOp op) {
-  at::Tensor r = is_16bit_float(rows.scalar_type()) ? rows.to(at::kFloat) : rows;
-  switch (op) {
-    case ReduceOp::Sum: return r.sum(0);
-    case ReduceOp::Avg: return r.sum(0).div_(rows.size(0));
-    case ReduceOp::Max: return std::get<0>(r.max(0));
-    case ReduceOp::Min: return std::get<0>(r.min(0));
-  }
-  return r.sum(0);
 }
 
 std::string first_line(const std::exception& e) {
@@ -44,6 +121,67 @@ std::string first_line(const std::exception& e) {
 
 void check_contiguous(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.is_contiguous(), "scaletrain ", op, ": tensors must be contiguous");
+}
+
+// Reduces the rows of `rows` ([n, k], any dtype) into `dst` (k contiguous
+// elements), row 0 first. Same-dtype reductions run as one ATen reduction
+// straight into `dst`; 16-bit floats (or a change of dtype) accumulate row by
+// row in fp32, in a scratch buffer unless `dst` is itself fp32.
+void reduce_rows_into(const at::Tensor& rows, ReduceOp op, at::Tensor dst, ScratchPool& pool) {
+  const int64_t n = rows.size(0);
+  const std::array<int64_t, 1> dim0{0};
+  if (rows.scalar_type() == dst.scalar_type() && !is_16bit_float(rows.scalar_type())) {
+    switch (op) {
+      case ReduceOp::Sum:
+        at::sum_out(dst, rows, dim0);
+        return;
+      case ReduceOp::Avg:
+        at::sum_out(dst, rows, dim0).div_(n);
+        return;
+      case ReduceOp::Max:
+        at::amax_out(dst, rows, dim0);
+        return;
+      case ReduceOp::Min:
+        at::amin_out(dst, rows, dim0);
+        return;
+    }
+  }
+  const at::ScalarType acc_type = is_16bit_float(rows.scalar_type()) ? at::kFloat : rows.scalar_type();
+  ScratchPool::LeasePtr lease;
+  at::Tensor acc = dst;
+  if (dst.scalar_type() != acc_type) {
+    lease = pool.take(dst.numel(), dst.options().dtype(acc_type));
+    acc = lease->tensor();
+  }
+  acc.copy_(rows[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg:
+        acc.add_(rows[i]);
+        break;
+      case ReduceOp::Max:
+        at::maximum_out(acc, acc, rows[i]);
+        break;
+      case ReduceOp::Min:
+        at::minimum_out(acc, acc, rows[i]);
+        break;
+    }
+  }
+  if (op == ReduceOp::Avg) acc.div_(n);
+  if (lease) {
+    dst.copy_(acc);
+    lease->finish();
+  }
+}
+
+// `full` flattened and zero-padded to `numel` elements, in a scratch buffer.
+ScratchPool::LeasePtr padded_copy(ScratchPool& pool, const at::Tensor& full, int64_t numel) {
+  auto lease = pool.take(numel, full.options());
+  const at::Tensor& t = lease->tensor();
+  t.narrow(0, 0, full.numel()).copy_(full.reshape({-1}));
+  t.narrow(0, full.numel(), numel - full.numel()).zero_();
+  return lease;
 }
 
 }  // namespace
@@ -82,14 +220,17 @@ void Work::and_then(std::function<Work()> next) {
 
 // --- Group ------------------------------------------------------------------
 
-Group::Group(std::string name, std::vector<int> ranks, int rank, BackendKind kind,
-             compat::BackendPtr backend, std::chrono::milliseconds timeout)
+Group::Group(std::string name, std::vector<int> ranks, int rank, BackendKind kind, compat::BackendPtr backend,
+             std::chrono::milliseconds timeout)
     : name_(std::move(name)),
       ranks_(std::move(ranks)),
       rank_(rank),
       kind_(kind),
       backend_(std::move(backend)),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      scratch_(std::make_shared<ScratchPool>()) {}
+
+int64_t Group::scratch_bytes() const { return scratch_->held_bytes(); }
 
 std::string Group::label(const char* op, uint64_t seq) const {
   std::ostringstream s;
@@ -112,13 +253,13 @@ Work Group::start(const char* op, compat::WorkPtr w) {
 }
 
 // Launching can throw too (a closed connection is noticed on send): wrap it.
-#define ST_LAUNCH(op, expr)                                                       \
-  [&]() -> compat::WorkPtr {                                                      \
-    try {                                                                         \
-      return expr;                                                                \
-    } catch (const std::exception& e) {                                           \
+#define ST_LAUNCH(op, expr)                                                           \
+  [&]() -> compat::WorkPtr {                                                          \
+    try {                                                                             \
+      return expr;                                                                    \
+    } catch (const std::exception& e) {                                               \
       throw CommError(label(op, seq_.load()) + " failed to start: " + first_line(e)); \
-    }                                                                             \
+    }                                                                                 \
   }()
 
 Work Group::broadcast(at::Tensor tensor, int root) {
@@ -139,12 +280,21 @@ Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
     // The second stage is issued when this Work is waited on; like every
     // launch, waits happen in the same order on all ranks (SPMD), so the
     // ranks' operation sequences still match.
-    auto shard = at::empty({shard_numel(tensor.numel())}, tensor.options());
+    // The shard is scratch, checked out until the all_gather has completed.
+    auto shard_lease = scratch_->take(shard_numel(tensor.numel()), tensor.options());
+    at::Tensor shard = shard_lease->tensor();
     Work rs = reduce_scatter_by_all_to_all(tensor, shard, op, "all_reduce");
     auto reduce_then = std::move(rs.then_);
-    rs.then_ = [this, shard, tensor, reduce_then]() {
+    rs.then_ = [this, shard, tensor, reduce_then, shard_lease]() {
       reduce_then().wait();
-      return all_gather(shard, tensor);
+      Work ag = all_gather(shard, tensor);
+      auto gather_then = std::move(ag.then_);
+      ag.then_ = [gather_then, shard_lease]() {
+        if (gather_then) gather_then().wait();
+        shard_lease->finish();
+        return Work();
+      };
+      return ag;
     };
     return rs;
   }
@@ -167,22 +317,29 @@ Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
 Work Group::reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, ReduceOp op, const char* op_name) {
   const int n = size();
   const int64_t k = shard_numel(full.numel());
-  TORCH_CHECK(shard.numel() == k, "scaletrain ", op_name, ": shard has ", shard.numel(),
-              " elements, expected ceil(", full.numel(), "/", n, ") = ", k);
+  TORCH_CHECK(shard.numel() == k, "scaletrain ", op_name, ": shard has ", shard.numel(), " elements, expected ceil(",
+              full.numel(), "/", n, ") = ", k);
+  // See Note [Scratch buffers]: the padded input and the receive buffer are
+  // checked out of the pool, and the received rows are reduced straight into
+  // `shard`.
+  ScratchPool::LeasePtr in_lease;
   at::Tensor in = full.reshape({-1});
   if (in.numel() != n * k) {
-    in = at::zeros({n * k}, full.options());
-    in.narrow(0, 0, full.numel()).copy_(full.reshape({-1}));
+    in_lease = padded_copy(*scratch_, full, n * k);
+    in = in_lease->tensor();
   }
-  at::Tensor out = at::empty({n * k}, full.options());
-  at::Tensor out_bytes = bytes_of(out), in_bytes = bytes_of(in);
+  ScratchPool::LeasePtr out_lease = scratch_->take(n * k, full.options());
+  at::Tensor out_bytes = bytes_of(out_lease->tensor()), in_bytes = bytes_of(in);
   std::vector<int64_t> equal_splits;  // empty = equal splits
   c10d::AllToAllOptions o;
   o.timeout = timeout_;
-  Work w = start(op_name, ST_LAUNCH(op_name, backend_->alltoall_base(out_bytes, in_bytes, equal_splits,
-                                                                     equal_splits, o)));
-  w.then_ = [out, in, shard, n, k, op]() mutable {
-    shard.reshape({-1}).copy_(reduce_rows(out.view({n, k}), op));
+  Work w =
+      start(op_name, ST_LAUNCH(op_name, backend_->alltoall_base(out_bytes, in_bytes, equal_splits, equal_splits, o)));
+  std::shared_ptr<ScratchPool> pool = scratch_;
+  w.then_ = [pool, out_lease, in_lease, shard, n, k, op]() {
+    reduce_rows_into(out_lease->tensor().view({n, k}), op, shard.reshape({-1}), *pool);
+    out_lease->finish();
+    if (in_lease) in_lease->finish();
     return Work();
   };
   return w;
@@ -199,17 +356,23 @@ Work Group::reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op) {
   if (gloo()) return reduce_scatter_by_all_to_all(full, shard, op, "reduce_scatter");
   // NCCL has a native flat reduce-scatter; pad the input to size() chunks.
   const int64_t k = shard_numel(full.numel());
+  ScratchPool::LeasePtr in_lease;
   at::Tensor in = full.reshape({-1});
   if (in.numel() != size() * k) {
-    in = at::zeros({size() * k}, full.options());
-    in.narrow(0, 0, full.numel()).copy_(full.reshape({-1}));
+    in_lease = padded_copy(*scratch_, full, size() * k);
+    in = in_lease->tensor();
   }
   at::Tensor out = shard.reshape({-1});
   c10d::ReduceScatterOptions o;
   o.reduceOp = to_c10d(op);
   o.timeout = timeout_;
   Work w = start("reduce_scatter", ST_LAUNCH("reduce_scatter", backend_->_reduce_scatter_base(out, in, o)));
-  w.then_ = [in]() { return Work(); };  // keeps the padded input alive until done
+  if (in_lease) {
+    w.then_ = [in_lease]() {  // keeps the padded input checked out until done
+      in_lease->finish();
+      return Work();
+    };
+  }
   return w;
 }
 
@@ -227,7 +390,8 @@ Work Group::all_gather(at::Tensor shard, at::Tensor full) {
   // Gather straight into `full` when it holds exactly n shards, else into a
   // padded buffer whose padding is dropped afterwards.
   const bool exact = full.numel() == n * k;
-  at::Tensor dst = exact ? full.reshape({-1}) : at::empty({n * k}, full.options());
+  ScratchPool::LeasePtr dst_lease = exact ? nullptr : scratch_->take(n * k, full.options());
+  at::Tensor dst = exact ? full.reshape({-1}) : dst_lease->tensor();
   c10d::AllgatherOptions o;
   o.timeout = timeout_;
   Work w;
@@ -241,8 +405,9 @@ Work Group::all_gather(at::Tensor shard, at::Tensor full) {
     w = start("all_gather", ST_LAUNCH("all_gather", backend_->_allgather_base(dst, in, o)));
   }
   if (!exact) {
-    w.then_ = [dst, full]() mutable {
-      full.reshape({-1}).copy_(dst.narrow(0, 0, full.numel()));
+    w.then_ = [dst_lease, full]() {
+      full.reshape({-1}).copy_(dst_lease->tensor().narrow(0, 0, full.numel()));
+      dst_lease->finish();
       return Work();
     };
   }
@@ -269,16 +434,22 @@ Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
   check_contiguous(tensor, "reduce");
   if (size() == 1) return start("reduce", compat::WorkPtr());
   if (gloo() && (is_16bit_float(tensor.scalar_type()) || op == ReduceOp::Avg)) {
-    // Gather the raw payloads at the root and reduce there in fp32.
+    // Gather the raw payloads at the root (into the rows of one scratch
+    // buffer) and reduce there in fp32.
+    ScratchPool::LeasePtr rows_lease;
     std::vector<at::Tensor> outs;
-    if (rank_ == root)
-      for (int i = 0; i < size(); ++i) outs.push_back(at::empty_like(tensor));
+    const int n = size();
+    const int64_t numel = tensor.numel();
+    if (rank_ == root) {
+      rows_lease = scratch_->take(n * numel, tensor.options());
+      for (int i = 0; i < n; ++i) outs.push_back(rows_lease->tensor().narrow(0, i * numel, numel).view(tensor.sizes()));
+    }
     Work w = gather(tensor, outs, root);
     if (rank_ == root) {
-      w.then_ = [outs, tensor, op]() mutable {
-        std::vector<at::Tensor> flat;
-        for (auto& t : outs) flat.push_back(t.reshape({-1}));
-        tensor.reshape({-1}).copy_(reduce_rows(at::stack(flat), op));
+      std::shared_ptr<ScratchPool> pool = scratch_;
+      w.then_ = [pool, rows_lease, tensor, n, numel, op]() {
+        reduce_rows_into(rows_lease->tensor().view({n, numel}), op, tensor.reshape({-1}), *pool);
+        rows_lease->finish();
         return Work();
       };
     }

@@ -12,7 +12,7 @@
 // that serves all clients with poll() and keeps the key/value map. The server
 // answers blocking get/wait requests when their keys appear (a list of pending
 // waiters, no polling) and answers "timed out" itself when their deadline
-// passes. See Note [Rendezvous wire protocol] in rendezvous_store.cpp.
+// passes. See Note [Rendezvous wire protocol] in rendezvous_protocol.h.
 //
 // Works as the store for c10d::ProcessGroupGloo and through c10d::PrefixStore.
 // It compiles against libtorch 1.13 and 2.x: it overrides only what 1.13's
@@ -128,17 +128,13 @@ class RendezvousStore : public c10d::Store {
   int64_t add(const std::string& key, int64_t value) override;
   // Sets `newValue` if the key holds `currentValue` (or is absent and
   // `currentValue` is empty); returns the value the key holds afterwards.
-  std::vector<uint8_t> compareSet(
-      const std::string& key,
-      const std::vector<uint8_t>& currentValue,
-      const std::vector<uint8_t>& newValue) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& currentValue,
+                                  const std::vector<uint8_t>& newValue) override;
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(
-      const std::vector<std::string>& keys,
-      const std::chrono::milliseconds& timeout) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
 
   // A new client connected to the same server (a separate connection, so
   // it does not share this object's mutex). Recent libtorch 2.x declares
@@ -171,10 +167,8 @@ class RendezvousStore : public c10d::Store {
 
   // Sends one request and reads its reply under mutex_. `what` describes
   // the operation for error messages ("set of key 'a'").
-  Reply roundTrip(
-      const std::vector<uint8_t>& request,
-      const std::string& what,
-      std::chrono::milliseconds reply_timeout);
+  Reply roundTrip(const std::vector<uint8_t>& request, const std::string& what,
+                  std::chrono::milliseconds reply_timeout);
   void connectLocked();
   [[noreturn]] void fail(const std::string& message) const;
   [[noreturn]] void failBroken(const std::string& what, const std::string& why);

@@ -43,6 +43,10 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   bool sync = true;
   bool in_backward = false;
+  // Note [Bucket rebuild]: parameters in the order their gradients became
+  // ready in this backward, recorded until the buckets have been rebuilt.
+  std::vector<size_t> ready_order;
+  bool rebuilt = false;
   size_t next_to_start = 0;
   double wait_ms = 0;
   int64_t bytes = 0;
@@ -52,7 +56,81 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   void start_ready_buckets();
   void finish_backward();
   void reset_step();
+  bool recording() const { return options.rebuild_buckets && !rebuilt; }
+  // Lays the gradients out in buckets, filling them in `order` (see
+  // DDPOptions for the caps). Gradients present in .grad are carried over into
+  // the new bucket views, and .grad becomes those views.
+  void build_buckets(const std::vector<size_t>& order);
+  // Rebuilds the buckets in rank 0's recorded ready order (a collective).
+  void rebuild_buckets();
 };
+
+void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& order) {
+  std::vector<std::vector<size_t>> groups(1);
+  int64_t bytes = 0;
+  for (size_t k : order) {
+    const at::Tensor& p = params[k];
+    const int64_t cap = groups.size() == 1 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+    if (!groups.back().empty() && (bytes >= cap || p.scalar_type() != params[groups.back().front()].scalar_type())) {
+      groups.emplace_back();
+      bytes = 0;
+    }
+    groups.back().push_back(k);
+    bytes += p.numel() * p.element_size();
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<Bucket> fresh;
+  views.assign(params.size(), at::Tensor());
+  bucket_of.assign(params.size(), 0);
+  for (auto& members : groups) {
+    Bucket b;
+    b.params = members;
+    int64_t numel = 0;
+    for (size_t i : members) numel += params[i].numel();
+    b.flat = at::zeros({numel}, params[members.front()].options());
+    // fp32 means "as computed": float64 gradients stay float64.
+    if (options.comm_dtype == at::kBFloat16 && b.flat.scalar_type() != at::kBFloat16)
+      b.staging = at::empty({numel}, b.flat.options().dtype(options.comm_dtype));
+    int64_t off = 0;
+    for (size_t i : members) {
+      at::Tensor& p = params[i];
+      views[i] = b.flat.narrow(0, off, p.numel()).view(p.sizes());
+      if (p.grad().defined()) views[i].copy_(p.grad());
+      p.mutable_grad() = views[i];
+      bucket_of[i] = fresh.size();
+      off += p.numel();
+    }
+    fresh.push_back(std::move(b));
+  }
+  buckets = std::move(fresh);  // frees the previous buckets' buffers
+}
+
+void DistributedDataParallel::State::rebuild_buckets() {
+  // Every rank takes rank 0's order (Note [Bucket order]).
+  at::Tensor order_t = at::empty({static_cast<int64_t>(params.size())}, at::kLong);
+  if (group->rank() == 0) {
+    if (ready_order.size() != params.size())
+      throw std::logic_error("DDP: recorded " + std::to_string(ready_order.size()) + " ready gradients of " +
+                             std::to_string(params.size()));
+    int64_t* out = order_t.data_ptr<int64_t>();
+    for (size_t k = 0; k < ready_order.size(); ++k) out[k] = static_cast<int64_t>(ready_order[k]);
+  }
+  if (group->kind() == comm::BackendKind::Nccl) order_t = order_t.to(params.front().device());
+  ddp_comm::broadcast_coalesced(*group, {order_t}, 0);
+  order_t = order_t.cpu();
+  const int64_t* in = order_t.data_ptr<int64_t>();
+  std::vector<size_t> order;
+  std::vector<bool> seen(params.size(), false);
+  for (int64_t k = 0; k < order_t.numel(); ++k) {
+    const int64_t i = in[k];
+    if (i < 0 || i >= static_cast<int64_t>(params.size()) || seen[i])
+      throw std::runtime_error("DDP: the bucket order received from rank 0 is not a permutation of the parameters");
+    seen[i] = true;
+    order.push_back(static_cast<size_t>(i));
+  }
+  build_buckets(order);
+  rebuilt = true;
+}
 
 void DistributedDataParallel::State::reset_step() {
   std::fill(ready.begin(), ready.end(), false);
@@ -62,6 +140,7 @@ void DistributedDataParallel::State::reset_step() {
   }
   next_to_start = 0;
   in_backward = false;
+  ready_order.clear();
 }
 
 void DistributedDataParallel::State::on_grad_ready(size_t i) {
@@ -85,6 +164,7 @@ void DistributedDataParallel::State::on_grad_ready(size_t i) {
     g = views[i];
   }
   ready[i] = true;
+  if (recording()) ready_order.push_back(i);
   Bucket& b = buckets[bucket_of[i]];
   if (--b.pending == 0) start_ready_buckets();
 }
@@ -112,6 +192,7 @@ void DistributedDataParallel::State::finish_backward() {
     views[i].zero_();
     params[i].mutable_grad() = views[i];
     ready[i] = true;
+    if (recording()) ready_order.push_back(i);
     --buckets[bucket_of[i]].pending;
   }
   if (!missing.empty()) {
@@ -130,6 +211,16 @@ void DistributedDataParallel::State::finish_backward() {
     if (b.staging.defined()) b.flat.copy_(b.staging);
   }
   wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // The first backward that communicated has shown the real gradient order;
+  // from the next step on the buckets follow it (Note [Bucket rebuild]).
+  if (recording()) {
+    try {
+      rebuild_buckets();
+    } catch (...) {
+      reset_step();
+      throw;
+    }
+  }
   reset_step();
 }
 
@@ -151,49 +242,17 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     for (auto& b : module_->buffers()) states.push_back(b);
   ddp_comm::broadcast_coalesced(group, states, 0);
 
-  // 2. Buckets, in reverse registration order.
+  // 2. Buckets, in reverse registration order until rebuilt (Note [Bucket rebuild]).
   for (auto& item : module_->named_parameters()) {
     if (!item.value().requires_grad()) continue;
     s.names.push_back(item.key());
     s.params.push_back(item.value());
   }
   if (s.params.empty()) throw std::invalid_argument("DDP: the module has no trainable parameters");
-  std::vector<std::vector<size_t>> groups(1);
-  int64_t bytes = 0;
-  for (size_t k = s.params.size(); k-- > 0;) {
-    const at::Tensor& p = s.params[k];
-    const int64_t cap = groups.size() == 1 ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
-    if (!groups.back().empty() &&
-        (bytes >= cap || p.scalar_type() != s.params[groups.back().front()].scalar_type())) {
-      groups.emplace_back();
-      bytes = 0;
-    }
-    groups.back().push_back(k);
-    bytes += p.numel() * p.element_size();
-  }
-  s.views.resize(s.params.size());
-  s.bucket_of.resize(s.params.size());
+  std::vector<size_t> reverse;
+  for (size_t k = s.params.size(); k-- > 0;) reverse.push_back(k);
   s.ready.assign(s.params.size(), false);
-  torch::NoGradGuard no_grad;
-  for (auto& members : groups) {
-    Bucket b;
-    b.params = members;
-    int64_t numel = 0;
-    for (size_t i : members) numel += s.params[i].numel();
-    b.flat = at::zeros({numel}, s.params[members.front()].options());
-    // fp32 means "as computed": float64 gradients stay float64.
-    if (options_.comm_dtype == at::kBFloat16 && b.flat.scalar_type() != at::kBFloat16) b.staging = at::empty({numel}, b.flat.options().dtype(options_.comm_dtype));
-    int64_t off = 0;
-    for (size_t i : members) {
-      at::Tensor& p = s.params[i];
-      s.views[i] = b.flat.narrow(0, off, p.numel()).view(p.sizes());
-      if (p.grad().defined()) s.views[i].copy_(p.grad());
-      p.mutable_grad() = s.views[i];
-      s.bucket_of[i] = s.buckets.size();
-      off += p.numel();
-    }
-    s.buckets.push_back(std::move(b));
-  }
+  s.build_buckets(reverse);
   s.reset_step();
 
   // 3. Hooks after each gradient's accumulation.
@@ -215,6 +274,7 @@ DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp
 DistributedDataParallel::NoSync::~NoSync() { ddp_.state_->sync = previous_; }
 
 int DistributedDataParallel::num_buckets() const { return static_cast<int>(state_->buckets.size()); }
+bool DistributedDataParallel::buckets_rebuilt() const { return state_->rebuilt; }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_layout() const {
   std::vector<std::vector<std::string>> out;
