@@ -84,6 +84,17 @@ void FlatParam::load_param(size_t i, const at::Tensor& value) {
   if (lo < hi) shard_.narrow(0, lo - begin, hi - lo).copy_(flat.narrow(0, lo - offsets_[i], hi - lo));
 }
 
+std::vector<ShardPiece> FlatParam::pieces() const {
+  std::vector<ShardPiece> out;
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t lo = std::max(offsets_[i], begin), hi = std::min(offsets_[i] + params_[i].numel(), begin + k_);
+    if (lo >= hi) continue;
+    out.push_back({names_[i], params_[i].sizes().vec(), lo - offsets_[i], lo - begin, hi - lo});
+  }
+  return out;
+}
+
 int64_t FlatParam::shard_decay_numel() const {
   const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
   return std::clamp<int64_t>(decay_end_ - begin, 0, k_);

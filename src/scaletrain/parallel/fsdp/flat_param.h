@@ -44,6 +44,17 @@ struct FlatParamOptions {
   at::ScalarType master_dtype = at::kFloat;
 };
 
+// The part of one parameter that lies in this rank's shard: elements
+// [param_offset, param_offset + numel) of the flattened parameter sit at
+// [shard_offset, shard_offset + numel) of the shard (checkpoints, resharding).
+struct ShardPiece {
+  std::string name;
+  std::vector<int64_t> shape;  // the whole parameter's shape
+  int64_t param_offset = 0;
+  int64_t shard_offset = 0;
+  int64_t numel = 0;
+};
+
 class FlatParam {
  public:
   // `params` share dtype, device and requires_grad; `decay_count` of them, at
@@ -68,6 +79,9 @@ class FlatParam {
   // The optimizer's tensor: this rank's chunk, master dtype, .grad = grad shard.
   at::Tensor& shard() { return shard_; }
   bool unsharded() const { return full_bytes() > 0; }
+
+  // The parameters' pieces in this rank's shard, in shard order.
+  std::vector<ShardPiece> pieces() const;
 
   // Deferred initialization: stores the value of params()[i] (whole, any
   // layout) — only the part in this rank's shard when parameters are sharded.

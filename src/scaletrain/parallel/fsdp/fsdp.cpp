@@ -461,6 +461,17 @@ std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
   return out;
 }
 
+std::vector<ShardedDataParallel::ShardView> ShardedDataParallel::shard_views() const {
+  std::vector<ShardView> out;
+  for (bool trainable : {true, false})
+    for (auto& unit : state_->units)
+      for (auto& f : unit.flats)
+        if (f->trainable() == trainable) out.push_back({f->shard(), trainable, f->pieces()});
+  return out;
+}
+
+int ShardedDataParallel::replica_rank() const { return state_->replicate ? state_->replicate->rank() : 0; }
+
 int ShardedDataParallel::num_units() const { return static_cast<int>(state_->units.size()); }
 
 std::vector<std::string> ShardedDataParallel::unit_names() const {

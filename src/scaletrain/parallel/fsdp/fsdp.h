@@ -44,6 +44,7 @@
 #include "scaletrain/comm/group.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/parallel/fsdp/wrap.h"
 
 namespace scaletrain::parallel::fsdp {
@@ -130,6 +131,20 @@ class ShardedDataParallel {
    private:
     ShardedDataParallel& e_;
   };
+  // Every flat shard this rank holds, trainable ones first in shards() order
+  // (so optimizer state i has layout i), then frozen ones: the tensor (master
+  // dtype) and which parameter ranges it holds. Replicated strategies must
+  // call after_step() after writing into them (checkpoint loading).
+  struct ShardView {
+    at::Tensor shard;
+    bool trainable = false;
+    std::vector<ShardPiece> pieces;
+  };
+  std::vector<ShardView> shard_views() const;
+  // This rank's position among replicas holding identical shards (HYBRID_SHARD
+  // replica index; 0 elsewhere): only replica 0 needs to save.
+  int replica_rank() const;
+
   // Copies of every parameter, whole, in named_parameters() order (collective).
   std::vector<at::Tensor> full_parameters();
 
