@@ -8,6 +8,7 @@
 #include <map>
 
 #include "dist_env.h"
+#include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
@@ -30,19 +31,7 @@ constexpr double kClip = 0.5;  // below the gradient norm of the first steps: cl
 // Widths chosen so no flat buffer divides evenly by 3 or 4 ranks.
 models::GPTConfig odd_gpt() { return models::GPTConfig{61, 16, 3, 2, 26}; }
 
-struct Batch {
-  at::Tensor x, y;
-};
-
-std::vector<Batch> make_data() {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(4321);
-  std::vector<Batch> d;
-  for (int s = 0; s < kSteps; ++s) {
-    auto tokens = torch::randint(0, 61, {kGlobalBatch, 17}, gen, torch::kLong);
-    d.push_back({tokens.narrow(1, 0, 16).contiguous(), tokens.narrow(1, 1, 16).contiguous()});
-  }
-  return d;
-}
+std::vector<Batch> make_data() { return make_batches(kSteps, kGlobalBatch, 16, 61, 4321); }
 
 // See Note [Adam amplifies summation order] in ddp_test.cpp: fp64 checks the
 // algorithm per tensor at lr 1e-2; fp32 checks the global scale at lr 1e-4.
@@ -138,15 +127,8 @@ std::vector<at::Tensor> train_sharded(const std::vector<Batch>& data, RunSpec& r
 }
 
 double max_relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, bool per_tensor) {
-  double worst = 0, diff = 0, scale = 0;
   EXPECT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    const double d = (a[i] - b[i]).abs().max().item<double>(), s = b[i].abs().max().item<double>();
-    worst = std::max(worst, d / std::max(s, 1e-12));
-    diff = std::max(diff, d);
-    scale = std::max(scale, s);
-  }
-  return per_tensor ? worst : diff / scale;
+  return relative_diff(a, b, per_tensor);
 }
 
 void expect_parity(RunSpec& run, const std::string& what) {

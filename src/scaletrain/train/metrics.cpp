@@ -1,10 +1,10 @@
 #include "scaletrain/train/metrics.h"
 
-#include <nlohmann/json.hpp>
+#include <dlfcn.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
-#include <dlfcn.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -28,19 +28,24 @@ MetricsSink::~MetricsSink() {
 
 void MetricsSink::write(const StepMetrics& m, bool log_line) {
   if (file_.is_open()) {
-    nlohmann::json j = {{"step", m.step},       {"loss", m.loss},
-                        {"lr", m.lr},           {"step_ms", m.step_ms},
-                        {"tokens_per_s", m.tokens_per_s}, {"mfu", m.mfu},
-                        {"peak_rss_mb", m.peak_rss_mb},   {"comm_wait_ms", m.comm_wait_ms},
+    nlohmann::json j = {{"step", m.step},
+                        {"loss", m.loss},
+                        {"lr", m.lr},
+                        {"step_ms", m.step_ms},
+                        {"tokens_per_s", m.tokens_per_s},
+                        {"mfu", m.mfu},
+                        {"peak_rss_mb", m.peak_rss_mb},
+                        {"comm_wait_ms", m.comm_wait_ms},
                         {"grad_norm", m.grad_norm}};
     file_ << j.dump() << "\n";
     file_.flush();
   }
   if (bar_) std::printf("\r\033[K");
   if (log_line) {
-    std::printf("step %5lld | loss %.4f | lr %.2e | %7.1f ms | %8.0f tok/s | mfu %5.1f%% | rss %6.0f MB | comm wait %6.1f ms\n",
-                static_cast<long long>(m.step), m.loss, m.lr, m.step_ms, m.tokens_per_s, 100.0 * m.mfu,
-                m.peak_rss_mb, m.comm_wait_ms);
+    std::printf(
+        "step %5lld | loss %.4f | lr %.2e | %7.1f ms | %8.0f tok/s | mfu %5.1f%% | rss %6.0f MB | comm wait %6.1f ms\n",
+        static_cast<long long>(m.step), m.loss, m.lr, m.step_ms, m.tokens_per_s, 100.0 * m.mfu, m.peak_rss_mb,
+        m.comm_wait_ms);
   }
   if (bar_) {
     const int width = 30;

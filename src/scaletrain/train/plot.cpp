@@ -21,8 +21,7 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 }
 
 // Reads key `key` of `obj` as a double: NaN if absent (when optional) or null.
-double number_field(const nlohmann::json& obj, const char* key, bool required,
-                    const std::string& path, int64_t line) {
+double number_field(const nlohmann::json& obj, const char* key, bool required, const std::string& path, int64_t line) {
   const auto it = obj.find(key);
   if (it == obj.end()) {
     if (required) fail_line(path, line, std::string("missing key \"") + key + "\"");
@@ -53,8 +52,7 @@ MetricsRecord parse_record(const std::string& text, const std::string& path, int
     fail_line(path, line, "key \"step\" is not an integer: " + step_it->dump());
   }
   MetricsRecord r;
-  r.step = step_it->is_number_integer() ? step_it->get<int64_t>()
-                                        : static_cast<int64_t>(step_it->get<double>());
+  r.step = step_it->is_number_integer() ? step_it->get<int64_t>() : static_cast<int64_t>(step_it->get<double>());
   r.loss = number_field(obj, "loss", true, path, line);
   r.tokens_per_s = number_field(obj, "tokens_per_s", true, path, line);
   r.lr = number_field(obj, "lr", false, path, line);
@@ -69,11 +67,20 @@ std::string xml_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -143,16 +150,14 @@ struct Series {
 // One panel: frame, grid, ticks, labels, then the curve. (left, top) is the
 // corner of the whole panel; the plot area sits inside fixed margins that
 // leave room for the tick labels.
-void draw_panel(std::ostringstream& svg, const Series& s, const std::string& title,
-                const std::string& color, bool include_zero, double left, double top,
-                double width, double height) {
+void draw_panel(std::ostringstream& svg, const Series& s, const std::string& title, const std::string& color,
+                bool include_zero, double left, double top, double width, double height) {
   constexpr double kMarginLeft = 72, kMarginRight = 24, kMarginTop = 30, kMarginBottom = 44;
   const double px0 = left + kMarginLeft, px1 = left + width - kMarginRight;
   const double py0 = top + kMarginTop, py1 = top + height - kMarginBottom;
 
   svg << "<text x=\"" << coord((px0 + px1) / 2) << "\" y=\"" << coord(top + 20)
-      << "\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">" << xml_escape(title)
-      << "</text>\n";
+      << "\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">" << xml_escape(title) << "</text>\n";
 
   double xmin = std::numeric_limits<double>::infinity(), xmax = -xmin;
   double ymin = xmin, ymax = -xmin;
@@ -183,23 +188,22 @@ void draw_panel(std::ostringstream& svg, const Series& s, const std::string& tit
   for (int i = 0; i <= nx; ++i) {
     const double v = ax.lo + i * ax.step;
     const std::string x = coord(sx(v));
-    svg << "<line x1=\"" << x << "\" y1=\"" << coord(py0) << "\" x2=\"" << x << "\" y2=\""
-        << coord(py1) << "\" stroke=\"#e0e0e0\"/>\n";
-    svg << "<text x=\"" << x << "\" y=\"" << coord(py1 + 16)
-        << "\" text-anchor=\"middle\" font-size=\"11\">" << tick_label(v) << "</text>\n";
+    svg << "<line x1=\"" << x << "\" y1=\"" << coord(py0) << "\" x2=\"" << x << "\" y2=\"" << coord(py1)
+        << "\" stroke=\"#e0e0e0\"/>\n";
+    svg << "<text x=\"" << x << "\" y=\"" << coord(py1 + 16) << "\" text-anchor=\"middle\" font-size=\"11\">"
+        << tick_label(v) << "</text>\n";
   }
   const int ny = static_cast<int>(std::lround((ay.hi - ay.lo) / ay.step));
   for (int i = 0; i <= ny; ++i) {
     const double v = ay.lo + i * ay.step;
     const std::string y = coord(sy(v));
-    svg << "<line x1=\"" << coord(px0) << "\" y1=\"" << y << "\" x2=\"" << coord(px1)
-        << "\" y2=\"" << y << "\" stroke=\"#e0e0e0\"/>\n";
-    svg << "<text x=\"" << coord(px0 - 6) << "\" y=\"" << coord(sy(v) + 4)
-        << "\" text-anchor=\"end\" font-size=\"11\">" << tick_label(v) << "</text>\n";
+    svg << "<line x1=\"" << coord(px0) << "\" y1=\"" << y << "\" x2=\"" << coord(px1) << "\" y2=\"" << y
+        << "\" stroke=\"#e0e0e0\"/>\n";
+    svg << "<text x=\"" << coord(px0 - 6) << "\" y=\"" << coord(sy(v) + 4) << "\" text-anchor=\"end\" font-size=\"11\">"
+        << tick_label(v) << "</text>\n";
   }
-  svg << "<rect x=\"" << coord(px0) << "\" y=\"" << coord(py0) << "\" width=\""
-      << coord(px1 - px0) << "\" height=\"" << coord(py1 - py0)
-      << "\" fill=\"none\" stroke=\"#333\"/>\n";
+  svg << "<rect x=\"" << coord(px0) << "\" y=\"" << coord(py0) << "\" width=\"" << coord(px1 - px0) << "\" height=\""
+      << coord(py1 - py0) << "\" fill=\"none\" stroke=\"#333\"/>\n";
   svg << "<text x=\"" << coord((px0 + px1) / 2) << "\" y=\"" << coord(py1 + 34)
       << "\" text-anchor=\"middle\" font-size=\"12\">step</text>\n";
 
@@ -219,8 +223,8 @@ void draw_panel(std::ostringstream& svg, const Series& s, const std::string& tit
     std::size_t j = i;
     while (j < s.x.size() && std::isfinite(s.y[j])) ++j;
     if (j - i == 1) {
-      svg << "<circle cx=\"" << coord(sx(s.x[i])) << "\" cy=\"" << coord(sy(s.y[i]))
-          << "\" r=\"2\" fill=\"" << color << "\"/>\n";
+      svg << "<circle cx=\"" << coord(sx(s.x[i])) << "\" cy=\"" << coord(sy(s.y[i])) << "\" r=\"2\" fill=\"" << color
+          << "\"/>\n";
     } else {
       svg << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
       for (std::size_t k = i; k < j; ++k) {
@@ -269,9 +273,8 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
 
   std::ostringstream svg;
   svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\""
-      << coord(height) << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height)
-      << "\" font-family=\"sans-serif\">\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
+      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   if (!options.title.empty()) {
     svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
@@ -280,14 +283,12 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
   draw_panel(svg, loss, "Loss", "#1f77b4", /*include_zero=*/false, 0, header, width, panel);
   // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
   // the 10% it is, not like a collapse.
-  draw_panel(svg, tput, "Throughput (tokens/s)", "#d62728", /*include_zero=*/true, 0,
-             header + panel, width, panel);
+  draw_panel(svg, tput, "Throughput (tokens/s)", "#d62728", /*include_zero=*/true, 0, header + panel, width, panel);
   svg << "</svg>\n";
   return svg.str();
 }
 
-void plot_metrics(const std::string& metrics_path, const std::string& svg_path,
-                  const PlotOptions& options) {
+void plot_metrics(const std::string& metrics_path, const std::string& svg_path, const PlotOptions& options) {
   const std::vector<MetricsRecord> records = read_metrics(metrics_path);
   if (records.empty()) throw UsageError("metrics file " + metrics_path + ": no records to plot");
   const std::string svg = render_svg(records, options);

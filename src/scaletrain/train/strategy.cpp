@@ -148,15 +148,18 @@ void check_strategy(const Config& c, bool cuda) {
 }
 
 Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
-                         at::ScalarType param_dtype) {
+                         const precision::PrecisionPolicy& policy) {
   const auto& p = c.parallel;
+  const at::ScalarType param_dtype = policy.param;
   Parallelized out;
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), p);
+    ParallelOptions dp_options = p;
+    if (policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options);
     return out;
   }
   fsdp::ShardedOptions o;
@@ -194,6 +197,7 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
     no_sync = z.stage == 1;
   }
+  o.reduce_dtype = policy.reduce;
   torch::manual_seed(c.train.seed);
   // Deferred models are built in fp32 and initialized per tensor in the
   // parameter dtype; the engine's buffers take the parameters' dtype.

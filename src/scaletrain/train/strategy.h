@@ -11,6 +11,7 @@
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 
 namespace scaletrain::train {
@@ -47,7 +48,7 @@ struct Parallelized {
   std::unique_ptr<DataParallel> dp;
 };
 Parallelized parallelize(const Config& config, const models::GPTConfig& model_config, comm::World& world,
-                         comm::Mesh& mesh, at::ScalarType param_dtype);
+                         comm::Mesh& mesh, const precision::PrecisionPolicy& policy);
 
 // Checks the parallel section against what this build can do (no peers needed).
 void check_strategy(const Config& config, bool cuda);

@@ -83,8 +83,8 @@ TrainResult run_training(const Config& cfg) {
       (cfg.parallel.strategy == "ddp" || cfg.parallel.fsdp.sharding_strategy == "NO_SHARD"))
     throw UsageError("precision.param_dtype=" + precision::dtype_name(policy.param) +
                      " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); ddp has none");
-  if (policy.reduce != policy.param)
-    throw UsageError("precision.reduce_dtype different from param_dtype is not available yet");
+  if (policy.reduce == at::kHalf)
+    throw UsageError("precision.reduce_dtype=fp16 needs CUDA (Gloo sums 16-bit payloads only as bf16 here)");
   if (cfg.data.path.empty()) throw UsageError("data.path is not set (a token file from `scaletrain prepare`)");
   data::TokenDataset dataset(cfg.data.path, data::DatasetOptions{mcfg.block_size});
   if (dataset.vocab() > static_cast<uint32_t>(mcfg.vocab_size))
@@ -108,7 +108,7 @@ TrainResult run_training(const Config& cfg) {
   comm::Mesh mesh(*world, dims);
   const bool lead = world->rank() == 0;
 
-  Parallelized par = parallelize(cfg, mcfg, *world, mesh, policy.param);
+  Parallelized par = parallelize(cfg, mcfg, *world, mesh, policy);
   models::GPT model = par.model;
   DataParallel& dp = *par.dp;
 

@@ -52,19 +52,20 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
     shard_ = at::zeros({k_}, topt.dtype(options_.master_dtype).requires_grad(false));
   else
     shard_ = mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
+  if (options_.reduce_dtype == at::ScalarType::Undefined) options_.reduce_dtype = full_.scalar_type();
   if (trainable_) {
     grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
     for (size_t i = 0; i < params_.size(); ++i)
       grad_views_.push_back(grad_full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
-    if (options_.keep_full_grads && shard_is_view_) {
+    if (options_.keep_full_grads && shard_is_view_ && options_.reduce_dtype == full_.scalar_type()) {
       // ZeRO-1: reduce in place into this rank's chunk, which is the shard's gradient.
       grad_full_.zero_();
       reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
       shard_.mutable_grad() = reduce_out_;
     } else {
       shard_.mutable_grad() = at::zeros({k_}, shard_.options());
-      reduce_out_ = at::empty({k_}, full_.options());
-      options_.keep_full_grads = false;  // the in-place layout needs a shard view
+      reduce_out_ = at::empty({k_}, full_.options().dtype(options_.reduce_dtype));
+      options_.keep_full_grads = false;  // the in-place layout needs a shard view of the same dtype
       models::free_storage(grad_full_);
     }
   }
@@ -137,7 +138,8 @@ comm::Work FlatParam::start_reduce(comm::Group* replicate) {
     throw std::logic_error("zero1 reduces gradients once per optimizer step (unit " + unit_ +
                            "): run the micro-batches before the last under no_sync(), and zero_grad() after the step");
   alloc_grad_full();  // a unit none of whose parameters got a gradient contributes zeros
-  comm::Work w = group_.reduce_scatter(grad_full_, reduce_out_, comm::ReduceOp::Avg);
+  reduce_in_ = grad_full_.scalar_type() == options_.reduce_dtype ? grad_full_ : grad_full_.to(options_.reduce_dtype);
+  comm::Work w = group_.reduce_scatter(reduce_in_, reduce_out_, comm::ReduceOp::Avg);
   if (replicate != nullptr && replicate->size() > 1) {
     at::Tensor out = reduce_out_;
     w.and_then([replicate, out]() mutable { return replicate->all_reduce(out, comm::ReduceOp::Avg); });
@@ -155,6 +157,7 @@ void FlatParam::finish_reduce() {
     reduced_ = true;
     return;
   }
+  reduce_in_ = at::Tensor();
   shard_.mutable_grad().add_(reduce_out_);
   for (auto& p : params_) p.mutable_grad().reset();
   models::free_storage(grad_full_);

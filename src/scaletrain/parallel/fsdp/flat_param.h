@@ -42,6 +42,9 @@ struct FlatParamOptions {
   bool keep_full_grads = false;
   // Dtype of the shard the optimizer updates (the fp32 master copy).
   at::ScalarType master_dtype = at::kFloat;
+  // Dtype gradients are reduce-scattered in; Undefined = the parameters'
+  // (an fp32 reduce of bf16 gradients casts the unit's gradients first).
+  at::ScalarType reduce_dtype = at::ScalarType::Undefined;
 };
 
 // The part of one parameter that lies in this rank's shard: elements
@@ -132,6 +135,7 @@ class FlatParam {
   bool shard_is_view_ = false;
   at::Tensor grad_full_;  // [n*k]; bytes only while gradients accumulate
   std::vector<at::Tensor> grad_views_;
+  at::Tensor reduce_in_;   // grad_full cast to reduce_dtype while its reduce is in flight
   at::Tensor reduce_out_;  // [k] scratch of the reduce in flight (ZeRO-1: the shard's chunk)
   bool reduced_ = false;   // ZeRO-1: the chunk holds reduced values until zero_grad()
 };

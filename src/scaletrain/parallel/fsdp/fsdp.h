@@ -69,6 +69,8 @@ struct ShardedOptions {
   int max_inflight_reduces = 2;
   // Dtype of the shards the optimizer updates; Undefined = the parameters'.
   at::ScalarType master_dtype = at::ScalarType::Undefined;
+  // Dtype gradients are reduced in; Undefined = the parameters'.
+  at::ScalarType reduce_dtype = at::ScalarType::Undefined;
   // Memory-efficient initialization: the model was built without parameter
   // bytes (models/deferred.h); each parameter is initialized by this function
   // into a temporary, one at a time in registration order (on rank 0 only and
