@@ -1,5 +1,7 @@
 #include "scaletrain/train/metrics.h"
 
+#include <fstream>
+
 #include <dlfcn.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -36,7 +38,9 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
                         {"mfu", m.mfu},
                         {"peak_rss_mb", m.peak_rss_mb},
                         {"comm_wait_ms", m.comm_wait_ms},
-                        {"grad_norm", m.grad_norm}};
+                        {"grad_norm", m.grad_norm},
+                        {"loss_scale", m.loss_scale},
+                        {"skipped_steps", m.skipped_steps}};
     file_ << j.dump() << "\n";
     file_.flush();
   }
@@ -61,6 +65,13 @@ double peak_rss_mb() {
   struct rusage u {};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+double current_rss_mb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // in kB
+  return 0;
 }
 
 void set_compute_threads(int n) {

@@ -18,6 +18,8 @@ struct StepMetrics {
   double peak_rss_mb = 0;   // this process's peak resident set
   double comm_wait_ms = 0;  // time backward/step blocked on communication
   double grad_norm = 0;     // global gradient norm before clipping
+  double loss_scale = 1;    // loss scale of this step (1 without loss scaling)
+  int64_t skipped_steps = 0;  // steps skipped so far because gradients overflowed
 };
 
 class MetricsSink {
@@ -36,6 +38,8 @@ class MetricsSink {
 
 // Peak resident set size of this process in MiB (getrusage).
 double peak_rss_mb();
+// This process's resident set now (VmRSS), in MiB.
+double current_rss_mb();
 
 // Sets torch's intra-op threads and, when the BLAS is OpenBLAS's pthread
 // build (which ignores torch's setting), OpenBLAS's own thread count.

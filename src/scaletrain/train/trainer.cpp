@@ -1,5 +1,6 @@
 #include "scaletrain/train/trainer.h"
 
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -108,7 +109,21 @@ TrainResult run_training(const Config& cfg) {
   comm::Mesh mesh(*world, dims);
   const bool lead = world->rank() == 0;
 
+  // Setup memory: the peak resident set while the model is built and wrapped,
+  // above what the process held before (an upper bound: an earlier peak counts).
+  // Note [Setup memory and glibc]: glibc raises its mmap threshold to the
+  // size of any large block freed (up to 32 MiB), after which tensors of that
+  // size come from the heap and stay resident when freed: a model built and
+  // sharded one tensor at a time would still leave its whole size in RSS.
+  // During setup large blocks are mmap'd (returned to the OS on free); after
+  // it the threshold is fixed where the dynamic rule would have taken it, so
+  // per-step temporaries are reused without page faults.
+  const double rss_before_setup = current_rss_mb();
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   Parallelized par = parallelize(cfg, mcfg, *world, mesh, policy);
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+  const double setup_peak_mb = peak_rss_mb() - rss_before_setup;
   models::GPT model = par.model;
   DataParallel& dp = *par.dp;
 
@@ -142,9 +157,9 @@ TrainResult run_training(const Config& cfg) {
         static_cast<long long>(accum), dims.dp(), torch::get_num_threads(), peak / 1e9);
     std::printf(
         "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
-        "optimizer %.1f)\n",
+        "optimizer %.1f); setup peak +%.1f MiB RSS\n",
         dp.describe().c_str(), policy.describe().c_str(), (dp.model_state_bytes() + opt_bytes) / 1048576.0,
-        dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0);
+        dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0, setup_peak_mb);
     std::fflush(stdout);
   }
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
@@ -200,6 +215,8 @@ TrainResult run_training(const Config& cfg) {
     m.peak_rss_mb = peak_rss_mb();
     m.comm_wait_ms = dp.comm_wait_ms();
     m.grad_norm = norm;
+    m.loss_scale = loss_scale;
+    m.skipped_steps = scaler ? scaler->skipped_steps() : 0;
     result.losses.push_back(m.loss);
     if (step > 0) throughput.push_back(m.tokens_per_s);
     if (lead) sink.write(m, (step + 1) % cfg.metrics.log_every == 0 || step + 1 == cfg.train.steps);

@@ -63,7 +63,8 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
       reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
       shard_.mutable_grad() = reduce_out_;
     } else {
-      shard_.mutable_grad() = at::zeros({k_}, shard_.options());
+      // The gradient shard is allocated by the first reduce (setup stays at
+      // the parameter shards; frozen-only steps never pay for it).
       reduce_out_ = at::empty({k_}, full_.options().dtype(options_.reduce_dtype));
       options_.keep_full_grads = false;  // the in-place layout needs a shard view of the same dtype
       models::free_storage(grad_full_);
@@ -158,14 +159,18 @@ void FlatParam::finish_reduce() {
     return;
   }
   reduce_in_ = at::Tensor();
-  shard_.mutable_grad().add_(reduce_out_);
+  at::Tensor& g = shard_.mutable_grad();
+  if (!g.defined())
+    g = reduce_out_.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  else
+    g.add_(reduce_out_);
   for (auto& p : params_) p.mutable_grad().reset();
   models::free_storage(grad_full_);
 }
 
 void FlatParam::zero_grad() {
   if (!trainable_) return;
-  shard_.mutable_grad().zero_();
+  if (shard_.grad().defined()) shard_.mutable_grad().zero_();
   if (grad_full_.storage().nbytes() > 0) grad_full_.zero_();
   reduced_ = false;
 }
@@ -187,7 +192,7 @@ int64_t FlatParam::param_bytes() const {
 int64_t FlatParam::grad_bytes() const {
   if (!trainable_) return 0;
   int64_t b = static_cast<int64_t>(grad_full_.storage().nbytes());
-  if (!options_.keep_full_grads) b += shard_.grad().numel() * shard_.grad().element_size();
+  if (!options_.keep_full_grads && shard_.grad().defined()) b += shard_.grad().numel() * shard_.grad().element_size();
   return b;
 }
 
