@@ -49,44 +49,8 @@ RESULTS=${OUT:-$(mktemp /tmp/bench-ddp.XXXXXX.jsonl)}
 : > "$RESULTS"
 PORT=$((29700 + RANDOM % 200))
 
-SHAPER=""
-NS0=stb-ns0 NS1=stb-ns1 IF0=stb-veth0 IF1=stb-veth1 IP0=10.77.0.1 IP1=10.77.0.2
-cleanup() {
-  ip netns del $NS0 2>/dev/null || true
-  ip netns del $NS1 2>/dev/null || true
-}
-trap 'cleanup; [[ -n ${BUSY_PID:-} ]] && kill "$BUSY_PID" 2>/dev/null; true' EXIT
+trap 'netns_cleanup; [[ -n ${BUSY_PID:-} ]] && kill "$BUSY_PID" 2>/dev/null; true' EXIT
 trap 'exit 130' INT TERM
-
-setup_netns() {
-  cleanup
-  ip netns add $NS0
-  ip netns add $NS1
-  ip link add $IF0 type veth peer name $IF1
-  ip link set $IF0 netns $NS0
-  ip link set $IF1 netns $NS1
-  ip -n $NS0 addr add $IP0/24 dev $IF0
-  ip -n $NS1 addr add $IP1/24 dev $IF1
-  for ns in $NS0 $NS1; do ip -n $ns link set lo up; done
-  ip -n $NS0 link set $IF0 up
-  ip -n $NS1 link set $IF1 up
-  # Same shaping both ways; a long queue so the rate limit delays packets
-  # instead of dropping them. Kernels built without sch_netem (e.g. some
-  # microVM kernels) get a token bucket (tbf) with the same rate and no
-  # added delay; SHAPER says which one ran.
-  local dev ns
-  for pair in "$NS0:$IF0" "$NS1:$IF1"; do
-    ns=${pair%%:*} dev=${pair#*:}
-    if ip netns exec $ns tc qdisc add dev $dev root netem delay "${DELAY}ms" rate "${RATE}mbit" limit 100000 2>/dev/null; then
-      SHAPER="netem delay ${DELAY} ms rate ${RATE} Mbit/s"
-    else
-      # burst >= the largest (GSO) packet veth hands over, else tbf drops it
-      ip netns exec $ns tc qdisc add dev $dev root tbf rate "${RATE}mbit" burst 128kb latency 2000ms
-      SHAPER="tbf rate ${RATE} Mbit/s, no added delay (this kernel has no sch_netem)"
-    fi
-  done
-  if command -v ping >/dev/null; then ip netns exec $NS0 ping -c 2 -q $IP1 >/dev/null; fi
-}
 
 config_args() {
   case $1 in
@@ -123,7 +87,7 @@ source "$ROOT/scripts/bench-common.sh"
 IFS=, read -r -a links <<<"$LINKS"
 IFS=, read -r -a configs <<<"$CONFIGS"
 for link in "${links[@]}"; do
-  [[ $link == netem ]] && setup_netns
+  [[ $link == netem ]] && netns_setup
   for cfg in "${configs[@]}"; do
     for ((k = 0; k < REPEATS; k++)); do
       if ((k % 2 == 0)); then order="scaletrain pytorch"; else order="pytorch scaletrain"; fi
@@ -146,7 +110,7 @@ for link in "${links[@]}"; do
       done
     done
   done
-  [[ $link == netem ]] && cleanup
+  [[ $link == netem ]] && netns_cleanup
 done
 
 echo
