@@ -1,5 +1,7 @@
 #include "scaletrain/optim/adamw.h"
 
+#include "scaletrain/optim/file_backed.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -27,8 +29,14 @@ AdamW::AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, A
         (decay_numel_[i] != 0 && decay_numel_[i] != params_[i].numel() && params_[i].dim() != 1))
       throw std::invalid_argument("AdamW: a partial decay count needs a flat (1-D) tensor");
   for (auto& p : params_) {
-    m_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
-    v_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    if (options_.state_dir.empty()) {
+      m_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      v_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+    } else {
+      if (!p.device().is_cpu()) throw std::invalid_argument("AdamW: file-backed states need CPU tensors");
+      m_.push_back(file_backed_zeros(options_.state_dir, p.numel(), p.scalar_type()).view(p.sizes()));
+      v_.push_back(file_backed_zeros(options_.state_dir, p.numel(), p.scalar_type()).view(p.sizes()));
+    }
   }
 }
 
@@ -67,8 +75,7 @@ std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params) {
   return d;
 }
 
-double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
-                      const std::vector<comm::Group*>& groups) {
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, const std::vector<comm::Group*>& groups) {
   torch::NoGradGuard no_grad;
   at::Tensor sq = at::zeros({1}, at::kDouble);
   for (auto& p : params)

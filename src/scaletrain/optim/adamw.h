@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "scaletrain/comm/group.h"
@@ -14,11 +15,14 @@
 namespace scaletrain::optim {
 
 struct AdamWOptions {
-  double lr = 3e-4;            // peak learning rate (a schedule may scale it per step)
-  double beta1 = 0.9;          // decay of the first-moment average
-  double beta2 = 0.95;         // decay of the second-moment average (0.95 is GPT's choice)
-  double eps = 1e-8;           // added to the denominator
-  double weight_decay = 0.1;   // decoupled decay, applied to tensors marked decay=true
+  double lr = 3e-4;           // peak learning rate (a schedule may scale it per step)
+  double beta1 = 0.9;         // decay of the first-moment average
+  double beta2 = 0.95;        // decay of the second-moment average (0.95 is GPT's choice)
+  double eps = 1e-8;          // added to the denominator
+  double weight_decay = 0.1;  // decoupled decay, applied to tensors marked decay=true
+  // "" keeps the moment estimates in memory; a directory puts them in
+  // file-backed mappings there (optim/file_backed.h: optimizer-state offload).
+  std::string state_dir;
 };
 
 class AdamW {
@@ -64,9 +68,9 @@ enum class Decay { Cosine, Linear, Constant };
 enum class Warmup { Linear, Log };
 
 struct ScheduleOptions {
-  int64_t warmup_steps = 0;  // ramp from warmup_start_ratio x peak (or ~0) to the peak
-  int64_t total_steps = 1;   // the decay ends here
-  double min_lr_ratio = 0.1; // the decay floor, as a fraction of the peak
+  int64_t warmup_steps = 0;        // ramp from warmup_start_ratio x peak (or ~0) to the peak
+  int64_t total_steps = 1;         // the decay ends here
+  double min_lr_ratio = 0.1;       // the decay floor, as a fraction of the peak
   Decay decay = Decay::Cosine;     // shape after warmup (Constant: stays at the peak)
   Warmup warmup = Warmup::Linear;  // Log: DeepSpeed's log-shaped ramp, fast at first
   double warmup_start_ratio = 0;   // lr at the ramp's origin, as a fraction of the peak

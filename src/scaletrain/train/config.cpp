@@ -113,8 +113,9 @@ const std::map<std::string, Setter>& fields() {
     ST_STR(model, preset)
     ST_INT(model, n_layer)
     ST_INT(model, n_head)
-    ST_INT(model, n_embd) ST_INT(model, block_size) ST_INT(model, vocab_size) ST_DBL(model, dropout) ST_STR(
-        data, path) ST_INT(train, steps) ST_INT(train, global_batch) ST_INT(train, micro_batch) ST_DBL(train, lr)
+    ST_INT(model, n_embd)
+    ST_INT(model, block_size) ST_INT(model, vocab_size) ST_DBL(model, dropout) ST_STR(data, path) ST_INT(
+        train, steps) ST_INT(train, global_batch) ST_INT(train, micro_batch) ST_DBL(train, lr)
         ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(train, weight_decay) ST_DBL(train, beta1) ST_DBL(
             train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip) ST_INT(train, seed) ST_INT(train, sample_tokens)
             ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule) ST_ENUM(train, warmup_type) ST_DBL(

@@ -1,5 +1,7 @@
 #include "scaletrain/train/strategy.h"
 
+#include <unistd.h>
+
 #include <sstream>
 
 #include "scaletrain/optim/adamw.h"
@@ -132,6 +134,10 @@ void check_strategy(const Config& c, bool cuda) {
           "parallel.zero: overlap_comm, contiguous_gradients, reduce_scatter and allgather_partitions must stay true "
           "(scaletrain always reduce-scatters flat gradient buffers during backward)");
   }
+  if (!zero && (z.offload_optimizer != "none" || z.offload_param != "none"))
+    throw UsageError("parallel.zero.offload_* applies to strategies zero1-zero3, not '" + p.strategy + "'");
+  if (zero && z.offload_optimizer == "nvme" && ::access(z.offload_dir.c_str(), W_OK) != 0)
+    throw UsageError("parallel.zero.offload_dir '" + z.offload_dir + "' is not a writable directory");
   if (p.strategy == "fsdp" && p.fsdp.offload_params)
     throw UsageError(std::string("parallel.fsdp.offload_params is not available: ") +
                      (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));

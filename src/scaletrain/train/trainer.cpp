@@ -134,6 +134,7 @@ TrainResult run_training(const Config& cfg) {
   ao.beta2 = cfg.train.beta2;
   ao.eps = cfg.train.eps;
   ao.weight_decay = cfg.train.weight_decay;
+  if (cfg.parallel.zero.offload_optimizer == "nvme") ao.state_dir = cfg.parallel.zero.offload_dir;
   optim::AdamW opt(params, dp.decay_numel(), ao);
   const optim::ScheduleOptions sched = schedule(cfg.train);
   std::unique_ptr<precision::LossScaler> scaler;
@@ -220,6 +221,12 @@ TrainResult run_training(const Config& cfg) {
     result.losses.push_back(m.loss);
     if (step > 0) throughput.push_back(m.tokens_per_s);
     if (lead) sink.write(m, (step + 1) % cfg.metrics.log_every == 0 || step + 1 == cfg.train.steps);
+  }
+  if (lead) {
+    std::printf("scaletrain: model states at the end %.1f MiB/rank (params+grads %.1f, optimizer %.1f)\n",
+                (dp.model_state_bytes() + opt_bytes) / 1048576.0, dp.model_state_bytes() / 1048576.0,
+                opt_bytes / 1048576.0);
+    std::fflush(stdout);
   }
   if (!throughput.empty()) {
     std::sort(throughput.begin(), throughput.end());

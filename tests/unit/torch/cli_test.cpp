@@ -37,9 +37,7 @@ TEST(Cli, IllTypedValue) {
   expect_usage_error(run("train " + cfg.string()), "train.steps");
 }
 
-TEST(Cli, MissingConfigFile) {
-  expect_usage_error(run("train /nonexistent/config.yaml"), "/nonexistent/config.yaml");
-}
+TEST(Cli, MissingConfigFile) { expect_usage_error(run("train /nonexistent/config.yaml"), "/nonexistent/config.yaml"); }
 
 TEST(Cli, MissingDataFile) {
   auto cfg = write("nodata.yaml", "data:\n  path: /nonexistent/tokens.bin\n");
@@ -74,7 +72,8 @@ TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
   auto cfg = write("tiny.yaml", "data:\n  path: " + tokens().string() +
                                     "\nmodel:\n  block_size: 32\ntrain:\n  steps: 2\n  global_batch: 4\n"
                                     "  micro_batch: 2\n  sample_tokens: 10\nmetrics:\n  peak_flops: 1e10\n"
-                                    "  path: " + metrics.string() + "\n");
+                                    "  path: " +
+                                    metrics.string() + "\n");
   auto r = run("train " + cfg.string());
   ASSERT_EQ(r.code, 0) << r.err;
   std::ifstream in(metrics);

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <map>
 
 #include "scaletrain/comm/env.h"
@@ -24,8 +27,11 @@ comm::GetEnv fake(std::map<std::string, std::string> vars) {
 }
 
 TEST(WorldEnv, Torchrun) {
-  auto w = comm::world_info_from_env(fake({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                                           {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+  auto w = comm::world_info_from_env(fake({{"RANK", "3"},
+                                           {"WORLD_SIZE", "4"},
+                                           {"LOCAL_RANK", "1"},
+                                           {"LOCAL_WORLD_SIZE", "2"},
+                                           {"MASTER_ADDR", "10.0.0.1"},
                                            {"MASTER_PORT", "1234"}}));
   EXPECT_EQ(w.rank, 3);
   EXPECT_EQ(w.world_size, 4);
@@ -37,8 +43,10 @@ TEST(WorldEnv, Torchrun) {
 }
 
 TEST(WorldEnv, OpenMpi) {
-  auto w = comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
-                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+  auto w = comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "5"},
+                                           {"OMPI_COMM_WORLD_SIZE", "8"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
                                            {"MASTER_ADDR", "node1"}}));
   EXPECT_EQ(w.rank, 5);
   EXPECT_EQ(w.world_size, 8);
@@ -47,8 +55,11 @@ TEST(WorldEnv, OpenMpi) {
 }
 
 TEST(WorldEnv, Slurm) {
-  auto w = comm::world_info_from_env(fake({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
-                                           {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+  auto w = comm::world_info_from_env(fake({{"SLURM_PROCID", "6"},
+                                           {"SLURM_NTASKS", "8"},
+                                           {"SLURM_LOCALID", "2"},
+                                           {"SLURM_TASKS_PER_NODE", "4(x2)"},
+                                           {"SLURM_JOB_NODELIST", "gpu[07-08]"},
                                            {"SLURM_JOB_ID", "4242"}}));
   EXPECT_EQ(w.rank, 6);
   EXPECT_EQ(w.local_rank, 2);
@@ -99,8 +110,8 @@ TEST(Gpt, PresetParameterCounts) {
     auto c = models::gpt_preset(preset);
     const int64_t n = c.n_embd, L = c.n_layer;
     // wte + wpe + L x (2 LN + qkv + proj + fc + proj) + ln_f
-    return c.vocab_size * n + c.block_size * n + L * (4 * n + (3 * n * n + 3 * n) + (n * n + n) +
-                                                      (4 * n * n + 4 * n) + (4 * n * n + n)) + 2 * n;
+    return c.vocab_size * n + c.block_size * n +
+           L * (4 * n + (3 * n * n + 3 * n) + (n * n + n) + (4 * n * n + 4 * n) + (4 * n * n + n)) + 2 * n;
   };
   EXPECT_EQ(counts("gpt2"), 124439808);
   torch::NoGradGuard ng;
@@ -164,3 +175,31 @@ TEST(Config, OverridesAndErrors) {
 
 }  // namespace
 }  // namespace scaletrain
+
+// Optimizer-state offload: moment estimates in file-backed mappings give the
+// same updates as in memory, and leave no file behind.
+TEST(AdamW, FileBackedStatesMatchInMemoryStates) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("scaletrain_offload_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  torch::manual_seed(3);
+  auto w0 = torch::randn({64, 33});
+  auto a = w0.clone().requires_grad_(true), b = w0.clone().requires_grad_(true);
+  scaletrain::optim::AdamWOptions in_memory, offloaded;
+  offloaded.state_dir = dir.string();
+  scaletrain::optim::AdamW oa({a}, std::vector<bool>{true}, in_memory), ob({b}, std::vector<bool>{true}, offloaded);
+  for (int s = 0; s < 5; ++s) {
+    auto g = torch::randn({64, 33});
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    oa.step(1e-2);
+    ob.step(1e-2);
+  }
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_TRUE(torch::equal(oa.exp_avg_sq()[0], ob.exp_avg_sq()[0]));
+  EXPECT_TRUE(fs::is_empty(dir)) << "state files are unlinked once mapped";
+  scaletrain::optim::AdamWOptions bad;
+  bad.state_dir = "/nonexistent/offload";
+  EXPECT_THROW(scaletrain::optim::AdamW({torch::zeros({2})}, std::vector<bool>{false}, bad), std::runtime_error);
+  fs::remove_all(dir);
+}

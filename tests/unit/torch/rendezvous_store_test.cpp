@@ -73,9 +73,7 @@ std::string errorOf(Fn&& fn) {
   return "";
 }
 
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Plain connect() to ip:port; returns 0 on success or the errno.
 int rawConnect(int family, const std::string& ip, uint16_t port) {
@@ -256,9 +254,7 @@ TEST(RendezvousStore, DeleteCheckAndNumKeys) {
 TEST(RendezvousStore, ServerGoneIsAClearErrorNotAHang) {
   auto server = makeServer();
   auto client = makeClient(*server, 30s);  // long: only the loss may end the wait
-  auto waiter = std::async(std::launch::async, [&] {
-    return errorOf([&] { client->wait({"never"}); });
-  });
+  auto waiter = std::async(std::launch::async, [&] { return errorOf([&] { client->wait({"never"}); }); });
   std::this_thread::sleep_for(100ms);
   const auto start = Clock::now();
   server.reset();  // destructor stops and joins the server thread
@@ -358,9 +354,7 @@ TEST(RendezvousStore, ServerWaitsForWorkers) {
     auto probe = makeServer();
     o.port = probe->port();
   }
-  auto server = std::async(std::launch::async, [&] {
-    return c10::make_intrusive<RendezvousStore>(o);
-  });
+  auto server = std::async(std::launch::async, [&] { return c10::make_intrusive<RendezvousStore>(o); });
   RendezvousStoreOptions co;
   co.host = "127.0.0.1";
   co.port = o.port;
@@ -451,8 +445,7 @@ void runGlooAllreduce(int world, const StoreForRank& storeFor) {
     ranks.push_back(std::async(std::launch::async, [&, rank] {
       auto options = c10d::ProcessGroupGloo::Options::create();
       options->timeout = 10s;
-      options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(storeFor(rank), rank, world, options);
       std::vector<at::Tensor> tensors{at::full({4}, float(rank + 1))};
       pg->allreduce(tensors)->wait();
@@ -479,9 +472,7 @@ TEST(RendezvousStore, ProcessGroupGlooThroughPrefixStore) {
   auto server = makeServer();
   std::vector<c10::intrusive_ptr<c10d::Store>> base{server, makeClient(*server)};
   for (const std::string prefix : {"dp/", "tp/"})
-    runGlooAllreduce(2, [&](int rank) {
-      return c10::make_intrusive<c10d::PrefixStore>(prefix, base[rank]);
-    });
+    runGlooAllreduce(2, [&](int rank) { return c10::make_intrusive<c10d::PrefixStore>(prefix, base[rank]); });
   EXPECT_GT(server->getNumKeys(), 0);
 }
 

@@ -57,6 +57,9 @@ TEST(TrainerStrategies, EveryStrategyFollowsTheDdpLossCurve) {
   const std::vector<std::pair<std::string, std::string>> runs{
       {"zero1", "--parallel.strategy=zero1"},
       {"zero2", "--parallel.strategy=zero2"},
+      {"zero2_offload",
+       "--parallel.strategy=zero2 --parallel.zero.offload_optimizer=nvme --parallel.zero.offload_dir=" +
+           scratch().string()},
       {"zero3", "--parallel.strategy=zero3"},
       {"full_shard", "--parallel.strategy=fsdp"},
       {"full_shard_deferred",
@@ -66,6 +69,7 @@ TEST(TrainerStrategies, EveryStrategyFollowsTheDdpLossCurve) {
       {"no_shard", "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=NO_SHARD"},
   };
   for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags, port++), ref, name);
+  EXPECT_EQ(port, 29869) << "ports 29860-29869 belong to this test";
 }
 
 TEST(TrainerStrategies, HybridShardOnTwoSimulatedNodes) {
@@ -136,6 +140,12 @@ TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
   expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_optimizer=cpu"),
                      "offload_optimizer");
   expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.offload_params=true"), "offload_params");
+  expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_optimizer=nvme "
+                               "--parallel.zero.offload_dir=/nonexistent/dir"),
+                     "/nonexistent/dir");
+  expect_usage_error(run(cfg + " --parallel.strategy=ddp --parallel.zero.offload_optimizer=nvme "
+                               "--parallel.zero.offload_dir=/tmp"),
+                     "zero1-zero3");
   expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.transformer_layer_cls=LlamaDecoderLayer"),
                      "LlamaDecoderLayer");
   expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=HYBRID_SHARD"),
