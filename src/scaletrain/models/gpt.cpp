@@ -60,17 +60,32 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
   mask_ = torch::ones({c.block_size, c.block_size}, torch::kBool).tril();
 }
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), hs = n_embd_ / n_head_;
-  auto qkv = c_attn(x).split(n_embd_, 2);
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hs}).transpose(1, 2); };
+int64_t CausalSelfAttentionImpl::local_heads() const { return c_attn->weight.size(0) / (3 * (n_embd_ / n_head_)); }
+
+namespace {
+// c_proj as a row-parallel linear: the partial products of every rank are
+// reduced by the hook, and the (replicated) bias is added once, after it.
+torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp) {
+  auto out = tp.row_output(torch::linear(y, proj->weight));
+  return proj->bias.defined() ? out + proj->bias : out;
+}
+}  // namespace
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
+  // Under tensor parallelism c_attn holds this rank's heads only (their q, k
+  // and v rows), so the width below is n_embd / tp.
+  const int64_t hs = n_embd_ / n_head_, nh = local_heads(), width = nh * hs;
+  const torch::Tensor x = tp ? tp->column_input(input) : input;
+  const int64_t B = x.size(0), T = x.size(1);
+  auto qkv = c_attn(x).split(width, 2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hs}).transpose(1, 2); };
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
   att = att.masked_fill(mask_.slice(0, 0, T).slice(1, 0, T).logical_not(), -std::numeric_limits<float>::infinity());
   att = torch::softmax(att, -1);
   if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
-  auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, n_embd_});
-  y = c_proj(y);
+  auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, width});
+  y = tp ? row_parallel(y, c_proj, *tp) : c_proj(y);
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;
 }
@@ -81,7 +96,11 @@ MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout) {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  auto y = c_proj(torch::gelu(c_fc(x), "tanh"));  // GPT-2's tanh approximation
+  torch::Tensor y;
+  if (tp)  // c_fc column-parallel, c_proj row-parallel: one reduction per MLP
+    y = row_parallel(torch::gelu(c_fc(tp->column_input(x)), "tanh"), c_proj, *tp);
+  else
+    y = c_proj(torch::gelu(c_fc(x), "tanh"));  // GPT-2's tanh approximation
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;
 }
@@ -143,13 +162,19 @@ void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
   }
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   if (T > config_.block_size)
     throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
                                 std::to_string(config_.block_size));
-  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
-  auto x = drop_(wte(idx) + wpe(pos));
+  torch::Tensor x;
+  if (tp_) {
+    x = tp_->embed(idx);
+  } else {
+    auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
+    x = wte(idx) + wpe(pos);
+  }
+  x = drop_(x);
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
     auto* block = (*h)[i]->as<Block>();
     if (runner_)
@@ -158,16 +183,31 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
     else
       x = block->forward(x);
   }
-  x = ln_f(x);
+  return ln_f(x);
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  auto x = hidden(idx);
+  if (tp_) return tp_->logits(x);
   return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
 }
 
 torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  if (tp_) return tp_->loss(hidden(idx), targets);
   auto logits = forward(idx);
   // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
   if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
     logits = logits.to(torch::kFloat);
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
+  tp_ = hooks;
+  for (auto& m : *h) {
+    auto* block = m->as<Block>();
+    block->attn->tp = hooks;
+    block->mlp->tp = hooks;
+  }
 }
 
 torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {

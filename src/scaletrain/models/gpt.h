@@ -9,6 +9,7 @@
 #include "scaletrain/models/deferred.h"
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,11 +32,41 @@ struct GPTConfig {
 GPTConfig gpt_preset(const std::string& name);
 std::vector<std::string> gpt_preset_names();
 
+// How a layer-splitting strategy (tensor parallelism, parallel/tensor) takes
+// part in the forward without a second model class. The model stays free of
+// communication: the strategy fills these in and the modules call them at the
+// boundaries of Megatron's column-parallel / row-parallel pairs. An empty hook
+// set (the default) is the plain single-process model, unchanged.
+using TensorFn = std::function<torch::Tensor(const torch::Tensor&)>;
+struct TensorParallelHooks {
+  // Input of a column-parallel linear (c_attn, c_fc, the tied head): the f
+  // operator (identity forward, all-reduce backward) or, under sequence
+  // parallelism, the all-gather along the sequence.
+  TensorFn column_input;
+  // Output of a row-parallel linear (c_proj) before its bias: the g operator
+  // (all-reduce) or, under sequence parallelism, the reduce-scatter.
+  TensorFn row_output;
+  // Token ids [B, T] -> token + position embedding [B, T, C] (or its
+  // sequence shard [B, T/tp, C]) with the vocabulary-parallel lookup.
+  TensorFn embed;
+  // ln_f output -> full logits [B, T, V] (gathered over the vocabulary; for
+  // forward() and generate(), not for the loss).
+  TensorFn logits;
+  // ln_f output and targets -> mean next-token cross-entropy, with logits
+  // that stay sharded over the vocabulary.
+  std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& targets)> loss;
+};
+using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GPTConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
+  // Heads this module computes: n_head, or n_head / tp once c_attn holds
+  // only this rank's heads (derived from c_attn's weight shape).
+  int64_t local_heads() const;
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  TensorParallelHooksPtr tp;  // null: single process
 
  private:
   int64_t n_head_, n_embd_;
@@ -49,6 +80,7 @@ class MLPImpl : public torch::nn::Module {
   explicit MLPImpl(const GPTConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  TensorParallelHooksPtr tp;  // null: single process
 
  private:
   double dropout_;
@@ -95,8 +127,14 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   void init_parameter(const std::string& name, at::Tensor& p) const;
   // idx: [B, T] int64 token ids -> logits [B, T, vocab].
   torch::Tensor forward(const torch::Tensor& idx);
-  // Mean cross-entropy of the next-token prediction.
+  // Mean cross-entropy of the next-token prediction (vocabulary-parallel
+  // under tensor parallelism: the full logits are never formed).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // Installs (or, with nullptr, removes) the tensor-parallel hooks in the
+  // model and every block; parallel/tensor's parallelize_tensor() calls it
+  // after it has split the weights.
+  void set_tensor_parallel(TensorParallelHooksPtr hooks);
+  const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
   // Appends `max_new_tokens` sampled tokens (temperature, top-k) to `idx` [1, T].
   torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k);
 
@@ -117,8 +155,12 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
 
  private:
   GPTConfig config_;
+  // Embeddings, blocks and ln_f: [B, T, C] hidden states before the head.
+  torch::Tensor hidden(const torch::Tensor& idx);
+
   torch::nn::Dropout drop_{nullptr};
   BlockRunner runner_;
+  TensorParallelHooksPtr tp_;
 };
 TORCH_MODULE(GPT);
 

@@ -1,0 +1,201 @@
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
+
+#include <cmath>
+#include <memory>
+#include <unordered_map>
+
+#include "scaletrain/parallel/tensor/layers.h"
+#include "scaletrain/parallel/tensor/tp_comm.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::parallel::tensor {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The Megatron role of each GPT parameter, by name (see the table in the header).
+ParamLayout layout_of(const std::string& name, const at::Tensor& p, bool sequence_parallel) {
+  ParamLayout l;
+  l.name = name;
+  l.full_shape = p.sizes().vec();
+  if (name == "wte.weight") {
+    l.dim = 0;  // vocabulary rows
+  } else if (ends_with(name, "attn.c_attn.weight") || ends_with(name, "attn.c_attn.bias")) {
+    l.dim = 0;  // see Note [Fused qkv split]
+    l.blocks = 3;
+  } else if (ends_with(name, "mlp.c_fc.weight") || ends_with(name, "mlp.c_fc.bias")) {
+    l.dim = 0;  // column-parallel: output rows
+  } else if (ends_with(name, "c_proj.weight")) {
+    l.dim = 1;  // row-parallel: input columns
+  } else {
+    // wpe, LayerNorms, row-parallel biases: replicated, and under sequence
+    // parallelism fed by this rank's tokens only (Note [Sequence-parallel gradients]).
+    l.partial_grad = sequence_parallel;
+  }
+  return l;
+}
+
+// Note [Fused qkv split]: c_attn's weight is [3C, C], the rows of q, then k,
+// then v, each C = n_head x head_size rows in head order. Splitting its rows
+// into tp contiguous chunks would give rank 0 all of q and part of k. Each
+// rank must keep the rows of *its* heads in each of q, k and v: the row
+// dimension is viewed as [3, tp, C/tp] and rank r keeps [:, r, :], so its
+// local weight is [q_r; k_r; v_r] ([3C/tp, C]) and the attention, which splits
+// c_attn's output in three equal parts, computes heads [r H/tp, (r+1) H/tp).
+std::vector<int64_t> blocked_sizes(std::vector<int64_t> sizes, const ParamLayout& l, int size) {
+  const int64_t n = sizes[l.dim] / (l.blocks * size);
+  sizes[l.dim] = n;
+  sizes.insert(sizes.begin() + l.dim, size);
+  sizes.insert(sizes.begin() + l.dim, l.blocks);
+  return sizes;  // [..., blocks, size, n, ...]
+}
+
+// Builds the hooks through which the GPT's own modules run tensor-parallel.
+// `model` is captured raw: it owns the hooks, so it outlives them.
+models::TensorParallelHooksPtr make_hooks(models::GPTImpl* model, comm::Group* g, bool sp) {
+  auto hooks = std::make_shared<models::TensorParallelHooks>();
+  auto column_input = [g, sp](const torch::Tensor& x) {
+    return sp ? gather_from_sequence(x, *g, kSequenceDim) : copy_to_tp_region(x, *g);
+  };
+  hooks->column_input = column_input;
+  hooks->row_output = [g, sp](const torch::Tensor& x) {
+    return sp ? reduce_scatter_to_sequence(x, *g, kSequenceDim) : reduce_from_tp_region(x, *g);
+  };
+  hooks->embed = [model, g, sp](const torch::Tensor& idx) {
+    auto tok = vocab_parallel_embedding(idx, model->wte->weight, *g, sp);
+    // Under SP tok is this rank's sequence chunk: add that chunk's positions.
+    const int64_t n = tok.size(kSequenceDim), first = sp ? g->rank() * n : 0;
+    return tok + model->wpe(torch::arange(first, first + n, idx.options().dtype(torch::kLong)));
+  };
+  // The head is a column-parallel linear over the vocabulary with the
+  // (vocab-split) token embedding as its weight.
+  auto local_logits = [model, column_input](const torch::Tensor& x) {
+    return torch::matmul(column_input(x), model->wte->weight.t());
+  };
+  hooks->logits = [g, local_logits](const torch::Tensor& x) { return gather_from_tp_region(local_logits(x), *g, -1); };
+  hooks->loss = [g, local_logits](const torch::Tensor& x, const torch::Tensor& targets) {
+    auto logits = local_logits(x);
+    // As the single-process loss: 16-bit logits are upcast for the softmax.
+    if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
+      logits = logits.to(torch::kFloat);
+    return vocab_parallel_cross_entropy(logits, targets, *g).mean();
+  };
+  return hooks;
+}
+
+}  // namespace
+
+void check_tensor_parallel(const models::GPTConfig& config, int tp) {
+  const std::string degree = "tensor parallel degree tp=" + std::to_string(tp);
+  if (tp < 1) throw UsageError(degree + " must be at least 1");
+  if (config.n_head % tp != 0)
+    throw UsageError(degree + " does not divide model.n_head=" + std::to_string(config.n_head) +
+                     " (attention heads are split across tp ranks)");
+  if (config.vocab_size % tp != 0)
+    throw UsageError(degree + " does not divide model.vocab_size=" + std::to_string(config.vocab_size) +
+                     " (pad the vocabulary to a multiple of " + std::to_string(tp) + ")");
+}
+
+at::Tensor split_parameter(const at::Tensor& full, const ParamLayout& l, int rank, int size) {
+  if (!l.sharded()) return full.clone();
+  auto shard_sizes = full.sizes().vec();
+  shard_sizes[l.dim] /= size;
+  return full.reshape(blocked_sizes(full.sizes().vec(), l, size))
+      .select(l.dim + 1, rank)
+      .reshape(shard_sizes)
+      .contiguous();
+}
+
+at::Tensor gather_parameter(const at::Tensor& shard, const ParamLayout& l, comm::Group& tp) {
+  if (!l.sharded()) return shard.clone();
+  torch::NoGradGuard no_grad;
+  auto s = shard.contiguous();
+  auto all = torch::empty({tp.size() * s.numel()}, s.options());
+  tp.all_gather(s, all).wait();
+  // all: [tp, ..., blocks, n, ...] -> [..., blocks, tp, n, ...] -> full.
+  auto sizes = s.sizes().vec();
+  sizes[l.dim] /= l.blocks;
+  sizes.insert(sizes.begin() + l.dim, l.blocks);
+  sizes.insert(sizes.begin(), tp.size());
+  return all.view(sizes).movedim(0, l.dim + 1).reshape(l.full_shape);
+}
+
+TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, TensorParallelOptions options) {
+  check_tensor_parallel(model.config(), tp.size());
+  if (model.tensor_parallel()) throw UsageError("parallelize_tensor: the model is already tensor-parallel");
+  TensorParallelPlan plan;
+  plan.tp = &tp;
+  plan.options = options;
+  torch::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    at::Tensor p = item.value();
+    if (!p.defined() || p.numel() == 0)
+      throw UsageError("parallelize_tensor needs a materialized model; '" + item.key() + "' has no data");
+    if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+    ParamLayout l = layout_of(item.key(), p, options.sequence_parallel);
+    if (l.sharded()) p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
+    if (l.partial_grad && tp.size() > 1) {
+      // Note [Sequence-parallel gradients]: sum the per-rank partial gradient
+      // before it is accumulated.
+      comm::Group* g = &tp;
+      p.register_hook([g](const at::Tensor& grad) {
+        at::Tensor full = grad.contiguous().clone();
+        all_reduce_(full, *g);
+        return full;
+      });
+    }
+    plan.params.push_back(std::move(l));
+  }
+  model.set_tensor_parallel(make_hooks(&model, &tp, options.sequence_parallel));
+  return plan;
+}
+
+std::vector<at::Tensor> gather_full_parameters(torch::nn::Module& model, const TensorParallelPlan& plan) {
+  auto params = model.named_parameters();
+  TORCH_CHECK(params.size() == plan.params.size(), "gather_full_parameters: the plan has ", plan.params.size(),
+              " parameters, the model ", params.size());
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < params.size(); ++i)
+    out.push_back(gather_parameter(params[i].value().detach(), plan.params[i], *plan.tp));
+  return out;
+}
+
+GradNormParams grad_norm_params(torch::nn::Module& model, const TensorParallelPlan& plan) {
+  std::unordered_map<std::string, const ParamLayout*> by_name;
+  for (auto& l : plan.params) by_name[l.name] = &l;
+  GradNormParams out;
+  for (auto& item : model.named_parameters()) {
+    auto it = by_name.find(item.key());
+    TORCH_CHECK(it != by_name.end(), "grad_norm_params: '", item.key(), "' is not in the tensor-parallel plan");
+    (it->second->sharded() ? out.sharded : out.replicated).push_back(item.value());
+  }
+  return out;
+}
+
+double clip_grad_norm(const GradNormParams& params, double max_norm, comm::Group& tp) {
+  torch::NoGradGuard no_grad;
+  auto squares = [](const std::vector<at::Tensor>& ps) {
+    at::Tensor sq = at::zeros({1}, at::kDouble);
+    for (auto& p : ps)
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
+    return sq;
+  };
+  // Shards are disjoint pieces of their parameters: their squares add over tp.
+  at::Tensor sq = squares(params.sharded);
+  all_reduce_(sq, tp);
+  // Replicated gradients are equal on every rank: counted once.
+  sq += squares(params.replicated);
+  const double norm = std::sqrt(sq.item<double>());
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
+    for (auto* list : {&params.sharded, &params.replicated})
+      for (auto& p : *list)
+        if (p.grad().defined()) p.mutable_grad().mul_(scale);
+  }
+  return norm;
+}
+
+}  // namespace scaletrain::parallel::tensor
