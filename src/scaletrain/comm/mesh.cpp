@@ -1,5 +1,7 @@
 #include "scaletrain/comm/mesh.h"
 
+#include <atomic>
+
 #include <functional>
 #include <sstream>
 
@@ -60,9 +62,13 @@ Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), ra
     }
     return ranks;
   };
+  // Named by the mesh's instance number (every rank builds meshes in the same
+  // order), its shape and the group's first member: unique within the job even
+  // when one process builds several meshes, and agreed by all members.
+  static std::atomic<int> instances{0};
+  const std::string prefix = "mesh" + std::to_string(instances.fetch_add(1)) + "/" + dims_.describe() + "/";
   auto name = [&](const char* dim, const std::vector<int>& ranks) {
-    // Named by the first member: unique per group and agreed by all members.
-    return std::string("mesh/") + dim + "/" + std::to_string(ranks.front());
+    return prefix + dim + "/" + std::to_string(ranks.front());
   };
   auto make = [&](const char* dim, std::vector<int> ranks) {
     if (static_cast<int>(ranks.size()) == world.size()) return world.group();
@@ -75,7 +81,12 @@ Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), ra
   dp_shard_ = make("dp_shard", members([](MeshCoord& c, int i) { c.dp_shard = i; }, dims_.dp_shard));
   dp_replicate_ = make("dp_replicate", members([](MeshCoord& c, int i) { c.dp_replicate = i; }, dims_.dp_replicate));
   const int S = dims_.dp_shard;
-  dp_ = make("dp", members([S](MeshCoord& c, int i) { c.dp_replicate = i / S; c.dp_shard = i % S; }, dims_.dp()));
+  dp_ = make("dp", members(
+                       [S](MeshCoord& c, int i) {
+                         c.dp_replicate = i / S;
+                         c.dp_shard = i % S;
+                       },
+                       dims_.dp()));
 }
 
 }  // namespace scaletrain::comm

@@ -114,27 +114,29 @@ const std::map<std::string, Setter>& fields() {
     ST_INT(model, n_layer)
     ST_INT(model, n_head)
     ST_INT(model, n_embd)
-    ST_INT(model, block_size) ST_INT(model, vocab_size) ST_DBL(model, dropout) ST_STR(data, path) ST_INT(
-        train, steps) ST_INT(train, global_batch) ST_INT(train, micro_batch) ST_DBL(train, lr)
-        ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(train, weight_decay) ST_DBL(train, beta1) ST_DBL(
-            train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip) ST_INT(train, seed) ST_INT(train, sample_tokens)
-            ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule) ST_ENUM(train, warmup_type) ST_DBL(
-                train, warmup_start_ratio) ST_ENUM(parallel, strategy) ST_INT(parallel, dp_replicate)
-                ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp) ST_DBL(
-                    parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_BOOL(parallel, find_unused_parameters)
-                    ST_ENUM(parallel, comm_dtype) ST_ENUM(parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(
-                        parallel.fsdp, sharding_strategy) ST_ENUM(parallel.fsdp, auto_wrap_policy)
-                        ST_STR(parallel.fsdp, transformer_layer_cls) ST_INT(parallel.fsdp, min_num_params) ST_ENUM(
-                            parallel.fsdp, backward_prefetch) ST_BOOL(parallel.fsdp, forward_prefetch)
-                            ST_BOOL(parallel.fsdp, limit_all_gathers) ST_BOOL(parallel.fsdp, offload_params) ST_BOOL(
-                                parallel.fsdp, sync_module_states) ST_BOOL(parallel.fsdp, cpu_ram_efficient_loading)
-                                ST_ENUM(parallel.fsdp,
-                                        state_dict_type) ST_DBL(parallel.zero, reduce_bucket_mb)
-                                    ST_DBL(parallel.zero, allgather_bucket_mb) ST_BOOL(parallel.zero, overlap_comm)
-                                        ST_BOOL(parallel.zero, contiguous_gradients) ST_BOOL(
-                                            parallel.zero, reduce_scatter) ST_BOOL(parallel.zero, allgather_partitions)
-                                            ST_ENUM(parallel.zero, offload_optimizer)
-                                                ST_ENUM(parallel.zero, offload_param) ST_STR(parallel.zero, offload_dir)
+    ST_INT(model, block_size)
+    ST_INT(model, vocab_size) ST_DBL(model, dropout) ST_STR(data, path) ST_INT(train, steps) ST_INT(train, global_batch)
+        ST_INT(train, micro_batch) ST_DBL(train, lr) ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(
+            train, weight_decay) ST_DBL(train, beta1) ST_DBL(train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip)
+            ST_INT(train, seed) ST_INT(train, sample_tokens) ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule)
+                ST_ENUM(train, warmup_type) ST_DBL(train, warmup_start_ratio) ST_ENUM(parallel, strategy) ST_INT(
+                    parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp)
+                    ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_BOOL(
+                        parallel, find_unused_parameters) ST_BOOL(parallel, sequence_parallel)
+                        ST_ENUM(parallel, comm_dtype) ST_ENUM(parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(
+                            parallel.fsdp, sharding_strategy) ST_ENUM(parallel.fsdp, auto_wrap_policy)
+                            ST_STR(parallel.fsdp, transformer_layer_cls) ST_INT(parallel.fsdp, min_num_params) ST_ENUM(
+                                parallel.fsdp, backward_prefetch) ST_BOOL(parallel.fsdp, forward_prefetch)
+                                ST_BOOL(parallel.fsdp, limit_all_gathers) ST_BOOL(
+                                    parallel.fsdp, offload_params) ST_BOOL(parallel.fsdp, sync_module_states)
+                                    ST_BOOL(parallel.fsdp, cpu_ram_efficient_loading) ST_ENUM(
+                                        parallel.fsdp, state_dict_type) ST_DBL(parallel.zero, reduce_bucket_mb)
+                                        ST_DBL(parallel.zero, allgather_bucket_mb) ST_BOOL(
+                                            parallel.zero, overlap_comm) ST_BOOL(parallel.zero, contiguous_gradients)
+                                            ST_BOOL(parallel.zero, reduce_scatter) ST_BOOL(
+                                                parallel.zero, allgather_partitions)
+                                                ST_ENUM(parallel.zero, offload_optimizer) ST_ENUM(
+                                                    parallel.zero, offload_param) ST_STR(parallel.zero, offload_dir)
                                                     ST_BOOL(parallel.zero, offload_pin_memory)
                                                         ST_DBL(parallel.zero, prefetch_bucket_mb) ST_INT(
                                                             parallel.zero, max_live_parameters)

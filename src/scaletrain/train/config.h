@@ -79,11 +79,12 @@ struct ParallelOptions {
   std::string strategy = "ddp";         // ddp | zero1 | zero2 | zero3 | fsdp
   int dp_replicate = 1;                 // mesh: outer data-parallel degree
   int dp_shard = -1;                    // mesh: inner data-parallel degree; -1 = the rest of the world
-  int tp = 1;                           // tensor-parallel degree (not yet supported: must be 1)
+  int tp = 1;                           // tensor-parallel degree (Megatron style; composes with ddp)
   int pp = 1;                           // pipeline stages (not yet supported: must be 1)
   double bucket_cap_mb = 25;            // DDP bucket size in MiB
   double first_bucket_mb = 1;           // DDP first bucket size in MiB
   bool find_unused_parameters = false;  // tolerate parameters without gradients
+  bool sequence_parallel = false;       // with tp > 1: shard LayerNorm/dropout regions along the sequence
   std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in
   std::string backend = "auto";         // auto | gloo | nccl
   double timeout_s = 300;               // deadline of every collective and of the rendezvous

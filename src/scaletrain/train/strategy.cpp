@@ -2,11 +2,13 @@
 
 #include <unistd.h>
 
+#include <optional>
 #include <sstream>
 
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/parallel/zero/zero.h"
 #include "scaletrain/util/error.h"
 
@@ -20,7 +22,11 @@ namespace fsdp = parallel::fsdp;
 // shards, as DeepSpeed does, so whole gradients never pile up.
 class DDPStrategy final : public DataParallel {
  public:
-  DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p) : model_(std::move(model)) {
+  // `plan`: the model is tensor-parallel (clipping counts split and
+  // replicated parameters over tp; see parallel/tensor).
+  DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p,
+              std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
+      : model_(std::move(model)), plan_(std::move(plan)) {
     parallel::DDPOptions o;
     o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
     o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
@@ -45,8 +51,16 @@ class DDPStrategy final : public DataParallel {
     for (auto& p : params_) n.push_back(p.dim() >= 2 ? p.numel() : 0);
     return n;
   }
-  double clip_grad_norm(double max_norm) override { return optim::clip_grad_norm(params_, max_norm); }
-  std::vector<comm::Group*> grad_groups() override { return {}; }
+  double clip_grad_norm(double max_norm) override {
+    if (plan_)
+      return parallel::tensor::clip_grad_norm(parallel::tensor::grad_norm_params(*model_, *plan_), max_norm,
+                                              *plan_->tp);
+    return optim::clip_grad_norm(params_, max_norm);
+  }
+  std::vector<comm::Group*> grad_groups() override {
+    if (plan_) return {plan_->tp};
+    return {};
+  }
   void after_step() override {}
   void zero_grad() override {
     for (auto& p : params_)
@@ -59,11 +73,21 @@ class DDPStrategy final : public DataParallel {
     for (auto& p : params_) b += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
     return b;
   }
-  void with_full_parameters(const std::function<void()>& fn) override { fn(); }
-  std::string describe() const override { return "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets"; }
+  void with_full_parameters(const std::function<void()>& fn) override {
+    if (plan_) throw UsageError("sampling a tensor-parallel model is not available; set train.sample_tokens=0");
+    fn();
+  }
+  std::string describe() const override {
+    std::string s = "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
+    if (plan_)
+      s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
+           (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
+    return s;
+  }
 
  private:
   models::GPT model_;
+  std::optional<parallel::tensor::TensorParallelPlan> plan_;
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::vector<at::Tensor> params_;
 };
@@ -141,6 +165,11 @@ void check_strategy(const Config& c, bool cuda) {
   if (p.strategy == "fsdp" && p.fsdp.offload_params)
     throw UsageError(std::string("parallel.fsdp.offload_params is not available: ") +
                      (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
+  if (p.tp > 1 && p.strategy != "ddp")
+    throw UsageError("parallel.tp=" + std::to_string(p.tp) + " composes with strategy ddp only (got '" + p.strategy +
+                     "'); ZeRO/FSDP with tensor parallelism is not available yet");
+  if (p.tp > 1 && c.train.sample_tokens > 0)
+    throw UsageError("sampling a tensor-parallel model is not available; set train.sample_tokens=0");
   if (p.strategy != "fsdp" && p.strategy != "ddp" && !zero)
     throw UsageError("parallel.strategy '" + p.strategy + "' is not available");
   if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
@@ -163,9 +192,17 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     torch::manual_seed(c.train.seed);
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
+    std::optional<parallel::tensor::TensorParallelPlan> plan;
+    if (p.tp > 1) {
+      // Tensor parallelism first, then data parallelism over the split
+      // parameters (DDP broadcasts and buckets what each rank now holds).
+      parallel::tensor::TensorParallelOptions to;
+      to.sequence_parallel = p.sequence_parallel;
+      plan = parallel::tensor::parallelize_tensor(*out.model, mesh.tp(), to);
+    }
     ParallelOptions dp_options = p;
     if (policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options);
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(plan));
     return out;
   }
   fsdp::ShardedOptions o;

@@ -16,6 +16,7 @@
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/metrics.h"
@@ -52,9 +53,8 @@ void set_threads() {
 }
 
 void check_supported(const ParallelOptions& p) {
-  if (p.tp != 1 || p.pp != 1)
-    throw UsageError("parallel.tp=" + std::to_string(p.tp) + " and parallel.pp=" + std::to_string(p.pp) +
-                     ": tensor and pipeline parallelism are not available yet (both must be 1)");
+  if (p.pp != 1)
+    throw UsageError("parallel.pp=" + std::to_string(p.pp) + ": pipeline parallelism is not available yet (must be 1)");
 }
 
 optim::ScheduleOptions schedule(const TrainOptions& t) {
@@ -77,6 +77,7 @@ TrainResult run_training(const Config& cfg) {
   // input fails fast and identically on every rank.
   check_supported(cfg.parallel);
   const models::GPTConfig mcfg = model_config(cfg.model);
+  if (cfg.parallel.tp > 1) parallel::tensor::check_tensor_parallel(mcfg, cfg.parallel.tp);
   const bool cuda = false;  // the trainer computes on CPU (CUDA placement is not wired yet)
   const precision::PrecisionPolicy policy = precision::PrecisionPolicy::from_options(cfg.precision, cuda);
   check_strategy(cfg, cuda);

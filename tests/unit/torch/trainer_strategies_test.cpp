@@ -81,6 +81,16 @@ TEST(TrainerStrategies, HybridShardOnTwoSimulatedNodes) {
   expect_same_curve(got, ref, "HYBRID_SHARD 2x2");
 }
 
+// Tensor parallelism keeps the data-parallel size's sample order: TP=2 on 2
+// ranks (dp 1) and DP2 x TP2 on 4 ranks follow DDP's curve on 2 ranks.
+TEST(TrainerStrategies, TensorParallelFollowsTheDdpLossCurve) {
+  const auto ref = train(2, "ddp_for_tp", "--parallel.strategy=ddp", 29875);
+  expect_same_curve(train(2, "tp2", "--parallel.tp=2 --train.sample_tokens=0", 29876), ref, "tp2");
+  expect_same_curve(
+      train(4, "dp2tp2", "--parallel.tp=2 --parallel.sequence_parallel=true --train.sample_tokens=0", 29877), ref,
+      "dp2 x tp2 (sequence parallel)");
+}
+
 // Text with real entropy (Zipf-distributed words from a seeded generator), so
 // the loss plateaus well above zero and a 2% band means something.
 fs::path wordy_tokens() {
@@ -151,6 +161,9 @@ TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
   expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=HYBRID_SHARD"),
                      "dp_replicate");
   expect_usage_error(run(cfg + " --precision.param_dtype=bf16 --precision.mode=bf16"), "master weights");
+  expect_usage_error(run(cfg + " --parallel.tp=2 --parallel.strategy=zero3 --train.sample_tokens=0"), "tp=2");
+  expect_usage_error(run(cfg + " --parallel.tp=3 --train.sample_tokens=0"), "tp=3");
+  expect_usage_error(run(cfg + " --parallel.pp=2"), "pp=2");
 }
 
 }  // namespace
