@@ -178,7 +178,7 @@ class Reader {
 
 }  // namespace
 
-Layout replicated_layout(torch::nn::Module& model, bool writer) {
+Layout replicated_layout(const torch::nn::Module& model, bool writer) {
   Layout l;
   l.writer = writer;
   l.strategy = "ddp";

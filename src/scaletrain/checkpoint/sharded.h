@@ -62,7 +62,7 @@ struct Layout {
 
 // Whole parameters (DDP, one process): slot i is model->parameters()[i],
 // optimizer state i when `with_optimizer`. `writer`: this rank saves.
-Layout replicated_layout(torch::nn::Module& model, bool writer);
+Layout replicated_layout(const torch::nn::Module& model, bool writer);
 // The shards of a sharded engine (Note [Flat parameters]): trainable shards
 // are optimizer states 0..n-1 in order.
 Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine);

@@ -171,6 +171,7 @@ TrainResult run_training(const Config& cfg) {
   layout.mesh = dims.describe();
   int64_t start = 0;
   if (const std::string from = resume_path(cfg.checkpoint); !from.empty()) {
+    const auto t_load = std::chrono::steady_clock::now();
     const checkpoint::Index index = checkpoint::load_checkpoint(from, layout, &opt);
     dp.after_load();
     if (scaler && !index.state.loss_scaler.empty())
@@ -178,8 +179,9 @@ TrainResult run_training(const Config& cfg) {
     checkpoint::set_cpu_rng_state(index.state.rng_cpu);
     start = index.state.step;
     if (lead)
-      std::printf("scaletrain: resumed from %s (step %lld, saved by %s on %d ranks)\n", from.c_str(),
-                  static_cast<long long>(start), index.strategy.c_str(), index.world_size);
+      std::printf("scaletrain: resumed from %s (step %lld, saved by %s on %d ranks; loaded in %.3f s)\n", from.c_str(),
+                  static_cast<long long>(start), index.strategy.c_str(), index.world_size,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
   }
   std::unique_ptr<checkpoint::Checkpointer> ckpt;
   if (!cfg.checkpoint.dir.empty())
