@@ -76,6 +76,8 @@ int inspect(const std::string& arg) {
     std::printf("  checksums: all %zu files ok\n", x.files.size());
     return 0;
   }
+  std::printf("  checksums: %zu of %zu files bad\n", bad.size(), x.files.size());
+  std::fflush(stdout);
   for (const auto& b : bad) std::fprintf(stderr, "scaletrain: corrupt checkpoint file %s\n", b.c_str());
   return 1;
 }
