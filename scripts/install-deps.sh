@@ -7,6 +7,7 @@ packages=(
   libtorch-dev libgloo-dev          # libtorch 1.13 with c10d; Gloo headers for ProcessGroupGloo.hpp
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
+  zlib1g-dev                        # crc32 of checkpoint files
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # libFuzzer + sanitizers for fuzz/ (the main build uses g++)
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/

@@ -17,14 +17,17 @@ void add_train(CLI::App& app, Runner& run) {
   auto* cmd = app.add_subcommand("train", "train a model: scaletrain train CONFIG.yaml [--section.key=value ...]");
   auto config = std::make_shared<std::string>();
   auto deepspeed = std::make_shared<std::string>();
+  auto init_from = std::make_shared<std::string>();
   cmd->add_option("config", *config, "YAML config file")->required();
   cmd->add_option("--deepspeed", *deepspeed,
                   "DeepSpeed JSON config applied over the YAML (ZeRO, batch, optimizer, ...)");
+  cmd->add_option("--init-from", *init_from,
+                  "start from this Hugging Face GPT-2 safetensors file (same as --model.init_from=FILE)");
   cmd->allow_extras();
   cmd->footer(
       "Overrides: --train.steps=10 --model.preset=gpt2 --parallel.fsdp.sharding_strategy=FULL_SHARD ... (any key of "
       "the config file)");
-  cmd->callback([&run, cmd, config, deepspeed] {
+  cmd->callback([&run, cmd, config, deepspeed, init_from] {
     // Extras are the overrides; accept both --k=v and --k v.
     std::vector<std::string> raw = cmd->remaining(), overrides;
     for (size_t i = 0; i < raw.size(); ++i) {
@@ -33,6 +36,7 @@ void add_train(CLI::App& app, Runner& run) {
       else
         overrides.push_back(raw[i]);
     }
+    if (!init_from->empty()) overrides.push_back("model.init_from=" + *init_from);
     run = [config, deepspeed, overrides] {
       auto cfg = train::load_config(*config, overrides);
       if (!deepspeed->empty()) {

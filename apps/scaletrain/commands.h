@@ -17,5 +17,6 @@ void add_launch(CLI::App& app, Runner& run);          // cmd_launch.cpp
 void add_prepare(CLI::App& app, Runner& run);         // cmd_data.cpp
 void add_plot(CLI::App& app, Runner& run);            // cmd_data.cpp
 void add_estimate_memory(CLI::App& app, Runner& run); // cmd_estimate.cpp
+void add_checkpoint(CLI::App& app, Runner& run);      // cmd_checkpoint.cpp
 
 }  // namespace scaletrain::cli

@@ -41,6 +41,9 @@ class AdamW {
   void zero_grad();
 
   int64_t steps() const { return step_; }
+  // Restores the bias-correction step count (checkpoint loading; the states
+  // are written in place through exp_avg() / exp_avg_sq(), which share storage).
+  void set_steps(int64_t steps) { step_ = steps; }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<at::Tensor>& exp_avg() const { return m_; }
   const std::vector<at::Tensor>& exp_avg_sq() const { return v_; }

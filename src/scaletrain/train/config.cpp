@@ -151,6 +151,9 @@ const std::map<std::string, Setter>& fields() {
                                                                                 ST_INT(precision, hysteresis)
                                                                                     ST_DBL(precision, min_loss_scale)
                                                                                         ST_BOOL(precision, scale_bf16)
+    ST_STR(model, init_from) ST_INT(train, stop_at)
+    ST_STR(checkpoint, dir) ST_INT(checkpoint, every) ST_INT(checkpoint, keep) ST_STR(checkpoint, resume)
+    ST_BOOL(checkpoint, async)
 #undef ST_INT
 #undef ST_DBL
 #undef ST_BOOL
@@ -162,7 +165,7 @@ const std::map<std::string, Setter>& fields() {
   return table;
 }
 
-const char* const kSections = "(known: model, data, train, parallel, metrics, precision, fsdp_config, mixed_precision)";
+const char* const kSections = "(known: model, data, train, parallel, metrics, precision, checkpoint, fsdp_config, mixed_precision)";
 
 // True when some key starts with "prefix." (a section or sub-section).
 bool is_section(const std::string& prefix) {
@@ -344,6 +347,11 @@ void validate_config(const Config& c) {
   if (p.hysteresis < 1) throw UsageError("precision.hysteresis must be at least 1");
   if (p.min_loss_scale <= 0) throw UsageError("precision.min_loss_scale must be positive");
   if (c.metrics.log_every < 1) throw UsageError("metrics.log_every must be at least 1");
+  if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps)
+    throw UsageError("train.stop_at must be in [0, train.steps]");
+  if (c.checkpoint.every < 0) throw UsageError("checkpoint.every must be 0 (end of run only) or positive");
+  if (c.checkpoint.keep < 0) throw UsageError("checkpoint.keep must be 0 (keep all) or positive");
+  if (c.checkpoint.resume.empty()) throw UsageError("checkpoint.resume must be auto, never or a checkpoint path");
 }
 
 std::vector<std::string> config_keys() {

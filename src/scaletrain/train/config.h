@@ -18,6 +18,7 @@ struct ModelOptions {
   int64_t block_size = 0;  // sequence length trained on
   int64_t vocab_size = 0;
   double dropout = 0.0;  // dropout probability
+  std::string init_from;  // Hugging Face GPT-2 safetensors file to start from ("" = random init)
 };
 
 struct DataOptions {
@@ -42,6 +43,7 @@ struct TrainOptions {
   uint64_t seed = 1337;                        // model init and sample order
   int64_t sample_tokens = 200;                 // length of the text sample printed at the end (0: none)
   std::string sample_prompt = "And God said";  // prompt of that sample
+  int64_t stop_at = 0;  // stop after this step, as if preempted (the schedule still spans `steps`); 0 = steps
 };
 
 // parallel.fsdp: PyTorch FSDP's knobs, with its names and defaults.
@@ -101,6 +103,15 @@ struct MetricsOptions {
   bool progress = true;   // progress bar when stdout is a terminal
 };
 
+// checkpoint: sharded checkpoints (checkpoint/sharded.h).
+struct CheckpointingOptions {
+  std::string dir;              // root of the step-N directories ("" = no checkpoints)
+  int64_t every = 0;            // steps between saves (0: only at the end of the run, when dir is set)
+  int64_t keep = 0;             // complete checkpoints kept, newest first (0 = all)
+  std::string resume = "auto";  // auto (newest complete checkpoint in dir, if any) | never | PATH of a step directory
+  bool async = false;           // write in a background thread after a host copy
+};
+
 struct Config {
   ModelOptions model;
   DataOptions data;
@@ -108,10 +119,11 @@ struct Config {
   ParallelOptions parallel;
   MetricsOptions metrics;
   PrecisionOptions precision;
+  CheckpointingOptions checkpoint;
 };
 
 // Reads a YAML file of sections (model, data, train, parallel, metrics,
-// precision) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
+// precision, checkpoint) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
 // and Accelerate's top-level `fsdp_config:` and `mixed_precision:` (see
 // config.cpp, Note [Accelerate keys]), then applies overrides of the form
 // "section.key=value" or "section.sub.key=value". Malformed YAML, unknown

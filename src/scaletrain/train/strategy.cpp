@@ -5,6 +5,8 @@
 #include <optional>
 #include <sstream>
 
+#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -26,7 +28,7 @@ class DDPStrategy final : public DataParallel {
   // replicated parameters over tp; see parallel/tensor).
   DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p,
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
-      : model_(std::move(model)), plan_(std::move(plan)) {
+      : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()) {
     parallel::DDPOptions o;
     o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
     o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
@@ -84,10 +86,17 @@ class DDPStrategy final : public DataParallel {
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
     return s;
   }
+  // Parameters are identical on every rank: rank 0 saves, every rank loads.
+  checkpoint::Layout checkpoint_layout() const override {
+    if (plan_) throw UsageError("checkpoints of tensor-parallel runs are not available yet");
+    return checkpoint::replicated_layout(*model_.ptr(), rank_ == 0);
+  }
+  void after_load() override {}
 
  private:
   models::GPT model_;
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
+  int rank_;
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::vector<at::Tensor> params_;
 };
@@ -126,6 +135,13 @@ class ShardedStrategy final : public DataParallel {
     return label_ + ", " + std::to_string(engine_->num_units()) + " units (root + " +
            std::to_string(engine_->num_units() - 1) + " wrapped)";
   }
+  checkpoint::Layout checkpoint_layout() const override {
+    checkpoint::Layout l = checkpoint::sharded_layout(*engine_);
+    l.strategy = label_;
+    return l;
+  }
+  // Replicated strategies (zero1/2) refresh their parameters from the loaded shards.
+  void after_load() override { engine_->after_step(); }
 
  private:
   models::GPT model_;
@@ -134,6 +150,16 @@ class ShardedStrategy final : public DataParallel {
   std::string label_;
   std::unique_ptr<fsdp::ShardedDataParallel> engine_;
 };
+
+// model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
+void init_from(models::GPT& model, const std::string& path) {
+  if (path.empty()) return;
+  try {
+    checkpoint::import_hf_gpt2(model, path);
+  } catch (const checkpoint::SafetensorsError& e) {
+    throw UsageError("model.init_from: " + std::string(e.what()));
+  }
+}
 
 int64_t mib_to_numel(double mib, at::ScalarType dtype) {
   return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
@@ -192,6 +218,7 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     torch::manual_seed(c.train.seed);
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
+    init_from(out.model, c.model.init_from);
     std::optional<parallel::tensor::TensorParallelPlan> plan;
     if (p.tp > 1) {
       // Tensor parallelism first, then data parallelism over the split
@@ -241,6 +268,7 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     no_sync = z.stage == 1;
   }
   o.reduce_dtype = policy.reduce;
+  if (!c.model.init_from.empty()) deferred = false;  // build whole, load, then shard
   torch::manual_seed(c.train.seed);
   // Deferred models are built in fp32 and initialized per tensor in the
   // parameter dtype; the engine's buffers take the parameters' dtype.
@@ -250,6 +278,7 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
   } else {
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
+    init_from(out.model, c.model.init_from);
   }
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *shard, replicate, o, no_sync, label);

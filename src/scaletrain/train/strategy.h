@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
@@ -38,10 +39,16 @@ class DataParallel {
   // Runs fn with every parameter whole on every rank (collective).
   virtual void with_full_parameters(const std::function<void()>& fn) = 0;
   virtual std::string describe() const = 0;
+  // What this rank holds, for saving and loading checkpoints (Note
+  // [Checkpoint pieces]); optimizer state i belongs to optimizer_params()[i].
+  virtual checkpoint::Layout checkpoint_layout() const = 0;
+  // After a checkpoint was loaded into checkpoint_layout()'s tensors.
+  virtual void after_load() = 0;
 };
 
 // Builds the model (deferred when the strategy initializes it shard by
-// shard) and the strategy the config asks for. Throws UsageError, one line,
+// shard; whole and loaded first with model.init_from) and the strategy the
+// config asks for. Throws UsageError, one line,
 // for combinations this build cannot run.
 struct Parallelized {
   models::GPT model{nullptr};

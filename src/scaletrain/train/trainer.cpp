@@ -7,8 +7,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/data/dataset.h"
@@ -68,6 +71,20 @@ optim::ScheduleOptions schedule(const TrainOptions& t) {
   s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
   s.warmup_start_ratio = t.warmup_start_ratio;
   return s;
+}
+
+// The checkpoint to resume from per checkpoint.resume, or "" for a fresh start.
+std::string resume_path(const CheckpointingOptions& c) {
+  if (c.resume == "never") return "";
+  if (c.resume == "auto") return c.dir.empty() ? "" : checkpoint::newest_checkpoint(c.dir).value_or("");
+  namespace fs = std::filesystem;
+  if (fs::exists(fs::path(c.resume) / "index.json")) return c.resume;         // a step directory
+  if (auto newest = checkpoint::newest_checkpoint(c.resume)) return *newest;  // a root of step directories
+  throw UsageError("checkpoint.resume=" + c.resume + " is not a complete checkpoint nor a directory holding one");
+}
+
+checkpoint::ModelShape model_shape(const models::GPTConfig& m) {
+  return {m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias};
 }
 
 }  // namespace
@@ -164,6 +181,35 @@ TrainResult run_training(const Config& cfg) {
         dp.model_state_bytes() / 1048576.0, opt_bytes / 1048576.0, setup_peak_mb);
     std::fflush(stdout);
   }
+  // Resuming restores, besides the tensors, everything the next step depends
+  // on: the step (which also positions the LR schedule and the sampler, both
+  // pure functions of it), AdamW's step count, the loss scaler and the RNG.
+  checkpoint::Layout layout = dp.checkpoint_layout();
+  layout.mesh = dims.describe();
+  int64_t start = 0;
+  if (const std::string from = resume_path(cfg.checkpoint); !from.empty()) {
+    const auto t_load = std::chrono::steady_clock::now();
+    const checkpoint::Index index = checkpoint::load_checkpoint(from, layout, &opt);
+    dp.after_load();
+    if (scaler && !index.state.loss_scaler.empty())
+      scaler->load_state(precision::LossScalerState::from_map(index.state.loss_scaler));
+    checkpoint::set_cpu_rng_state(index.state.rng_cpu);
+    start = index.state.step;
+    if (lead)
+      std::printf("scaletrain: resumed from %s (step %lld, saved by %s on %d ranks; loaded in %.3f s)\n", from.c_str(),
+                  static_cast<long long>(start), index.strategy.c_str(), index.world_size,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+  }
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;
+  if (!cfg.checkpoint.dir.empty())
+    ckpt = std::make_unique<checkpoint::Checkpointer>(
+        *world->group(),
+        checkpoint::CheckpointOptions{cfg.checkpoint.dir, static_cast<int>(cfg.checkpoint.keep), cfg.checkpoint.async});
+  const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
+  auto save_due = [&](int64_t done) {
+    return ckpt && ((cfg.checkpoint.every > 0 && done % cfg.checkpoint.every == 0) || done == stop);
+  };
+
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
 
   const int64_t B = cfg.train.micro_batch, T = mcfg.block_size;
@@ -172,7 +218,7 @@ TrainResult run_training(const Config& cfg) {
   TrainResult result;
   std::vector<double> throughput;
   model->train();
-  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+  for (int64_t step = start; step < stop; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     dp.reset_stats();
     double loss_sum = 0;
@@ -220,9 +266,21 @@ TrainResult run_training(const Config& cfg) {
     m.loss_scale = loss_scale;
     m.skipped_steps = scaler ? scaler->skipped_steps() : 0;
     result.losses.push_back(m.loss);
-    if (step > 0) throughput.push_back(m.tokens_per_s);
+    if (step > start) throughput.push_back(m.tokens_per_s);
     if (lead) sink.write(m, (step + 1) % cfg.metrics.log_every == 0 || step + 1 == cfg.train.steps);
+    if (save_due(step + 1)) {
+      checkpoint::SaveState st{
+          {step + 1, opt.steps(), scaler ? scaler->state().to_map() : std::map<std::string, double>{},
+           checkpoint::cpu_rng_state()},
+          model_shape(mcfg)};
+      ckpt->save(layout, &opt, st);
+      if (lead)
+        std::printf("scaletrain: checkpoint %s %s (training stalled %.3f s)\n",
+                    cfg.checkpoint.async ? "started" : "saved",
+                    checkpoint::step_dir(cfg.checkpoint.dir, step + 1).c_str(), ckpt->last_stall_s());
+    }
   }
+  if (ckpt) ckpt->finish();  // commits an asynchronous save (collective)
   if (lead) {
     std::printf("scaletrain: model states at the end %.1f MiB/rank (params+grads %.1f, optimizer %.1f)\n",
                 (dp.model_state_bytes() + opt_bytes) / 1048576.0, dp.model_state_bytes() / 1048576.0,

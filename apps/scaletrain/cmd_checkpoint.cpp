@@ -1,0 +1,122 @@
+// `scaletrain checkpoint inspect|consolidate`.
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "commands.h"
+#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// DIR is a step directory, or a root whose newest complete checkpoint is meant.
+std::string resolve(const std::string& dir) {
+  if (fs::exists(fs::path(dir) / "index.json")) return dir;
+  if (auto newest = checkpoint::newest_checkpoint(dir)) return *newest;
+  throw UsageError("checkpoint " + dir + " has no index.json and holds no complete checkpoint");
+}
+
+std::string human(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  return buf;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int inspect(const std::string& arg) {
+  const std::string dir = resolve(arg);
+  const checkpoint::Index x = checkpoint::read_index(dir);
+  const auto& m = x.model;
+  std::printf("checkpoint %s\n", dir.c_str());
+  std::printf("  format version %d, step %lld, world size %d, strategy %s, mesh %s\n", x.version,
+              static_cast<long long>(x.step), x.world_size, x.strategy.c_str(), x.mesh.c_str());
+  std::printf("  model: vocab %lld, block %lld, %lld layers, %lld heads, width %lld%s\n",
+              static_cast<long long>(m.vocab_size), static_cast<long long>(m.block_size),
+              static_cast<long long>(m.n_layer), static_cast<long long>(m.n_head), static_cast<long long>(m.n_embd),
+              m.bias ? "" : ", no bias");
+  std::printf(
+      "  state: optimizer steps %lld, loss scaler %s, cpu rng %s\n", static_cast<long long>(x.state.optimizer_steps),
+      x.state.loss_scaler.empty() ? "none" : ("scale " + std::to_string(x.state.loss_scaler.at("scale"))).c_str(),
+      x.state.rng_cpu.empty() ? "none" : "saved");
+  int64_t total = 0;
+  for (const auto& f : x.files) total += f.bytes;
+  std::printf("  files: %zu, %s\n", x.files.size(), human(static_cast<double>(total)).c_str());
+  const auto bad = checkpoint::verify_files(dir, x);
+  for (const auto& f : x.files) {
+    const std::string path = (fs::path(dir) / f.name).string();
+    bool ok = true;
+    for (const auto& b : bad) ok = ok && b.rfind(path + ":", 0) != 0;
+    std::printf("    %-26s rank %-4d %10s  crc32 %08x  %s\n", f.name.c_str(), f.rank,
+                human(static_cast<double>(f.bytes)).c_str(), f.crc32, ok ? "ok" : "BAD");
+  }
+  std::printf("  tensors: %zu\n", x.tensors.size());
+  for (const auto& [name, t] : x.tensors) {
+    checkpoint::Dtype dt = checkpoint::Dtype::F32;
+    checkpoint::dtype_from_name(t.dtype, &dt);
+    const double bytes = static_cast<double>(t.numel()) * static_cast<double>(checkpoint::dtype_size(dt));
+    std::printf("    %-44s %-18s %s %10s  %zu piece%s\n", name.c_str(), shape_str(t.shape).c_str(), t.dtype.c_str(),
+                human(bytes).c_str(), t.pieces.size(), t.pieces.size() == 1 ? "" : "s");
+  }
+  if (bad.empty()) {
+    std::printf("  checksums: all %zu files ok\n", x.files.size());
+    return 0;
+  }
+  std::printf("  checksums: %zu of %zu files bad\n", bad.size(), x.files.size());
+  std::fflush(stdout);
+  for (const auto& b : bad) std::fprintf(stderr, "scaletrain: corrupt checkpoint file %s\n", b.c_str());
+  return 1;
+}
+
+int consolidate(const std::string& arg, const std::string& out) {
+  const std::string dir = resolve(arg);
+  const checkpoint::Index x = checkpoint::read_index(dir);
+  models::GPTConfig c;
+  c.vocab_size = x.model.vocab_size;
+  c.block_size = x.model.block_size;
+  c.n_layer = x.model.n_layer;
+  c.n_head = x.model.n_head;
+  c.n_embd = x.model.n_embd;
+  c.bias = x.model.bias;
+  c.validate();
+  models::GPT model(c);  // fp32; every parameter is overwritten below
+  std::vector<std::pair<std::string, at::Tensor>> outs;
+  for (auto& item : model->named_parameters()) outs.emplace_back("model/" + item.key(), item.value());
+  checkpoint::read_tensors(dir, x, outs);
+  checkpoint::export_hf_gpt2(model, out);
+  std::printf("wrote %s: %zu tensors of step %lld (Hugging Face GPT-2 layout)\n", out.c_str(), outs.size(),
+              static_cast<long long>(x.step));
+  return 0;
+}
+
+}  // namespace
+
+void add_checkpoint(CLI::App& app, Runner& run) {
+  auto* cmd = app.add_subcommand("checkpoint", "inspect or consolidate sharded checkpoints");
+  cmd->require_subcommand(1);
+  auto dir = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  auto* ins = cmd->add_subcommand("inspect", "layout, step, tensors, sizes and checksum status of a checkpoint");
+  ins->add_option("dir", *dir, "step directory (or a checkpoint root: its newest complete checkpoint)")->required();
+  ins->callback([&run, dir] { run = [dir] { return inspect(*dir); }; });
+  auto* con = cmd->add_subcommand("consolidate", "write the full model as one Hugging Face GPT-2 safetensors file");
+  con->add_option("dir", *dir, "step directory (or a checkpoint root: its newest complete checkpoint)")->required();
+  con->add_option("-o,--output", *out, "output file (model.safetensors)")->required();
+  con->callback([&run, dir, out] { run = [dir, out] { return consolidate(*dir, *out); }; });
+}
+
+}  // namespace scaletrain::cli

@@ -1,0 +1,351 @@
+#include "scaletrain/checkpoint/sharded.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::checkpoint {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const char* const kKinds[] = {"model", "exp_avg", "exp_avg_sq"};
+
+std::string rank_name(int rank, const char* ext) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank-%05d.%s", rank, ext);
+  return buf;
+}
+
+// One piece to write: a 1-D tensor and where it belongs.
+struct OutPiece {
+  std::string tensor;  // "model/NAME"
+  std::vector<int64_t> shape;
+  int64_t begin = 0;
+  at::Tensor data;  // 1-D, contiguous, CPU
+};
+
+std::vector<OutPiece> collect(const Layout& layout, const optim::AdamW* opt, bool copy) {
+  std::vector<OutPiece> out;
+  for (const auto& slot : layout.slots) {
+    std::vector<std::pair<const char*, at::Tensor>> sources{{kKinds[0], slot.tensor}};
+    if (opt && slot.optim_index >= 0) {
+      sources.emplace_back(kKinds[1], opt->exp_avg().at(slot.optim_index));
+      sources.emplace_back(kKinds[2], opt->exp_avg_sq().at(slot.optim_index));
+    }
+    for (const auto& [kind, t] : sources) {
+      at::Tensor flat = t.detach().reshape(-1);
+      for (const auto& p : slot.pieces) {
+        at::Tensor d = flat.narrow(0, p.local_offset, p.numel).to(at::kCPU).contiguous();
+        out.push_back({std::string(kind) + "/" + p.name, p.shape, p.param_offset, copy ? d.clone() : d});
+      }
+    }
+  }
+  return out;
+}
+
+// Writes rank-R.safetensors, then its part rank-R.json (Note [Checkpoint commit]).
+void write_part(const std::string& dir, int rank, const std::vector<OutPiece>& pieces) {
+  std::vector<TensorRef> refs;
+  json part_pieces = json::array();
+  for (const auto& p : pieces) {
+    const std::string key = p.tensor + "@" + std::to_string(p.begin);
+    const Dtype dt = safetensors_dtype(p.data.scalar_type(), key);
+    refs.push_back({key, dt, {p.data.numel()}, p.data.data_ptr(), static_cast<std::size_t>(p.data.nbytes())});
+    part_pieces.push_back({{"tensor", p.tensor},
+                           {"shape", p.shape},
+                           {"dtype", dtype_name(dt)},
+                           {"key", key},
+                           {"begin", p.begin},
+                           {"numel", p.data.numel()},
+                           {"crc32", crc32_update(0, p.data.data_ptr(), p.data.nbytes())}});
+  }
+  const std::string file = rank_name(rank, "safetensors");
+  const std::string path = (fs::path(dir) / file).string();
+  try {
+    write_safetensors(path, refs, {{"format", "scaletrain"}});
+  } catch (const SafetensorsError& e) {
+    throw UsageError(std::string("checkpoint: ") + e.what());
+  }
+  int64_t bytes = 0;
+  const uint32_t crc = crc32_file(path, &bytes);  // just written: read back from the page cache
+  json part = {{"file", file}, {"rank", rank}, {"bytes", bytes}, {"crc32", crc}, {"pieces", part_pieces}};
+  write_file_durably((fs::path(dir) / rank_name(rank, "json")).string(), part.dump());
+}
+
+// Rank 0, after every part is durable: the index from the parts.
+Index build_index(const std::string& dir, int world_size, const std::string& strategy, const std::string& mesh,
+                  const SaveState& state) {
+  Index x;
+  x.step = state.run.step;
+  x.world_size = world_size;
+  x.strategy = strategy;
+  x.mesh = mesh;
+  x.model = state.model;
+  x.state = state.run;
+  for (int r = 0; r < world_size; ++r) {
+    const fs::path part_path = fs::path(dir) / rank_name(r, "json");
+    if (!fs::exists(part_path)) continue;  // a rank that owns nothing unique (a replica)
+    std::ifstream in(part_path);
+    json part = json::parse(in);
+    const int file = static_cast<int>(x.files.size());
+    x.files.push_back(
+        {part.at("file").get<std::string>(), r, part.at("bytes").get<int64_t>(), part.at("crc32").get<uint32_t>()});
+    for (const auto& p : part.at("pieces")) {
+      TensorEntry& t = x.tensors[p.at("tensor").get<std::string>()];
+      t.shape = p.at("shape").get<std::vector<int64_t>>();
+      t.dtype = p.at("dtype").get<std::string>();
+      t.pieces.push_back({file, p.at("key").get<std::string>(), p.at("begin").get<int64_t>(),
+                          p.at("numel").get<int64_t>(), p.at("crc32").get<uint32_t>()});
+    }
+  }
+  // Round trip through the parser: checks that the pieces tile every tensor.
+  return index_from_json(index_to_json(x), (fs::path(dir) / "index.json").string());
+}
+
+// Lazily opened, memory-mapped files of one checkpoint, with checked pieces.
+class Reader {
+ public:
+  Reader(std::string dir, const Index& index) : dir_(std::move(dir)), index_(index) {}
+
+  // Copies elements [begin, begin + out.numel()) of tensor `name` into the
+  // 1-D tensor `out`, reading only the pieces that overlap.
+  void copy(const std::string& name, const std::vector<int64_t>* shape, int64_t begin, at::Tensor out) {
+    auto it = index_.tensors.find(name);
+    if (it == index_.tensors.end()) throw UsageError("checkpoint " + dir_ + " has no tensor " + name);
+    const TensorEntry& t = it->second;
+    if (shape && *shape != t.shape)
+      throw UsageError("checkpoint " + dir_ + ": tensor " + name + " has shape " + c10::str(t.shape) +
+                       ", the model's is " + c10::str(*shape));
+    const int64_t end = begin + out.numel();
+    torch::NoGradGuard no_grad;
+    for (const auto& p : t.pieces) {
+      const int64_t lo = std::max(begin, p.begin), hi = std::min(end, p.begin + p.numel);
+      if (lo >= hi) continue;
+      const TensorView& v = piece(p);
+      const at::Tensor src = at::from_blob(const_cast<unsigned char*>(v.data), {p.numel},
+                                           at::TensorOptions().dtype(torch_dtype(v.dtype, v.name)));
+      out.narrow(0, lo - begin, hi - lo).copy_(src.narrow(0, lo - p.begin, hi - lo));
+    }
+  }
+
+ private:
+  const TensorView& piece(const PieceEntry& p) {
+    const FileEntry& f = index_.files.at(p.file);
+    const std::string path = (fs::path(dir_) / f.name).string();
+    auto& file = files_[p.file];
+    if (!file) {
+      std::error_code ec;
+      const auto size = fs::file_size(path, ec);
+      if (ec) throw UsageError("checkpoint file " + path + " is missing");
+      if (static_cast<int64_t>(size) != f.bytes)
+        throw UsageError("checkpoint file " + path + " is corrupt: " + std::to_string(size) +
+                         " bytes, the index says " + std::to_string(f.bytes));
+      try {
+        file = std::make_unique<SafetensorsFile>(path);
+      } catch (const SafetensorsError& e) {
+        throw UsageError("checkpoint file " + path + " is corrupt: " + e.what());
+      }
+    }
+    const TensorView* v = file->view().find(p.key);
+    if (!v || v->numel() != p.numel || v->shape.size() != 1)
+      throw UsageError("checkpoint file " + path + " is corrupt: no 1-D tensor " + p.key + " of " +
+                       std::to_string(p.numel) + " elements");
+    if (checked_.insert({p.file, p.key}).second && crc32_update(0, v->data, v->nbytes) != p.crc32)
+      throw UsageError("checkpoint file " + path + " is corrupt: checksum mismatch in " + p.key);
+    return *v;
+  }
+
+  std::string dir_;
+  const Index& index_;
+  std::map<int, std::unique_ptr<SafetensorsFile>> files_;
+  std::set<std::pair<int, std::string>> checked_;
+};
+
+}  // namespace
+
+Layout replicated_layout(const torch::nn::Module& model, bool writer) {
+  Layout l;
+  l.writer = writer;
+  l.strategy = "ddp";
+  int i = 0;
+  for (auto& item : model.named_parameters()) {
+    const at::Tensor& p = item.value();
+    TORCH_CHECK(p.is_contiguous(), "checkpoint: parameter ", item.key(), " is not contiguous");
+    l.slots.push_back({p, i++, {{item.key(), p.sizes().vec(), 0, 0, p.numel()}}});
+  }
+  return l;
+}
+
+Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine) {
+  Layout l;
+  l.writer = engine.replica_rank() == 0;
+  l.strategy = parallel::fsdp::to_string(engine.options().sharding);
+  int i = 0;
+  for (auto& v : engine.shard_views()) {
+    Slot s{v.shard, v.trainable ? i++ : -1, {}};
+    for (auto& p : v.pieces) s.pieces.push_back({p.name, p.shape, p.param_offset, p.shard_offset, p.numel});
+    l.slots.push_back(std::move(s));
+  }
+  return l;
+}
+
+struct Checkpointer::Pending {
+  std::string dir;
+  std::string strategy, mesh;
+  SaveState state;
+  std::thread thread;
+  std::exception_ptr error;
+};
+
+Checkpointer::Checkpointer(comm::Group& group, CheckpointOptions options)
+    : group_(group), options_(std::move(options)) {}
+
+Checkpointer::~Checkpointer() {
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+void Checkpointer::commit_pending() {
+  if (!pending_) return;
+  std::unique_ptr<Pending> p = std::move(pending_);
+  if (p->thread.joinable()) p->thread.join();
+  if (p->error) std::rethrow_exception(p->error);
+  group_.barrier().wait();  // every rank's part is durable
+  if (group_.rank() == 0) {
+    write_index(p->dir, build_index(p->dir, group_.size(), p->strategy, p->mesh, p->state));
+    prune_checkpoints(options_.root, options_.keep);
+  }
+}
+
+void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const SaveState& state) {
+  const auto t0 = std::chrono::steady_clock::now();
+  commit_pending();  // the previous asynchronous save
+  auto pending = std::make_unique<Pending>();
+  pending->dir = step_dir(options_.root, state.run.step);
+  pending->strategy = layout.strategy;
+  pending->mesh = layout.mesh;
+  pending->state = state;
+  if (group_.rank() == 0) {  // a leftover of a crashed save of this step is replaced
+    std::error_code ec;
+    fs::remove(fs::path(pending->dir) / "index.json", ec);
+    fs::remove_all(pending->dir, ec);
+    fs::create_directories(pending->dir, ec);
+    if (ec) throw UsageError("checkpoint.dir: cannot create " + pending->dir + ": " + ec.message());
+  }
+  group_.barrier().wait();
+  if (layout.writer) {
+    std::vector<OutPiece> pieces = collect(layout, opt, /*copy=*/options_.async);
+    if (options_.async) {
+      Pending* raw = pending.get();
+      const int rank = group_.rank();
+      raw->thread = std::thread([raw, rank, pieces = std::move(pieces)] {
+        try {
+          write_part(raw->dir, rank, pieces);
+        } catch (...) {
+          raw->error = std::current_exception();
+        }
+      });
+    } else {
+      write_part(pending->dir, group_.rank(), pieces);
+    }
+  }
+  pending_ = std::move(pending);
+  if (!options_.async) commit_pending();
+  last_stall_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Checkpointer::finish() { commit_pending(); }
+
+Index load_checkpoint(const std::string& dir, const Layout& layout, optim::AdamW* opt) {
+  Index index = read_index(dir);
+  Reader reader(dir, index);
+  for (const auto& slot : layout.slots) {
+    std::vector<std::pair<const char*, at::Tensor>> targets{{kKinds[0], slot.tensor}};
+    if (opt && slot.optim_index >= 0) {
+      targets.emplace_back(kKinds[1], opt->exp_avg().at(slot.optim_index));
+      targets.emplace_back(kKinds[2], opt->exp_avg_sq().at(slot.optim_index));
+    }
+    for (const auto& [kind, t] : targets) {
+      at::Tensor flat = t.detach().view(-1);
+      for (const auto& p : slot.pieces)
+        reader.copy(std::string(kind) + "/" + p.name, &p.shape, p.param_offset,
+                    flat.narrow(0, p.local_offset, p.numel));
+    }
+  }
+  if (opt) opt->set_steps(index.state.optimizer_steps);
+  return index;
+}
+
+void read_tensors(const std::string& dir, const Index& index,
+                  const std::vector<std::pair<std::string, at::Tensor>>& outs) {
+  Reader reader(dir, index);
+  for (const auto& [name, out] : outs) {
+    auto it = index.tensors.find(name);
+    if (it != index.tensors.end() && it->second.numel() != out.numel())
+      throw UsageError("checkpoint " + dir + ": tensor " + name + " has " + std::to_string(it->second.numel()) +
+                       " elements, expected " + std::to_string(out.numel()));
+    reader.copy(name, nullptr, 0, out.detach().view(-1));
+  }
+}
+
+std::vector<std::string> verify_files(const std::string& dir, const Index& index) {
+  std::vector<std::string> bad;
+  for (const auto& f : index.files) {
+    const std::string path = (fs::path(dir) / f.name).string();
+    if (!fs::exists(path)) {
+      bad.push_back(path + ": missing");
+      continue;
+    }
+    int64_t bytes = 0;
+    const uint32_t crc = crc32_file(path, &bytes);
+    if (bytes != f.bytes)
+      bad.push_back(path + ": " + std::to_string(bytes) + " bytes, the index says " + std::to_string(f.bytes));
+    else if (crc != f.crc32)
+      bad.push_back(path + ": checksum mismatch");
+  }
+  return bad;
+}
+
+std::string cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor s;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s = gen.get_state();
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  const auto* b = s.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < s.numel(); ++i) {
+    out += hex[b[i] >> 4];
+    out += hex[b[i] & 15];
+  }
+  return out;
+}
+
+void set_cpu_rng_state(const std::string& h) {
+  if (h.empty()) return;
+  if (h.size() % 2) throw UsageError("checkpoint: malformed rng_cpu state");
+  at::Tensor s = at::empty({static_cast<int64_t>(h.size() / 2)}, at::kByte);
+  auto* b = s.data_ptr<uint8_t>();
+  for (size_t i = 0; i < h.size() / 2; ++i) b[i] = static_cast<uint8_t>(std::stoi(h.substr(2 * i, 2), nullptr, 16));
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(s);
+}
+
+}  // namespace scaletrain::checkpoint

@@ -1,0 +1,129 @@
+#pragma once
+// Sharded checkpoints: every rank saves only what it owns, any layout loads
+// any checkpoint (Note [Checkpoint pieces] in index.h).
+//
+// Note [Checkpoint commit]
+// save(step), a collective over the world group:
+//   1. rank 0 empties ROOT/step-N (a leftover of a crashed save) and creates
+//      it; barrier.
+//   2. each rank that owns state (DDP: rank 0; sharded: replica 0 of each
+//      shard) writes rank-R.safetensors (temp file, fsync, rename) and then
+//      rank-R.json, its part: pieces, per-piece CRC-32, the file's CRC-32.
+//   3. barrier: every part is durable. Rank 0 reads the parts, writes
+//      index.json (temp, fsync, rename, fsync of the directory) — the commit
+//      marker — and prunes to the last `keep` complete checkpoints.
+// With async, step 2 runs on a background thread over host copies (clones)
+// of the tensors, and save() returns as soon as the copies are taken; step 3
+// for that save is done at the start of the next save() or in finish(), after
+// joining the thread (so rank R's files are durable) and a barrier (so every
+// rank's are). A crash before step 3 leaves a directory without index.json,
+// which loading never picks. The destructor only joins the thread: it never
+// commits, because a barrier in a destructor (during unwinding) could hang.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/comm/group.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+
+namespace scaletrain::checkpoint {
+
+// Part of one parameter held in a slot's tensor.
+struct SlotPiece {
+  std::string name;            // parameter name ("h.0.attn.c_attn.weight")
+  std::vector<int64_t> shape;  // the parameter's whole shape
+  int64_t param_offset = 0;    // first flattened element of the parameter held
+  int64_t local_offset = 0;    // where it sits in the slot's flattened tensor
+  int64_t numel = 0;           // elements held
+};
+
+// One tensor this rank holds: a whole parameter (DDP) or a flat shard.
+struct Slot {
+  at::Tensor tensor;     // contiguous; written in place on load
+  int optim_index = -1;  // its AdamW state index (-1: frozen, no state)
+  std::vector<SlotPiece> pieces;
+};
+
+// What this rank holds and whether it saves it.
+struct Layout {
+  std::vector<Slot> slots;
+  bool writer = true;    // false: an identical replica on another rank saves it
+  std::string strategy;  // recorded in the index ("ddp", "zero3", "fsdp FULL_SHARD")
+  std::string mesh;      // recorded in the index
+};
+
+// Whole parameters (DDP, one process): slot i is model->parameters()[i],
+// optimizer state i when `with_optimizer`. `writer`: this rank saves.
+Layout replicated_layout(const torch::nn::Module& model, bool writer);
+// The shards of a sharded engine (Note [Flat parameters]): trainable shards
+// are optimizer states 0..n-1 in order.
+Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine);
+
+struct CheckpointOptions {
+  std::string root;    // directory of step-N directories
+  int keep = 0;        // complete checkpoints kept (older ones removed by rank 0); 0 = all
+  bool async = false;  // write in a background thread (Note [Checkpoint commit])
+};
+
+// Non-tensor state passed through save and load.
+struct SaveState {
+  RunState run;      // step, optimizer steps, loss scaler, RNG
+  ModelShape model;  // for consolidation
+};
+
+class Checkpointer {
+ public:
+  // `group`: every rank of the job (barriers); rank 0 of it commits.
+  Checkpointer(comm::Group& group, CheckpointOptions options);
+  ~Checkpointer();  // joins a background write; never commits
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Collective. Saves `layout`'s tensors and `opt`'s states (may be null)
+  // for step state.run.step (Note [Checkpoint commit]).
+  void save(const Layout& layout, const optim::AdamW* opt, const SaveState& state);
+  // Collective. Commits a pending asynchronous save.
+  void finish();
+  // Seconds the last save() blocked the caller.
+  double last_stall_s() const { return last_stall_s_; }
+
+ private:
+  struct Pending;
+  void commit_pending();  // join, barrier, rank 0 writes the index
+
+  comm::Group& group_;
+  CheckpointOptions options_;
+  std::unique_ptr<Pending> pending_;
+  double last_stall_s_ = 0;
+};
+
+// Loads the checkpoint in `step_dir` into `layout`'s tensors and `opt`'s
+// states (may be null: model only). Each rank reads, from memory-mapped
+// files, only the pieces that overlap what it holds, and verifies their
+// checksums. Throws UsageError (one line naming the file or tensor) for a
+// corrupt file, a missing tensor, or a shape mismatch. Replicated sharded
+// strategies must call after_step() afterwards. Returns the index.
+Index load_checkpoint(const std::string& step_dir, const Layout& layout, optim::AdamW* opt);
+
+// Reads whole tensors of a checkpoint ("model/wte.weight") into the given
+// tensors (numel must match; any dtype), one at a time; verifies checksums.
+void read_tensors(const std::string& step_dir, const Index& index,
+                  const std::vector<std::pair<std::string, at::Tensor>>& outs);
+
+// Checks every file's size and CRC-32 against the index; returns one line
+// per bad file (empty: all good).
+std::vector<std::string> verify_files(const std::string& step_dir, const Index& index);
+
+// torch's default CPU generator state, as hex, and back.
+std::string cpu_rng_state();
+void set_cpu_rng_state(const std::string& hex);
+
+}  // namespace scaletrain::checkpoint

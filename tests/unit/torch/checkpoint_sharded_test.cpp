@@ -1,0 +1,259 @@
+// Sharded checkpoints in one process and through the CLI: the index format,
+// choosing the newest complete checkpoint, keep-K, corrupt files, inspect,
+// consolidate -> --init-from, and exact resume on launched ranks.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/data/dataset.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::test {
+namespace {
+
+using checkpoint::Index;
+
+Index small_index() {
+  Index x;
+  x.step = 7;
+  x.world_size = 2;
+  x.strategy = "fsdp FULL_SHARD";
+  x.mesh = "dp 2";
+  x.model = {61, 16, 3, 2, 26, true};
+  x.state = {7, 6, {{"scale", 1024.0}}, "00ff"};
+  x.files = {{"rank-00000.safetensors", 0, 100, 0xdeadbeef}, {"rank-00001.safetensors", 1, 90, 12}};
+  x.tensors["model/wte.weight"] = {
+      {4, 3}, "F32", {{1, "model/wte.weight@5", 5, 7, 3}, {0, "model/wte.weight@0", 0, 5, 4}}};
+  return x;
+}
+
+TEST(CheckpointIndex, RoundTripsThroughJson) {
+  const Index x = checkpoint::index_from_json(checkpoint::index_to_json(small_index()), "mem");
+  EXPECT_EQ(x.step, 7);
+  EXPECT_EQ(x.world_size, 2);
+  EXPECT_EQ(x.strategy, "fsdp FULL_SHARD");
+  EXPECT_EQ(x.model.n_embd, 26);
+  EXPECT_EQ(x.state.optimizer_steps, 6);
+  EXPECT_EQ(x.state.loss_scaler.at("scale"), 1024.0);
+  EXPECT_EQ(x.state.rng_cpu, "00ff");
+  ASSERT_EQ(x.files.size(), 2u);
+  EXPECT_EQ(x.files[0].crc32, 0xdeadbeefu);
+  const auto& t = x.tensors.at("model/wte.weight");
+  ASSERT_EQ(t.pieces.size(), 2u);
+  EXPECT_EQ(t.pieces[0].begin, 0);  // sorted by range
+  EXPECT_EQ(t.pieces[1].key, "model/wte.weight@5");
+}
+
+TEST(CheckpointIndex, RejectsPiecesThatDoNotTile) {
+  Index gap = small_index();
+  gap.tensors["model/wte.weight"].pieces[0].numel = 6;  // [0,5) and [5,11): covers 11 of 12
+  EXPECT_THROW(checkpoint::index_from_json(checkpoint::index_to_json(gap), "mem"), UsageError);
+  Index bad_file = small_index();
+  bad_file.tensors["model/wte.weight"].pieces[0].file = 5;
+  EXPECT_THROW(checkpoint::index_from_json(checkpoint::index_to_json(bad_file), "mem"), UsageError);
+  EXPECT_THROW(checkpoint::index_from_json("{\"format\": 1}", "mem"), UsageError);
+}
+
+fs::path fresh(const std::string& name) {
+  auto d = scratch() / name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+void fake_checkpoint(const fs::path& root, int64_t step, bool complete) {
+  const std::string dir = checkpoint::step_dir(root.string(), step);
+  fs::create_directories(dir);
+  std::ofstream(fs::path(dir) / "rank-00000.safetensors") << "x";
+  if (complete) checkpoint::write_index(dir, small_index());
+}
+
+TEST(CheckpointDir, NewestCompleteIgnoresIncomplete) {
+  const auto root = fresh("newest");
+  EXPECT_FALSE(checkpoint::newest_checkpoint(root.string()).has_value());
+  EXPECT_FALSE(checkpoint::newest_checkpoint((root / "absent").string()).has_value());
+  fake_checkpoint(root, 2, true);
+  fake_checkpoint(root, 10, true);
+  fake_checkpoint(root, 12, false);  // a save that crashed before its commit marker
+  fs::create_directories(root / "step-junk");
+  EXPECT_EQ(checkpoint::newest_checkpoint(root.string()).value(), checkpoint::step_dir(root.string(), 10));
+  EXPECT_EQ(checkpoint::complete_checkpoints(root.string()).size(), 2u);
+  EXPECT_FALSE(fs::exists(fs::path(checkpoint::step_dir(root.string(), 12)) / "index.json.tmp"));
+}
+
+TEST(CheckpointDir, KeepsTheLastKComplete) {
+  const auto root = fresh("keep");
+  for (int s : {1, 2, 3, 4}) fake_checkpoint(root, s, true);
+  fake_checkpoint(root, 0, false);  // older and incomplete: removed
+  fake_checkpoint(root, 5, false);  // newer and incomplete: may be being written, kept
+  checkpoint::prune_checkpoints(root.string(), 2);
+  EXPECT_EQ(checkpoint::complete_checkpoints(root.string()),
+            (std::vector<std::string>{checkpoint::step_dir(root.string(), 3), checkpoint::step_dir(root.string(), 4)}));
+  EXPECT_FALSE(fs::exists(checkpoint::step_dir(root.string(), 0)));
+  EXPECT_TRUE(fs::exists(checkpoint::step_dir(root.string(), 5)));
+}
+
+TEST(CheckpointDir, Crc32MatchesZlibReference) {
+  EXPECT_EQ(checkpoint::crc32_update(0, "123456789", 9), 0xcbf43926u);  // the CRC-32 check value
+}
+
+// ---- through the CLI ----
+
+fs::path config() {
+  return write("ckpt.yaml",
+               "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 32\n  n_head: 2\n  block_size: 32\n"
+               "data:\n  path: " +
+                   tokens().string() +
+                   "\ntrain:\n  steps: 6\n  global_batch: 8\n  micro_batch: 2\n  lr: 3.0e-3\n"
+                   "  warmup_steps: 2\n  grad_clip: 0.5\n  sample_tokens: 0\n"
+                   "metrics:\n  peak_flops: 1.0e11\n  progress: false\n");
+}
+
+std::vector<double> losses(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+// stdout and stderr of a command (run() keeps only stderr).
+std::string capture(const std::string& args, int* code) {
+  const auto out = scratch() / "stdout.txt";
+  const std::string cmd = "env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " +
+                          std::string(SCALETRAIN_BIN) + " " + args + " >" + out.string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port) {
+  const fs::path metrics = scratch() / (name + ".jsonl");
+  fs::remove(metrics);
+  const std::string cmd = "train " + config().string() + " " + flags + " --metrics.path=" + metrics.string();
+  Run r = nproc == 0 ? run(cmd)
+                     : run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 " +
+                           "--master-port " + std::to_string(port) + " -- " + SCALETRAIN_BIN + " " + cmd);
+  EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+  return losses(metrics);
+}
+
+TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
+  const auto dir = fresh("resume");
+  const std::string zero3 = "--parallel.strategy=zero3 ";
+  const auto whole = train(2, "whole", zero3, 29920);
+  ASSERT_EQ(whole.size(), 6u);
+  // Stopped after step 3 (as if preempted), with an asynchronous save; then resumed.
+  const auto first =
+      train(2, "first", zero3 + "--train.stop_at=3 --checkpoint.async=true --checkpoint.dir=" + dir.string(), 29921);
+  const auto second = train(2, "second", zero3 + "--checkpoint.dir=" + dir.string(), 29922);
+  ASSERT_EQ(first.size(), 3u);
+  ASSERT_EQ(second.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(first[i], whole[i]) << "step " << i + 1;
+    EXPECT_EQ(second[i], whole[i + 3]) << "step " << i + 4 << " (bit for bit on the same layout)";
+  }
+  // The same checkpoint resumed by DDP on one process: fp32 reduction-order noise only.
+  const auto other =
+      train(0, "other", "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3), 0);
+  ASSERT_EQ(other.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(other[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+}
+
+TEST(CheckpointResume, KeepsTheLastTwoAndResumesTheNewest) {
+  const auto dir = fresh("keep_cli");
+  train(2, "keep", "--parallel.strategy=fsdp --checkpoint.every=1 --checkpoint.keep=2 --checkpoint.dir=" + dir.string(),
+        29923);
+  EXPECT_EQ(checkpoint::complete_checkpoints(dir.string()),
+            (std::vector<std::string>{checkpoint::step_dir(dir.string(), 5), checkpoint::step_dir(dir.string(), 6)}));
+  fs::create_directories(checkpoint::step_dir(dir.string(), 9));  // incomplete: never chosen
+  int code = 0;
+  const std::string out =
+      capture("train " + config().string() + " --train.steps=8 --checkpoint.dir=" + dir.string(), &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 6)), std::string::npos) << out;
+}
+
+TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
+  const auto dir = fresh("corrupt");
+  train(0, "corrupt", "--train.steps=2 --checkpoint.dir=" + dir.string(), 0);
+  const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 2)) / "rank-00000.safetensors";
+  ASSERT_TRUE(fs::exists(file));
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(-3, std::ios::end);
+    f.write(&c, 1);
+  }
+  expect_usage_error(run("train " + config().string() + " --train.steps=4 --checkpoint.dir=" + dir.string()),
+                     file.string());
+  int code = 0;
+  const std::string out = capture("checkpoint inspect " + dir.string(), &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("BAD"), std::string::npos) << out;
+}
+
+TEST(CheckpointInspect, ShowsLayoutTensorsAndChecksums) {
+  const auto dir = fresh("inspect");
+  train(2, "inspect", "--parallel.strategy=zero2 --train.steps=2 --checkpoint.dir=" + dir.string(), 29924);
+  int code = 0;
+  const std::string out = capture("checkpoint inspect " + dir.string(), &code);
+  EXPECT_EQ(code, 0) << out;
+  for (const char* needle : {"step 2", "world size 2", "strategy zero2", "rank-00001.safetensors",
+                             "model/h.1.attn.c_attn.weight", "[96, 32]", "exp_avg_sq/wte.weight", "all 2 files ok"})
+    EXPECT_NE(out.find(needle), std::string::npos) << needle << "\n" << out;
+  expect_usage_error(run("checkpoint inspect " + (dir / "nothing").string()), "no index.json");
+}
+
+TEST(CheckpointConsolidate, ThenInitFromGivesTheSameParameters) {
+  const auto dir = fresh("consolidate");
+  train(2, "consolidate", "--parallel.strategy=fsdp --train.steps=2 --checkpoint.dir=" + dir.string(), 29925);
+  const std::string step = checkpoint::step_dir(dir.string(), 2);
+  const fs::path hf = scratch() / "consolidated.safetensors";
+  int code = 0;
+  const std::string out = capture("checkpoint consolidate " + dir.string() + " -o " + hf.string(), &code);
+  ASSERT_EQ(code, 0) << out;
+  // The HF file holds exactly the checkpoint's parameters.
+  const Index index = checkpoint::read_index(step);
+  models::GPTConfig c = checkpoint::hf_gpt2_config(hf.string(), index.model.n_head);
+  models::GPT imported(c);
+  checkpoint::import_hf_gpt2(imported, hf.string());
+  std::vector<std::pair<std::string, at::Tensor>> want;
+  for (auto& item : imported->named_parameters())
+    want.emplace_back("model/" + item.key(), torch::empty_like(item.value()));
+  checkpoint::read_tensors(step, index, want);
+  size_t i = 0;
+  for (auto& item : imported->named_parameters())
+    EXPECT_TRUE(torch::equal(item.value(), want[i++].second)) << item.key();
+  // Training from it: the first loss is that of the imported model on the first batch.
+  const auto got = train(0, "init_from", "--train.steps=1 --init-from " + hf.string(), 0);
+  ASSERT_EQ(got.size(), 1u);
+  data::TokenDataset dataset(tokens().string(), data::DatasetOptions{32});
+  data::SamplerOptions so;
+  so.seed = 1337;
+  so.global_batch = 8;
+  data::DistributedSampler sampler(dataset.num_samples(), so);
+  auto x = torch::empty({2, 32}, torch::kLong), y = torch::empty({2, 32}, torch::kLong);
+  double loss = 0;
+  torch::NoGradGuard no_grad;
+  for (int k = 0; k < 4; ++k) {
+    dataset.copy_batch(sampler.indices(0, 0, 1, k, 2), x.data_ptr<int64_t>(), y.data_ptr<int64_t>());
+    loss += imported->loss(x, y).item<double>() / 4;
+  }
+  EXPECT_NEAR(got[0], loss, 1e-5 * loss);
+  expect_usage_error(run("train " + config().string() + " --init-from " + (scratch() / "missing").string()), "missing");
+}
+
+}  // namespace
+}  // namespace scaletrain::test
