@@ -184,10 +184,14 @@ TrainResult run_training(const Config& cfg) {
   // Resuming restores, besides the tensors, everything the next step depends
   // on: the step (which also positions the LR schedule and the sampler, both
   // pure functions of it), AdamW's step count, the loss scaler and the RNG.
-  checkpoint::Layout layout = dp.checkpoint_layout();
-  layout.mesh = dims.describe();
+  const std::string from = resume_path(cfg.checkpoint);
+  checkpoint::Layout layout;
+  if (!cfg.checkpoint.dir.empty() || !from.empty()) {  // only runs that checkpoint need a layout
+    layout = dp.checkpoint_layout();
+    layout.mesh = dims.describe();
+  }
   int64_t start = 0;
-  if (const std::string from = resume_path(cfg.checkpoint); !from.empty()) {
+  if (!from.empty()) {
     const auto t_load = std::chrono::steady_clock::now();
     const checkpoint::Index index = checkpoint::load_checkpoint(from, layout, &opt);
     dp.after_load();
