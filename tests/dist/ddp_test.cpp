@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "dist_env.h"
+#include "reference.h"
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
@@ -21,20 +22,8 @@ constexpr int kSteps = 5;
 
 models::GPTConfig small_gpt() { return models::GPTConfig{64, 16, 2, 2, 32}; }
 
-struct Batch {
-  at::Tensor x, y;
-};
-
 // The global batch of each step: the same on every rank (fixed seed).
-std::vector<Batch> make_data() {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-  std::vector<Batch> d;
-  for (int s = 0; s < kSteps; ++s) {
-    auto tokens = torch::randint(0, 64, {kGlobalBatch, 17}, gen, torch::kLong);
-    d.push_back({tokens.narrow(1, 0, 16).contiguous(), tokens.narrow(1, 1, 16).contiguous()});
-  }
-  return d;
-}
+std::vector<Batch> make_data() { return make_batches(kSteps, kGlobalBatch, 16, 64, 1234); }
 
 // Parity runs in float64 and float32. Note [Adam amplifies summation order]:
 // gradients from DDP match the reference to ~1e-7 relative in fp32 (the sum
@@ -93,20 +82,8 @@ std::vector<at::Tensor> train_ddp(const std::vector<Batch>& data, comm::Group& g
   return params;
 }
 
-// Per tensor (strict): max over tensors of max|a - b| / max|b|.
-// Global: max|a - b| over all parameters / max|b| over all parameters.
-// Zero-initialised biases make the per-tensor form divide by ~lr x steps, so
-// in fp32 it measures Adam's amplified rounding (see the Note above) rather
-// than the strategy; fp32 and bf16 comparisons use the global form.
 double max_relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, bool per_tensor = true) {
-  double worst = 0, diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = (a[i] - b[i]).abs().max().item<double>(), s = b[i].abs().max().item<double>();
-    worst = std::max(worst, d / std::max(s, 1e-12));
-    diff = std::max(diff, d);
-    scale = std::max(scale, s);
-  }
-  return per_tensor ? worst : diff / scale;
+  return relative_diff(a, b, per_tensor);
 }
 
 class DDPParity : public ::testing::TestWithParam<std::tuple<at::ScalarType, int>> {

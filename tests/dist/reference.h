@@ -26,6 +26,10 @@ inline std::vector<Batch> make_batches(int steps, int64_t batch, int64_t seq, in
 
 // Per tensor (strict): max over tensors of max|a - b| / max|b|.
 // Global: max|a - b| over all tensors / max|b| over all tensors.
+// Zero-initialised biases make the per-tensor form divide by ~lr x steps, so
+// in fp32 it measures Adam's amplified rounding (Note [Adam amplifies
+// summation order] in ddp_test.cpp) rather than the strategy; fp32 and bf16
+// comparisons use the global form.
 inline double relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, bool per_tensor) {
   double worst = 0, diff = 0, scale = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {

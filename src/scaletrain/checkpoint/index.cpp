@@ -1,5 +1,7 @@
 #include "scaletrain/checkpoint/index.h"
 
+#include "scaletrain/util/posix_file.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -166,29 +168,20 @@ Index read_index(const std::string& step_dir) {
 }
 
 void write_file_durably(const std::string& path, const std::string& text) {
+  auto fail = [&](const char* what) {
+    throw UsageError("checkpoint " + path + ": " + what + ": " + std::strerror(errno));
+  };
   const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw UsageError("checkpoint " + path + ": cannot create: " + std::strerror(errno));
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw UsageError("checkpoint " + path + ": write failed: " + err);
-    }
-    done += static_cast<std::size_t>(n);
+  util::Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) fail("cannot create");
+  util::TempFileGuard guard(tmp);
+  if (const int err = util::write_all(fd.get(), text.data(), text.size())) {
+    errno = err;
+    fail("write failed");
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    throw UsageError("checkpoint " + path + ": fsync failed: " + std::strerror(errno));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    throw UsageError("checkpoint " + path + ": rename failed: " + std::strerror(errno));
-  }
+  if (::fsync(fd.get()) != 0 || fd.release_and_close() != 0) fail("fsync failed");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename failed");
+  guard.commit();
   fsync_path(fs::path(path).parent_path().string(), /*directory=*/true);
 }
 

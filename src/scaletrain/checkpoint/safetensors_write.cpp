@@ -11,6 +11,7 @@
 
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/safetensors_detail.h"
+#include "scaletrain/util/posix_file.h"
 
 namespace scaletrain::checkpoint {
 
@@ -88,51 +89,8 @@ Prepared prepare(const std::vector<TensorRef>& tensors, const Metadata& metadata
   return p;
 }
 
-// Owns a POSIX file descriptor (RAII); release_and_close() reports close()
-// errors, which on NFS and some other file systems carry a failed write.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release_and_close() { return ::close(std::exchange(fd_, -1)); }
-
- private:
-  int fd_;
-};
-
-// Removes a temp file on scope exit unless commit() was called.
-class TempFileGuard {
- public:
-  explicit TempFileGuard(std::string path) : path_(std::move(path)) {}
-  ~TempFileGuard() {
-    if (!committed_) ::unlink(path_.c_str());
-  }
-  TempFileGuard(const TempFileGuard&) = delete;
-  TempFileGuard& operator=(const TempFileGuard&) = delete;
-  void commit() { committed_ = true; }
-
- private:
-  std::string path_;
-  bool committed_ = false;
-};
-
-// write(2) may write less than asked (signals, quotas, >2 GB requests).
 void write_all(int fd, const void* buf, std::size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail(path, "write failed: " + os_error(errno));
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
+  if (const int err = util::write_all(fd, buf, n)) fail(path, "write failed: " + os_error(err));
 }
 
 }  // namespace
@@ -150,9 +108,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   // The pid keeps two processes writing the same path (every rank of a job)
   // out of one temp file; the last rename wins and each renamed file is whole.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  util::Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) fail(path, "cannot create " + tmp + ": " + os_error(errno));
-  TempFileGuard guard(tmp);
+  util::TempFileGuard guard(tmp);
   write_all(fd.get(), p.prefix.data(), p.prefix.size(), path);
   for (const TensorRef* t : p.order) write_all(fd.get(), t->data, t->nbytes, path);
   // fsync before rename: otherwise a crash can leave the new name pointing at
@@ -165,7 +123,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   // fsync on a directory, and the data is already safe under one name).
   const auto slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  util::Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dfd.get() >= 0) ::fsync(dfd.get());
 }
 

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/posix_file.h"
 
 // The tokens are mapped and handed out as uint16_t without byte swapping; the
 // format is little-endian (Note [Token file layout]), so a big-endian host would
@@ -27,45 +28,6 @@ namespace {
 }
 
 std::string os_error(int err) { return std::strerror(err); }
-
-// Owns a POSIX file descriptor; closes it on scope exit. close() errors on the
-// write path are reported through release_and_close() instead.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now and returns close()'s result: on NFS and some other file
-  // systems a failed write is only reported here.
-  int release_and_close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd);
-  }
-
- private:
-  int fd_;
-};
-
-// Removes a temp file on scope exit unless commit() was called.
-class TempFileGuard {
- public:
-  explicit TempFileGuard(std::string path) : path_(std::move(path)) {}
-  ~TempFileGuard() {
-    if (!committed_) ::unlink(path_.c_str());
-  }
-  TempFileGuard(const TempFileGuard&) = delete;
-  TempFileGuard& operator=(const TempFileGuard&) = delete;
-  void commit() { committed_ = true; }
-
- private:
-  std::string path_;
-  bool committed_ = false;
-};
 
 void put_u32(unsigned char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -84,27 +46,16 @@ uint64_t get_u64(const unsigned char* p) {
   return v;
 }
 
-// write(2) may write less than asked (signals, pipes, quotas); loop until done.
 void write_all(int fd, const void* buf, std::size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail(path, "write failed: " + os_error(errno));
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
+  if (const int err = util::write_all(fd, buf, n)) fail(path, "write failed: " + os_error(err));
 }
 
 }  // namespace
 
-void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count,
-                      uint32_t vocab) {
+void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count, uint32_t vocab) {
   if (vocab == 0 || vocab > kMaxUint16Vocab) {
-    fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " +
-                   std::to_string(kMaxUint16Vocab) + "] for uint16 tokens");
+    fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) +
+                   "] for uint16 tokens");
   }
   // Check before creating anything, so a bad call leaves no file behind.
   for (std::size_t i = 0; i < count; ++i) {
@@ -125,9 +76,9 @@ void write_token_file(const std::string& path, const uint16_t* tokens, std::size
   // every rank of a job) from writing into one temp file; the last rename wins
   // and each renamed file is complete.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  util::Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) fail(path, "cannot create " + tmp + ": " + os_error(errno));
-  TempFileGuard guard(tmp);
+  util::TempFileGuard guard(tmp);
 
   write_all(fd.get(), header, sizeof(header), path);
   write_all(fd.get(), tokens, count * sizeof(uint16_t), path);
@@ -141,13 +92,12 @@ void write_token_file(const std::string& path, const uint16_t* tokens, std::size
   guard.commit();
 }
 
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens,
-                      uint32_t vocab) {
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab) {
   write_token_file(path, tokens.data(), tokens.size(), vocab);
 }
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  util::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     fail(path, errno == ENOENT ? std::string("no such file") : "cannot open: " + os_error(errno));
   }
@@ -181,25 +131,24 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
     }
     const uint32_t dtype = get_u32(h + 12);
     if (dtype != kDtypeUint16) {
-      fail(path, "unsupported dtype code " + std::to_string(dtype) + " (expected " +
-                     std::to_string(kDtypeUint16) + " = uint16)");
+      fail(path, "unsupported dtype code " + std::to_string(dtype) + " (expected " + std::to_string(kDtypeUint16) +
+                     " = uint16)");
     }
     const uint64_t count = get_u64(h + 16);
     const uint32_t vocab = get_u32(h + 24);
     if (vocab == 0 || vocab > kMaxUint16Vocab) {
-      fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " +
-                     std::to_string(kMaxUint16Vocab) + "]");
+      fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) + "]");
     }
     const uint64_t data_bytes = file_bytes - kTokenFileHeaderBytes;
     // Compare in token units so a huge corrupt count cannot overflow 2*count.
     if (count > data_bytes / sizeof(uint16_t)) {
-      fail(path, "truncated: header says " + std::to_string(count) + " tokens but only " +
-                     std::to_string(data_bytes) + " data bytes follow");
+      fail(path, "truncated: header says " + std::to_string(count) + " tokens but only " + std::to_string(data_bytes) +
+                     " data bytes follow");
     }
     if (data_bytes != count * sizeof(uint16_t)) {
       fail(path, "size mismatch: header says " + std::to_string(count) + " tokens (" +
-                     std::to_string(count * sizeof(uint16_t)) + " bytes) but " +
-                     std::to_string(data_bytes) + " data bytes follow");
+                     std::to_string(count * sizeof(uint16_t)) + " bytes) but " + std::to_string(data_bytes) +
+                     " data bytes follow");
     }
     count_ = static_cast<std::size_t>(count);
     vocab_ = vocab;

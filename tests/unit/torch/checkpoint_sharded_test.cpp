@@ -105,22 +105,7 @@ TEST(CheckpointDir, Crc32MatchesZlibReference) {
 
 // ---- through the CLI ----
 
-fs::path config() {
-  return write("ckpt.yaml",
-               "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 32\n  n_head: 2\n  block_size: 32\n"
-               "data:\n  path: " +
-                   tokens().string() +
-                   "\ntrain:\n  steps: 6\n  global_batch: 8\n  micro_batch: 2\n  lr: 3.0e-3\n"
-                   "  warmup_steps: 2\n  grad_clip: 0.5\n  sample_tokens: 0\n"
-                   "metrics:\n  peak_flops: 1.0e11\n  progress: false\n");
-}
-
-std::vector<double> losses(const fs::path& metrics) {
-  std::ifstream in(metrics);
-  std::vector<double> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+fs::path config() { return small_train_config("ckpt.yaml", 0); }
 
 // stdout and stderr of a command (run() keeps only stderr).
 std::string capture(const std::string& args, int* code) {
@@ -143,7 +128,7 @@ std::vector<double> train(int nproc, const std::string& name, const std::string&
                      : run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 " +
                            "--master-port " + std::to_string(port) + " -- " + SCALETRAIN_BIN + " " + cmd);
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
-  return losses(metrics);
+  return metric_losses(metrics);
 }
 
 TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {

@@ -12,6 +12,9 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace scaletrain::test {
 
@@ -68,6 +71,26 @@ inline void expect_usage_error(const Run& r, const std::string& needle) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   EXPECT_EQ(r.err.find("terminate"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("Exception raised from"), std::string::npos) << r.err;
+}
+
+// A 2-layer, 32-wide GPT on tokens(), 6 steps of global batch 8 in micro-batches
+// of 2 with clipping that acts: the config the end-to-end trainer tests share.
+inline fs::path small_train_config(const std::string& name, int sample_tokens) {
+  return write(name,
+               "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 32\n  n_head: 2\n  block_size: 32\n"
+               "data:\n  path: " +
+                   tokens().string() +
+                   "\ntrain:\n  steps: 6\n  global_batch: 8\n  micro_batch: 2\n  lr: 3.0e-3\n"
+                   "  warmup_steps: 2\n  grad_clip: 0.5\n  sample_tokens: " +
+                   std::to_string(sample_tokens) + "\nmetrics:\n  peak_flops: 1.0e11\n  progress: false\n");
+}
+
+// The "loss" of every line of a metrics JSON-lines file.
+inline std::vector<double> metric_losses(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
 }
 
 }  // namespace scaletrain::test

@@ -12,22 +12,7 @@
 namespace scaletrain::test {
 namespace {
 
-fs::path strategy_config() {
-  return write("strategies.yaml",
-               "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 32\n  n_head: 2\n"
-               "  block_size: 32\ndata:\n  path: " +
-                   tokens().string() +
-                   "\ntrain:\n  steps: 6\n  global_batch: 8\n  micro_batch: 2\n  lr: 3.0e-3\n"
-                   "  warmup_steps: 2\n  grad_clip: 0.5\n  sample_tokens: 8\n"
-                   "metrics:\n  peak_flops: 1.0e11\n  progress: false\n");
-}
-
-std::vector<double> losses(const fs::path& metrics) {
-  std::ifstream in(metrics);
-  std::vector<double> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+fs::path strategy_config() { return small_train_config("strategies.yaml", 8); }
 
 std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port) {
   const fs::path metrics = scratch() / (name + ".jsonl");
@@ -36,7 +21,7 @@ std::vector<double> train(int nproc, const std::string& name, const std::string&
               std::to_string(port) + " -- " + SCALETRAIN_BIN + " train " + strategy_config().string() + " " + flags +
               " --metrics.path=" + metrics.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
-  return losses(metrics);
+  return metric_losses(metrics);
 }
 
 // fp32 sums taken in another order (reduce-scatter chunks vs all-reduce
