@@ -162,7 +162,7 @@ void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
   }
 }
 
-torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   if (T > config_.block_size)
     throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
@@ -174,7 +174,11 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
     auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
     x = wte(idx) + wpe(pos);
   }
-  x = drop_(x);
+  return drop_(x);
+}
+
+torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+  torch::Tensor x = embed(idx);
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
     auto* block = (*h)[i]->as<Block>();
     if (runner_)
@@ -192,13 +196,24 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
 }
 
-torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  if (tp_) return tp_->loss(hidden(idx), targets);
-  auto logits = forward(idx);
+namespace {
+torch::Tensor cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {
   // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
   if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
     logits = logits.to(torch::kFloat);
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+}  // namespace
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  if (tp_) return tp_->loss(hidden(idx), targets);
+  return cross_entropy(forward(idx), targets);
+}
+
+torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  auto y = ln_f(x);
+  if (tp_) return tp_->loss(y, targets);
+  return cross_entropy(torch::matmul(y, wte->weight.t()), targets);
 }
 
 void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {

@@ -130,6 +130,11 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   // Mean cross-entropy of the next-token prediction (vocabulary-parallel
   // under tensor parallelism: the full logits are never formed).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // The pieces of loss() that a pipeline stage runs separately: the token and
+  // position embedding (with dropout) before block 0, and ln_f, the tied head
+  // and the cross-entropy after the last block.
+  torch::Tensor embed(const torch::Tensor& idx);
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
   // Installs (or, with nullptr, removes) the tensor-parallel hooks in the
   // model and every block; parallel/tensor's parallelize_tensor() calls it
   // after it has split the weights.

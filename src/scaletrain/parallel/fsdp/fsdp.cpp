@@ -250,8 +250,9 @@ void ShardedDataParallel::State::finish_backward() {
     issue_ready_reduces(/*flush=*/true);
     while (!inflight.empty()) finish_oldest_reduce();
   }
-  // Everything not replicated goes back to its shard, the root included.
-  for (size_t u = 0; u < units.size(); ++u) reshard(u);
+  // Everything not replicated goes back to its shard, the root included
+  // (unless a pipeline still holds graphs that saved it).
+  for (size_t u = options.keep_root_between_backwards ? 1 : 0; u < units.size(); ++u) reshard(u);
   for (auto& unit : units) {
     unit.pending = unit.trainable;
     unit.reduced = false;
@@ -398,6 +399,27 @@ at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   // Without autograd no backward will come to free the root.
   if (!torch::GradMode::is_enabled() || !out.requires_grad()) state_->reshard(0);
   return out;
+}
+
+void ShardedDataParallel::reshard_all() {
+  std::lock_guard<std::recursive_mutex> lock(state_->mu);
+  for (size_t u = 0; u < state_->units.size(); ++u) state_->reshard(u);
+}
+
+void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor flat = grad.reshape({-1});
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) {
+      if (!f->trainable()) continue;
+      for (const ShardPiece& piece : f->pieces()) {
+        if (piece.name != name) continue;
+        at::Tensor& g = f->shard().mutable_grad();
+        if (!g.defined()) g = at::zeros_like(f->shard());
+        g.narrow(0, piece.shard_offset, piece.numel)
+            .add_(flat.narrow(0, piece.param_offset, piece.numel).to(g.scalar_type()));
+      }
+    }
 }
 
 ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& e) : e_(e), previous_(e.state_->sync) {

@@ -76,6 +76,10 @@ struct ShardedOptions {
   // into a temporary, one at a time in registration order (on rank 0 only and
   // broadcast, with sync_module_states), and only this rank's part is kept.
   models::InitFn deferred_init;
+  // Keep the root unit gathered after a backward, until reshard_all(): a
+  // pipeline schedule runs several forwards before their backwards, and each
+  // of those graphs saved views of the root's parameters (ln_f, the head).
+  bool keep_root_between_backwards = false;
 };
 
 Sharding parse_sharding(const std::string& s);  // zero1..3, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD
@@ -120,6 +124,12 @@ class ShardedDataParallel {
   // After the optimizer step: replicated strategies gather updated shards.
   void after_step();
   void zero_grad();
+  // Frees every gathered unit, the root included (see keep_root_between_backwards).
+  void reshard_all();
+  // Adds `grad` (the whole gradient of parameter `name`, already averaged
+  // over the shard group) to this rank's part of it in the gradient shards:
+  // a tied weight's gradient computed elsewhere (pipeline's head copy).
+  void add_to_grad(const std::string& name, const at::Tensor& grad);
 
   // Gathers every unit (collective: all ranks call it) for as long as it
   // lives; the model then runs without hooks (evaluation, sampling, export).
