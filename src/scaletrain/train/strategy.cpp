@@ -151,6 +151,13 @@ class ShardedStrategy final : public DataParallel {
   std::unique_ptr<fsdp::ShardedDataParallel> engine_;
 };
 
+
+int64_t mib_to_numel(double mib, at::ScalarType dtype) {
+  return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+}  // namespace
+
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::GPT& model, const std::string& path) {
   if (path.empty()) return;
@@ -160,12 +167,6 @@ void init_from(models::GPT& model, const std::string& path) {
     throw UsageError("model.init_from: " + std::string(e.what()));
   }
 }
-
-int64_t mib_to_numel(double mib, at::ScalarType dtype) {
-  return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
-}
-
-}  // namespace
 
 void check_strategy(const Config& c, bool cuda) {
   const auto& p = c.parallel;
@@ -208,11 +209,54 @@ void check_strategy(const Config& c, bool cuda) {
                        p.strategy + " shards over the whole data-parallel group)");
 }
 
+// Shared with the pipeline strategy (train/pipeline_strategy.cpp).
+ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& policy, comm::Mesh& mesh) {
+  const auto& p = c.parallel;
+  const at::ScalarType param_dtype = policy.param;
+  ShardedSetup out;
+  fsdp::ShardedOptions& o = out.options;
+  o.master_dtype = at::kFloat;
+  out.shard = &mesh.dp();
+  out.label = p.strategy;
+  if (p.strategy == "fsdp") {
+    const auto& f = p.fsdp;
+    o.sharding = fsdp::parse_sharding(f.sharding_strategy);
+    o.wrap.policy = fsdp::parse_wrap_policy(f.auto_wrap_policy);
+    o.wrap.layer_cls = f.transformer_layer_cls;
+    o.wrap.min_num_params = f.min_num_params;
+    o.backward_prefetch = fsdp::parse_backward_prefetch(f.backward_prefetch);
+    o.forward_prefetch = f.forward_prefetch;
+    o.limit_all_gathers = f.limit_all_gathers;
+    o.sync_module_states = f.sync_module_states;
+    out.deferred = f.cpu_ram_efficient_loading;
+    if (o.sharding == fsdp::Sharding::HybridShard) {
+      out.shard = &mesh.dp_shard();
+      out.replicate = &mesh.dp_replicate();
+    }
+    out.label = "fsdp " + f.sharding_strategy;
+  } else {
+    parallel::zero::ZeroOptions z;
+    z.stage = p.strategy.back() - '0';
+    z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
+    z.prefetch = p.zero.prefetch_bucket_mb > 0;
+    o = parallel::zero::sharded_options(z);
+    o.master_dtype = at::kFloat;
+    // stage3_max_live_parameters: gathered units stay bounded to two unless
+    // the whole model may be live at once.
+    o.limit_all_gathers = z.stage == 3;
+    out.deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
+    out.no_sync = z.stage == 1;
+  }
+  o.reduce_dtype = policy.reduce;
+  return out;
+}
+
 Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
                          const precision::PrecisionPolicy& policy) {
   const auto& p = c.parallel;
   const at::ScalarType param_dtype = policy.param;
   Parallelized out;
+  if (p.pp > 1) return parallelize_pipeline(c, mcfg, world, mesh, policy);
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
@@ -232,42 +276,9 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(plan));
     return out;
   }
-  fsdp::ShardedOptions o;
-  o.master_dtype = at::kFloat;
-  bool deferred = false, no_sync = true;
-  comm::Group* shard = &mesh.dp();
-  comm::Group* replicate = nullptr;
-  std::string label = p.strategy;
-  if (p.strategy == "fsdp") {
-    const auto& f = p.fsdp;
-    o.sharding = fsdp::parse_sharding(f.sharding_strategy);
-    o.wrap.policy = fsdp::parse_wrap_policy(f.auto_wrap_policy);
-    o.wrap.layer_cls = f.transformer_layer_cls;
-    o.wrap.min_num_params = f.min_num_params;
-    o.backward_prefetch = fsdp::parse_backward_prefetch(f.backward_prefetch);
-    o.forward_prefetch = f.forward_prefetch;
-    o.limit_all_gathers = f.limit_all_gathers;
-    o.sync_module_states = f.sync_module_states;
-    deferred = f.cpu_ram_efficient_loading;
-    if (o.sharding == fsdp::Sharding::HybridShard) {
-      shard = &mesh.dp_shard();
-      replicate = &mesh.dp_replicate();
-    }
-    label = "fsdp " + f.sharding_strategy;
-  } else {
-    parallel::zero::ZeroOptions z;
-    z.stage = p.strategy.back() - '0';
-    z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
-    z.prefetch = p.zero.prefetch_bucket_mb > 0;
-    o = parallel::zero::sharded_options(z);
-    o.master_dtype = at::kFloat;
-    // stage3_max_live_parameters: gathered units stay bounded to two unless
-    // the whole model may be live at once.
-    o.limit_all_gathers = z.stage == 3;
-    deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
-    no_sync = z.stage == 1;
-  }
-  o.reduce_dtype = policy.reduce;
+  ShardedSetup setup = sharded_setup(c, policy, mesh);
+  fsdp::ShardedOptions& o = setup.options;
+  bool deferred = setup.deferred;
   if (!c.model.init_from.empty()) deferred = false;  // build whole, load, then shard
   torch::manual_seed(c.train.seed);
   // Deferred models are built in fp32 and initialized per tensor in the
@@ -281,7 +292,8 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     init_from(out.model, c.model.init_from);
   }
   try {
-    out.dp = std::make_unique<ShardedStrategy>(out.model, world, *shard, replicate, o, no_sync, label);
+    out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,
+                                              setup.label);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // a wrap policy the model cannot take, etc.
   }

@@ -148,7 +148,36 @@ TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
   expect_usage_error(run(cfg + " --precision.param_dtype=bf16 --precision.mode=bf16"), "master weights");
   expect_usage_error(run(cfg + " --parallel.tp=2 --parallel.strategy=zero3 --train.sample_tokens=0"), "tp=2");
   expect_usage_error(run(cfg + " --parallel.tp=3 --train.sample_tokens=0"), "tp=3");
-  expect_usage_error(run(cfg + " --parallel.pp=2"), "pp=2");
+  expect_usage_error(run(cfg + " --parallel.pp=2"), "pp=2");  // a world of one cannot hold two stages
+  expect_usage_error(run(cfg + " --parallel.virtual_stages=2"), "parallel.pp > 1");
+  expect_usage_error(run(cfg + " --parallel.schedule=zigzag"), "gpipe");
+}
+
+// Pipelines keep the data-parallel size's sample order too: every schedule
+// on 2 stages, DP2 x PP2 with ZeRO-1 and ZeRO-3 per stage, TP2 x PP2 and
+// 4 stages follow DDP's curve (4 blocks, so interleaving has 2 per stage).
+TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
+  const std::string model = " --model.n_layer=4 --train.sample_tokens=0";
+  const auto ref = train(2, "ddp_for_pp", "--parallel.strategy=ddp" + model, 29990);
+  const std::vector<std::tuple<int, std::string, std::string>> runs{
+      {2, "pp2_1f1b", "--parallel.pp=2"},
+      {2, "pp2_gpipe", "--parallel.pp=2 --parallel.schedule=gpipe --parallel.microbatches=2"},
+      {2, "pp2_interleaved", "--parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2"},
+      {4, "pp4_1f1b_time", "--parallel.pp=4 --parallel.pp_balance=time"},
+      {4, "dp2_pp2_zero1", "--parallel.pp=2 --parallel.strategy=zero1"},
+      {4, "dp2_pp2_zero3", "--parallel.pp=2 --parallel.strategy=zero3"},
+      {4, "tp2_pp2", "--parallel.pp=2 --parallel.tp=2"},
+  };
+  int port = 29991;
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model, port++), ref, name);
+  EXPECT_LE(port, 29999) << "ports 29990-29999 belong to this test";
+  // Too few micro-batches for the interleaved schedule: every rank stops with the reason.
+  const auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 60 --master-port 29999 -- " +
+              std::string(SCALETRAIN_BIN) + " train " + strategy_config().string() + model +
+              " --parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2 "
+              "--parallel.microbatches=1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("multiple of pp micro-batches"), std::string::npos) << r.err;
 }
 
 }  // namespace
