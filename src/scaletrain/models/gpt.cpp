@@ -227,6 +227,19 @@ void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
 
 torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {
   torch::NoGradGuard no_grad;
+  // Tensor parallel: sample with the hooks meant for it, and put the training
+  // ones back however this returns.
+  struct Restore {
+    GPTImpl* model;
+    TensorParallelHooksPtr hooks;
+    ~Restore() {
+      if (hooks) model->set_tensor_parallel(hooks);
+    }
+  } restore{this, nullptr};
+  if (tp_ && tp_->sampling) {
+    restore.hooks = tp_;
+    set_tensor_parallel(tp_->sampling);
+  }
   for (int64_t i = 0; i < max_new_tokens; ++i) {
     auto ctx = idx.size(1) <= config_.block_size ? idx : idx.slice(1, idx.size(1) - config_.block_size);
     auto logits = forward(ctx).select(1, ctx.size(1) - 1).to(torch::kFloat) / std::max(temperature, 1e-6);
@@ -235,6 +248,7 @@ torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, doubl
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
     }
     auto next = torch::multinomial(torch::softmax(logits, -1), 1);
+    if (tp_ && tp_->broadcast_tokens) next = tp_->broadcast_tokens(next);
     idx = torch::cat({idx, next}, 1);
   }
   return idx;

@@ -55,6 +55,13 @@ struct TensorParallelHooks {
   // ln_f output and targets -> mean next-token cross-entropy, with logits
   // that stay sharded over the vocabulary.
   std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& targets)> loss;
+  // Token ids sampled by generate() [B, 1] -> the ids every rank continues
+  // with (tp rank 0's): the ranks of a split model must feed the same tokens.
+  TensorFn broadcast_tokens;
+  // The hooks generate() runs with instead of these; null: these. Sequence
+  // parallelism cannot split a sampled context of any length, and without
+  // autograd it saves nothing, so its hooks name plain tensor-parallel ones.
+  std::shared_ptr<const TensorParallelHooks> sampling;
 };
 using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
 
@@ -141,6 +148,7 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   void set_tensor_parallel(TensorParallelHooksPtr hooks);
   const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
   // Appends `max_new_tokens` sampled tokens (temperature, top-k) to `idx` [1, T].
+  // Tensor-parallel: a collective over tp; every rank returns the same ids.
   torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k);
 
   const GPTConfig& config() const { return config_; }

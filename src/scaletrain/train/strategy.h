@@ -37,7 +37,9 @@ class DataParallel {
   virtual void reset_stats() = 0;
   // Bytes of parameters and gradients this rank holds now.
   virtual int64_t model_state_bytes() const = 0;
-  // Runs fn with every parameter whole on every rank (collective).
+  // Runs fn with every parameter whole on every rank (collective): the model
+  // runs without the data-parallel engine. A tensor-parallel model stays
+  // split over tp: its tp peers must run it together.
   virtual void with_full_parameters(const std::function<void()>& fn) = 0;
   virtual std::string describe() const = 0;
   // What this rank holds, for saving and loading checkpoints (Note

@@ -332,9 +332,10 @@ TrainResult run_training(const Config& cfg) {
     result.tokens_per_s = throughput[throughput.size() / 2];
   }
   if (cfg.train.sample_tokens > 0) {
-    // Collective: sharded strategies gather every unit; only rank 0 samples.
+    // Collective: sharded strategies gather every unit; data-parallel rank 0
+    // samples (with its tensor-parallel peers, which compute with it), rank 0 prints.
     dp.with_full_parameters([&] {
-      if (!lead) return;
+      if (mesh.coord().dp(dims) != 0 || mesh.coord().pp != 0) return;
       model->eval();
       data::ByteTokenizer tok;
       auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
@@ -344,6 +345,7 @@ TrainResult run_training(const Config& cfg) {
       at::Tensor out = model->generate(prompt, cfg.train.sample_tokens, 0.8, 40);
       std::vector<uint16_t> gen;
       for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint16_t>(out[0][i].item<int64_t>()));
+      if (!lead) return;
       std::printf("sample: %s\n", tok.decode(gen).c_str());
       std::fflush(stdout);
     });
