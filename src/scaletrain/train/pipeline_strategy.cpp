@@ -148,7 +148,6 @@ class PipelineStrategy final : public DataParallel {
     return s.str();
   }
   checkpoint::Layout checkpoint_layout() const override {
-    if (plan_) throw UsageError("checkpoints of tensor-parallel runs are not available yet");
     // Each stage saves its own chunks' tensors (parameter names are the
     // whole model's), so any layout can load them; optimizer state indices
     // continue across chunks in optimizer_params() order.
@@ -157,6 +156,7 @@ class PipelineStrategy final : public DataParallel {
     for (size_t j = 0; j < pipe_->chunks().size(); ++j) {
       checkpoint::Layout l = sharded_ ? checkpoint::sharded_layout(engines_[j]->engine())
                                       : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
+      if (plan_) l = checkpoint::tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
       int n = 0;
       for (auto& s : l.slots) {
         if (s.optim_index >= 0) {

@@ -168,6 +168,15 @@ TEST(CheckpointResume, PipelineStagesSaveAndLoadAcrossLayouts) {
   ASSERT_EQ(ddp.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 
+  // Tensor parallelism inside the stages saves full-model coordinates too.
+  const auto dir3 = fresh("resume_tp_pp");
+  train(4, "tp_pp_first", model + "--parallel.pp=2 --parallel.tp=2 --train.stop_at=3 --checkpoint.dir=" + dir3.string(),
+        29929);
+  const auto tp_ddp = train(
+      0, "tp_pp_into_ddp", model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir3.string(), 3), 0);
+  ASSERT_EQ(tp_ddp.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(tp_ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+
   const auto dir2 = fresh("resume_ddp_into_pp");
   train(0, "ddp_first", model + "--parallel.strategy=ddp --train.stop_at=3 --checkpoint.dir=" + dir2.string(), 0);
   const auto piped = train(2, "ddp_into_pp",
