@@ -15,12 +15,28 @@
 // pooler and the LM head; with tied embeddings and pp > 1 the last stage keeps
 // its own copy of the word embedding (Megatron does the same and all-reduces
 // the two gradients). We report the stage with the largest total.
+//
+// Note [Activations of a run]
+// ---------------------------
+// Checked against what autograd really keeps (the trainer's tensor-byte
+// counter, bench/RESULTS.md section 7): for scaletrain's GPT in fp32 with
+// dropout 0 one forward keeps exactly L*(64sbh + 4as^2b) + 8sbh + 4sbV bytes,
+// which is Korthikanti's count without dropout (activation_bytes_per_layer)
+// at 4 bytes per element, plus the head's part the paper also lists: the final
+// norm's input and output (the output is the head's input) and the fp32
+// log-softmax of the loss (the logits themselves are not kept: the head's
+// matmul saves its inputs, the log-softmax its output). The paper's 1-byte
+// embedding dropout mask exists only with dropout. The peak comes later, in
+// backward, when gradients are in flight on top of nearly all of those:
+// RankEstimate::workspace (peak.cpp, Note [The worst moment]).
 #include "scaletrain/estimate/memory_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
+#include "scaletrain/estimate/peak.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::estimate {
@@ -163,16 +179,19 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
 }
 
 double activation_bytes_per_layer(int64_t s_, int64_t b_, int64_t h_, int64_t a_, int64_t t_, bool sp,
-                                  Recompute recompute) {
+                                  Recompute recompute, bool dropout) {
   const double s = s_, b = b_, h = h_, a = a_, t = t_;
   const double sbh = s * b * h;
   const bool split = sp && t_ > 1;
+  // Replicated part (norm inputs, the two first linears' inputs, and the
+  // residual dropout masks) and the attention scores' factor.
+  const double rep = dropout ? 10 : 8, att = dropout ? 5 : 2;
   switch (recompute) {
     case Recompute::kNone:
-      if (t_ == 1) return sbh * (34 + 5 * a * s / h);
-      return split ? sbh * (34 + 5 * a * s / h) / t : sbh * (10 + 24 / t + 5 * a * s / (h * t));
+      if (t_ == 1) return sbh * (rep + 24 + att * a * s / h);
+      return split ? sbh * (rep + 24 + att * a * s / h) / t : sbh * (rep + 24 / t + att * a * s / (h * t));
     case Recompute::kSelective:
-      return split ? sbh * 34 / t : sbh * (10 + 24 / t);
+      return split ? sbh * (rep + 24) / t : sbh * (rep + 24 / t);
     case Recompute::kFull:
       return split ? 2 * sbh / t : 2 * sbh;
   }
@@ -255,39 +274,49 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       e.params = 0;
     }
 
-    // Transient unsharded state: gathered units under ZeRO-3, the autocast
-    // weight cache otherwise, gradient buckets for DDP / ZeRO-1/2.
-    if (shard_weights && N > 1) {
-      const double unit = static_cast<double>(std::max({raw ? 0 : layer_tp, first ? emb_tp : 0, last ? head_tp : 0}));
-      const double unit_trainable = l.lora_rank > 0 && nl > 0 ? Tr / nl : unit;
-      e.gathered = (1 + l.prefetch_units) * unit * w.compute + unit_trainable * w.grad;
-    } else if (l.precision == Precision::kAutocast16) {
-      e.gathered = P * w.compute;  // autocast caches a 16-bit copy of every weight it casts
-    }
-    if (!shard_weights && dp > 1)
-      e.comm_buffers = std::min(2.0 * static_cast<double>(l.bucket_bytes), Tr * w.grad);
-
-    // Activations.
+    // Activations of one micro-batch (Note [Activations of a run]), and what
+    // comes and goes around them (peak.cpp, Note [The worst moment]).
+    StageShape shape;
+    shape.shapes = !raw;
+    shape.layers = nl;
+    shape.layer_params = static_cast<double>(layer_tp);
+    shape.root_params = static_cast<double>((first ? emb_tp : 0) + (last ? c.final_norm + c.pooler + head_tp : 0));
+    shape.params = P + (l.lora_rank > 0 ? Tr : 0);
+    shape.trainable = Tr;
+    shape.largest_tensor = raw ? P : static_cast<double>(ceil_div(c.largest_module, t));
     if (!raw) {
-      const double fl = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
-      const double per_layer = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size,
-                                                                      spec.num_heads, t, l.sequence_parallel,
-                                                                      l.recompute);
-      e.activations = per_layer * nl * fl;
-      if (l.recompute == Recompute::kFull && nl > 0)  // one layer re-materialized during its backward
-        e.activations += act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size,
-                                                                spec.num_heads, t, l.sequence_parallel,
-                                                                Recompute::kNone);
-      const double sbh = static_cast<double>(seq) * l.micro_batch * spec.hidden_size;
+      shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
+      auto layer = [&](Recompute r) {
+        return act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size, spec.num_heads, t,
+                                                      l.sequence_parallel, r, l.dropout);
+      };
+      shape.act_layer = layer(l.recompute);
+      shape.act_layer_full = layer(Recompute::kNone);
+      const double sb = static_cast<double>(seq) * l.micro_batch;
+      const double sbh = sb * spec.hidden_size, sbv = sb * spec.vocab_size;
       const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
-      if (first) e.activations += fl * sbh / sp_div;  // embedding dropout mask, 1 byte per element
+      if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
       if (last) {
-        e.activations += fl * 2 * sbh * act_scale / sp_div;  // final norm input
-        if (spec.arch != Arch::kBert)  // logits (16-bit) + fp32 softmax of the vocab-parallel loss
-          e.activations += fl * static_cast<double>(seq) * l.micro_batch * spec.vocab_size * (2 * act_scale + 4) / t;
+        shape.act_last = 2 * sbh * act_scale / sp_div;  // final norm input
+        if (spec.arch != Arch::kBert)  // head input (the final norm's output) + the loss's fp32 log-softmax
+          shape.act_last += 2 * sbh * act_scale / sp_div + 4 * sbv / t;
       }
+      // Backward of one layer: the residual gradient, the gradient of the
+      // MLP's hidden output and of its input less the saved hidden output
+      // freed by then, and one weight gradient before it is accumulated.
+      // Backward of the loss: two more fp32 log-softmax-sized tensors.
+      const double I = static_cast<double>(spec.intermediate_size);
+      shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
+      if (last && spec.arch != Arch::kBert) shape.ws_last = 8 * sbv / t;
     }
-    e.total = e.params + e.gradients + e.master + e.optimizer + e.gathered + e.comm_buffers + e.activations;
+    StageWidths sw;
+    sw.weight = w.weight;
+    sw.grad = w.grad;
+    sw.compute = w.compute;
+    sw.optimizer_state = w.optimizer / 2;
+    add_transient_memory(shape, sw, l, N, e);
+    e.total =
+        e.params + e.gradients + e.master + e.optimizer + e.gathered + e.comm_buffers + e.activations + e.workspace;
 
     // Communication of one step (bytes sent per rank).
     const double grad_bytes = Tr * w.grad, gather_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.compute;

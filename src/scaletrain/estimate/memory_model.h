@@ -71,11 +71,14 @@ struct Layout {
   int64_t seq_len = 0;            // tokens per sample; 0 = model's max_positions (2048 if unknown)
   int64_t micro_batch = 1;        // samples per micro-batch
   Recompute recompute = Recompute::kNone;  // activation checkpointing policy
+  bool dropout = true;                     // dropout active (p > 0): its masks and outputs are stored too
   bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
   int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
+  int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)
+  bool gloo = false;              // collectives on Gloo (CPU): reduce-scatter into pooled whole-unit buffers
   double intra_node_gbps = 150;   // GB/s per rank inside a node (NVLink class), for comm time
   double inter_node_gbps = 25;    // GB/s per rank across nodes (200 Gb/s IB), for comm time
 };
@@ -96,10 +99,13 @@ struct RankEstimate {
   double gradients = 0;        // gradient storage (sharded under ZeRO-2/3)
   double master = 0;           // fp32 master copy of 16-bit weights
   double optimizer = 0;        // Adam momentum + variance
-  double gathered = 0;         // ZeRO-3/FSDP: unsharded weights + grads of the units in flight
-  double comm_buffers = 0;     // gradient buckets in flight (DDP, ZeRO-1/2)
+  double gathered = 0;         // ZeRO-3/FSDP: unsharded weights + grads of the root and the units in flight
+  double comm_buffers = 0;     // reduce buffers (ZeRO/FSDP), DDP's one-time bucket rebuild
   double activations = 0;      // saved for backward, incl. embedding/logits extras on end stages
-  double total = 0;            // sum of the above: the predicted peak
+  double recomputed = 0;       // of those, re-materialized in backward (one layer under full recompute)
+  double workspace = 0;        // what the worst moment adds: gradients in flight, or the step's temporaries
+  double total = 0;            // sum of the above: the predicted peak (gathered, comm_buffers and
+                               // workspace are their values at the worst moment, see estimate/peak.cpp)
   double host = 0;             // host bytes for offloaded states (per rank)
   // Communication of one optimizer step, bytes sent per rank (ring algorithms).
   double dp_comm_bytes = 0;    // gradient all-reduce / reduce-scatter / parameter all-gather
@@ -125,8 +131,12 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
 //   TP + SP:          s*b*h*(34 + 5*a*s/h)/t
 //   selective:        s*b*h*(10 + 24/t)      (TP + SP: s*b*h*34/t)
 //   full recompute:   2*s*b*h                (TP + SP: 2*s*b*h/t)
-double activation_bytes_per_layer(int64_t s, int64_t b, int64_t h, int64_t a, int64_t t,
-                                  bool sequence_parallel, Recompute recompute);
+// Without dropout (p = 0, as Llama and scaletrain's default GPT train) the two
+// 1-byte residual masks (sbh each) and the attention mask and dropout output
+// (3as^2b) are not stored: 34 -> 32, 10 -> 8 and 5as/h -> 2as/h above (the
+// attention-times-V product saves the softmax output itself).
+double activation_bytes_per_layer(int64_t s, int64_t b, int64_t h, int64_t a, int64_t t, bool sequence_parallel,
+                                  Recompute recompute, bool dropout = true);
 
 // Micro-batches whose activations stage `stage` holds at its peak.
 double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64_t microbatches,

@@ -185,6 +185,7 @@ std::vector<std::tuple<std::string, std::string, double>> rank_figures(const Ran
           {"gathered units / casts", "gathered", e.gathered},
           {"gradient buckets", "comm_buffers", e.comm_buffers},
           {"activations", "activations", e.activations},
+          {"backward workspace", "workspace", e.workspace},
           {"total (peak)", "total", e.total},
           {"host (offloaded)", "host", e.host},
           {"dp traffic / step", "dp_comm_bytes", e.dp_comm_bytes},

@@ -179,13 +179,16 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
 
 torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
   torch::Tensor x = embed(idx);
+  CheckpointOptions ckpt;
+  ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
     auto* block = (*h)[i]->as<Block>();
-    if (runner_)
-      x = runner_(
-          i, [block](const torch::Tensor& in) { return block->forward(in); }, x);
-    else
-      x = block->forward(x);
+    BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
+    if (checkpointing_ == ActivationCheckpointing::Full)
+      body = [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
+        return checkpoint(plain, in, block->parameters(), ckpt);
+      };
+    x = runner_ ? runner_(i, body, x) : body(x);
   }
   return ln_f(x);
 }

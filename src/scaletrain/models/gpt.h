@@ -6,6 +6,7 @@
 // so checkpoints map onto it by name (linear weights are transposed there).
 #include <torch/torch.h>
 
+#include "scaletrain/models/checkpoint.h"
 #include "scaletrain/models/deferred.h"
 
 #include <functional>
@@ -162,6 +163,12 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   std::string block_class() const override { return "Block"; }
   void set_block_runner(BlockRunner runner) override { runner_ = std::move(runner); }
 
+  // Full: each block keeps only its input for backward and is recomputed
+  // there (models/checkpoint.h). The body handed to a block runner is then
+  // the checkpointed block, so strategies wrap it like any other body.
+  void set_activation_checkpointing(ActivationCheckpointing c) { checkpointing_ = c; }
+  ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -174,6 +181,7 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   torch::nn::Dropout drop_{nullptr};
   BlockRunner runner_;
   TensorParallelHooksPtr tp_;
+  ActivationCheckpointing checkpointing_ = ActivationCheckpointing::None;
 };
 TORCH_MODULE(GPT);
 

@@ -65,6 +65,7 @@ const std::map<std::string, Choice>& choices() {
     // clang-format off
 #define ST_CHOICE(section, name, ...) \
   t[#section "." #name] = Choice{__VA_ARGS__, [](const Config& c) -> const std::string& { return c.section.name; }};
+    ST_CHOICE(model, activation_checkpointing, {"none", "full"})
     ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
     ST_CHOICE(train, warmup_type, {"linear", "log"})
     ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
@@ -153,7 +154,7 @@ const std::map<std::string, Setter>& fields() {
                                                                                 ST_INT(precision, hysteresis)
                                                                                     ST_DBL(precision, min_loss_scale)
                                                                                         ST_BOOL(precision, scale_bf16)
-    ST_STR(model, init_from) ST_INT(train, stop_at)
+    ST_STR(model, init_from) ST_INT(train, stop_at) ST_ENUM(model, activation_checkpointing)
     ST_STR(checkpoint, dir) ST_INT(checkpoint, every) ST_INT(checkpoint, keep) ST_STR(checkpoint, resume)
     ST_BOOL(checkpoint, async)
 #undef ST_INT

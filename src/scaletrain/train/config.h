@@ -19,6 +19,9 @@ struct ModelOptions {
   int64_t vocab_size = 0;
   double dropout = 0.0;  // dropout probability
   std::string init_from;  // Hugging Face GPT-2 safetensors file to start from ("" = random init)
+  // none | full: full keeps only each block's input for backward and
+  // recomputes the block there (less activation memory, one more forward).
+  std::string activation_checkpointing = "none";
 };
 
 struct DataOptions {

@@ -61,6 +61,12 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
   std::fflush(stdout);
 }
 
+void MetricsSink::write_record(const std::string& json) {
+  if (!file_.is_open()) return;
+  file_ << json << "\n";
+  file_.flush();
+}
+
 double peak_rss_mb() {
   struct rusage u {};
   getrusage(RUSAGE_SELF, &u);

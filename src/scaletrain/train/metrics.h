@@ -29,6 +29,9 @@ class MetricsSink {
   MetricsSink(const std::string& path, int64_t total_steps, bool progress);
   ~MetricsSink();
   void write(const StepMetrics& m, bool log_line);
+  // Appends one JSON object that is not a step (it carries a "record" key
+  // naming its kind, e.g. {"record": "memory", ...}) to the file, if any.
+  void write_record(const std::string& json);
 
  private:
   std::ofstream file_;

@@ -63,6 +63,13 @@ MetricsRecord parse_record(const std::string& text, const std::string& path, int
   return r;
 }
 
+// Lines that are not steps name their kind: {"record": "memory", ...}.
+bool other_record(const std::string& text) {
+  if (text.find("\"record\"") == std::string::npos) return false;
+  const auto obj = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return obj.is_object() && obj.contains("record");
+}
+
 std::string xml_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
@@ -248,6 +255,7 @@ std::vector<MetricsRecord> read_metrics(const std::string& path) {
     ++line;
     if (!text.empty() && text.back() == '\r') text.pop_back();  // CRLF logs
     if (text.find_first_not_of(" \t") == std::string::npos) continue;
+    if (other_record(text)) continue;
     out.push_back(parse_record(text, path, line));
   }
   if (in.bad()) throw UsageError("metrics file " + path + ": read error");

@@ -36,7 +36,9 @@ struct PlotOptions {
   std::string title;
 };
 
-// Parses the metrics file. Blank lines are skipped; unknown keys are ignored
+// Parses the metrics file. Blank lines and records that are not steps (an
+// object with a "record" key, such as the trainer's memory report) are
+// skipped; unknown keys are ignored
 // (the logger may grow fields). A line that is not a JSON object, lacks step,
 // loss or tokens_per_s, or has a non-numeric value for a known key throws
 // UsageError "metrics file PATH line N: PROBLEM". A missing file is a

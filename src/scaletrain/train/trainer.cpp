@@ -23,6 +23,7 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
+#include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/metrics.h"
 #include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
@@ -111,6 +112,7 @@ checkpoint::ModelShape model_shape(const models::GPTConfig& m) {
 TrainResult run_training(const Config& cfg) {
   // Everything that can be rejected without peers is checked first, so bad
   // input fails fast and identically on every rank.
+  TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
   const models::GPTConfig mcfg = model_config(cfg.model);
   if (cfg.parallel.tp > 1) parallel::tensor::check_tensor_parallel(mcfg, cfg.parallel.tp);
   const bool cuda = false;  // the trainer computes on CPU (CUDA placement is not wired yet)
@@ -162,13 +164,14 @@ TrainResult run_training(const Config& cfg) {
   // During setup large blocks are mmap'd (returned to the OS on free); after
   // it the threshold is fixed where the dynamic rule would have taken it, so
   // per-step temporaries are reused without page faults.
-  const double rss_before_setup = current_rss_mb();
+  const double rss_before_setup = current_rss_mb(), rss_file_before_setup = rss_file_mb();
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   Parallelized par = parallelize(cfg, mcfg, *world, mesh, policy);
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   const double setup_peak_mb = peak_rss_mb() - rss_before_setup;
   models::GPT model = par.model;
+  model->set_activation_checkpointing(models::parse_activation_checkpointing(cfg.model.activation_checkpointing));
   DataParallel& dp = *par.dp;
 
   std::vector<at::Tensor> params = dp.optimizer_params();
@@ -242,6 +245,20 @@ TrainResult run_training(const Config& cfg) {
 
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
 
+  // Predicted next to measured memory, after setup and at the end (collective).
+  const estimate::Layout mem_layout = run_layout(cfg, mcfg, policy, world->size(), mesh.dp_shard().size(), accum,
+                                                 world->backend() == comm::BackendKind::Gloo);
+  MeasuredMemory mem;
+  mem.rss_baseline_mb = rss_before_setup;
+  mem.states = static_cast<double>(dp.model_state_bytes() + opt_bytes);
+  mem.tensors = static_cast<double>(TensorBytes::current());
+  mem.rss_peak_mb = current_rss_mb();
+  report_memory("setup", mcfg, mem_layout, mem, *world->group(), lead, sink);
+  // From here on the peaks are the training steps' (the setup peak was logged above).
+  const double lifetime_rss_peak_mb = peak_rss_mb();
+  reset_rss_peak();
+  TensorBytes::reset_peak();
+
   const int64_t T = mcfg.block_size;
   auto inputs = torch::empty({B, T}, torch::kLong), targets = torch::empty({B, T}, torch::kLong);
   const int dp_rank = mesh.coord().dp(dims);
@@ -266,10 +283,16 @@ TrainResult run_training(const Config& cfg) {
     for (int64_t k = 0; k < accum && !dp.runs_whole_steps(); ++k) {
       auto idx = sampler.indices(step, dp_rank, dims.dp(), static_cast<int>(k), static_cast<int>(B));
       dataset.copy_batch(idx, inputs.data_ptr<int64_t>(), targets.data_ptr<int64_t>());
+      // What this forward leaves for its backward, counted from before the
+      // strategy's forward (which may gather units it keeps until backward).
+      const int64_t before_forward = TensorBytes::current();
       loss_sum += dp.forward_backward(
                       [&] {
                         precision::AutocastGuard autocast(policy, at::kCPU);
-                        return model->loss(inputs, targets) * (loss_scale / static_cast<double>(accum));
+                        at::Tensor loss = model->loss(inputs, targets) * (loss_scale / static_cast<double>(accum));
+                        mem.activations =
+                            std::max(mem.activations, static_cast<double>(TensorBytes::current() - before_forward));
+                        return loss;
                       },
                       k, accum) /
                   loss_scale;
@@ -300,7 +323,7 @@ TrainResult run_training(const Config& cfg) {
     m.step_ms = ms;
     m.tokens_per_s = static_cast<double>(cfg.train.global_batch * T) / (ms / 1000.0);
     m.mfu = m.tokens_per_s / world->size() * flops_per_token / peak;
-    m.peak_rss_mb = peak_rss_mb();
+    m.peak_rss_mb = std::max(lifetime_rss_peak_mb, peak_rss_mb());
     m.comm_wait_ms = dp.comm_wait_ms();
     m.grad_norm = norm;
     m.loss_scale = loss_scale;
@@ -321,6 +344,13 @@ TrainResult run_training(const Config& cfg) {
     }
   }
   if (ckpt) ckpt->finish();  // commits an asynchronous save (collective)
+  mem.states = static_cast<double>(dp.model_state_bytes() + opt_bytes);
+  mem.tensors = static_cast<double>(TensorBytes::current());
+  mem.tensor_peak = static_cast<double>(TensorBytes::peak());
+  mem.rss_peak_mb = rss_peak_mb();
+  mem.rss_file_growth_mb = rss_file_mb() - rss_file_before_setup;
+  mem.heap_free_mb = heap_free_mb();
+  report_memory("end", mcfg, mem_layout, mem, *world->group(), lead, sink);
   if (lead) {
     std::printf("scaletrain: model states at the end %.1f MiB/rank (params+grads %.1f, optimizer %.1f)\n",
                 (dp.model_state_bytes() + opt_bytes) / 1048576.0, dp.model_state_bytes() / 1048576.0,

@@ -394,6 +394,8 @@ TEST(PlotTest, WritesSvgWithTwoCurves) {
   TempDir dir;
   const auto metrics = dir.file("m.jsonl");
   std::ofstream out(metrics);
+  // Records that are not steps (the trainer's memory report) are skipped.
+  out << "{\"record\":\"memory\",\"phase\":\"setup\",\"predicted_mib\":{\"total\":1.0}}\n";
   for (int s = 1; s <= 50; ++s) {
     out << "{\"step\":" << s << ",\"loss\":" << 5.0 / s << ",\"lr\":0.001,\"step_ms\":12.5,"
         << "\"tokens_per_s\":" << 120000 + 100 * s

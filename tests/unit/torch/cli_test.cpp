@@ -80,12 +80,21 @@ TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
   std::string line;
   int lines = 0;
   while (std::getline(in, line)) {
+    if (line.find("\"record\"") != std::string::npos) continue;  // the memory report, checked below
     ++lines;
     for (const char* key : {"\"step\"", "\"loss\"", "\"lr\"", "\"step_ms\"", "\"tokens_per_s\"", "\"mfu\"",
                             "\"peak_rss_mb\"", "\"comm_wait_ms\""})
       EXPECT_NE(line.find(key), std::string::npos) << key << " in " << line;
   }
   EXPECT_EQ(lines, 2);
+  // Predicted next to measured memory, once after setup and once at the end.
+  const auto mem = memory_records(metrics);
+  ASSERT_EQ(mem.size(), 2u);
+  EXPECT_EQ(mem[0].at("phase"), "setup");
+  EXPECT_EQ(mem[1].at("phase"), "end");
+  for (const char* key : {"states", "activations", "total"}) EXPECT_GT(mem[1]["predicted_mib"][key].get<double>(), 0);
+  for (const char* key : {"states", "activations", "tensor_peak", "rss_baseline", "rss_peak"})
+    EXPECT_GT(mem[1]["measured_mib"][key].get<double>(), 0) << key;
 }
 
 }  // namespace

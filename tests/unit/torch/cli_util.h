@@ -85,11 +85,26 @@ inline fs::path small_train_config(const std::string& name, int sample_tokens) {
                    std::to_string(sample_tokens) + "\nmetrics:\n  peak_flops: 1.0e11\n  progress: false\n");
 }
 
-// The "loss" of every line of a metrics JSON-lines file.
+// The "loss" of every step line of a metrics JSON-lines file (lines with a
+// "record" key, such as the memory report, are not steps).
 inline std::vector<double> metric_losses(const fs::path& metrics) {
   std::ifstream in(metrics);
   std::vector<double> out;
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("record")) out.push_back(j.at("loss").get<double>());
+  }
+  return out;
+}
+
+// The {"record": "memory"} lines of a metrics file, in order.
+inline std::vector<nlohmann::json> memory_records(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.value("record", "") == "memory") out.push_back(std::move(j));
+  }
   return out;
 }
 

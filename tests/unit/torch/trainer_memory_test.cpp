@@ -1,0 +1,99 @@
+// The trainer with activation checkpointing and its memory report, through
+// the real CLI on launched ranks (master ports 29960-29969): checkpointed runs
+// follow the plain runs' loss curves under the sharded strategies and DDP,
+// and every run logs the estimator's prediction next to what it measured.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+
+namespace scaletrain::test {
+namespace {
+
+fs::path config() { return small_train_config("memory.yaml", 0); }
+
+struct Trained {
+  std::vector<double> losses;
+  std::vector<nlohmann::json> memory;
+};
+
+Trained train(int nproc, const std::string& name, const std::string& flags, int port) {
+  EXPECT_GE(port, 29960);
+  EXPECT_LE(port, 29969);
+  const fs::path metrics = scratch() / (name + ".jsonl");
+  fs::remove(metrics);
+  Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
+              std::to_string(port) + " -- " + SCALETRAIN_BIN + " train " + config().string() + " " + flags +
+              " --metrics.path=" + metrics.string());
+  EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+  return {metric_losses(metrics), memory_records(metrics)};
+}
+
+// Recomputation runs the same operations on the same inputs, so the curves
+// agree as closely as two strategies do (see trainer_strategies_test.cpp).
+void expect_same_curve(const std::vector<double>& got, const std::vector<double>& ref, const std::string& name) {
+  ASSERT_EQ(ref.size(), 6u) << name;
+  ASSERT_EQ(got.size(), ref.size()) << name;
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5 * ref[i]) << name << " step " << i + 1;
+}
+
+TEST(TrainerCheckpointing, FollowsTheUncheckpointedCurve) {
+  const auto ref = train(2, "zero3_plain", "--parallel.strategy=zero3", 29960).losses;
+  ASSERT_EQ(ref.size(), 6u);
+  EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
+  const std::string full = " --model.activation_checkpointing=full";
+  expect_same_curve(train(2, "zero3_ckpt", "--parallel.strategy=zero3" + full, 29961).losses, ref, "zero3");
+  expect_same_curve(train(2, "full_shard_ckpt", "--parallel.strategy=fsdp" + full, 29962).losses, ref, "FULL_SHARD");
+  expect_same_curve(train(2, "zero2_ckpt", "--parallel.strategy=zero2" + full, 29963).losses, ref, "zero2");
+  expect_same_curve(train(2, "ddp_ckpt", "--parallel.strategy=ddp" + full, 29964).losses, ref, "ddp");
+}
+
+// With dropout the recomputation must draw the forward's masks again.
+TEST(TrainerCheckpointing, DropoutFollowsTheUncheckpointedCurve) {
+  const std::string flags = "--parallel.strategy=fsdp --model.dropout=0.1";
+  const auto ref = train(2, "dropout_plain", flags, 29965).losses;
+  expect_same_curve(train(2, "dropout_ckpt", flags + " --model.activation_checkpointing=full", 29966).losses, ref,
+                    "FULL_SHARD, dropout 0.1");
+}
+
+double mib(const nlohmann::json& rec, const char* part, const char* key) { return rec.at(part).at(key).get<double>(); }
+
+// The memory records: after setup and at the end, the prediction next to the
+// measured figures; checkpointing shrinks both the predicted and the measured
+// activations; measured model states are what the ZeRO-3 formula says; the
+// predicted peak is within 10% of the measured one.
+TEST(TrainerMemory, LogsPredictionNextToMeasurement) {
+  const auto plain = train(2, "mem_plain", "--parallel.strategy=zero3", 29967).memory;
+  const auto ckpt =
+      train(2, "mem_ckpt", "--parallel.strategy=zero3 --model.activation_checkpointing=full", 29968).memory;
+  ASSERT_EQ(plain.size(), 2u);
+  ASSERT_EQ(ckpt.size(), 2u);
+  for (const auto* recs : {&plain, &ckpt}) {
+    EXPECT_EQ((*recs)[0].at("phase"), "setup");
+    EXPECT_EQ((*recs)[1].at("phase"), "end");
+    EXPECT_EQ((*recs)[1].at("ranks"), 2);
+  }
+  const auto& p = plain[1];
+  const auto& c = ckpt[1];
+  // States: parameters, gradients and AdamW states, each sharded in two.
+  EXPECT_NEAR(mib(p, "measured_mib", "states"), mib(p, "predicted_mib", "states"),
+              0.01 * mib(p, "predicted_mib", "states"));
+  // What a forward keeps: the recomputed layer is not kept, it comes back in backward.
+  EXPECT_LT(mib(c, "predicted_mib", "activations") - mib(c, "predicted_mib", "recomputed"),
+            0.6 * mib(p, "predicted_mib", "activations"));
+  EXPECT_LT(mib(c, "measured_mib", "activations"), 0.6 * mib(p, "measured_mib", "activations"));
+  EXPECT_GE(mib(p, "measured_mib", "tensor_peak"), mib(p, "measured_mib", "states"));
+  EXPECT_GT(mib(p, "measured_mib", "rss_peak"), mib(p, "measured_mib", "rss_baseline"));
+  // The target, end to end: the prediction within 10% of the peak
+  // bytes of live tensors, with and without recompute.
+  for (const auto* rec : {&p, &c}) {
+    const double predicted = mib(*rec, "predicted_mib", "total"), peak = mib(*rec, "measured_mib", "tensor_peak");
+    std::printf("[memory] %s: predicted %.3f MiB, measured tensor peak %.3f MiB\n",
+                rec->at("layout").get<std::string>().c_str(), predicted, peak);
+    EXPECT_NEAR(predicted, peak, 0.1 * peak) << rec->at("layout");
+  }
+}
+
+}  // namespace
+}  // namespace scaletrain::test
