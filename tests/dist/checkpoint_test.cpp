@@ -13,6 +13,7 @@
 #include <map>
 
 #include "dist_env.h"
+#include "reference.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
@@ -34,19 +35,7 @@ constexpr double kLr = 1e-2;
 
 models::GPTConfig odd_gpt() { return models::GPTConfig{61, 16, 3, 2, 26}; }  // no flat buffer divides by 3 or 4
 
-struct Batch {
-  at::Tensor x, y;
-};
-
-std::vector<Batch> make_data() {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(4321);
-  std::vector<Batch> d;
-  for (int s = 0; s <= kSaved; ++s) {
-    auto tokens = torch::randint(0, 61, {kGlobalBatch, 17}, gen, torch::kLong);
-    d.push_back({tokens.narrow(1, 0, 16).contiguous(), tokens.narrow(1, 1, 16).contiguous()});
-  }
-  return d;
-}
+std::vector<Batch> make_data() { return make_batches(kSaved + 1, kGlobalBatch, 16, 61, 4321); }
 
 models::GPT make_model(uint64_t seed) {
   torch::manual_seed(seed);
@@ -55,32 +44,7 @@ models::GPT make_model(uint64_t seed) {
   return m;
 }
 
-// The single-process reference after `steps` steps: parameters and AdamW states by name.
-struct Reference {
-  std::map<std::string, at::Tensor> param, exp_avg, exp_avg_sq;
-};
-
-Reference reference(int steps) {
-  auto data = make_data();
-  auto model = make_model(42);
-  auto params = model->parameters();
-  optim::AdamW opt(params, optim::decay_matrices(params), {});
-  for (int s = 0; s < steps; ++s) {
-    model->loss(data[s].x, data[s].y).backward();
-    optim::clip_grad_norm(params, 0.5);
-    opt.step(kLr);
-    opt.zero_grad();
-  }
-  Reference r;
-  int i = 0;
-  for (auto& item : model->named_parameters()) {
-    r.param[item.key()] = item.value().detach().clone();
-    r.exp_avg[item.key()] = opt.exp_avg()[i].clone();
-    r.exp_avg_sq[item.key()] = opt.exp_avg_sq()[i].clone();
-    ++i;
-  }
-  return r;
-}
+Reference reference(int steps) { return train_reference(make_model(42), make_data(), steps, 0.5, kLr); }
 
 // One strategy on this world: the model, its engine, the optimizer.
 struct Run {

@@ -3,7 +3,12 @@
 // same way, and the relative difference between two parameter lists.
 #include <torch/torch.h>
 
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/optim/adamw.h"
+
 #include <algorithm>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace scaletrain::test {
@@ -40,6 +45,33 @@ inline double relative_diff(const std::vector<at::Tensor>& a, const std::vector<
     scale = std::max(scale, s);
   }
   return per_tensor ? worst : diff / scale;
+}
+
+// The single-process reference after `steps` AdamW steps on `batches` (one
+// whole batch each, clipped to `clip`): parameters and AdamW states by name.
+struct Reference {
+  std::map<std::string, at::Tensor> param, exp_avg, exp_avg_sq;
+};
+
+inline Reference train_reference(models::GPT model, const std::vector<Batch>& batches, int steps, double clip,
+                                 double lr) {
+  auto params = model->parameters();
+  optim::AdamW opt(params, optim::decay_matrices(params), {});
+  for (int s = 0; s < steps; ++s) {
+    model->loss(batches[s].x, batches[s].y).backward();
+    optim::clip_grad_norm(params, clip);
+    opt.step(lr);
+    opt.zero_grad();
+  }
+  Reference r;
+  int i = 0;
+  for (auto& item : model->named_parameters()) {
+    r.param[item.key()] = item.value().detach().clone();
+    r.exp_avg[item.key()] = opt.exp_avg()[i].clone();
+    r.exp_avg_sq[item.key()] = opt.exp_avg_sq()[i].clone();
+    ++i;
+  }
+  return r;
 }
 
 }  // namespace scaletrain::test

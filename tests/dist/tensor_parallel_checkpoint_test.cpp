@@ -50,31 +50,7 @@ models::GPT make_model(uint64_t seed) {
   return m;
 }
 
-struct Reference {
-  std::map<std::string, at::Tensor> param, exp_avg, exp_avg_sq;
-};
-
-Reference reference(int steps) {
-  auto batches = data();
-  auto model = make_model(42);
-  auto params = model->parameters();
-  optim::AdamW opt(params, optim::decay_matrices(params), {});
-  for (int s = 0; s < steps; ++s) {
-    model->loss(batches[s].x, batches[s].y).backward();
-    optim::clip_grad_norm(params, kClip);
-    opt.step(kLr);
-    opt.zero_grad();
-  }
-  Reference r;
-  int i = 0;
-  for (auto& item : model->named_parameters()) {
-    r.param[item.key()] = item.value().detach().clone();
-    r.exp_avg[item.key()] = opt.exp_avg()[i].clone();
-    r.exp_avg_sq[item.key()] = opt.exp_avg_sq()[i].clone();
-    ++i;
-  }
-  return r;
-}
+Reference reference(int steps) { return train_reference(make_model(42), data(), steps, kClip, kLr); }
 
 // One layout on this world: tensor parallelism of degree `tp` (dp = world /
 // tp), then DDP or the sharded engine over dp, and AdamW.
