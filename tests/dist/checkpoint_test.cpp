@@ -67,14 +67,7 @@ struct Run {
       opt = std::make_unique<optim::AdamW>(params, optim::decay_matrices(params));
       return;
     }
-    parallel::fsdp::ShardedOptions o;
-    if (s.rfind("zero", 0) == 0) {
-      parallel::zero::ZeroOptions z;
-      z.stage = s.back() - '0';
-      o = parallel::zero::sharded_options(z);
-    } else {
-      o.sharding = parallel::fsdp::parse_sharding(s);
-    }
+    const parallel::fsdp::ShardedOptions o = sharded_options_for(s);
     comm::Group& shard = hybrid ? mesh->dp_shard() : mesh->dp();
     sharded = std::make_unique<ShardedDataParallel>(model.ptr(), *model, world(), shard,
                                                     hybrid ? &mesh->dp_replicate() : nullptr, o);

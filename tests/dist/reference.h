@@ -5,6 +5,8 @@
 
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/zero/zero.h"
 
 #include <algorithm>
 #include <map>
@@ -72,6 +74,22 @@ inline Reference train_reference(models::GPT model, const std::vector<Batch>& ba
     ++i;
   }
   return r;
+}
+
+// Engine options for a strategy named as the tests name them: zero1..zero3
+// (DeepSpeed stages; reduce_bucket_numel > 0 overrides the bucket) or an
+// FSDP sharding strategy (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD).
+inline parallel::fsdp::ShardedOptions sharded_options_for(const std::string& s, int64_t reduce_bucket_numel = 0) {
+  parallel::fsdp::ShardedOptions o;
+  if (s.rfind("zero", 0) == 0) {
+    parallel::zero::ZeroOptions z;
+    z.stage = s.back() - '0';
+    if (reduce_bucket_numel > 0) z.reduce_bucket_numel = reduce_bucket_numel;
+    o = parallel::zero::sharded_options(z);
+  } else {
+    o.sharding = parallel::fsdp::parse_sharding(s);
+  }
+  return o;
 }
 
 }  // namespace scaletrain::test

@@ -80,15 +80,7 @@ struct Run {
       opt = std::make_unique<optim::AdamW>(params, optim::decay_matrices(params));
       return;
     }
-    parallel::fsdp::ShardedOptions o;
-    if (s.rfind("zero", 0) == 0) {
-      parallel::zero::ZeroOptions z;
-      z.stage = s.back() - '0';
-      z.reduce_bucket_numel = 6000;
-      o = parallel::zero::sharded_options(z);
-    } else {
-      o.sharding = parallel::fsdp::parse_sharding(s);
-    }
+    const parallel::fsdp::ShardedOptions o = sharded_options_for(s, 6000);
     sharded = std::make_unique<ShardedDataParallel>(model.ptr(), *model, world(), mesh->dp(), nullptr, o);
     opt = std::make_unique<optim::AdamW>(sharded->shards(), sharded->shard_decay_numel());
   }
