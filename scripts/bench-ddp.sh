@@ -12,9 +12,11 @@
 #
 # usage: scripts/bench-ddp.sh [--build DIR] [--repeats K] [--rounds R] [--steps S]
 #                             [--delay MS] [--rate MBIT] [--links loopback,netem]
-#                             [--configs default,small] [--global-batch B] [--out FILE]
+#                             [--configs default,small] [--global-batch B] [--model "ARGS"] [--out FILE]
 # configs: default = buckets 25 MiB / first 1 MiB (both libraries' defaults)
+#          medium  = buckets 4 MiB / first 1 MiB
 #          small   = buckets 0.25 MiB / first 0.25 MiB (more, smaller buckets)
+# --model: passed to both sides, e.g. "--n-layer 6 --n-embd 384 --n-head 6" (default: preset tiny)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,6 +34,7 @@ while [[ $# -gt 0 ]]; do
     --links) LINKS=$2; shift 2 ;;
     --configs) CONFIGS=$2; shift 2 ;;
     --global-batch) GB=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "bench-ddp.sh: unknown argument $1" >&2; exit 2 ;;
@@ -55,6 +58,7 @@ trap 'exit 130' INT TERM
 config_args() {
   case $1 in
     default) echo "--bucket-mb 25 --first-bucket-mb 1" ;;
+    medium) echo "--bucket-mb 4 --first-bucket-mb 1" ;;
     small) echo "--bucket-mb 0.25 --first-bucket-mb 0.25" ;;
     *) echo "bench-ddp.sh: unknown config $1" >&2; exit 2 ;;
   esac
@@ -63,7 +67,7 @@ config_args() {
 # run_one LINK CONFIG IMPL PORT: one 2-rank run; prints its JSON line, tagged.
 run_one() {
   local link=$1 cfg=$2 impl=$3 port=$4 line
-  local args="--global-batch $GB --rounds $ROUNDS --steps $STEPS $(config_args "$cfg")"
+  local args="--global-batch $GB --rounds $ROUNDS --steps $STEPS $(config_args "$cfg") ${MODEL:-}"
   local cmd
   if [[ $impl == scaletrain ]]; then cmd="$OURS $args"; else cmd="$PY $TORCH $args"; fi
   if [[ $link == loopback ]]; then

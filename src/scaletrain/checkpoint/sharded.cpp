@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -50,6 +51,7 @@ std::vector<OutPiece> collect(const Layout& layout, const optim::AdamW* opt, boo
     for (const auto& [kind, t] : sources) {
       at::Tensor flat = t.detach().reshape(-1);
       for (const auto& p : slot.pieces) {
+        if (!p.saved) continue;
         at::Tensor d = flat.narrow(0, p.local_offset, p.numel).to(at::kCPU).contiguous();
         out.push_back({std::string(kind) + "/" + p.name, p.shape, p.param_offset, copy ? d.clone() : d});
       }
@@ -133,7 +135,12 @@ class Reader {
                        ", the model's is " + c10::str(*shape));
     const int64_t end = begin + out.numel();
     torch::NoGradGuard no_grad;
-    for (const auto& p : t.pieces) {
+    // Pieces are sorted and tile the tensor: start at the one holding `begin`
+    // (tensor-parallel checkpoints have one piece per row of a column split).
+    auto first = std::partition_point(t.pieces.begin(), t.pieces.end(),
+                                      [&](const PieceEntry& p) { return p.begin + p.numel <= begin; });
+    for (auto it = first; it != t.pieces.end() && it->begin < end; ++it) {
+      const PieceEntry& p = *it;
       const int64_t lo = std::max(begin, p.begin), hi = std::min(end, p.begin + p.numel);
       if (lo >= hi) continue;
       const TensorView& v = piece(p);
@@ -202,6 +209,21 @@ Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine) {
     l.slots.push_back(std::move(s));
   }
   return l;
+}
+
+Layout tensor_parallel_layout(Layout local, const parallel::tensor::TensorParallelPlan& plan) {
+  const int rank = plan.tp->rank(), size = plan.tp->size();
+  for (auto& slot : local.slots) {
+    std::vector<SlotPiece> full;
+    for (const auto& p : slot.pieces) {
+      const parallel::tensor::ParamLayout& l = plan.layout(p.name);
+      for (const auto& run : parallel::tensor::full_runs(l, rank, size, p.param_offset, p.numel))
+        full.push_back({p.name, l.full_shape, run.full_offset, p.local_offset + (run.local_offset - p.param_offset),
+                        run.numel, p.saved && (l.sharded() || rank == 0)});
+    }
+    slot.pieces = std::move(full);
+  }
+  return local;
 }
 
 struct Checkpointer::Pending {

@@ -33,6 +33,7 @@
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
 
 namespace scaletrain::checkpoint {
 
@@ -43,6 +44,9 @@ struct SlotPiece {
   int64_t param_offset = 0;    // first flattened element of the parameter held
   int64_t local_offset = 0;    // where it sits in the slot's flattened tensor
   int64_t numel = 0;           // elements held
+  // false: an identical copy on another rank is saved (a parameter replicated
+  // across tensor parallelism); this rank still loads it.
+  bool saved = true;
 };
 
 // One tensor this rank holds: a whole parameter (DDP) or a flat shard.
@@ -66,6 +70,13 @@ Layout replicated_layout(const torch::nn::Module& model, bool writer);
 // The shards of a sharded engine (Note [Flat parameters]): trainable shards
 // are optimizer states 0..n-1 in order.
 Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine);
+// `local` describes a tensor-parallel rank's parameters (replicated_layout or
+// sharded_layout of the split model); the result describes the same tensors
+// as pieces of the full parameters: each piece of a split parameter becomes
+// the runs it occupies in the full tensor (parallel::tensor::full_runs), and
+// pieces of replicated parameters are saved by tp rank 0 only. So the
+// checkpoint holds the single-process model's tensors and any layout loads it.
+Layout tensor_parallel_layout(Layout local, const parallel::tensor::TensorParallelPlan& plan);
 
 struct CheckpointOptions {
   std::string root;    // directory of step-N directories

@@ -19,7 +19,7 @@
 // Note [Activations of a run]
 // ---------------------------
 // Checked against what autograd really keeps (the trainer's tensor-byte
-// counter, bench/RESULTS.md section 6): for scaletrain's GPT in fp32 with
+// counter, bench/RESULTS.md section 7): for scaletrain's GPT in fp32 with
 // dropout 0 one forward keeps exactly L*(64sbh + 4as^2b) + 8sbh + 4sbV bytes,
 // which is Korthikanti's count without dropout (activation_bytes_per_layer)
 // at 4 bytes per element, plus the head's part the paper also lists: the final

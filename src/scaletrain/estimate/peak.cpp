@@ -17,7 +17,7 @@
 // with full recompute the engines' gradient buffers or the step can.
 //
 // Engine buffers, measured with the trainer's tensor-byte counter
-// (bench/RESULTS.md section 6):
+// (bench/RESULTS.md section 7):
 // - DDP keeps no extra buffer: gradients are views into its buckets
 //   (PyTorch's gradient_as_bucket_view). The buckets are rebuilt once, after
 //   the first backward (parallel/ddp, Note [Bucket rebuild]); for that moment

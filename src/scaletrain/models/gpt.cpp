@@ -162,7 +162,7 @@ void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
   }
 }
 
-torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   if (T > config_.block_size)
     throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
@@ -174,16 +174,24 @@ torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
     auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
     x = wte(idx) + wpe(pos);
   }
-  x = drop_(x);
+  return drop_(x);
+}
+
+BlockBody GPTImpl::block_body(int64_t i) {
+  auto* block = (*h)[i]->as<Block>();
+  BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
+  if (checkpointing_ != ActivationCheckpointing::Full) return body;
   CheckpointOptions ckpt;
   ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
+  return [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
+    return checkpoint(plain, in, block->parameters(), ckpt);
+  };
+}
+
+torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+  torch::Tensor x = embed(idx);
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
-    auto* block = (*h)[i]->as<Block>();
-    BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
-    if (checkpointing_ == ActivationCheckpointing::Full)
-      body = [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
-        return checkpoint(plain, in, block->parameters(), ckpt);
-      };
+    const BlockBody body = block_body(i);
     x = runner_ ? runner_(i, body, x) : body(x);
   }
   return ln_f(x);
@@ -195,13 +203,24 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
 }
 
-torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  if (tp_) return tp_->loss(hidden(idx), targets);
-  auto logits = forward(idx);
+namespace {
+torch::Tensor cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {
   // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
   if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
     logits = logits.to(torch::kFloat);
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+}  // namespace
+
+torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  if (tp_) return tp_->loss(hidden(idx), targets);
+  return cross_entropy(forward(idx), targets);
+}
+
+torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  auto y = ln_f(x);
+  if (tp_) return tp_->loss(y, targets);
+  return cross_entropy(torch::matmul(y, wte->weight.t()), targets);
 }
 
 void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
@@ -215,6 +234,19 @@ void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
 
 torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {
   torch::NoGradGuard no_grad;
+  // Tensor parallel: sample with the hooks meant for it, and put the training
+  // ones back however this returns.
+  struct Restore {
+    GPTImpl* model;
+    TensorParallelHooksPtr hooks;
+    ~Restore() {
+      if (hooks) model->set_tensor_parallel(hooks);
+    }
+  } restore{this, nullptr};
+  if (tp_ && tp_->sampling) {
+    restore.hooks = tp_;
+    set_tensor_parallel(tp_->sampling);
+  }
   for (int64_t i = 0; i < max_new_tokens; ++i) {
     auto ctx = idx.size(1) <= config_.block_size ? idx : idx.slice(1, idx.size(1) - config_.block_size);
     auto logits = forward(ctx).select(1, ctx.size(1) - 1).to(torch::kFloat) / std::max(temperature, 1e-6);
@@ -223,6 +255,7 @@ torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, doubl
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
     }
     auto next = torch::multinomial(torch::softmax(logits, -1), 1);
+    if (tp_ && tp_->broadcast_tokens) next = tp_->broadcast_tokens(next);
     idx = torch::cat({idx, next}, 1);
   }
   return idx;

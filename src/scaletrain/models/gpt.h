@@ -56,6 +56,13 @@ struct TensorParallelHooks {
   // ln_f output and targets -> mean next-token cross-entropy, with logits
   // that stay sharded over the vocabulary.
   std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& targets)> loss;
+  // Token ids sampled by generate() [B, 1] -> the ids every rank continues
+  // with (tp rank 0's): the ranks of a split model must feed the same tokens.
+  TensorFn broadcast_tokens;
+  // The hooks generate() runs with instead of these; null: these. Sequence
+  // parallelism cannot split a sampled context of any length, and without
+  // autograd it saves nothing, so its hooks name plain tensor-parallel ones.
+  std::shared_ptr<const TensorParallelHooks> sampling;
 };
 using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
 
@@ -131,12 +138,18 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   // Mean cross-entropy of the next-token prediction (vocabulary-parallel
   // under tensor parallelism: the full logits are never formed).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // The pieces of loss() that a pipeline stage runs separately: the token and
+  // position embedding (with dropout) before block 0, and ln_f, the tied head
+  // and the cross-entropy after the last block.
+  torch::Tensor embed(const torch::Tensor& idx);
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
   // Installs (or, with nullptr, removes) the tensor-parallel hooks in the
   // model and every block; parallel/tensor's parallelize_tensor() calls it
   // after it has split the weights.
   void set_tensor_parallel(TensorParallelHooksPtr hooks);
   const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
   // Appends `max_new_tokens` sampled tokens (temperature, top-k) to `idx` [1, T].
+  // Tensor-parallel: a collective over tp; every rank returns the same ids.
   torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k);
 
   const GPTConfig& config() const { return config_; }
@@ -155,6 +168,9 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   // the checkpointed block, so strategies wrap it like any other body.
   void set_activation_checkpointing(ActivationCheckpointing c) { checkpointing_ = c; }
   ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+  // Block i's forward as a body for a BlockRunner, checkpointed when asked
+  // (what hidden() runs; pipeline chunks run their blocks through it too).
+  BlockBody block_body(int64_t i);
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};

@@ -71,6 +71,8 @@ const std::map<std::string, Choice>& choices() {
     ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
     ST_CHOICE(parallel, comm_dtype, {"fp32", "bf16"})
     ST_CHOICE(parallel, backend, {"auto", "gloo", "nccl"})
+    ST_CHOICE(parallel, schedule, {"gpipe", "1f1b", "interleaved"})
+    ST_CHOICE(parallel, pp_balance, {"params", "time"})
     ST_CHOICE(parallel.fsdp, sharding_strategy, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
     ST_CHOICE(parallel.fsdp, auto_wrap_policy, {"transformer", "size", "none"})
     ST_CHOICE(parallel.fsdp, backward_prefetch, {"BACKWARD_PRE", "BACKWARD_POST", "NONE"})
@@ -121,7 +123,7 @@ const std::map<std::string, Setter>& fields() {
             train, weight_decay) ST_DBL(train, beta1) ST_DBL(train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip)
             ST_INT(train, seed) ST_INT(train, sample_tokens) ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule)
                 ST_ENUM(train, warmup_type) ST_DBL(train, warmup_start_ratio) ST_ENUM(parallel, strategy) ST_INT(
-                    parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp)
+                    parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp) ST_ENUM(parallel, schedule) ST_INT(parallel, microbatches) ST_INT(parallel, virtual_stages) ST_ENUM(parallel, pp_balance)
                     ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_BOOL(
                         parallel, find_unused_parameters) ST_BOOL(parallel, sequence_parallel)
                         ST_ENUM(parallel, comm_dtype) ST_ENUM(parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(

@@ -85,7 +85,11 @@ struct ParallelOptions {
   int dp_replicate = 1;                 // mesh: outer data-parallel degree
   int dp_shard = -1;                    // mesh: inner data-parallel degree; -1 = the rest of the world
   int tp = 1;                           // tensor-parallel degree (Megatron style; composes with ddp)
-  int pp = 1;                           // pipeline stages (not yet supported: must be 1)
+  int pp = 1;                           // pipeline stages (parallel/pipeline)
+  std::string schedule = "1f1b";        // with pp > 1: gpipe | 1f1b | interleaved
+  int microbatches = 0;                 // with pp > 1: micro-batches per step; 0 = global / (micro_batch x dp)
+  int virtual_stages = 1;               // model chunks per stage (interleaved only)
+  std::string pp_balance = "params";    // cut blocks into stages by params | time (measured on rank 0)
   double bucket_cap_mb = 25;            // DDP bucket size in MiB
   double first_bucket_mb = 1;           // DDP first bucket size in MiB
   bool find_unused_parameters = false;  // tolerate parameters without gradients

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
@@ -18,6 +19,13 @@ namespace scaletrain::train {
 namespace {
 
 namespace fsdp = parallel::fsdp;
+using TensorPlan = std::optional<parallel::tensor::TensorParallelPlan>;
+
+// What a strategy's rank holds for checkpoints, in full-model coordinates
+// when the model is tensor parallel.
+checkpoint::Layout in_full_coordinates(checkpoint::Layout l, const TensorPlan& plan) {
+  return plan ? checkpoint::tensor_parallel_layout(std::move(l), *plan) : l;
+}
 
 // Micro-batches before the last accumulate locally (no communication) under
 // DDP, ZeRO-1 and FSDP; ZeRO-2/3 reduce every micro-batch into their gradient
@@ -75,10 +83,7 @@ class DDPStrategy final : public DataParallel {
     for (auto& p : params_) b += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
     return b;
   }
-  void with_full_parameters(const std::function<void()>& fn) override {
-    if (plan_) throw UsageError("sampling a tensor-parallel model is not available; set train.sample_tokens=0");
-    fn();
-  }
+  void with_full_parameters(const std::function<void()>& fn) override { fn(); }
   std::string describe() const override {
     std::string s = "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
     if (plan_)
@@ -86,10 +91,10 @@ class DDPStrategy final : public DataParallel {
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
     return s;
   }
-  // Parameters are identical on every rank: rank 0 saves, every rank loads.
+  // Parameters are identical on every data-parallel rank: rank 0 saves,
+  // every rank loads.
   checkpoint::Layout checkpoint_layout() const override {
-    if (plan_) throw UsageError("checkpoints of tensor-parallel runs are not available yet");
-    return checkpoint::replicated_layout(*model_.ptr(), rank_ == 0);
+    return in_full_coordinates(checkpoint::replicated_layout(*model_.ptr(), rank_ == 0), plan_);
   }
   void after_load() override {}
 
@@ -103,10 +108,19 @@ class DDPStrategy final : public DataParallel {
 
 class ShardedStrategy final : public DataParallel {
  public:
+  // `plan`: the model is tensor-parallel; the engine shards each rank's part
+  // (Note [Sharding tensor-parallel parameters] in parallel/fsdp).
   ShardedStrategy(models::GPT model, comm::World& world, comm::Group& shard, comm::Group* replicate,
-                  const fsdp::ShardedOptions& o, bool no_sync, std::string label)
-      : model_(std::move(model)), shard_(shard), no_sync_(no_sync), label_(std::move(label)) {
+                  const fsdp::ShardedOptions& o, bool no_sync, std::string label, TensorPlan plan)
+      : model_(std::move(model)), shard_(shard), no_sync_(no_sync), label_(std::move(label)), plan_(std::move(plan)) {
     engine_ = std::make_unique<fsdp::ShardedDataParallel>(model_.ptr(), *model_, world, shard, replicate, o);
+    if (plan_) {
+      split_.group = plan_->tp;
+      std::set<std::string> split;
+      for (const auto& l : plan_->params)
+        if (l.sharded()) split.insert(l.name);
+      split_.is_split = [split](const std::string& name) { return split.count(name) > 0; };
+    }
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
     at::Tensor loss = engine_->forward(fn);
@@ -120,8 +134,11 @@ class ShardedStrategy final : public DataParallel {
   }
   std::vector<at::Tensor> optimizer_params() override { return engine_->shards(); }
   std::vector<int64_t> decay_numel() override { return engine_->shard_decay_numel(); }
-  double clip_grad_norm(double max_norm) override { return engine_->clip_grad_norm(max_norm); }
-  std::vector<comm::Group*> grad_groups() override { return {&shard_}; }
+  double clip_grad_norm(double max_norm) override { return engine_->clip_grad_norm(max_norm, split_); }
+  std::vector<comm::Group*> grad_groups() override {
+    if (plan_) return {&shard_, plan_->tp};
+    return {&shard_};
+  }
   void after_step() override { engine_->after_step(); }
   void zero_grad() override { engine_->zero_grad(); }
   double comm_wait_ms() const override { return engine_->comm_wait_ms(); }
@@ -132,11 +149,15 @@ class ShardedStrategy final : public DataParallel {
     fn();
   }
   std::string describe() const override {
-    return label_ + ", " + std::to_string(engine_->num_units()) + " units (root + " +
-           std::to_string(engine_->num_units() - 1) + " wrapped)";
+    std::string s = label_ + ", " + std::to_string(engine_->num_units()) + " units (root + " +
+                    std::to_string(engine_->num_units() - 1) + " wrapped)";
+    if (plan_)
+      s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
+           (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
+    return s;
   }
   checkpoint::Layout checkpoint_layout() const override {
-    checkpoint::Layout l = checkpoint::sharded_layout(*engine_);
+    checkpoint::Layout l = in_full_coordinates(checkpoint::sharded_layout(*engine_), plan_);
     l.strategy = label_;
     return l;
   }
@@ -148,8 +169,17 @@ class ShardedStrategy final : public DataParallel {
   comm::Group& shard_;
   bool no_sync_;
   std::string label_;
+  TensorPlan plan_;
+  fsdp::NormSplit split_;
   std::unique_ptr<fsdp::ShardedDataParallel> engine_;
 };
+
+
+int64_t mib_to_numel(double mib, at::ScalarType dtype) {
+  return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+}  // namespace
 
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::GPT& model, const std::string& path) {
@@ -161,8 +191,22 @@ void init_from(models::GPT& model, const std::string& path) {
   }
 }
 
-int64_t mib_to_numel(double mib, at::ScalarType dtype) {
-  return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
+namespace {
+
+// Tensor parallelism comes first, then data parallelism over the split
+// parameters (DDP and the sharded engine broadcast, bucket and shard what each
+// rank now holds). A deferred model is split in shape only, and its init
+// function wrapped to draw each full tensor and keep this rank's part (Note
+// [Deferred tensor-parallel init] in parallel/tensor).
+TensorPlan apply_tensor_parallel(models::GPT& model, comm::Mesh& mesh, const ParallelOptions& p,
+                                 models::InitFn* deferred_init) {
+  if (p.tp <= 1) return std::nullopt;
+  parallel::tensor::TensorParallelOptions to;
+  to.sequence_parallel = p.sequence_parallel;
+  to.deferred = deferred_init != nullptr && *deferred_init;
+  auto plan = parallel::tensor::parallelize_tensor(*model, mesh.tp(), to);
+  if (to.deferred) *deferred_init = parallel::tensor::tensor_parallel_init(*deferred_init, plan);
+  return plan;
 }
 
 }  // namespace
@@ -191,11 +235,6 @@ void check_strategy(const Config& c, bool cuda) {
   if (p.strategy == "fsdp" && p.fsdp.offload_params)
     throw UsageError(std::string("parallel.fsdp.offload_params is not available: ") +
                      (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
-  if (p.tp > 1 && p.strategy != "ddp")
-    throw UsageError("parallel.tp=" + std::to_string(p.tp) + " composes with strategy ddp only (got '" + p.strategy +
-                     "'); ZeRO/FSDP with tensor parallelism is not available yet");
-  if (p.tp > 1 && c.train.sample_tokens > 0)
-    throw UsageError("sampling a tensor-parallel model is not available; set train.sample_tokens=0");
   if (p.strategy != "fsdp" && p.strategy != "ddp" && !zero)
     throw UsageError("parallel.strategy '" + p.strategy + "' is not available");
   if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
@@ -208,36 +247,15 @@ void check_strategy(const Config& c, bool cuda) {
                        p.strategy + " shards over the whole data-parallel group)");
 }
 
-Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
-                         const precision::PrecisionPolicy& policy) {
+// Shared with the pipeline strategy (train/pipeline_strategy.cpp).
+ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& policy, comm::Mesh& mesh) {
   const auto& p = c.parallel;
   const at::ScalarType param_dtype = policy.param;
-  Parallelized out;
-  const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
-  if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
-    torch::manual_seed(c.train.seed);
-    out.model = models::GPT(mcfg);
-    out.model->to(param_dtype);
-    init_from(out.model, c.model.init_from);
-    std::optional<parallel::tensor::TensorParallelPlan> plan;
-    if (p.tp > 1) {
-      // Tensor parallelism first, then data parallelism over the split
-      // parameters (DDP broadcasts and buckets what each rank now holds).
-      parallel::tensor::TensorParallelOptions to;
-      to.sequence_parallel = p.sequence_parallel;
-      plan = parallel::tensor::parallelize_tensor(*out.model, mesh.tp(), to);
-    }
-    ParallelOptions dp_options = p;
-    if (policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(plan));
-    return out;
-  }
-  fsdp::ShardedOptions o;
+  ShardedSetup out;
+  fsdp::ShardedOptions& o = out.options;
   o.master_dtype = at::kFloat;
-  bool deferred = false, no_sync = true;
-  comm::Group* shard = &mesh.dp();
-  comm::Group* replicate = nullptr;
-  std::string label = p.strategy;
+  out.shard = &mesh.dp();
+  out.label = p.strategy;
   if (p.strategy == "fsdp") {
     const auto& f = p.fsdp;
     o.sharding = fsdp::parse_sharding(f.sharding_strategy);
@@ -248,12 +266,12 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     o.forward_prefetch = f.forward_prefetch;
     o.limit_all_gathers = f.limit_all_gathers;
     o.sync_module_states = f.sync_module_states;
-    deferred = f.cpu_ram_efficient_loading;
+    out.deferred = f.cpu_ram_efficient_loading;
     if (o.sharding == fsdp::Sharding::HybridShard) {
-      shard = &mesh.dp_shard();
-      replicate = &mesh.dp_replicate();
+      out.shard = &mesh.dp_shard();
+      out.replicate = &mesh.dp_replicate();
     }
-    label = "fsdp " + f.sharding_strategy;
+    out.label = "fsdp " + f.sharding_strategy;
   } else {
     parallel::zero::ZeroOptions z;
     z.stage = p.strategy.back() - '0';
@@ -264,10 +282,34 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     // stage3_max_live_parameters: gathered units stay bounded to two unless
     // the whole model may be live at once.
     o.limit_all_gathers = z.stage == 3;
-    deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
-    no_sync = z.stage == 1;
+    out.deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
+    out.no_sync = z.stage == 1;
   }
   o.reduce_dtype = policy.reduce;
+  return out;
+}
+
+Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
+                         const precision::PrecisionPolicy& policy) {
+  const auto& p = c.parallel;
+  const at::ScalarType param_dtype = policy.param;
+  Parallelized out;
+  if (p.pp > 1) return parallelize_pipeline(c, mcfg, world, mesh, policy);
+  const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
+  if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
+    torch::manual_seed(c.train.seed);
+    out.model = models::GPT(mcfg);
+    out.model->to(param_dtype);
+    init_from(out.model, c.model.init_from);
+    TensorPlan plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
+    ParallelOptions dp_options = p;
+    if (policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(plan));
+    return out;
+  }
+  ShardedSetup setup = sharded_setup(c, policy, mesh);
+  fsdp::ShardedOptions& o = setup.options;
+  bool deferred = setup.deferred;
   if (!c.model.init_from.empty()) deferred = false;  // build whole, load, then shard
   torch::manual_seed(c.train.seed);
   // Deferred models are built in fp32 and initialized per tensor in the
@@ -280,8 +322,10 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
   }
+  TensorPlan plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {
-    out.dp = std::make_unique<ShardedStrategy>(out.model, world, *shard, replicate, o, no_sync, label);
+    out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,
+                                              setup.label, std::move(plan));
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // a wrap policy the model cannot take, etc.
   }

@@ -12,6 +12,7 @@
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 
@@ -36,7 +37,9 @@ class DataParallel {
   virtual void reset_stats() = 0;
   // Bytes of parameters and gradients this rank holds now.
   virtual int64_t model_state_bytes() const = 0;
-  // Runs fn with every parameter whole on every rank (collective).
+  // Runs fn with every parameter whole on every rank (collective): the model
+  // runs without the data-parallel engine. A tensor-parallel model stays
+  // split over tp: its tp peers must run it together.
   virtual void with_full_parameters(const std::function<void()>& fn) = 0;
   virtual std::string describe() const = 0;
   // What this rank holds, for saving and loading checkpoints (Note
@@ -44,6 +47,17 @@ class DataParallel {
   virtual checkpoint::Layout checkpoint_layout() const = 0;
   // After a checkpoint was loaded into checkpoint_layout()'s tensors.
   virtual void after_load() = 0;
+
+  // Pipeline strategies run all micro-batches of a step together (the
+  // schedule interleaves their forwards and backwards): the trainer then
+  // calls step() instead of forward_backward() per micro-batch.
+  virtual bool runs_whole_steps() const { return false; }
+  // inputs/targets: the step's micro-batches; each loss is multiplied by
+  // loss_scale / m before backward. Returns the mean loss (unscaled).
+  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                      double loss_scale, const precision::PrecisionPolicy& policy) {
+    throw std::logic_error(describe() + " runs one micro-batch at a time");
+  }
 };
 
 // Builds the model (deferred when the strategy initializes it shard by
@@ -56,6 +70,22 @@ struct Parallelized {
 };
 Parallelized parallelize(const Config& config, const models::GPTConfig& model_config, comm::World& world,
                          comm::Mesh& mesh, const precision::PrecisionPolicy& policy);
+
+// Pieces parallelize() shares with the pipeline strategy.
+struct ShardedSetup {
+  parallel::fsdp::ShardedOptions options;
+  comm::Group* shard = nullptr;      // the group parameters are sharded over
+  comm::Group* replicate = nullptr;  // HYBRID_SHARD's replicas, else null
+  bool deferred = false;             // build the model without bytes (zero3, cpu_ram_efficient_loading)
+  bool no_sync = true;               // accumulate whole gradients until the last micro-batch
+  std::string label;                 // for describe()
+};
+ShardedSetup sharded_setup(const Config& config, const precision::PrecisionPolicy& policy, comm::Mesh& mesh);
+// model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
+void init_from(models::GPT& model, const std::string& path);
+// parallel.pp > 1 (train/pipeline_strategy.cpp).
+Parallelized parallelize_pipeline(const Config& config, const models::GPTConfig& model_config, comm::World& world,
+                                  comm::Mesh& mesh, const precision::PrecisionPolicy& policy);
 
 // Checks the parallel section against what this build can do (no peers needed).
 void check_strategy(const Config& config, bool cuda);

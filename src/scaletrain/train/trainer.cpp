@@ -19,6 +19,7 @@
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
@@ -56,9 +57,27 @@ void set_threads() {
   }
 }
 
-void check_supported(const ParallelOptions& p) {
-  if (p.pp != 1)
-    throw UsageError("parallel.pp=" + std::to_string(p.pp) + ": pipeline parallelism is not available yet (must be 1)");
+// Pipeline keys, and the schedule's shape, before any peer is contacted.
+void check_pipeline(const Config& c, const models::GPTConfig& m, int dp) {
+  const auto& p = c.parallel;
+  if (p.pp < 1) throw UsageError("parallel.pp must be at least 1, got " + std::to_string(p.pp));
+  if (p.pp == 1) {
+    if (p.virtual_stages != 1 || p.microbatches != 0)
+      throw UsageError("parallel.virtual_stages and parallel.microbatches apply to pipelines (parallel.pp > 1)");
+    return;
+  }
+  if (c.train.sample_tokens > 0)
+    throw UsageError("sampling a pipeline-parallel model is not available; set train.sample_tokens=0");
+  if (p.tp > 1 && p.strategy != "ddp")
+    throw UsageError("parallel.tp=" + std::to_string(p.tp) + " with parallel.pp composes with strategy ddp only (got '" +
+                     p.strategy + "')");
+  if (p.microbatches < 0) throw UsageError("parallel.microbatches must be positive");
+  if (p.microbatches > 0 && c.train.global_batch % (static_cast<int64_t>(p.microbatches) * dp) != 0)
+    throw UsageError("train.global_batch=" + std::to_string(c.train.global_batch) + " is not divisible by " +
+                     "parallel.microbatches=" + std::to_string(p.microbatches) + " x dp=" + std::to_string(dp));
+  if (m.n_layer < static_cast<int64_t>(p.pp) * p.virtual_stages)
+    throw UsageError("model.n_layer=" + std::to_string(m.n_layer) + " blocks cannot fill parallel.pp=" +
+                     std::to_string(p.pp) + " x virtual_stages=" + std::to_string(p.virtual_stages) + " chunks");
 }
 
 optim::ScheduleOptions schedule(const TrainOptions& t) {
@@ -93,7 +112,6 @@ checkpoint::ModelShape model_shape(const models::GPTConfig& m) {
 TrainResult run_training(const Config& cfg) {
   // Everything that can be rejected without peers is checked first, so bad
   // input fails fast and identically on every rank.
-  check_supported(cfg.parallel);
   TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
   const models::GPTConfig mcfg = model_config(cfg.model);
   if (cfg.parallel.tp > 1) parallel::tensor::check_tensor_parallel(mcfg, cfg.parallel.tp);
@@ -118,8 +136,16 @@ TrainResult run_training(const Config& cfg) {
   so.seed = cfg.train.seed;
   so.global_batch = cfg.train.global_batch;
   data::DistributedSampler sampler(dataset.num_samples(), so);
-  sampler.validate_layout(dims.dp(), static_cast<int>(cfg.train.micro_batch));
-  const int64_t accum = sampler.micro_batches_per_step(dims.dp(), static_cast<int>(cfg.train.micro_batch));
+  check_pipeline(cfg, mcfg, dims.dp());
+  // A pipeline's parallel.microbatches, when set, decides the micro-batch size.
+  const int64_t B = cfg.parallel.pp > 1 && cfg.parallel.microbatches > 0
+                        ? cfg.train.global_batch / (static_cast<int64_t>(cfg.parallel.microbatches) * dims.dp())
+                        : cfg.train.micro_batch;
+  sampler.validate_layout(dims.dp(), static_cast<int>(B));
+  const int64_t accum = sampler.micro_batches_per_step(dims.dp(), static_cast<int>(B));
+  if (cfg.parallel.pp > 1)
+    parallel::pipeline::check_schedule({parallel::pipeline::parse_schedule(cfg.parallel.schedule), cfg.parallel.pp,
+                                        static_cast<int>(accum), cfg.parallel.virtual_stages});
 
   set_threads();
   comm::WorldOptions wo;
@@ -175,7 +201,7 @@ TrainResult run_training(const Config& cfg) {
         "scaletrain: %lld samples of %lld tokens; global batch %lld = micro %lld x accumulation %lld x dp %d; "
         "%d threads/rank; peak %.1f GFLOP/s/rank\n",
         static_cast<long long>(dataset.num_samples()), static_cast<long long>(mcfg.block_size),
-        static_cast<long long>(cfg.train.global_batch), static_cast<long long>(cfg.train.micro_batch),
+        static_cast<long long>(cfg.train.global_batch), static_cast<long long>(B),
         static_cast<long long>(accum), dims.dp(), torch::get_num_threads(), peak / 1e9);
     std::printf(
         "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
@@ -220,7 +246,7 @@ TrainResult run_training(const Config& cfg) {
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
 
   // Predicted next to measured memory, after setup and at the end (collective).
-  const estimate::Layout mem_layout = run_layout(cfg, mcfg, policy, world->size(), mesh.dp_shard().size(), accum,
+  const estimate::Layout mem_layout = run_layout(cfg, mcfg, policy, world->size(), mesh.dp_shard().size(), B, accum,
                                                  world->backend() == comm::BackendKind::Gloo);
   MeasuredMemory mem;
   mem.rss_baseline_mb = rss_before_setup;
@@ -233,7 +259,7 @@ TrainResult run_training(const Config& cfg) {
   reset_rss_peak();
   TensorBytes::reset_peak();
 
-  const int64_t B = cfg.train.micro_batch, T = mcfg.block_size;
+  const int64_t T = mcfg.block_size;
   auto inputs = torch::empty({B, T}, torch::kLong), targets = torch::empty({B, T}, torch::kLong);
   const int dp_rank = mesh.coord().dp(dims);
   TrainResult result;
@@ -244,7 +270,17 @@ TrainResult run_training(const Config& cfg) {
     dp.reset_stats();
     double loss_sum = 0;
     const double loss_scale = scaler ? scaler->scale() : 1.0;
-    for (int64_t k = 0; k < accum; ++k) {
+    if (dp.runs_whole_steps()) {  // a pipeline: every micro-batch of the step at once
+      std::vector<at::Tensor> xs, ys;
+      for (int64_t k = 0; k < accum; ++k) {
+        auto idx = sampler.indices(step, dp_rank, dims.dp(), static_cast<int>(k), static_cast<int>(B));
+        xs.push_back(torch::empty({B, T}, torch::kLong));
+        ys.push_back(torch::empty({B, T}, torch::kLong));
+        dataset.copy_batch(idx, xs.back().data_ptr<int64_t>(), ys.back().data_ptr<int64_t>());
+      }
+      loss_sum = dp.step(xs, ys, loss_scale, policy);
+    }
+    for (int64_t k = 0; k < accum && !dp.runs_whole_steps(); ++k) {
       auto idx = sampler.indices(step, dp_rank, dims.dp(), static_cast<int>(k), static_cast<int>(B));
       dataset.copy_batch(idx, inputs.data_ptr<int64_t>(), targets.data_ptr<int64_t>());
       // What this forward leaves for its backward, counted from before the
@@ -326,9 +362,10 @@ TrainResult run_training(const Config& cfg) {
     result.tokens_per_s = throughput[throughput.size() / 2];
   }
   if (cfg.train.sample_tokens > 0) {
-    // Collective: sharded strategies gather every unit; only rank 0 samples.
+    // Collective: sharded strategies gather every unit; data-parallel rank 0
+    // samples (with its tensor-parallel peers, which compute with it), rank 0 prints.
     dp.with_full_parameters([&] {
-      if (!lead) return;
+      if (mesh.coord().dp(dims) != 0 || mesh.coord().pp != 0) return;
       model->eval();
       data::ByteTokenizer tok;
       auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
@@ -338,6 +375,7 @@ TrainResult run_training(const Config& cfg) {
       at::Tensor out = model->generate(prompt, cfg.train.sample_tokens, 0.8, 40);
       std::vector<uint16_t> gen;
       for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint16_t>(out[0][i].item<int64_t>()));
+      if (!lead) return;
       std::printf("sample: %s\n", tok.decode(gen).c_str());
       std::fflush(stdout);
     });

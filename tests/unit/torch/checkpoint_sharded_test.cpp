@@ -153,6 +153,38 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(other[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 }
 
+// A pipeline saves per stage under the whole model's names: DDP on one
+// process resumes it, and a pipeline resumes what DDP saved (ports 29926-29929).
+TEST(CheckpointResume, PipelineStagesSaveAndLoadAcrossLayouts) {
+  const std::string model = "--model.n_layer=4 --train.sample_tokens=0 ";
+  const std::string pipe = model + "--parallel.pp=2 --parallel.strategy=zero1 ";
+  const auto whole = train(2, "pp_whole", pipe, 29926);
+  ASSERT_EQ(whole.size(), 6u);
+  const auto dir = fresh("resume_pp");
+  const auto first = train(2, "pp_first", pipe + "--train.stop_at=3 --checkpoint.dir=" + dir.string(), 29927);
+  ASSERT_EQ(first.size(), 3u);
+  const auto ddp = train(0, "pp_into_ddp",
+                         model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3), 0);
+  ASSERT_EQ(ddp.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+
+  // Tensor parallelism inside the stages saves full-model coordinates too.
+  const auto dir3 = fresh("resume_tp_pp");
+  train(4, "tp_pp_first", model + "--parallel.pp=2 --parallel.tp=2 --train.stop_at=3 --checkpoint.dir=" + dir3.string(),
+        29929);
+  const auto tp_ddp = train(
+      0, "tp_pp_into_ddp", model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir3.string(), 3), 0);
+  ASSERT_EQ(tp_ddp.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(tp_ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+
+  const auto dir2 = fresh("resume_ddp_into_pp");
+  train(0, "ddp_first", model + "--parallel.strategy=ddp --train.stop_at=3 --checkpoint.dir=" + dir2.string(), 0);
+  const auto piped = train(2, "ddp_into_pp",
+                           model + "--parallel.pp=2 --parallel.schedule=gpipe --checkpoint.dir=" + dir2.string(), 29928);
+  ASSERT_EQ(piped.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(piped[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+}
+
 TEST(CheckpointResume, KeepsTheLastTwoAndResumesTheNewest) {
   const auto dir = fresh("keep_cli");
   train(2, "keep", "--parallel.strategy=fsdp --checkpoint.every=1 --checkpoint.keep=2 --checkpoint.dir=" + dir.string(),

@@ -4,8 +4,10 @@
 // clipping and the schedule), and impossible combinations are one-line errors.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "cli_util.h"
 
@@ -14,13 +16,27 @@ namespace {
 
 fs::path strategy_config() { return small_train_config("strategies.yaml", 8); }
 
-std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port) {
-  const fs::path metrics = scratch() / (name + ".jsonl");
+// What rank 0 printed from the "sample: " line on (the text may span lines).
+std::string sample_line(const fs::path& log_dir) {
+  std::ifstream in(log_dir / "rank0.log");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string log = ss.str();
+  const size_t at = log.find("sample: ");
+  return at == std::string::npos ? "" : log.substr(at);
+}
+
+// `sample`: if given, the text sampled at the end ("" when none was printed).
+std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port,
+                          std::string* sample = nullptr) {
+  const fs::path metrics = scratch() / (name + ".jsonl"), logs = scratch() / (name + "_logs");
   fs::remove(metrics);
+  fs::remove_all(logs);
   Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-              std::to_string(port) + " -- " + SCALETRAIN_BIN + " train " + strategy_config().string() + " " + flags +
-              " --metrics.path=" + metrics.string());
+              std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " train " +
+              strategy_config().string() + " " + flags + " --metrics.path=" + metrics.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+  if (sample) *sample = sample_line(logs);
   return metric_losses(metrics);
 }
 
@@ -74,6 +90,52 @@ TEST(TrainerStrategies, TensorParallelFollowsTheDdpLossCurve) {
   expect_same_curve(
       train(4, "dp2tp2", "--parallel.tp=2 --parallel.sequence_parallel=true --train.sample_tokens=0", 29877), ref,
       "dp2 x tp2 (sequence parallel)");
+}
+
+// ZeRO/FSDP composed with tensor parallelism on DP2 x TP2 follow DDP's curve
+// (zero3 initializes deferred, split per tensor), and sample at the end (the
+// config samples 8 tokens): the same text as DDP's model.
+TEST(TrainerStrategies, ShardedTensorParallelFollowsTheDdpLossCurve) {
+  std::string ref_sample;
+  const auto ref = train(2, "ddp_for_tp_zero", "--parallel.strategy=ddp", 29980, &ref_sample);
+  ASSERT_FALSE(ref_sample.empty());
+  const std::vector<std::pair<std::string, std::string>> runs{
+      {"zero3_tp2", "--parallel.strategy=zero3 --parallel.tp=2"},
+      {"zero1_tp2_sp", "--parallel.strategy=zero1 --parallel.tp=2 --parallel.sequence_parallel=true"},
+      {"zero2_tp2_sp", "--parallel.strategy=zero2 --parallel.tp=2 --parallel.sequence_parallel=true"},
+      {"full_shard_tp2_sp", "--parallel.strategy=fsdp --parallel.tp=2 --parallel.sequence_parallel=true"},
+  };
+  int port = 29981;
+  for (auto& [name, flags] : runs) {
+    std::string sample;
+    expect_same_curve(train(4, name, flags, port++, &sample), ref, name);
+    EXPECT_EQ(sample, ref_sample) << name;
+  }
+}
+
+// A checkpoint saved by DP2 x TP2 zero3 resumes under DDP on 2 ranks, and
+// DDP's resumes under DP2 x TP2 (sequence parallel): both continue DDP's curve.
+TEST(TrainerStrategies, TensorParallelCheckpointsResumeUnderAnyLayout) {
+  const auto ref = train(2, "ddp_whole", "--parallel.strategy=ddp", 29985);
+  const fs::path tp_dir = scratch() / "tp_ckpt", ddp_dir = scratch() / "ddp_ckpt";
+  fs::remove_all(tp_dir);
+  fs::remove_all(ddp_dir);
+  const std::string stop = " --train.stop_at=3 --train.sample_tokens=0 --checkpoint.dir=";
+  ASSERT_EQ(train(4, "tp_first", "--parallel.strategy=zero3 --parallel.tp=2" + stop + tp_dir.string(), 29986).size(),
+            3u);
+  const auto ddp_second = train(2, "ddp_second", "--parallel.strategy=ddp --checkpoint.dir=" + tp_dir.string(), 29987);
+  ASSERT_EQ(train(2, "ddp_first", "--parallel.strategy=ddp" + stop + ddp_dir.string(), 29988).size(), 3u);
+  const auto tp_second = train(4, "tp_second",
+                               "--parallel.strategy=ddp --parallel.tp=2 --parallel.sequence_parallel=true "
+                               "--checkpoint.dir=" +
+                                   ddp_dir.string(),
+                               29989);
+  ASSERT_EQ(ddp_second.size(), 3u);
+  ASSERT_EQ(tp_second.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(ddp_second[i], ref[i + 3], 1e-5 * ref[i + 3]) << "dp2 x tp2 zero3 -> ddp, step " << i + 4;
+    EXPECT_NEAR(tp_second[i], ref[i + 3], 1e-5 * ref[i + 3]) << "ddp -> dp2 x tp2, step " << i + 4;
+  }
 }
 
 // Text with real entropy (Zipf-distributed words from a seeded generator), so
@@ -146,9 +208,37 @@ TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
   expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=HYBRID_SHARD"),
                      "dp_replicate");
   expect_usage_error(run(cfg + " --precision.param_dtype=bf16 --precision.mode=bf16"), "master weights");
-  expect_usage_error(run(cfg + " --parallel.tp=2 --parallel.strategy=zero3 --train.sample_tokens=0"), "tp=2");
   expect_usage_error(run(cfg + " --parallel.tp=3 --train.sample_tokens=0"), "tp=3");
-  expect_usage_error(run(cfg + " --parallel.pp=2"), "pp=2");
+  expect_usage_error(run(cfg + " --parallel.pp=2"), "pp=2");  // a world of one cannot hold two stages
+  expect_usage_error(run(cfg + " --parallel.virtual_stages=2"), "parallel.pp > 1");
+  expect_usage_error(run(cfg + " --parallel.schedule=zigzag"), "gpipe");
+}
+
+// Pipelines keep the data-parallel size's sample order too: every schedule
+// on 2 stages, DP2 x PP2 with ZeRO-1 and ZeRO-3 per stage, TP2 x PP2 and
+// 4 stages follow DDP's curve (4 blocks, so interleaving has 2 per stage).
+TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
+  const std::string model = " --model.n_layer=4 --train.sample_tokens=0";
+  const auto ref = train(2, "ddp_for_pp", "--parallel.strategy=ddp" + model, 29990);
+  const std::vector<std::tuple<int, std::string, std::string>> runs{
+      {2, "pp2_1f1b", "--parallel.pp=2"},
+      {2, "pp2_gpipe", "--parallel.pp=2 --parallel.schedule=gpipe --parallel.microbatches=2"},
+      {2, "pp2_interleaved", "--parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2"},
+      {4, "pp4_1f1b_time", "--parallel.pp=4 --parallel.pp_balance=time"},
+      {4, "dp2_pp2_zero1", "--parallel.pp=2 --parallel.strategy=zero1"},
+      {4, "dp2_pp2_zero3", "--parallel.pp=2 --parallel.strategy=zero3"},
+      {4, "tp2_pp2", "--parallel.pp=2 --parallel.tp=2"},
+  };
+  int port = 29991;
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model, port++), ref, name);
+  EXPECT_LE(port, 29999) << "ports 29990-29999 belong to this test";
+  // Too few micro-batches for the interleaved schedule: every rank stops with the reason.
+  const auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 60 --master-port 29999 -- " +
+              std::string(SCALETRAIN_BIN) + " train " + strategy_config().string() + model +
+              " --parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2 "
+              "--parallel.microbatches=1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("multiple of pp micro-batches"), std::string::npos) << r.err;
 }
 
 }  // namespace

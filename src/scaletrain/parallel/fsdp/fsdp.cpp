@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -250,8 +251,9 @@ void ShardedDataParallel::State::finish_backward() {
     issue_ready_reduces(/*flush=*/true);
     while (!inflight.empty()) finish_oldest_reduce();
   }
-  // Everything not replicated goes back to its shard, the root included.
-  for (size_t u = 0; u < units.size(); ++u) reshard(u);
+  // Everything not replicated goes back to its shard, the root included
+  // (unless a pipeline still holds graphs that saved it).
+  for (size_t u = options.keep_root_between_backwards ? 1 : 0; u < units.size(); ++u) reshard(u);
   for (auto& unit : units) {
     unit.pending = unit.trainable;
     unit.reduced = false;
@@ -400,6 +402,27 @@ at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   return out;
 }
 
+void ShardedDataParallel::reshard_all() {
+  std::lock_guard<std::recursive_mutex> lock(state_->mu);
+  for (size_t u = 0; u < state_->units.size(); ++u) state_->reshard(u);
+}
+
+void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor flat = grad.reshape({-1});
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) {
+      if (!f->trainable()) continue;
+      for (const ShardPiece& piece : f->pieces()) {
+        if (piece.name != name) continue;
+        at::Tensor& g = f->shard().mutable_grad();
+        if (!g.defined()) g = at::zeros_like(f->shard());
+        g.narrow(0, piece.shard_offset, piece.numel)
+            .add_(flat.narrow(0, piece.param_offset, piece.numel).to(g.scalar_type()));
+      }
+    }
+}
+
 ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& e) : e_(e), previous_(e.state_->sync) {
   e_.state_->sync = false;
 }
@@ -421,9 +444,36 @@ std::vector<int64_t> ShardedDataParallel::shard_decay_numel() const {
   return out;
 }
 
-double ShardedDataParallel::clip_grad_norm(double max_norm) {
+double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& split) {
   // Shards partition the gradient over the shard group; replicas hold the same.
-  return optim::clip_grad_norm(shards(), max_norm, {state_->shard});
+  if (split.group == nullptr || split.group->size() == 1)
+    return optim::clip_grad_norm(shards(), max_norm, {state_->shard});
+  // Note [Sharding tensor-parallel parameters]: squares of split and of
+  // replicated parameters, summed apart; padding is in no piece.
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> parts[2];  // per piece: split, replicated
+  at::TensorOptions opts = at::TensorOptions().dtype(at::kDouble);
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) {
+      if (!f->trainable() || !f->shard().grad().defined()) continue;
+      const at::Tensor g = f->shard().grad();
+      opts = opts.device(g.device());
+      for (const ShardPiece& p : f->pieces())
+        parts[split.is_split(p.name) ? 0 : 1].push_back(
+            g.narrow(0, p.shard_offset, p.numel).to(at::kDouble).pow(2).sum());
+    }
+  auto total = [&](const std::vector<at::Tensor>& v) { return v.empty() ? at::zeros({}, opts) : at::stack(v).sum(); };
+  at::Tensor sq = at::stack({total(parts[0]), total(parts[1])});
+  state_->shard->all_reduce(sq).wait();
+  at::Tensor split_sq = sq.narrow(0, 0, 1).clone();
+  split.group->all_reduce(split_sq).wait();
+  const double norm = std::sqrt(split_sq.item<double>() + sq[1].item<double>());
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
+    for (auto& t : shards())
+      if (t.grad().defined()) t.mutable_grad().mul_(scale);
+  }
+  return norm;
 }
 
 void ShardedDataParallel::after_step() {

@@ -37,6 +37,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,24 @@ struct ShardedOptions {
   // into a temporary, one at a time in registration order (on rank 0 only and
   // broadcast, with sync_module_states), and only this rank's part is kept.
   models::InitFn deferred_init;
+  // Keep the root unit gathered after a backward, until reshard_all(): a
+  // pipeline schedule runs several forwards before their backwards, and each
+  // of those graphs saved views of the root's parameters (ln_f, the head).
+  bool keep_root_between_backwards = false;
+};
+
+// Note [Sharding tensor-parallel parameters]: under tensor parallelism the
+// engine runs over the data-parallel group of one tp rank and shards that
+// rank's parameters, which are split (a shard of a larger tensor) or
+// replicated across tp. Gradients need nothing new: the tensor-parallel
+// autograd functions and hooks have completed each local gradient before
+// AccumulateGrad (the sequence-parallel all-reduce is a pre-accumulation
+// hook), and the engine's hooks run after it. The global norm does: a split
+// parameter's squared norm adds over tp, a replicated one is the same on
+// every tp rank and counts once. NormSplit says which is which.
+struct NormSplit {
+  comm::Group* group = nullptr;                           // tp; null: nothing is split
+  std::function<bool(const std::string& name)> is_split;  // by parameter name
 };
 
 Sharding parse_sharding(const std::string& s);  // zero1..3, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD
@@ -116,10 +135,18 @@ class ShardedDataParallel {
   std::vector<at::Tensor> shards() const;
   std::vector<int64_t> shard_decay_numel() const;
   // Global gradient norm over every shard (and clipping to max_norm if > 0).
-  double clip_grad_norm(double max_norm);
+  // With `split`, the parameters are themselves parts of larger tensors
+  // (Note [Sharding tensor-parallel parameters]).
+  double clip_grad_norm(double max_norm, const NormSplit& split = {});
   // After the optimizer step: replicated strategies gather updated shards.
   void after_step();
   void zero_grad();
+  // Frees every gathered unit, the root included (see keep_root_between_backwards).
+  void reshard_all();
+  // Adds `grad` (the whole gradient of parameter `name`, already averaged
+  // over the shard group) to this rank's part of it in the gradient shards:
+  // a tied weight's gradient computed elsewhere (pipeline's head copy).
+  void add_to_grad(const std::string& name, const at::Tensor& grad);
 
   // Gathers every unit (collective: all ranks call it) for as long as it
   // lives; the model then runs without hooks (evaluation, sampling, export).

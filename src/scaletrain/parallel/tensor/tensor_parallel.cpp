@@ -1,7 +1,9 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "scaletrain/parallel/tensor/layers.h"
@@ -83,6 +85,15 @@ models::TensorParallelHooksPtr make_hooks(models::GPTImpl* model, comm::Group* g
       logits = logits.to(torch::kFloat);
     return vocab_parallel_cross_entropy(logits, targets, *g).mean();
   };
+  // Sampling: every rank computed the same full logits and drew with the
+  // same seed, but a rank that drew differently (another BLAS, another
+  // rounding) would go on with another sequence: tp rank 0's tokens decide.
+  hooks->broadcast_tokens = [g](const torch::Tensor& ids) {
+    auto out = ids.contiguous().clone();
+    if (g->size() > 1) g->broadcast(out, 0).wait();
+    return out;
+  };
+  if (sp) hooks->sampling = make_hooks(model, g, false);
   return hooks;
 }
 
@@ -132,11 +143,25 @@ TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, T
   torch::NoGradGuard no_grad;
   for (auto& item : model.named_parameters()) {
     at::Tensor p = item.value();
-    if (!p.defined() || p.numel() == 0)
-      throw UsageError("parallelize_tensor needs a materialized model; '" + item.key() + "' has no data");
-    if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+    const bool empty = !p.defined() || p.storage().nbytes() == 0;
+    if (empty != options.deferred)
+      throw UsageError(std::string("parallelize_tensor: '") + item.key() + "' " +
+                       (empty ? "has no data (set TensorParallelOptions::deferred for a deferred model)"
+                              : "has data but the options say the model is deferred"));
     ParamLayout l = layout_of(item.key(), p, options.sequence_parallel);
-    if (l.sharded()) p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
+    if (options.deferred) {
+      // Shape only (Note [Deferred tensor-parallel init]).
+      if (l.sharded()) {
+        auto sizes = p.sizes().vec();
+        sizes[l.dim] /= tp.size();
+        at::Tensor shell = at::empty(sizes, p.options().requires_grad(false));
+        models::free_storage(shell);
+        p.set_data(shell);
+      }
+    } else {
+      if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+      if (l.sharded()) p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
+    }
     if (l.partial_grad && tp.size() > 1) {
       // Note [Sequence-parallel gradients]: sum the per-rank partial gradient
       // before it is accumulated.
@@ -151,6 +176,41 @@ TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, T
   }
   model.set_tensor_parallel(make_hooks(&model, &tp, options.sequence_parallel));
   return plan;
+}
+
+const ParamLayout& TensorParallelPlan::layout(const std::string& name) const {
+  for (const auto& l : params)
+    if (l.name == name) return l;
+  throw std::out_of_range("tensor-parallel plan has no parameter '" + name + "'");
+}
+
+std::vector<FullRun> full_runs(const ParamLayout& l, int rank, int size, int64_t begin, int64_t numel) {
+  if (!l.sharded() || size == 1) return {{begin, begin, numel}};
+  // The full tensor as [outer, blocks, size, n, inner] and the shard as
+  // [outer, blocks, n, inner] (Note [Fused qkv split]): a run is one
+  // (outer, block) row of n * inner elements.
+  int64_t inner = 1;
+  for (size_t d = l.dim + 1; d < l.full_shape.size(); ++d) inner *= l.full_shape[d];
+  const int64_t run = l.full_shape[l.dim] / (l.blocks * size) * inner;
+  std::vector<FullRun> out;
+  for (int64_t pos = begin, end = begin + numel; pos < end;) {
+    const int64_t row = pos / run, within = pos % run, len = std::min(run - within, end - pos);
+    out.push_back({(row * size + rank) * run + within, pos, len});
+    pos += len;
+  }
+  return out;
+}
+
+models::InitFn tensor_parallel_init(models::InitFn full_init, const TensorParallelPlan& plan) {
+  return [full_init = std::move(full_init), plan](const std::string& name, at::Tensor& out) {
+    const ParamLayout& l = plan.layout(name);
+    comm::Group& tp = *plan.tp;
+    at::Tensor full = at::empty(l.full_shape, out.options());
+    full_init(name, full);
+    if (plan.options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(full, 0).wait();
+    torch::NoGradGuard no_grad;
+    out.copy_(split_parameter(full, l, tp.rank(), tp.size()));
+  };
 }
 
 std::vector<at::Tensor> gather_full_parameters(torch::nn::Module& model, const TensorParallelPlan& plan) {

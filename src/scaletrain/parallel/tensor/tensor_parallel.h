@@ -14,6 +14,12 @@
 //   mlp.c_proj        input columns               row-parallel (bias replicated)
 //   wpe, ln_*         replicated
 //
+// Composition: parallelize_tensor() comes first; DDP or the sharded engine
+// (ZeRO/FSDP: Note [Sharding tensor-parallel parameters] in parallel/fsdp)
+// then wraps the split model over the data-parallel group of each tp rank.
+// Checkpoints describe every shard as pieces of the full tensor
+// (checkpoint::tensor_parallel_layout), so they reload under any layout.
+//
 // Per block, forward and backward each cost two all-reduces of [B, T, C]
 // (attention and MLP), or under sequence parallelism two all-gathers and two
 // reduce-scatters of the same bytes.
@@ -48,6 +54,7 @@
 #include <vector>
 
 #include "scaletrain/comm/group.h"
+#include "scaletrain/models/deferred.h"
 #include "scaletrain/models/gpt.h"
 
 namespace scaletrain::parallel::tensor {
@@ -62,6 +69,10 @@ struct TensorParallelOptions {
   // Broadcast the full weights from tp rank 0 before splitting, so every
   // rank splits the same model even if their initializations differed.
   bool broadcast_initial_weights = true;
+  // The model was built without parameter bytes (models/deferred.h): only
+  // the shapes are split here, and the values arrive later through the
+  // function tensor_parallel_init() makes (Note [Deferred tensor-parallel init]).
+  bool deferred = false;
 };
 
 // How one parameter is laid out across the tp group.
@@ -84,6 +95,9 @@ struct TensorParallelPlan {
   comm::Group* tp = nullptr;
   TensorParallelOptions options;
   std::vector<ParamLayout> params;  // in named_parameters() order
+
+  // The layout of parameter `name`; throws std::out_of_range naming it.
+  const ParamLayout& layout(const std::string& name) const;
 };
 
 // Throws a one-line UsageError if tp does not divide the heads or the
@@ -104,6 +118,29 @@ at::Tensor gather_parameter(const at::Tensor& shard, const ParamLayout& layout, 
 // The full parameters of a parallelized model, in named_parameters() order
 // (collective over tp).
 std::vector<at::Tensor> gather_full_parameters(torch::nn::Module& model, const TensorParallelPlan& plan);
+
+// Where part of a shard lies in the full tensor. Elements [begin, begin +
+// numel) of rank `rank`'s flattened shard are, in the flattened full tensor,
+// a few contiguous runs: one per row block of the split dimension (a
+// row-split matrix's shard is one run per q/k/v block, a column-split one is
+// one run per row). Replicated parameters map onto themselves.
+struct FullRun {
+  int64_t full_offset = 0;   // first element in the flattened full tensor
+  int64_t local_offset = 0;  // first element in the flattened shard
+  int64_t numel = 0;
+};
+std::vector<FullRun> full_runs(const ParamLayout& layout, int rank, int size, int64_t begin, int64_t numel);
+
+// Note [Deferred tensor-parallel init]: a model built without bytes is split
+// in shape only; `full_init` (the model's initialization of a whole
+// parameter) is wrapped so that each call draws the *full* tensor, exactly as
+// a single process would (same shape, same random draws in the same order),
+// and keeps this rank's part. With broadcast_initial_weights the full tensor
+// comes from tp rank 0; that broadcast is a collective over tp inside the
+// init function, so every rank of a tp group must call the function equally
+// often: true for the sharded engine, which calls it on all ranks or on the
+// data-parallel rank 0 of every tp rank (one whole tp group).
+models::InitFn tensor_parallel_init(models::InitFn full_init, const TensorParallelPlan& plan);
 
 // Parameters by how they enter the global gradient norm: each split
 // parameter's shards are disjoint parts of it (their squared norms add up over

@@ -1,0 +1,82 @@
+#pragma once
+// One model chunk of a pipeline: a module that owns (shares, with the GPT
+// it was cut from) a consecutive run of transformer blocks, plus the token
+// and position embeddings on the first chunk and ln_f on the last. Its
+// parameter names are the GPT's own ("h.5.attn.c_attn.weight"), so the
+// optimizer, checkpoints and the parity tests see the single-process names.
+//
+// A chunk is Blockwise: the sharded engine (parallel/fsdp) wraps its blocks
+// the same way it wraps a whole GPT, which is how ZeRO/FSDP runs inside a
+// pipeline stage.
+//
+// Note [Tied head across stages]: GPT-2's head is the token embedding wte,
+// used by the first chunk (lookup) and the last (logits). When they are on
+// different stages, wte stays a parameter of the first chunk only (one copy
+// in the optimizer, in checkpoints and in the gradient norm). The last stage
+// computes its logits with its own GPT's wte tensor, which is not a chunk
+// parameter: a copy that the first stage refreshes every step (it sends the
+// weight when its first forward has it whole), and whose gradient the last
+// stage averages over data parallelism and sends back to be added to wte's.
+// Megatron keeps two parameters and all-reduces their gradients across an
+// embedding group instead; with one parameter nothing can drift apart.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/models/gpt.h"
+
+namespace scaletrain::parallel::pipeline {
+
+struct ChunkSpec {
+  int index = 0;        // global chunk index in [0, chunks)
+  int chunks = 1;       // p * v
+  int64_t begin = 0;    // first block
+  int64_t end = 0;      // one past the last block
+  bool first() const { return index == 0; }
+  bool last() const { return index == chunks - 1; }
+};
+
+class ChunkImpl : public torch::nn::Module, public models::Blockwise {
+ public:
+  ChunkImpl(models::GPT gpt, ChunkSpec spec);
+
+  // First chunk: token ids [B, T] -> hidden [B, T, C]; others: hidden ->
+  // hidden; the last chunk returns the mean cross-entropy against `targets`.
+  at::Tensor forward(const at::Tensor& input, const at::Tensor& targets);
+
+  const ChunkSpec& spec() const { return spec_; }
+  const models::GPT& gpt() const { return gpt_; }
+
+  int64_t num_blocks() const override { return spec_.end - spec_.begin; }
+  std::string block_prefix(int64_t i) const override { return gpt_->block_prefix(spec_.begin + i); }
+  std::string block_class() const override { return gpt_->block_class(); }
+  void set_block_runner(models::BlockRunner runner) override { runner_ = std::move(runner); }
+
+ private:
+  models::GPT gpt_;
+  ChunkSpec spec_;
+  models::BlockRunner runner_;
+};
+TORCH_MODULE(Chunk);
+
+// Cuts `costs` (one per block) into `parts` consecutive runs of at least one
+// block, minimizing the largest run's cost; `first_extra` and `last_extra`
+// are added to the first and the last run (embedding, head). Returns the
+// [begin, end) of each run. Throws UsageError if there are fewer blocks than parts.
+std::vector<std::pair<int64_t, int64_t>> balance_blocks(const std::vector<double>& costs, double first_extra,
+                                                        double last_extra, int parts);
+
+// Per-block costs by parameter count, with the embedding and head extras.
+struct BlockCosts {
+  std::vector<double> blocks;
+  double first_extra = 0, last_extra = 0;
+};
+BlockCosts parameter_costs(models::GPTImpl& gpt);
+// The same by measured time: forward + backward of one micro-batch of
+// `batch` sequences through each block, the embedding and the head (median of
+// `repeats`). Every rank must use the same costs: measure on one, broadcast.
+BlockCosts measured_costs(models::GPTImpl& gpt, int64_t batch, int repeats = 3);
+
+}  // namespace scaletrain::parallel::pipeline

@@ -1,0 +1,219 @@
+// The trainer's pipeline strategy (parallel.pp > 1): the GPT cut into stages
+// (parallel/pipeline), with tensor parallelism inside each stage and DDP or
+// a sharded engine (ZeRO-1/2/3, FSDP) per chunk over the stage's
+// data-parallel group. The order of the recipe matters:
+//   1. build the whole model from the seed on every rank (every stage cuts
+//      the same initialized weights; the blocks it does not keep are freed);
+//   2. tensor parallelism splits the weights of the whole model;
+//   3. the pipeline cuts it into chunks and keeps this stage's;
+//   4. data parallelism wraps each chunk (and broadcasts dp rank 0's weights).
+#include <sstream>
+
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/pipeline/data_parallel.h"
+#include "scaletrain/parallel/pipeline/pipeline.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/train/strategy.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+namespace pl = parallel::pipeline;
+
+class PipelineStrategy final : public DataParallel {
+ public:
+  PipelineStrategy(const Config& c, models::GPT model, comm::World& world, comm::Mesh& mesh,
+                   const precision::PrecisionPolicy& policy, int64_t microbatches, int64_t micro_batch)
+      : model_(std::move(model)), mesh_(mesh) {
+    const auto& p = c.parallel;
+    if (p.tp > 1) {
+      parallel::tensor::TensorParallelOptions to;
+      to.sequence_parallel = p.sequence_parallel;
+      plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), to);
+    }
+    pl::PipelineOptions po;
+    po.schedule = pl::parse_schedule(p.schedule);
+    po.microbatches = static_cast<int>(microbatches);
+    po.virtual_stages = p.virtual_stages;
+    po.balance = pl::parse_balance(p.pp_balance);
+    po.micro_batch = micro_batch;
+    po.sequence_parallel_tp = p.tp > 1 && p.sequence_parallel;
+    po.tp_size = p.tp;
+    pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), po, world.group().get());
+
+    std::vector<std::shared_ptr<pl::ChunkRunner>> runners;
+    sharded_ = p.strategy != "ddp" && !(p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
+    if (sharded_) {
+      ShardedSetup setup = sharded_setup(c, policy, mesh);
+      label_ = setup.label;
+      shard_group_ = setup.shard;
+      for (const auto& ch : pipe_->chunks()) {
+        auto r = std::make_shared<pl::ShardedRunner>(ch, world, *setup.shard, setup.replicate, setup.options);
+        for (auto& s : r->engine().shards()) params_.push_back(s);
+        for (auto d : r->engine().shard_decay_numel()) decay_.push_back(d);
+        engines_.push_back(r);
+        runners.push_back(r);
+      }
+      counted_ = params_;  // shards partition each stage's gradient over the shard group
+    } else {
+      label_ = "ddp";
+      parallel::DDPOptions o;
+      o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
+      o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+      o.comm_dtype = p.comm_dtype == "bf16" || policy.reduce == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+      for (const auto& ch : pipe_->chunks()) {
+        auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);
+        ddps_.push_back(r);
+        runners.push_back(r);
+        for (auto& item : ch->named_parameters()) {
+          const at::Tensor& t = item.value();
+          params_.push_back(t);
+          decay_.push_back(t.dim() >= 2 ? t.numel() : 0);
+          (plan_ && !split(item.key()) ? shared_ : counted_).push_back(t);
+        }
+      }
+    }
+    pipe_->set_runners(runners);
+  }
+
+  double forward_backward(const std::function<at::Tensor()>&, int64_t, int64_t) override {
+    throw std::logic_error("pipeline: call step()");
+  }
+  bool runs_whole_steps() const override { return true; }
+  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
+              const precision::PrecisionPolicy& policy) override {
+    return pipe_->step(inputs, targets, loss_scale, [&](const std::function<at::Tensor()>& fn) {
+      precision::AutocastGuard autocast(policy, at::kCPU);
+      return fn();
+    });
+  }
+  std::vector<at::Tensor> optimizer_params() override { return params_; }
+  std::vector<int64_t> decay_numel() override { return decay_; }
+  double clip_grad_norm(double max_norm) override {
+    return pl::clip_grad_norm(counted_, shared_, mesh_.dims().tp, grad_groups(), max_norm);
+  }
+  std::vector<comm::Group*> grad_groups() override {
+    std::vector<comm::Group*> g{&mesh_.pp()};
+    if (mesh_.dims().tp > 1) g.push_back(&mesh_.tp());
+    if (sharded_) g.push_back(shard_group_);
+    return g;
+  }
+  void after_step() override {
+    for (auto& e : engines_) e->engine().after_step();
+  }
+  void zero_grad() override {
+    if (sharded_) {
+      for (auto& e : engines_) e->engine().zero_grad();
+    } else {
+      for (auto& t : params_)
+        if (t.grad().defined()) t.mutable_grad().zero_();
+    }
+    pipe_->zero_grad();
+  }
+  double comm_wait_ms() const override {
+    double ms = pipe_->last_stats().wait_ms;
+    for (auto& d : ddps_) ms += d->ddp().comm_wait_ms();
+    for (auto& e : engines_) ms += e->engine().comm_wait_ms();
+    return ms;
+  }
+  void reset_stats() override {
+    for (auto& d : ddps_) d->ddp().reset_stats();
+    for (auto& e : engines_) e->engine().reset_stats();
+  }
+  int64_t model_state_bytes() const override {
+    int64_t b = 0;
+    for (auto& e : engines_) b += e->engine().param_bytes() + e->engine().grad_bytes();
+    if (!sharded_)
+      for (auto& t : params_) b += t.nbytes() + (t.grad().defined() ? t.grad().nbytes() : 0);
+    if (pipe_->holds_head_copy()) {  // Note [Tied head across stages]
+      const at::Tensor& w = model_->wte->weight;
+      b += w.nbytes() + (w.grad().defined() ? w.grad().nbytes() : 0);
+    }
+    return b;
+  }
+  void with_full_parameters(const std::function<void()>&) override {
+    throw UsageError("sampling a pipeline-parallel model is not available; set train.sample_tokens=0");
+  }
+  std::string describe() const override {
+    std::ostringstream s;
+    const auto& o = pipe_->options();
+    s << "pipeline " << pl::to_string(o.schedule) << " pp=" << pipe_->stages() << " microbatches=" << o.microbatches;
+    if (o.virtual_stages > 1) s << " virtual_stages=" << o.virtual_stages;
+    s << " (blocks per chunk:";
+    for (const auto& spec : pipe_->all_chunks()) s << " " << spec.end - spec.begin;
+    s << ")";
+    if (plan_) s << ", tensor parallel x" << mesh_.dims().tp << (plan_->options.sequence_parallel ? " (sp)" : "");
+    s << ", " << label_ << " per stage over dp=" << mesh_.dims().dp();
+    return s.str();
+  }
+  checkpoint::Layout checkpoint_layout() const override {
+    // Each stage saves its own chunks' tensors (parameter names are the
+    // whole model's), so any layout can load them; optimizer state indices
+    // continue across chunks in optimizer_params() order.
+    checkpoint::Layout out;
+    int offset = 0;
+    for (size_t j = 0; j < pipe_->chunks().size(); ++j) {
+      checkpoint::Layout l = sharded_ ? checkpoint::sharded_layout(engines_[j]->engine())
+                                      : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
+      if (plan_) l = checkpoint::tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
+      int n = 0;
+      for (auto& s : l.slots) {
+        if (s.optim_index >= 0) {
+          n = std::max(n, s.optim_index + 1);
+          s.optim_index += offset;
+        }
+        out.slots.push_back(std::move(s));
+      }
+      offset += n;
+      out.writer = l.writer;
+    }
+    out.strategy = "pipeline " + label_;
+    return out;
+  }
+  void after_load() override {
+    for (auto& e : engines_) e->engine().after_step();
+  }
+
+ private:
+  bool split(const std::string& name) const {
+    for (const auto& l : plan_->params)
+      if (l.name == name) return l.sharded();
+    return false;
+  }
+
+  models::GPT model_;
+  comm::Mesh& mesh_;
+  std::optional<parallel::tensor::TensorParallelPlan> plan_;
+  std::unique_ptr<pl::Pipeline> pipe_;
+  bool sharded_ = false;
+  comm::Group* shard_group_ = nullptr;
+  std::string label_;
+  std::vector<std::shared_ptr<pl::DdpRunner>> ddps_;
+  std::vector<std::shared_ptr<pl::ShardedRunner>> engines_;
+  std::vector<at::Tensor> params_, counted_, shared_;
+  std::vector<int64_t> decay_;
+};
+
+}  // namespace
+
+Parallelized parallelize_pipeline(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
+                                  const precision::PrecisionPolicy& policy) {
+  const auto& p = c.parallel;
+  const int dp = mesh.dims().dp();
+  const int64_t m = p.microbatches > 0 ? p.microbatches : c.train.global_batch / (c.train.micro_batch * dp);
+  const int64_t micro = c.train.global_batch / (m * dp);
+  Parallelized out;
+  torch::manual_seed(c.train.seed);
+  out.model = models::GPT(mcfg);
+  out.model->to(policy.param);
+  init_from(out.model, c.model.init_from);
+  try {
+    out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, policy, m, micro);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+  return out;
+}
+
+}  // namespace scaletrain::train
