@@ -177,17 +177,21 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   return drop_(x);
 }
 
-torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
-  torch::Tensor x = embed(idx);
+BlockBody GPTImpl::block_body(int64_t i) {
+  auto* block = (*h)[i]->as<Block>();
+  BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
+  if (checkpointing_ != ActivationCheckpointing::Full) return body;
   CheckpointOptions ckpt;
   ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
+  return [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
+    return checkpoint(plain, in, block->parameters(), ckpt);
+  };
+}
+
+torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
+  torch::Tensor x = embed(idx);
   for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
-    auto* block = (*h)[i]->as<Block>();
-    BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
-    if (checkpointing_ == ActivationCheckpointing::Full)
-      body = [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
-        return checkpoint(plain, in, block->parameters(), ckpt);
-      };
+    const BlockBody body = block_body(i);
     x = runner_ ? runner_(i, body, x) : body(x);
   }
   return ln_f(x);

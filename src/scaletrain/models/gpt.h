@@ -168,6 +168,9 @@ class GPTImpl : public torch::nn::Module, public Blockwise {
   // the checkpointed block, so strategies wrap it like any other body.
   void set_activation_checkpointing(ActivationCheckpointing c) { checkpointing_ = c; }
   ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+  // Block i's forward as a body for a BlockRunner, checkpointed when asked
+  // (what hidden() runs; pipeline chunks run their blocks through it too).
+  BlockBody block_body(int64_t i);
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};

@@ -99,19 +99,21 @@ estimate::ModelSpec gpt_model_spec(const models::GPTConfig& m) {
 }
 
 estimate::Layout run_layout(const Config& c, const models::GPTConfig& m, const precision::PrecisionPolicy& policy,
-                            int world_size, int dp_shard, int64_t accumulation, bool gloo) {
+                            int world_size, int dp_shard, int64_t micro_batch, int64_t microbatches, bool gloo) {
   using estimate::Sharding;
   const auto& p = c.parallel;
   estimate::Layout l;
   l.world_size = world_size;
   l.tp = p.tp;
   l.pp = p.pp;
-  l.schedule = p.schedule == "gpipe"         ? estimate::Schedule::kGPipe
-               : p.schedule == "interleaved" ? estimate::Schedule::kInterleaved
-                                             : estimate::Schedule::k1F1B;
-  l.virtual_stages = p.virtual_stages;
-  l.micro_batch = c.train.global_batch / (accumulation * (world_size / (p.tp * p.pp)));
-  l.microbatches = accumulation;
+  if (p.pp > 1) {
+    l.schedule = p.schedule == "gpipe"         ? estimate::Schedule::kGPipe
+                 : p.schedule == "interleaved" ? estimate::Schedule::kInterleaved
+                                               : estimate::Schedule::k1F1B;
+    l.virtual_stages = p.virtual_stages;
+  }
+  l.micro_batch = micro_batch;
+  l.microbatches = microbatches;
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
   l.gloo = gloo;
@@ -165,7 +167,7 @@ std::string memory_line(const std::string& phase, const estimate::Layout& layout
                   fmt("%.1f", mib(e.activations)) + recomputed(e) + " + workspace " + fmt("%.1f", mib(e.workspace)) +
                   " | measured tensors: states " + fmt("%.1f", mib(m.states));
   if (end) {
-    s += ", activations " + fmt("%.1f", mib(m.activations)) + ", peak " + fmt("%.1f", mib(m.tensor_peak)) +
+    s += ", activations " + (m.activations > 0 ? fmt("%.1f", mib(m.activations)) : std::string("n/a")) + ", peak " + fmt("%.1f", mib(m.tensor_peak)) +
          " (predicted/peak " + fmt("%.3f", m.tensor_peak > 0 ? e.total / m.tensor_peak : 0.0) + ")";
     s += " | rss: baseline " + fmt("%.0f", m.rss_baseline_mb) + " MiB, training peak " + fmt("%.0f", m.rss_peak_mb) +
          " (+" + fmt("%.1f", m.rss_peak_mb - m.rss_baseline_mb) + ": tensors, file-backed pages +" +

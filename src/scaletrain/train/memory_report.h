@@ -71,17 +71,20 @@ bool reset_rss_peak();
 // The estimator's description of this GPT (GPT-2 architecture, tied head).
 estimate::ModelSpec gpt_model_spec(const models::GPTConfig& model);
 // The estimator's layout of this run: strategy, precision, world and degrees,
-// micro-batch, sequence length, recomputation, dropout, buckets, prefetch.
+// micro-batch, sequence length, recomputation, dropout, buckets, prefetch,
+// pipeline stages and schedule (the prediction is then the worst stage's).
 // `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
+// `microbatches` per step and rank (accumulation, or a pipeline's);
 // `gloo`: the collectives run on Gloo.
 estimate::Layout run_layout(const Config& config, const models::GPTConfig& model,
                             const precision::PrecisionPolicy& policy, int world_size, int dp_shard,
-                            int64_t accumulation, bool gloo);
+                            int64_t micro_batch, int64_t microbatches, bool gloo);
 
 // Measured figures of one rank, bytes (rss in MiB).
 struct MeasuredMemory {
   double states = 0;              // parameters + gradients + optimizer states held now
-  double activations = 0;         // saved by one micro-batch's forward (0 before training)
+  double activations = 0;         // kept by one forward for its backward (0: not measured: before
+                                  // training, or a pipeline, whose micro-batches overlap)
   double tensors = 0;             // live tensor bytes now
   double tensor_peak = 0;         // peak live tensor bytes since the last reset (0 before training)
   double rss_baseline_mb = 0;     // resident set before the model was built

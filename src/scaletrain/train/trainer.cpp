@@ -246,7 +246,7 @@ TrainResult run_training(const Config& cfg) {
   MetricsSink sink(lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && lead);
 
   // Predicted next to measured memory, after setup and at the end (collective).
-  const estimate::Layout mem_layout = run_layout(cfg, mcfg, policy, world->size(), mesh.dp_shard().size(), accum,
+  const estimate::Layout mem_layout = run_layout(cfg, mcfg, policy, world->size(), mesh.dp_shard().size(), B, accum,
                                                  world->backend() == comm::BackendKind::Gloo);
   MeasuredMemory mem;
   mem.rss_baseline_mb = rss_before_setup;

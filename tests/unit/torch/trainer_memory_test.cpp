@@ -1,7 +1,8 @@
 // The trainer with activation checkpointing and its memory report, through
 // the real CLI on launched ranks (master ports 29960-29969): checkpointed runs
-// follow the plain runs' loss curves under the sharded strategies and DDP,
-// and every run logs the estimator's prediction next to what it measured.
+// follow the plain runs' loss curves under the sharded strategies, DDP and a
+// pipeline, and every run logs the estimator's prediction next to what it
+// measured.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -47,6 +48,8 @@ TEST(TrainerCheckpointing, FollowsTheUncheckpointedCurve) {
   expect_same_curve(train(2, "full_shard_ckpt", "--parallel.strategy=fsdp" + full, 29962).losses, ref, "FULL_SHARD");
   expect_same_curve(train(2, "zero2_ckpt", "--parallel.strategy=zero2" + full, 29963).losses, ref, "zero2");
   expect_same_curve(train(2, "ddp_ckpt", "--parallel.strategy=ddp" + full, 29964).losses, ref, "ddp");
+  // Pipeline chunks run their blocks through the same checkpointed bodies.
+  expect_same_curve(train(2, "pp2_ckpt", "--parallel.pp=2" + full, 29969).losses, ref, "pp2 1f1b");
 }
 
 // With dropout the recomputation must draw the forward's masks again.

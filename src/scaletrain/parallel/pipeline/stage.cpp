@@ -24,8 +24,7 @@ ChunkImpl::ChunkImpl(models::GPT gpt, ChunkSpec spec) : gpt_(std::move(gpt)), sp
 at::Tensor ChunkImpl::forward(const at::Tensor& input, const at::Tensor& targets) {
   at::Tensor x = spec_.first() ? gpt_->embed(input) : input;
   for (int64_t i = spec_.begin; i < spec_.end; ++i) {
-    auto* block = gpt_->h[i]->as<models::Block>();
-    auto body = [block](const at::Tensor& in) { return block->forward(in); };
+    const models::BlockBody body = gpt_->block_body(i);  // checkpointed if the model says so
     x = runner_ ? runner_(i - spec_.begin, body, x) : body(x);
   }
   return spec_.last() ? gpt_->head_loss(x, targets) : x;
