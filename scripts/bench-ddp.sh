@@ -13,9 +13,12 @@
 # usage: scripts/bench-ddp.sh [--build DIR] [--repeats K] [--rounds R] [--steps S]
 #                             [--delay MS] [--rate MBIT] [--links loopback,netem]
 #                             [--configs default,small] [--global-batch B] [--model "ARGS"] [--out FILE]
-# configs: default = buckets 25 MiB / first 1 MiB (both libraries' defaults)
-#          medium  = buckets 4 MiB / first 1 MiB
+# configs: default = buckets 25 MiB / first 1 MiB (both libraries' defaults;
+#                    ours also tapers the last buckets down to 1 MiB)
+#          medium  = buckets 4 MiB / first 1 MiB (ours: last 1 MiB)
 #          small   = buckets 0.25 MiB / first 0.25 MiB (more, smaller buckets)
+#          CONFIG-notail = CONFIG with ours' tail taper off (last_bucket_cap 0);
+#                    runs ours only (PyTorch has no such option)
 # --model: passed to both sides, e.g. "--n-layer 6 --n-embd 384 --n-head 6" (default: preset tiny)
 set -euo pipefail
 
@@ -36,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --global-batch) GB=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "bench-ddp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -56,11 +59,20 @@ trap 'netns_cleanup; [[ -n ${BUSY_PID:-} ]] && kill "$BUSY_PID" 2>/dev/null; tru
 trap 'exit 130' INT TERM
 
 config_args() {
-  case $1 in
+  case ${1%-notail} in
     default) echo "--bucket-mb 25 --first-bucket-mb 1" ;;
     medium) echo "--bucket-mb 4 --first-bucket-mb 1" ;;
     small) echo "--bucket-mb 0.25 --first-bucket-mb 0.25" ;;
     *) echo "bench-ddp.sh: unknown config $1" >&2; exit 2 ;;
+  esac
+}
+
+# Ours only: the size of the last bucket (Note [Bucket tail] in parallel/ddp/ddp.h).
+tail_args() {
+  case $1 in
+    *-notail) echo "--last-bucket-mb 0" ;;
+    small) echo "--last-bucket-mb 0.25" ;;
+    *) echo "--last-bucket-mb 1" ;;
   esac
 }
 
@@ -69,7 +81,7 @@ run_one() {
   local link=$1 cfg=$2 impl=$3 port=$4 line
   local args="--global-batch $GB --rounds $ROUNDS --steps $STEPS $(config_args "$cfg") ${MODEL:-}"
   local cmd
-  if [[ $impl == scaletrain ]]; then cmd="$OURS $args"; else cmd="$PY $TORCH $args"; fi
+  if [[ $impl == scaletrain ]]; then cmd="$OURS $args $(tail_args "$cfg")"; else cmd="$PY $TORCH $args"; fi
   if [[ $link == loopback ]]; then
     line=$(timeout 900 "$LAUNCH" launch --nproc-per-node 2 --threads 1 --master-port $port -- $cmd | grep -o '{.*}' | head -1)
   else
@@ -95,6 +107,7 @@ for link in "${links[@]}"; do
   for cfg in "${configs[@]}"; do
     for ((k = 0; k < REPEATS; k++)); do
       if ((k % 2 == 0)); then order="scaletrain pytorch"; else order="pytorch scaletrain"; fi
+      [[ $cfg == *-notail ]] && order=scaletrain
       # Both implementations of a repeat run on a quiet machine, else the
       # pair is measured again (up to 5 tries).
       for try in 1 2 3 4 5; do

@@ -48,7 +48,7 @@ struct Args {
   int steps = 10;                               // timed steps per phase per round
   int warmup = 3;                               // untimed steps per phase, first round
   int rounds = 3;
-  double bucket_mb = 25, first_bucket_mb = 1;
+  double bucket_mb = 25, first_bucket_mb = 1, last_bucket_mb = 1;
   bool table = false;
   std::string phases = "comp,comm,ddp";
 };
@@ -75,12 +75,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--rounds") a.rounds = std::stoi(v());
     else if (k == "--bucket-mb") a.bucket_mb = std::stod(v());
     else if (k == "--first-bucket-mb") a.first_bucket_mb = std::stod(v());
+    else if (k == "--last-bucket-mb") a.last_bucket_mb = std::stod(v());
     else if (k == "--phases") a.phases = v();
     else if (k == "--table") a.table = true;
     else {
       std::fprintf(stderr,
                    "usage: bench_ddp [--preset P] [--n-layer L] [--n-head H] [--n-embd E] [--global-batch B] "
                    "[--seq T] [--steps S] [--warmup W] [--rounds R] [--bucket-mb M] [--first-bucket-mb M] "
+                   "[--last-bucket-mb M] "
                    "[--phases comp,comm,ddp] [--table]\n");
       std::exit(2);
     }
@@ -130,6 +132,7 @@ int main(int argc, char** argv) {
   parallel::DDPOptions dopt;
   dopt.bucket_cap_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   dopt.first_bucket_cap_bytes = static_cast<int64_t>(a.first_bucket_mb * (1 << 20));
+  dopt.last_bucket_cap_bytes = static_cast<int64_t>(a.last_bucket_mb * (1 << 20));
   parallel::DistributedDataParallel ddp(model.ptr(), g, dopt);
   auto params_of = [](models::GPT& m) {
     std::vector<at::Tensor> ps;
@@ -138,16 +141,6 @@ int main(int argc, char** argv) {
   };
   optim::AdamW opt_plain(params_of(plain), optim::decay_matrices(params_of(plain)));
   optim::AdamW opt_ddp(params_of(model), optim::decay_matrices(params_of(model)));
-
-  // The all-reduce-only phase replays DDP's buckets: same sizes, same order.
-  std::map<std::string, int64_t> numel_of;
-  for (auto& it : model->named_parameters()) numel_of[it.key()] = it.value().numel();
-  std::vector<at::Tensor> buckets;
-  for (auto& names : ddp.bucket_layout()) {
-    int64_t k = 0;
-    for (auto& nm : names) k += numel_of.at(nm);
-    buckets.push_back(torch::randn({k}));
-  }
 
   // A few fixed random batches, different on each rank.
   torch::manual_seed(99 + rank);
@@ -158,11 +151,17 @@ int main(int argc, char** argv) {
     ys.push_back(tok.narrow(1, 1, T).contiguous());
   }
 
-  // Rank 0's split of a compute-only step: forward (with zero_grad),
-  // backward, optimizer.
-  std::vector<double> part_fwd, part_bwd, part_opt;
-  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
-  auto train_step = [&](models::GPT& m, optim::AdamW& opt, int i, bool split) {
+  // Rank 0's split of a step, compute-only and under DDP: forward (with
+  // zero_grad), backward (under DDP: until every bucket is reduced),
+  // optimizer.
+  struct Split {
+    std::vector<double> fwd, bwd, opt;
+  };
+  Split comp_split, ddp_split;
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  auto train_step = [&](models::GPT& m, optim::AdamW& opt, int i, Split* split) {
     auto t0 = Clock::now();
     opt.zero_grad();
     auto loss = m->loss(xs[i % xs.size()], ys[i % ys.size()]);
@@ -171,11 +170,22 @@ int main(int argc, char** argv) {
     auto t2 = Clock::now();
     opt.step(1e-4);
     if (split) {
-      part_fwd.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-      part_bwd.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
-      part_opt.push_back(ms_since(t2));
+      split->fwd.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      split->bwd.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      split->opt.push_back(ms_since(t2));
     }
   };
+  // The all-reduce-only phase replays DDP's buckets (same sizes, same order)
+  // as they are after the first step has rebuilt them in ready order.
+  train_step(model, opt_ddp, 0, nullptr);
+  std::map<std::string, int64_t> numel_of;
+  for (auto& it : model->named_parameters()) numel_of[it.key()] = it.value().numel();
+  std::vector<at::Tensor> buckets;
+  for (auto& names : ddp.bucket_layout()) {
+    int64_t k = 0;
+    for (auto& nm : names) k += numel_of.at(nm);
+    buckets.push_back(torch::randn({k}));
+  }
   auto comm_step = [&] {
     torch::NoGradGuard ng;
     std::vector<comm::Work> ws;
@@ -205,9 +215,12 @@ int main(int argc, char** argv) {
         barrier();  // steps start together, as in a real DDP step
         ddp.reset_stats();
         auto t0 = Clock::now();
-        if (ph == "comp") train_step(plain, opt_plain, i, i >= warm);
-        else if (ph == "ddp") train_step(model, opt_ddp, i, false);
-        else if (ph == "comm") comm_step();
+        if (ph == "comp")
+          train_step(plain, opt_plain, i, i >= warm ? &comp_split : nullptr);
+        else if (ph == "ddp")
+          train_step(model, opt_ddp, i, i >= warm ? &ddp_split : nullptr);
+        else if (ph == "comm")
+          comm_step();
         else {
           std::fprintf(stderr, "bench_ddp: unknown phase '%s'\n", ph.c_str());
           return 2;
@@ -226,6 +239,8 @@ int main(int argc, char** argv) {
   }
 
   if (rank == 0) {
+    std::string numels;
+    for (auto& b : buckets) numels += (numels.empty() ? "" : ", ") + std::to_string(b.numel());
     const double comp = median(times["comp"]), comm_t = median(times["comm"]), step = median(times["ddp"]);
     const double wait = median(waits);
     const double eff = (comp > 0 && comm_t > 0 && step > 0) ? (comp + comm_t - step) / std::min(comp, comm_t) : -1;
@@ -234,14 +249,18 @@ int main(int argc, char** argv) {
         "{\"impl\": \"scaletrain\", \"world\": %d, \"threads\": %d, \"params\": %lld, \"global_batch\": %lld, "
         "\"seq\": %lld, \"buckets\": %d, \"step_ms\": %.3f, \"comp_ms\": %.3f, \"comm_ms\": %.3f, "
         "\"comm_wait_ms\": %.3f, \"overlap_eff\": %.3f, \"tokens_per_s\": %.1f, \"steps_timed\": %zu, "
-        "\"comp_fwd_ms\": %.3f, \"comp_bwd_ms\": %.3f, \"comp_opt_ms\": %.3f}\n",
+        "\"comp_fwd_ms\": %.3f, \"comp_bwd_ms\": %.3f, \"comp_opt_ms\": %.3f, \"ddp_fwd_ms\": %.3f, "
+        "\"ddp_bwd_ms\": %.3f, \"ddp_opt_ms\": %.3f, \"bucket_numels\": [%s]}\n",
         n, torch::get_num_threads(), static_cast<long long>(model->num_parameters()),
-        static_cast<long long>(a.global_batch), static_cast<long long>(T), ddp.num_buckets(), step, comp, comm_t,
-        wait, eff, tok_s, times["ddp"].size(), median(part_fwd), median(part_bwd), median(part_opt));
+        static_cast<long long>(a.global_batch), static_cast<long long>(T), ddp.num_buckets(), step, comp, comm_t, wait,
+        eff, tok_s, times["ddp"].size(), median(comp_split.fwd), median(comp_split.bwd), median(comp_split.opt),
+        median(ddp_split.fwd), median(ddp_split.bwd), median(ddp_split.opt), numels.c_str());
     if (a.table)
-      std::printf("T_step %.1f ms, T_comp %.1f ms (fwd %.1f, bwd %.1f, opt %.1f), T_comm %.1f ms, comm_wait %.1f ms, "
-                  "overlap efficiency %.2f\n",
-                  step, comp, median(part_fwd), median(part_bwd), median(part_opt), comm_t, wait, eff);
+      std::printf(
+          "T_step %.1f ms (fwd %.1f, bwd %.1f, opt %.1f), T_comp %.1f ms (fwd %.1f, bwd %.1f, opt %.1f), "
+          "T_comm %.1f ms, comm_wait %.1f ms, overlap efficiency %.2f\n",
+          step, median(ddp_split.fwd), median(ddp_split.bwd), median(ddp_split.opt), comp, median(comp_split.fwd),
+          median(comp_split.bwd), median(comp_split.opt), comm_t, wait, eff);
     std::fflush(stdout);
   }
   barrier();

@@ -123,6 +123,7 @@ TEST(DDP, SmallBucketsGiveTheSameResult) {
   parallel::DDPOptions o;
   o.bucket_cap_bytes = 4096;
   o.first_bucket_cap_bytes = 1024;
+  o.last_bucket_cap_bytes = 512;  // and a tapered tail (Note [Bucket tail])
   auto ref = train_reference(data);
   EXPECT_LE(max_relative_diff(train_ddp(data, *world().group(), 1, o), ref), 1e-5);
   g_dtype = at::kFloat;
@@ -150,12 +151,41 @@ TEST(DDP, BucketsFollowReverseRegistrationOrder) {
   parallel::DDPOptions o;
   o.first_bucket_cap_bytes = 1;  // the last parameter alone in bucket 0
   o.bucket_cap_bytes = 1 << 30;
+  o.last_bucket_cap_bytes = 0;  // no tapered tail
   parallel::DistributedDataParallel ddp(model.ptr(), *world().group(), o);
   auto layout = ddp.bucket_layout();
   ASSERT_EQ(layout.size(), 2u);
   auto names = model->named_parameters().keys();
   EXPECT_EQ(layout[0].front(), names.back());
   EXPECT_EQ(layout[1].back(), names.front());
+}
+
+// Sixteen parameters of 4 KiB each, registered p00..p15.
+struct Uniform : torch::nn::Module {
+  Uniform() {
+    for (int i = 0; i < 16; ++i)
+      ps.push_back(register_parameter((i < 10 ? "p0" : "p") + std::to_string(i), torch::zeros({1024})));
+  }
+  std::vector<torch::Tensor> ps;
+};
+
+// Note [Bucket tail]: the first bucket and the last ones are small; walking
+// back from the end, each tail bucket may be twice the one after it.
+TEST(DDP, BucketTailIsTapered) {
+  parallel::DDPOptions o;
+  o.first_bucket_cap_bytes = 4 << 10;
+  o.bucket_cap_bytes = 16 << 10;
+  o.last_bucket_cap_bytes = 4 << 10;
+  parallel::DistributedDataParallel ddp(std::make_shared<Uniform>(), *world().group(), o);
+  const std::vector<std::vector<std::string>> want = {
+      {"p15"}, {"p14", "p13", "p12", "p11"}, {"p10", "p09", "p08", "p07"}, {"p06", "p05", "p04", "p03"}, {"p02", "p01"},
+      {"p00"}};
+  EXPECT_EQ(ddp.bucket_layout(), want);
+  // A tail cap at or above the bucket cap leaves the plain layout.
+  o.last_bucket_cap_bytes = 16 << 10;
+  parallel::DistributedDataParallel plain(std::make_shared<Uniform>(), *world().group(), o);
+  EXPECT_EQ(plain.num_buckets(), 5);
+  EXPECT_EQ(plain.bucket_layout().back(), (std::vector<std::string>{"p02", "p01", "p00"}));
 }
 
 // Parameter names in the order their AccumulateGrad nodes finish, recorded by

@@ -124,7 +124,7 @@ const std::map<std::string, Setter>& fields() {
             ST_INT(train, seed) ST_INT(train, sample_tokens) ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule)
                 ST_ENUM(train, warmup_type) ST_DBL(train, warmup_start_ratio) ST_ENUM(parallel, strategy) ST_INT(
                     parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp) ST_ENUM(parallel, schedule) ST_INT(parallel, microbatches) ST_INT(parallel, virtual_stages) ST_ENUM(parallel, pp_balance)
-                    ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_BOOL(
+                    ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_DBL(parallel, last_bucket_mb) ST_BOOL(
                         parallel, find_unused_parameters) ST_BOOL(parallel, sequence_parallel)
                         ST_ENUM(parallel, comm_dtype) ST_ENUM(parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(
                             parallel.fsdp, sharding_strategy) ST_ENUM(parallel.fsdp, auto_wrap_policy)
@@ -331,6 +331,7 @@ void validate_config(const Config& c) {
     throw UsageError("train.warmup_start_ratio must be in [0, 1]");
   if (c.parallel.bucket_cap_mb <= 0 || c.parallel.first_bucket_mb <= 0)
     throw UsageError("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
+  if (c.parallel.last_bucket_mb < 0) throw UsageError("parallel.last_bucket_mb must be >= 0 (0 turns the small tail off)");
   if (c.parallel.timeout_s <= 0) throw UsageError("parallel.timeout_s must be positive");
   const auto& f = c.parallel.fsdp;
   if (f.min_num_params < 1) throw UsageError("parallel.fsdp.min_num_params must be at least 1");

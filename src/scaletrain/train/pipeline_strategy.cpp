@@ -58,10 +58,8 @@ class PipelineStrategy final : public DataParallel {
       counted_ = params_;  // shards partition each stage's gradient over the shard group
     } else {
       label_ = "ddp";
-      parallel::DDPOptions o;
-      o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
-      o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
-      o.comm_dtype = p.comm_dtype == "bf16" || policy.reduce == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+      parallel::DDPOptions o = ddp_options(p);
+      if (policy.reduce == at::kBFloat16) o.comm_dtype = at::kBFloat16;
       for (const auto& ch : pipe_->chunks()) {
         auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);
         ddps_.push_back(r);
@@ -154,8 +152,9 @@ class PipelineStrategy final : public DataParallel {
     checkpoint::Layout out;
     int offset = 0;
     for (size_t j = 0; j < pipe_->chunks().size(); ++j) {
-      checkpoint::Layout l = sharded_ ? checkpoint::sharded_layout(engines_[j]->engine())
-                                      : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
+      checkpoint::Layout l =
+          sharded_ ? checkpoint::sharded_layout(engines_[j]->engine())
+                   : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
       if (plan_) l = checkpoint::tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
       int n = 0;
       for (auto& s : l.slots) {

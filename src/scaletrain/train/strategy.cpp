@@ -37,12 +37,7 @@ class DDPStrategy final : public DataParallel {
   DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p,
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()) {
-    parallel::DDPOptions o;
-    o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
-    o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
-    o.find_unused_parameters = p.find_unused_parameters;
-    o.comm_dtype = p.comm_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_.ptr(), group, o);
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_.ptr(), group, ddp_options(p));
     params_ = model_->parameters();
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
@@ -174,12 +169,21 @@ class ShardedStrategy final : public DataParallel {
   std::unique_ptr<fsdp::ShardedDataParallel> engine_;
 };
 
-
 int64_t mib_to_numel(double mib, at::ScalarType dtype) {
   return static_cast<int64_t>(mib * (1 << 20)) / static_cast<int64_t>(c10::elementSize(dtype));
 }
 
 }  // namespace
+
+parallel::DDPOptions ddp_options(const ParallelOptions& p) {
+  parallel::DDPOptions o;
+  o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
+  o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+  o.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
+  o.find_unused_parameters = p.find_unused_parameters;
+  o.comm_dtype = p.comm_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  return o;
+}
 
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::GPT& model, const std::string& path) {
@@ -325,7 +329,7 @@ Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::W
   TensorPlan plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,
-                                              setup.label, std::move(plan));
+                                               setup.label, std::move(plan));
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // a wrap policy the model cannot take, etc.
   }

@@ -12,6 +12,7 @@
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
@@ -54,8 +55,8 @@ class DataParallel {
   virtual bool runs_whole_steps() const { return false; }
   // inputs/targets: the step's micro-batches; each loss is multiplied by
   // loss_scale / m before backward. Returns the mean loss (unscaled).
-  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                      double loss_scale, const precision::PrecisionPolicy& policy) {
+  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
+                      const precision::PrecisionPolicy& policy) {
     throw std::logic_error(describe() + " runs one micro-batch at a time");
   }
 };
@@ -81,6 +82,8 @@ struct ShardedSetup {
   std::string label;                 // for describe()
 };
 ShardedSetup sharded_setup(const Config& config, const precision::PrecisionPolicy& policy, comm::Mesh& mesh);
+// DDP's options from the parallel section (bucket caps, unused parameters, comm dtype).
+parallel::DDPOptions ddp_options(const ParallelOptions& p);
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::GPT& model, const std::string& path);
 // parallel.pp > 1 (train/pipeline_strategy.cpp).

@@ -65,19 +65,56 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   void rebuild_buckets();
 };
 
-void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& order) {
-  std::vector<std::vector<size_t>> groups(1);
+namespace {
+
+// Parameters (indices into params) of each bucket, in bucket order.
+std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+                                               const DDPOptions& options) {
+  auto bytes_of = [&](size_t k) { return params[k].numel() * params[k].element_size(); };
+  auto same_dtype = [&](size_t a, size_t b) { return params[a].scalar_type() == params[b].scalar_type(); };
+  // Note [Bucket tail]: from the end of the order, buckets of at most
+  // last_bucket_cap_bytes, then twice that, ..., while below bucket_cap_bytes
+  // (a parameter larger than its cap still gets a bucket of its own).
+  std::vector<std::vector<size_t>> tail;
+  size_t head_end = order.size();
+  if (options.last_bucket_cap_bytes > 0) {
+    int64_t cap = options.last_bucket_cap_bytes, bytes = 0;
+    while (head_end > 0 && cap < options.bucket_cap_bytes) {
+      const size_t k = order[head_end - 1];
+      if (!tail.empty() && !tail.back().empty() && (bytes + bytes_of(k) > cap || !same_dtype(k, tail.back().front()))) {
+        cap *= 2;
+        bytes = 0;
+        if (cap >= options.bucket_cap_bytes) break;
+        tail.emplace_back();
+      }
+      if (tail.empty()) tail.emplace_back();
+      tail.back().push_back(k);
+      bytes += bytes_of(k);
+      --head_end;
+    }
+  }
+  // The rest from the front: the first bucket up to first_bucket_cap_bytes,
+  // later ones up to bucket_cap_bytes (each closes once it reaches its cap).
+  std::vector<std::vector<size_t>> groups;
   int64_t bytes = 0;
-  for (size_t k : order) {
-    const at::Tensor& p = params[k];
-    const int64_t cap = groups.size() == 1 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
-    if (!groups.back().empty() && (bytes >= cap || p.scalar_type() != params[groups.back().front()].scalar_type())) {
+  for (size_t n = 0; n < head_end; ++n) {
+    const size_t k = order[n];
+    const int64_t cap = groups.size() <= 1 ? options.first_bucket_cap_bytes : options.bucket_cap_bytes;
+    if (groups.empty() || bytes >= cap || !same_dtype(k, groups.back().front())) {
       groups.emplace_back();
       bytes = 0;
     }
     groups.back().push_back(k);
-    bytes += p.numel() * p.element_size();
+    bytes += bytes_of(k);
   }
+  for (auto it = tail.rbegin(); it != tail.rend(); ++it) groups.emplace_back(it->rbegin(), it->rend());
+  return groups;
+}
+
+}  // namespace
+
+void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& order) {
+  const std::vector<std::vector<size_t>> groups = bucket_groups(params, order, options);
   torch::NoGradGuard no_grad;
   std::vector<Bucket> fresh;
   views.assign(params.size(), at::Tensor());
@@ -231,6 +268,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     throw std::invalid_argument("DDP: comm_dtype must be float32 or bfloat16");
   if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0)
     throw std::invalid_argument("DDP: bucket caps must be positive");
+  if (options_.last_bucket_cap_bytes < 0) throw std::invalid_argument("DDP: the last bucket's cap must be >= 0");
   State& s = *state_;
   s.group = &group;
   s.options = options_;

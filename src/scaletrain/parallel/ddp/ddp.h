@@ -5,7 +5,8 @@
 // gradients of the trainable parameters out in flat buckets, in reverse
 // registration order (a proxy for the order backward produces them): the
 // first bucket is small (first_bucket_cap_bytes) so communication starts early,
-// the rest hold up to bucket_cap_bytes. Each parameter's .grad becomes a view
+// the last ones are small so little is left to send when backward ends (Note
+// [Bucket tail]), the rest hold up to bucket_cap_bytes. Each parameter's .grad becomes a view
 // into its bucket, so AccumulateGrad writes straight into the buffer that is
 // communicated and nothing is copied on the way out or back. After the first
 // backward that communicates, the buckets are laid out again in the order the
@@ -46,6 +47,18 @@
 // wpe), so there the rebuild barely moves anything. wte is ready last
 // whatever the layout; the bucket holding it starts at the end of backward,
 // and only the caps decide how many earlier gradients wait with it.
+//
+// Note [Bucket tail]: a bucket's all-reduce cannot start before its last
+// gradient is ready, and whatever is still being sent when backward ends is
+// time the step waits. The buckets ready last decide that wait: with 25 MiB
+// caps the final bucket holds the first blocks and the embeddings, and all of
+// it leaves only after the embedding's backward. So the layout is tapered at
+// the end as at the start: walking back from the last gradient, buckets hold
+// at most last_bucket_cap_bytes, then twice that, and so on until
+// bucket_cap_bytes. While the link drains bytes faster than backward produces
+// them, each bucket of the taper is sent before the next (half as large, so
+// ready sooner) is complete, and what remains at the end is about the last
+// bucket alone. Measured in bench/RESULTS.md section 2.
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -63,6 +76,10 @@ struct DDPOptions {
   // Cap of the first bucket (the last layers' gradients), small so the first
   // all-reduce starts as early as possible in backward.
   int64_t first_bucket_cap_bytes = 1ll << 20;
+  // Cap of the last bucket (the first layers' and the embeddings' gradients,
+  // ready when backward ends); the buckets before it may each be twice the
+  // next, up to bucket_cap_bytes. 0 turns this off. See Note [Bucket tail].
+  int64_t last_bucket_cap_bytes = 1ll << 20;
   // Parameters that get no gradient in a step are an error unless this is
   // set; then their gradient counts as zero on that rank.
   bool find_unused_parameters = false;
