@@ -13,6 +13,7 @@
 # usage: scripts/bench-ddp.sh [--build DIR] [--repeats K] [--rounds R] [--steps S]
 #                             [--delay MS] [--rate MBIT] [--links loopback,netem]
 #                             [--configs default,small] [--global-batch B] [--model "ARGS"] [--out FILE]
+#                             [--tail-growth G] [--impls scaletrain,pytorch]
 # configs: default = buckets 25 MiB / first 1 MiB (both libraries' defaults;
 #                    ours also tapers the last buckets down to 1 MiB)
 #          medium  = buckets 4 MiB / first 1 MiB (ours: last 1 MiB)
@@ -20,12 +21,14 @@
 #          CONFIG-notail = CONFIG with ours' tail taper off (last_bucket_cap 0);
 #                    runs ours only (PyTorch has no such option)
 # --model: passed to both sides, e.g. "--n-layer 6 --n-embd 384 --n-head 6" (default: preset tiny)
+# --tail-growth: ours only, DDPOptions::tail_growth (default 1.5)
+# --impls: which implementations to run (default both)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=$ROOT/build-bench
 REPEATS=3 ROUNDS=3 STEPS=10 DELAY=1 RATE=200 GB=16
-LINKS=loopback,netem CONFIGS=default,small OUT=""
+LINKS=loopback,netem CONFIGS=default,small OUT="" GROWTH=1.5 IMPLS=scaletrain,pytorch
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=$2; shift 2 ;;
@@ -39,7 +42,9 @@ while [[ $# -gt 0 ]]; do
     --global-batch) GB=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --tail-growth) GROWTH=$2; shift 2 ;;
+    --impls) IMPLS=$2; shift 2 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "bench-ddp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -71,8 +76,8 @@ config_args() {
 tail_args() {
   case $1 in
     *-notail) echo "--last-bucket-mb 0" ;;
-    small) echo "--last-bucket-mb 0.25" ;;
-    *) echo "--last-bucket-mb 1" ;;
+    small) echo "--last-bucket-mb 0.25 --tail-growth $GROWTH" ;;
+    *) echo "--last-bucket-mb 1 --tail-growth $GROWTH" ;;
   esac
 }
 
@@ -107,7 +112,8 @@ for link in "${links[@]}"; do
   for cfg in "${configs[@]}"; do
     for ((k = 0; k < REPEATS; k++)); do
       if ((k % 2 == 0)); then order="scaletrain pytorch"; else order="pytorch scaletrain"; fi
-      [[ $cfg == *-notail ]] && order=scaletrain
+      [[ $cfg == *-notail || $IMPLS != *pytorch* ]] && order=scaletrain
+      [[ $IMPLS != *scaletrain* ]] && order=pytorch
       # Both implementations of a repeat run on a quiet machine, else the
       # pair is measured again (up to 5 tries).
       for try in 1 2 3 4 5; do

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -48,7 +49,7 @@ struct Args {
   int steps = 10;                               // timed steps per phase per round
   int warmup = 3;                               // untimed steps per phase, first round
   int rounds = 3;
-  double bucket_mb = 25, first_bucket_mb = 1, last_bucket_mb = 1;
+  double bucket_mb = 25, first_bucket_mb = 1, last_bucket_mb = 1, tail_growth = 1.5;
   bool table = false;
   std::string phases = "comp,comm,ddp";
 };
@@ -76,13 +77,14 @@ Args parse(int argc, char** argv) {
     else if (k == "--bucket-mb") a.bucket_mb = std::stod(v());
     else if (k == "--first-bucket-mb") a.first_bucket_mb = std::stod(v());
     else if (k == "--last-bucket-mb") a.last_bucket_mb = std::stod(v());
+    else if (k == "--tail-growth") a.tail_growth = std::stod(v());
     else if (k == "--phases") a.phases = v();
     else if (k == "--table") a.table = true;
     else {
       std::fprintf(stderr,
                    "usage: bench_ddp [--preset P] [--n-layer L] [--n-head H] [--n-embd E] [--global-batch B] "
                    "[--seq T] [--steps S] [--warmup W] [--rounds R] [--bucket-mb M] [--first-bucket-mb M] "
-                   "[--last-bucket-mb M] "
+                   "[--last-bucket-mb M] [--tail-growth G] "
                    "[--phases comp,comm,ddp] [--table]\n");
       std::exit(2);
     }
@@ -133,6 +135,7 @@ int main(int argc, char** argv) {
   dopt.bucket_cap_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   dopt.first_bucket_cap_bytes = static_cast<int64_t>(a.first_bucket_mb * (1 << 20));
   dopt.last_bucket_cap_bytes = static_cast<int64_t>(a.last_bucket_mb * (1 << 20));
+  dopt.tail_growth = a.tail_growth;
   parallel::DistributedDataParallel ddp(model.ptr(), g, dopt);
   auto params_of = [](models::GPT& m) {
     std::vector<at::Tensor> ps;
@@ -204,6 +207,15 @@ int main(int argc, char** argv) {
     if (e > s) phases.push_back(a.phases.substr(s, e - s));
   }
   std::map<std::string, std::vector<double>> times;  // ms per step, slowest rank
+  // CPU time of the whole process per step (rank 0; every thread, and the
+  // kernel's work on its behalf): what communication costs a core that
+  // compute would otherwise have.
+  std::map<std::string, std::vector<double>> cpu;
+  auto cpu_ms = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+  };
   std::vector<double> waits;                         // DDP comm_wait ms per step (rank 0)
 
   for (int r = 0; r < a.rounds; ++r) {
@@ -214,6 +226,7 @@ int main(int argc, char** argv) {
       for (int i = 0; i < warm + a.steps; ++i) {
         barrier();  // steps start together, as in a real DDP step
         ddp.reset_stats();
+        const double c0 = cpu_ms();
         auto t0 = Clock::now();
         if (ph == "comp")
           train_step(plain, opt_plain, i, i >= warm ? &comp_split : nullptr);
@@ -228,6 +241,7 @@ int main(int argc, char** argv) {
         double ms = ms_since(t0);
         if (i >= warm) {
           local.push_back(ms);
+          cpu[ph].push_back(cpu_ms() - c0);
           if (ph == "ddp") waits.push_back(ddp.comm_wait_ms());
         }
       }
@@ -250,11 +264,13 @@ int main(int argc, char** argv) {
         "\"seq\": %lld, \"buckets\": %d, \"step_ms\": %.3f, \"comp_ms\": %.3f, \"comm_ms\": %.3f, "
         "\"comm_wait_ms\": %.3f, \"overlap_eff\": %.3f, \"tokens_per_s\": %.1f, \"steps_timed\": %zu, "
         "\"comp_fwd_ms\": %.3f, \"comp_bwd_ms\": %.3f, \"comp_opt_ms\": %.3f, \"ddp_fwd_ms\": %.3f, "
-        "\"ddp_bwd_ms\": %.3f, \"ddp_opt_ms\": %.3f, \"bucket_numels\": [%s]}\n",
+        "\"ddp_bwd_ms\": %.3f, \"ddp_opt_ms\": %.3f, \"comp_cpu_ms\": %.3f, \"comm_cpu_ms\": %.3f, "
+        "\"ddp_cpu_ms\": %.3f, \"bucket_numels\": [%s]}\n",
         n, torch::get_num_threads(), static_cast<long long>(model->num_parameters()),
         static_cast<long long>(a.global_batch), static_cast<long long>(T), ddp.num_buckets(), step, comp, comm_t, wait,
         eff, tok_s, times["ddp"].size(), median(comp_split.fwd), median(comp_split.bwd), median(comp_split.opt),
-        median(ddp_split.fwd), median(ddp_split.bwd), median(ddp_split.opt), numels.c_str());
+        median(ddp_split.fwd), median(ddp_split.bwd), median(ddp_split.opt), median(cpu["comp"]),
+        median(cpu["comm"]), median(cpu["ddp"]), numels.c_str());
     if (a.table)
       std::printf(
           "T_step %.1f ms (fwd %.1f, bwd %.1f, opt %.1f), T_comp %.1f ms (fwd %.1f, bwd %.1f, opt %.1f), "

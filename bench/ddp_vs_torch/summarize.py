@@ -41,3 +41,21 @@ for link, cfg in seen:
         print(f"| {link} | {cfg} ({int(m['buckets'])}) | {impl} | {m['runs']} | {m['step_ms']:.1f} | {m['comp_ms']:.1f} | "
               f"{m['comm_ms']:.1f} | {wait} | {m['comm_ms'] / m['comp_ms']:.2f} | {m['overlap_eff']:.2f} | "
               f"{m['tokens_per_s']:.0f} | {vs} |")
+
+# Ours only: where T_step - T_comp goes. CPU is rank 0's process CPU time per
+# step (all threads, and the kernel's work charged to it).
+ours = [(link, cfg) for link, cfg in seen if any("ddp_cpu_ms" in r for r in cells.get((link, cfg, "scaletrain"), []))]
+if ours:
+    print()
+    print("| link | buckets | backward ms, compute / DDP | comm_wait ms | CPU ms per step, compute / DDP / all-reduces alone "
+          "| DDP CPU beyond compute, share of T_comm |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for link, cfg in ours:
+        rs = [r for r in cells[(link, cfg, "scaletrain")] if "ddp_cpu_ms" in r]
+        m = {k: statistics.median(r[k] for r in rs) for k in
+             ("comp_bwd_ms", "ddp_bwd_ms", "comm_wait_ms", "comp_cpu_ms", "ddp_cpu_ms", "comm_cpu_ms", "comm_ms",
+              "buckets")}
+        extra = m["ddp_cpu_ms"] - m["comp_cpu_ms"]
+        print(f"| {link} | {cfg} ({int(m['buckets'])}) | {m['comp_bwd_ms']:.0f} / {m['ddp_bwd_ms']:.0f} | "
+              f"{m['comm_wait_ms']:.1f} | {m['comp_cpu_ms']:.0f} / {m['ddp_cpu_ms']:.0f} / {m['comm_cpu_ms']:.0f} | "
+              f"{extra:.0f} ms, {extra / m['comm_ms']:.2f} |")

@@ -176,11 +176,26 @@ TEST(DDP, BucketTailIsTapered) {
   o.first_bucket_cap_bytes = 4 << 10;
   o.bucket_cap_bytes = 16 << 10;
   o.last_bucket_cap_bytes = 4 << 10;
+  o.tail_growth = 2;
   parallel::DistributedDataParallel ddp(std::make_shared<Uniform>(), *world().group(), o);
   const std::vector<std::vector<std::string>> want = {
       {"p15"}, {"p14", "p13", "p12", "p11"}, {"p10", "p09", "p08", "p07"}, {"p06", "p05", "p04", "p03"}, {"p02", "p01"},
       {"p00"}};
   EXPECT_EQ(ddp.bucket_layout(), want);
+  // A model smaller than the taper keeps its small first bucket.
+  o.bucket_cap_bytes = 1 << 20;
+  parallel::DistributedDataParallel small(std::make_shared<Uniform>(), *world().group(), o);
+  const std::vector<std::vector<std::string>> want_small = {{"p15"},
+                                                            {"p14", "p13", "p12", "p11", "p10", "p09", "p08", "p07"},
+                                                            {"p06", "p05", "p04", "p03"},
+                                                            {"p02", "p01"},
+                                                            {"p00"}};
+  EXPECT_EQ(small.bucket_layout(), want_small);
+  o.bucket_cap_bytes = 16 << 10;
+  // Growth 1: every bucket at the last bucket's cap.
+  o.tail_growth = 1;
+  parallel::DistributedDataParallel even(std::make_shared<Uniform>(), *world().group(), o);
+  EXPECT_EQ(even.num_buckets(), 16);
   // A tail cap at or above the bucket cap leaves the plain layout.
   o.last_bucket_cap_bytes = 16 << 10;
   parallel::DistributedDataParallel plain(std::make_shared<Uniform>(), *world().group(), o);

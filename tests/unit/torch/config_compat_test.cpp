@@ -234,6 +234,7 @@ TEST(ConfigCompat, RangeChecks) {
   check("precision.loss_scale=-1", "precision.loss_scale");
   check("parallel.fsdp.transformer_layer_cls=", "transformer_layer_cls is empty");
   check("train.eps=0", "train.eps");
+  check("parallel.last_bucket_mb=-1", "parallel.last_bucket_mb must be >= 0");
 }
 
 TEST(AccelerateConfig, FsdpConfigAndMixedPrecision) {

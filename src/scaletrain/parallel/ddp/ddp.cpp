@@ -73,16 +73,26 @@ std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& pa
   auto bytes_of = [&](size_t k) { return params[k].numel() * params[k].element_size(); };
   auto same_dtype = [&](size_t a, size_t b) { return params[a].scalar_type() == params[b].scalar_type(); };
   // Note [Bucket tail]: from the end of the order, buckets of at most
-  // last_bucket_cap_bytes, then twice that, ..., while below bucket_cap_bytes
-  // (a parameter larger than its cap still gets a bucket of its own).
+  // last_bucket_cap_bytes, then tail_growth times that, ..., while below
+  // bucket_cap_bytes (a parameter larger than its cap gets a bucket of its own).
+  // The first bucket is kept out of the tail: in a model smaller than the
+  // taper the tail would otherwise take it, and the first all-reduce would
+  // wait for the taper's largest bucket.
+  size_t first_end = 0;
+  for (int64_t bytes = 0; first_end < order.size(); ++first_end) {
+    const size_t k = order[first_end];
+    if (first_end > 0 && (bytes >= options.first_bucket_cap_bytes || !same_dtype(k, order[0]))) break;
+    bytes += bytes_of(k);
+  }
   std::vector<std::vector<size_t>> tail;
   size_t head_end = order.size();
   if (options.last_bucket_cap_bytes > 0) {
-    int64_t cap = options.last_bucket_cap_bytes, bytes = 0;
-    while (head_end > 0 && cap < options.bucket_cap_bytes) {
+    double cap = static_cast<double>(options.last_bucket_cap_bytes);
+    int64_t bytes = 0;
+    while (head_end > first_end && cap < options.bucket_cap_bytes) {
       const size_t k = order[head_end - 1];
       if (!tail.empty() && !tail.back().empty() && (bytes + bytes_of(k) > cap || !same_dtype(k, tail.back().front()))) {
-        cap *= 2;
+        cap *= options.tail_growth;
         bytes = 0;
         if (cap >= options.bucket_cap_bytes) break;
         tail.emplace_back();
@@ -269,6 +279,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0)
     throw std::invalid_argument("DDP: bucket caps must be positive");
   if (options_.last_bucket_cap_bytes < 0) throw std::invalid_argument("DDP: the last bucket's cap must be >= 0");
+  if (!(options_.tail_growth >= 1)) throw std::invalid_argument("DDP: tail_growth must be >= 1");
   State& s = *state_;
   s.group = &group;
   s.options = options_;

@@ -54,11 +54,16 @@
 // caps the final bucket holds the first blocks and the embeddings, and all of
 // it leaves only after the embedding's backward. So the layout is tapered at
 // the end as at the start: walking back from the last gradient, buckets hold
-// at most last_bucket_cap_bytes, then twice that, and so on until
-// bucket_cap_bytes. While the link drains bytes faster than backward produces
-// them, each bucket of the taper is sent before the next (half as large, so
-// ready sooner) is complete, and what remains at the end is about the last
-// bucket alone. Measured in bench/RESULTS.md section 2.
+// at most last_bucket_cap_bytes (L), then tail_growth (g) times that, and so
+// on until bucket_cap_bytes. Say the link sends R bytes/s and backward makes
+// P bytes of gradient per second. A tail bucket of size s is sent in s/R; the
+// bucket after it, of size s/g, takes s/(g·P) to become ready. When g <= R/P
+// each tail bucket has left before the next is ready, and what remains at the
+// end is the last bucket alone, L/R. When g > R/P the tail queues, and the
+// wait grows towards the largest tail bucket's share. Uniform small buckets
+// (g = 1) are the safe limit but cost one collective each; g = 1.5 keeps the
+// count low and suits links down to 1.5x the gradient rate. Measured in
+// bench/RESULTS.md section 2.
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -77,9 +82,11 @@ struct DDPOptions {
   // all-reduce starts as early as possible in backward.
   int64_t first_bucket_cap_bytes = 1ll << 20;
   // Cap of the last bucket (the first layers' and the embeddings' gradients,
-  // ready when backward ends); the buckets before it may each be twice the
-  // next, up to bucket_cap_bytes. 0 turns this off. See Note [Bucket tail].
+  // ready when backward ends); walking back from it, each bucket may be
+  // tail_growth times the one after it, up to bucket_cap_bytes. 0 turns the
+  // small tail off. See Note [Bucket tail].
   int64_t last_bucket_cap_bytes = 1ll << 20;
+  double tail_growth = 1.5;
   // Parameters that get no gradient in a step are an error unless this is
   // set; then their gradient counts as zero on that rank.
   bool find_unused_parameters = false;
