@@ -100,7 +100,8 @@ void check_choice(const std::string& key, const std::string& value) {
 const std::map<std::string, Setter>& fields() {
   static const std::map<std::string, Setter> table = [] {
     std::map<std::string, Setter> t;
-    // clang-format off: one table row per group of keys
+    // One row per key, grouped by section.
+    // clang-format off
 #define ST_INT(section, name) \
   t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_int(#section "." #name, v); };
 #define ST_DBL(section, name) \
@@ -113,62 +114,115 @@ const std::map<std::string, Setter>& fields() {
     check_choice(#section "." #name, v);                        \
     c.section.name = v;                                         \
   };
+    // model
     ST_STR(model, preset)
     ST_INT(model, n_layer)
     ST_INT(model, n_head)
     ST_INT(model, n_embd)
     ST_INT(model, block_size)
-    ST_INT(model, vocab_size) ST_DBL(model, dropout) ST_STR(data, path) ST_INT(train, steps) ST_INT(train, global_batch)
-        ST_INT(train, micro_batch) ST_DBL(train, lr) ST_INT(train, warmup_steps) ST_DBL(train, min_lr_ratio) ST_DBL(
-            train, weight_decay) ST_DBL(train, beta1) ST_DBL(train, beta2) ST_DBL(train, eps) ST_DBL(train, grad_clip)
-            ST_INT(train, seed) ST_INT(train, sample_tokens) ST_STR(train, sample_prompt) ST_ENUM(train, lr_schedule)
-                ST_ENUM(train, warmup_type) ST_DBL(train, warmup_start_ratio) ST_ENUM(parallel, strategy) ST_INT(
-                    parallel, dp_replicate) ST_INT(parallel, dp_shard) ST_INT(parallel, tp) ST_INT(parallel, pp) ST_ENUM(parallel, schedule) ST_INT(parallel, microbatches) ST_INT(parallel, virtual_stages) ST_ENUM(parallel, pp_balance)
-                    ST_DBL(parallel, bucket_cap_mb) ST_DBL(parallel, first_bucket_mb) ST_DBL(parallel, last_bucket_mb) ST_BOOL(
-                        parallel, find_unused_parameters) ST_BOOL(parallel, sequence_parallel)
-                        ST_ENUM(parallel, comm_dtype) ST_ENUM(parallel, backend) ST_DBL(parallel, timeout_s) ST_ENUM(
-                            parallel.fsdp, sharding_strategy) ST_ENUM(parallel.fsdp, auto_wrap_policy)
-                            ST_STR(parallel.fsdp, transformer_layer_cls) ST_INT(parallel.fsdp, min_num_params) ST_ENUM(
-                                parallel.fsdp, backward_prefetch) ST_BOOL(parallel.fsdp, forward_prefetch)
-                                ST_BOOL(parallel.fsdp, limit_all_gathers) ST_BOOL(
-                                    parallel.fsdp, offload_params) ST_BOOL(parallel.fsdp, sync_module_states)
-                                    ST_BOOL(parallel.fsdp, cpu_ram_efficient_loading) ST_ENUM(
-                                        parallel.fsdp, state_dict_type) ST_DBL(parallel.zero, reduce_bucket_mb)
-                                        ST_DBL(parallel.zero, allgather_bucket_mb) ST_BOOL(
-                                            parallel.zero, overlap_comm) ST_BOOL(parallel.zero, contiguous_gradients)
-                                            ST_BOOL(parallel.zero, reduce_scatter) ST_BOOL(
-                                                parallel.zero, allgather_partitions)
-                                                ST_ENUM(parallel.zero, offload_optimizer) ST_ENUM(
-                                                    parallel.zero, offload_param) ST_STR(parallel.zero, offload_dir)
-                                                    ST_BOOL(parallel.zero, offload_pin_memory)
-                                                        ST_DBL(parallel.zero, prefetch_bucket_mb) ST_INT(
-                                                            parallel.zero, max_live_parameters)
-                                                            ST_STR(metrics, path) ST_DBL(metrics, peak_flops) ST_INT(
-                                                                metrics, log_every) ST_BOOL(metrics, progress)
-                                                                ST_ENUM(precision, mode) ST_ENUM(precision, param_dtype)
-                                                                    ST_ENUM(precision, reduce_dtype) ST_ENUM(
-                                                                        precision, buffer_dtype) ST_DBL(precision,
-                                                                                                        loss_scale)
-                                                                        ST_INT(precision, initial_scale_power)
-                                                                            ST_INT(precision, loss_scale_window)
-                                                                                ST_INT(precision, hysteresis)
-                                                                                    ST_DBL(precision, min_loss_scale)
-                                                                                        ST_BOOL(precision, scale_bf16)
-    ST_STR(model, init_from) ST_INT(train, stop_at) ST_ENUM(model, activation_checkpointing)
-    ST_STR(checkpoint, dir) ST_INT(checkpoint, every) ST_INT(checkpoint, keep) ST_STR(checkpoint, resume)
+    ST_INT(model, vocab_size)
+    ST_DBL(model, dropout)
+    ST_STR(model, init_from)
+    ST_ENUM(model, activation_checkpointing)
+    // data
+    ST_STR(data, path)
+    // train
+    ST_INT(train, steps)
+    ST_INT(train, global_batch)
+    ST_INT(train, micro_batch)
+    ST_DBL(train, lr)
+    ST_INT(train, warmup_steps)
+    ST_DBL(train, min_lr_ratio)
+    ST_DBL(train, weight_decay)
+    ST_DBL(train, beta1)
+    ST_DBL(train, beta2)
+    ST_DBL(train, eps)
+    ST_DBL(train, grad_clip)
+    ST_INT(train, seed)
+    ST_INT(train, sample_tokens)
+    ST_STR(train, sample_prompt)
+    ST_ENUM(train, lr_schedule)
+    ST_ENUM(train, warmup_type)
+    ST_DBL(train, warmup_start_ratio)
+    ST_INT(train, stop_at)
+    // parallel
+    ST_ENUM(parallel, strategy)
+    ST_INT(parallel, dp_replicate)
+    ST_INT(parallel, dp_shard)
+    ST_INT(parallel, tp)
+    ST_INT(parallel, pp)
+    ST_ENUM(parallel, schedule)
+    ST_INT(parallel, microbatches)
+    ST_INT(parallel, virtual_stages)
+    ST_ENUM(parallel, pp_balance)
+    ST_DBL(parallel, bucket_cap_mb)
+    ST_DBL(parallel, first_bucket_mb)
+    ST_DBL(parallel, last_bucket_mb)
+    ST_BOOL(parallel, find_unused_parameters)
+    ST_BOOL(parallel, sequence_parallel)
+    ST_ENUM(parallel, comm_dtype)
+    ST_ENUM(parallel, backend)
+    ST_DBL(parallel, timeout_s)
+    // parallel.fsdp
+    ST_ENUM(parallel.fsdp, sharding_strategy)
+    ST_ENUM(parallel.fsdp, auto_wrap_policy)
+    ST_STR(parallel.fsdp, transformer_layer_cls)
+    ST_INT(parallel.fsdp, min_num_params)
+    ST_ENUM(parallel.fsdp, backward_prefetch)
+    ST_BOOL(parallel.fsdp, forward_prefetch)
+    ST_BOOL(parallel.fsdp, limit_all_gathers)
+    ST_BOOL(parallel.fsdp, offload_params)
+    ST_BOOL(parallel.fsdp, sync_module_states)
+    ST_BOOL(parallel.fsdp, cpu_ram_efficient_loading)
+    ST_ENUM(parallel.fsdp, state_dict_type)
+    // parallel.zero
+    ST_DBL(parallel.zero, reduce_bucket_mb)
+    ST_DBL(parallel.zero, allgather_bucket_mb)
+    ST_BOOL(parallel.zero, overlap_comm)
+    ST_BOOL(parallel.zero, contiguous_gradients)
+    ST_BOOL(parallel.zero, reduce_scatter)
+    ST_BOOL(parallel.zero, allgather_partitions)
+    ST_ENUM(parallel.zero, offload_optimizer)
+    ST_ENUM(parallel.zero, offload_param)
+    ST_STR(parallel.zero, offload_dir)
+    ST_BOOL(parallel.zero, offload_pin_memory)
+    ST_DBL(parallel.zero, prefetch_bucket_mb)
+    ST_INT(parallel.zero, max_live_parameters)
+    // precision
+    ST_ENUM(precision, mode)
+    ST_ENUM(precision, param_dtype)
+    ST_ENUM(precision, reduce_dtype)
+    ST_ENUM(precision, buffer_dtype)
+    ST_DBL(precision, loss_scale)
+    ST_INT(precision, initial_scale_power)
+    ST_INT(precision, loss_scale_window)
+    ST_INT(precision, hysteresis)
+    ST_DBL(precision, min_loss_scale)
+    ST_BOOL(precision, scale_bf16)
+    // metrics
+    ST_STR(metrics, path)
+    ST_DBL(metrics, peak_flops)
+    ST_INT(metrics, log_every)
+    ST_BOOL(metrics, progress)
+    // checkpoint
+    ST_STR(checkpoint, dir)
+    ST_INT(checkpoint, every)
+    ST_INT(checkpoint, keep)
+    ST_STR(checkpoint, resume)
     ST_BOOL(checkpoint, async)
 #undef ST_INT
 #undef ST_DBL
 #undef ST_BOOL
 #undef ST_STR
 #undef ST_ENUM
-        // clang-format on
-        return t;
+    // clang-format on
+    return t;
   }();
   return table;
 }
 
-const char* const kSections = "(known: model, data, train, parallel, metrics, precision, checkpoint, fsdp_config, mixed_precision)";
+const char* const kSections =
+    "(known: model, data, train, parallel, metrics, precision, checkpoint, fsdp_config, mixed_precision)";
 
 // True when some key starts with "prefix." (a section or sub-section).
 bool is_section(const std::string& prefix) {
@@ -331,7 +385,8 @@ void validate_config(const Config& c) {
     throw UsageError("train.warmup_start_ratio must be in [0, 1]");
   if (c.parallel.bucket_cap_mb <= 0 || c.parallel.first_bucket_mb <= 0)
     throw UsageError("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
-  if (c.parallel.last_bucket_mb < 0) throw UsageError("parallel.last_bucket_mb must be >= 0 (0 turns the small tail off)");
+  if (c.parallel.last_bucket_mb < 0)
+    throw UsageError("parallel.last_bucket_mb must be >= 0 (0 turns the small tail off)");
   if (c.parallel.timeout_s <= 0) throw UsageError("parallel.timeout_s must be positive");
   const auto& f = c.parallel.fsdp;
   if (f.min_num_params < 1) throw UsageError("parallel.fsdp.min_num_params must be at least 1");
