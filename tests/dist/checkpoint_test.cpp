@@ -15,6 +15,7 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
@@ -75,7 +76,7 @@ struct Run {
   }
 
   checkpoint::Layout layout() const {
-    return ddp ? checkpoint::replicated_layout(*model, world().rank() == 0) : checkpoint::sharded_layout(*sharded);
+    return ddp ? checkpoint::replicated_layout(*model, world().rank() == 0) : train::sharded_layout(*sharded);
   }
 
   void step(const Batch& b) {

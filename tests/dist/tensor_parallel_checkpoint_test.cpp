@@ -1,5 +1,5 @@
 // Checkpoints of tensor-parallel runs hold the single-process model's tensors
-// (checkpoint::tensor_parallel_layout: each TP shard as pieces of the full
+// (train::tensor_parallel_layout: each TP shard as pieces of the full
 // tensor), so they reload under any layout, and any checkpoint reloads into
 // a tensor-parallel layout. As in checkpoint_test.cpp, each save is one ctest
 // (a fixture) and each load a later one on another world size; after loading,
@@ -18,6 +18,7 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
@@ -89,8 +90,8 @@ struct Run {
 
   checkpoint::Layout layout() const {
     checkpoint::Layout l =
-        ddp ? checkpoint::replicated_layout(*model, mesh->dp().rank() == 0) : checkpoint::sharded_layout(*sharded);
-    return plan ? checkpoint::tensor_parallel_layout(std::move(l), *plan) : l;
+        ddp ? checkpoint::replicated_layout(*model, mesh->dp().rank() == 0) : train::sharded_layout(*sharded);
+    return plan ? train::tensor_parallel_layout(std::move(l), *plan) : l;
   }
 
   void step(const Batch& b) {

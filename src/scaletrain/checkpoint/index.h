@@ -26,7 +26,7 @@
 // can load it by copying the overlap of each piece with what it owns now.
 // Tensor- and pipeline-parallel layouts fit the same scheme: a TP shard is a
 // set of flattened ranges of the full tensor (one per q/k/v block of a row
-// split, one per row of a column split; tensor_parallel_layout in sharded.h),
+// split, one per row of a column split; tensor_parallel_layout in train/checkpoint_layout.h),
 // a parameter replicated across tp is saved by tp rank 0 only, and a PP stage
 // simply holds the pieces of its own parameters.
 #include <cstdint>

@@ -35,6 +35,7 @@
 // order they were passed in.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -193,5 +194,16 @@ std::string serialize_safetensors(const std::vector<TensorRef>& tensors, const M
 // untouched and the temp file removed). Tensor data is written straight from
 // the callers' buffers, not copied. Throws SafetensorsError.
 void write_safetensors(const std::string& path, const std::vector<TensorRef>& tensors, const Metadata& metadata = {});
+
+// The same file, but each tensor's bytes come from `source`, called once per
+// tensor in data order (TensorRef::data is not read), just before they are
+// written; the pointer must stay valid until the next call. A writer that
+// gathers each tensor when it is asked for never holds them all at once.
+using TensorSource = std::function<const void*(const TensorRef& tensor)>;
+void write_safetensors_streamed(const std::string& path, const std::vector<TensorRef>& tensors,
+                                const TensorSource& source, const Metadata& metadata = {});
+// True when `a`'s bytes come before `b`'s in a file (Note [Safetensors write
+// order]): callers that stream tensors produce them in this order.
+bool data_before(const TensorRef& a, const TensorRef& b);
 
 }  // namespace scaletrain::checkpoint

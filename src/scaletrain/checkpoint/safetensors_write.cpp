@@ -25,7 +25,8 @@ struct Prepared {
   uint64_t data_bytes = 0;              // length of the data section
 };
 
-Prepared prepare(const std::vector<TensorRef>& tensors, const Metadata& metadata, const std::string& dest) {
+Prepared prepare(const std::vector<TensorRef>& tensors, const Metadata& metadata, const std::string& dest,
+                 bool streamed = false) {
   Prepared p;
   std::set<std::string> names;
   for (const TensorRef& t : tensors) {
@@ -43,16 +44,13 @@ Prepared prepare(const std::vector<TensorRef>& tensors, const Metadata& metadata
       fail(dest, "tensor " + quote_name(t.name) + ": shape " + shape_string(t.shape) + " of " + dtype_name(t.dtype) +
                      " needs " + std::to_string(want) + " bytes, got " + std::to_string(t.nbytes));
     }
-    if (t.nbytes > 0 && !t.data) fail(dest, "tensor " + quote_name(t.name) + ": null data");
+    if (t.nbytes > 0 && !t.data && !streamed) fail(dest, "tensor " + quote_name(t.name) + ": null data");
     p.order.push_back(&t);
   }
   for (const auto& [k, v] : metadata) {
     if (!is_utf8(k) || !is_utf8(v)) fail(dest, "__metadata__ entry " + quote_name(k) + " is not valid UTF-8");
   }
-  std::sort(p.order.begin(), p.order.end(), [](const TensorRef* a, const TensorRef* b) {
-    if (a->dtype != b->dtype) return a->dtype > b->dtype;
-    return a->name < b->name;
-  });
+  std::sort(p.order.begin(), p.order.end(), [](const TensorRef* a, const TensorRef* b) { return data_before(*a, *b); });
 
   // Compact JSON in the Rust implementation's field order; built by hand
   // (strings escaped by nlohmann) so the cost stays linear in the tensors.
@@ -103,8 +101,19 @@ std::string serialize_safetensors(const std::vector<TensorRef>& tensors, const M
   return out;
 }
 
+bool data_before(const TensorRef& a, const TensorRef& b) {
+  if (a.dtype != b.dtype) return a.dtype > b.dtype;
+  return a.name < b.name;
+}
+
 void write_safetensors(const std::string& path, const std::vector<TensorRef>& tensors, const Metadata& metadata) {
-  const Prepared p = prepare(tensors, metadata, path);
+  write_safetensors_streamed(
+      path, tensors, [](const TensorRef& t) { return t.data; }, metadata);
+}
+
+void write_safetensors_streamed(const std::string& path, const std::vector<TensorRef>& tensors,
+                                const TensorSource& source, const Metadata& metadata) {
+  const Prepared p = prepare(tensors, metadata, path, /*streamed=*/true);
   // The pid keeps two processes writing the same path (every rank of a job)
   // out of one temp file; the last rename wins and each renamed file is whole.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
@@ -112,7 +121,11 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   if (fd.get() < 0) fail(path, "cannot create " + tmp + ": " + os_error(errno));
   util::TempFileGuard guard(tmp);
   write_all(fd.get(), p.prefix.data(), p.prefix.size(), path);
-  for (const TensorRef* t : p.order) write_all(fd.get(), t->data, t->nbytes, path);
+  for (const TensorRef* t : p.order) {
+    const void* data = source(*t);
+    if (t->nbytes > 0 && !data) fail(path, "tensor " + quote_name(t->name) + ": null data");
+    write_all(fd.get(), data, t->nbytes, path);
+  }
   // fsync before rename: otherwise a crash can leave the new name pointing at
   // a file whose data blocks never reached the disk.
   if (::fsync(fd.get()) != 0) fail(path, "fsync failed: " + os_error(errno));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -198,34 +199,6 @@ Layout replicated_layout(const torch::nn::Module& model, bool writer) {
   return l;
 }
 
-Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine) {
-  Layout l;
-  l.writer = engine.replica_rank() == 0;
-  l.strategy = parallel::fsdp::to_string(engine.options().sharding);
-  int i = 0;
-  for (auto& v : engine.shard_views()) {
-    Slot s{v.shard, v.trainable ? i++ : -1, {}};
-    for (auto& p : v.pieces) s.pieces.push_back({p.name, p.shape, p.param_offset, p.shard_offset, p.numel});
-    l.slots.push_back(std::move(s));
-  }
-  return l;
-}
-
-Layout tensor_parallel_layout(Layout local, const parallel::tensor::TensorParallelPlan& plan) {
-  const int rank = plan.tp->rank(), size = plan.tp->size();
-  for (auto& slot : local.slots) {
-    std::vector<SlotPiece> full;
-    for (const auto& p : slot.pieces) {
-      const parallel::tensor::ParamLayout& l = plan.layout(p.name);
-      for (const auto& run : parallel::tensor::full_runs(l, rank, size, p.param_offset, p.numel))
-        full.push_back({p.name, l.full_shape, run.full_offset, p.local_offset + (run.local_offset - p.param_offset),
-                        run.numel, p.saved && (l.sharded() || rank == 0)});
-    }
-    slot.pieces = std::move(full);
-  }
-  return local;
-}
-
 struct Checkpointer::Pending {
   std::string dir;
   std::string strategy, mesh;
@@ -269,7 +242,10 @@ void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const Sav
     if (ec) throw UsageError("checkpoint.dir: cannot create " + pending->dir + ": " + ec.message());
   }
   group_.barrier().wait();
-  if (layout.writer) {
+  if (options_.full) {
+    if (options_.async) throw UsageError("checkpoint: a full state dict cannot be written asynchronously");
+    write_full(layout, opt, pending->dir);
+  } else if (layout.writer) {
     std::vector<OutPiece> pieces = collect(layout, opt, /*copy=*/options_.async);
     if (options_.async) {
       Pending* raw = pending.get();
@@ -291,6 +267,133 @@ void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const Sav
 }
 
 void Checkpointer::finish() { commit_pending(); }
+
+namespace {
+
+// What one rank holds of one tensor, as every rank learns it (Note [Full state dict]).
+struct Holding {
+  int rank = 0;
+  int64_t begin = 0, numel = 0;
+};
+struct FullTensor {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<Holding> held;  // sorted by begin
+};
+
+// Every rank's bytes, on every rank (lengths may differ).
+std::vector<std::string> all_gather_text(comm::Group& g, const std::string& mine) {
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lens = at::empty({g.size()}, at::kLong);
+  g.all_gather(len, lens).wait();
+  const int64_t longest = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor buf = at::zeros({longest}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({longest * g.size()}, at::kByte);
+  g.all_gather(buf, all).wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < g.size(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest,
+                     static_cast<size_t>(lens[r].item<int64_t>()));
+  return out;
+}
+
+}  // namespace
+
+void Checkpointer::write_full(const Layout& layout, const optim::AdamW* opt, const std::string& dir) {
+  comm::Group& g = group_;
+  const std::vector<OutPiece> mine = layout.writer ? collect(layout, opt, /*copy=*/false) : std::vector<OutPiece>{};
+  json desc = json::array();
+  for (const auto& p : mine)
+    desc.push_back({p.tensor, p.shape, static_cast<int>(p.data.scalar_type()), p.begin, p.data.numel()});
+  std::map<std::string, FullTensor> tensors;
+  const std::vector<std::string> texts = all_gather_text(g, desc.dump());
+  for (int r = 0; r < g.size(); ++r)
+    for (const auto& d : json::parse(texts[r])) {
+      FullTensor& t = tensors[d[0].get<std::string>()];
+      t.shape = d[1].get<std::vector<int64_t>>();
+      t.dtype = static_cast<at::ScalarType>(d[2].get<int>());
+      if (d[4].get<int64_t>() > 0) t.held.push_back({r, d[3].get<int64_t>(), d[4].get<int64_t>()});
+    }
+  // The file's tensors in data order, the same on every rank.
+  std::vector<TensorRef> refs;
+  for (auto& [name, t] : tensors) {
+    std::sort(t.held.begin(), t.held.end(), [](const Holding& a, const Holding& b) { return a.begin < b.begin; });
+    int64_t numel = 1;
+    for (auto d : t.shape) numel *= d;
+    const std::string key = name + "@0";
+    refs.push_back({key,
+                    safetensors_dtype(t.dtype, key),
+                    {numel},
+                    nullptr,
+                    static_cast<size_t>(numel) * c10::elementSize(t.dtype)});
+  }
+  std::vector<size_t> order(refs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return data_before(refs[a], refs[b]); });
+  auto tensor_of = [&](const TensorRef& ref) { return ref.name.substr(0, ref.name.rfind('@')); };
+  auto my_pieces = [&](const std::string& name) {
+    std::vector<const OutPiece*> out;
+    for (const auto& p : mine)
+      if (p.tensor == name && p.data.numel() > 0) out.push_back(&p);
+    std::sort(out.begin(), out.end(), [](const OutPiece* a, const OutPiece* b) { return a->begin < b->begin; });
+    return out;
+  };
+  const int tag = 7;
+  if (g.rank() != 0) {  // send my ranges of each tensor, in data order
+    for (size_t i : order) {
+      std::vector<at::Tensor> parts;
+      for (const OutPiece* p : my_pieces(tensor_of(refs[i]))) parts.push_back(p->data);
+      if (!parts.empty()) g.send(at::cat(parts), 0, tag).wait();
+    }
+    return;
+  }
+  json part_pieces = json::array();
+  at::Tensor whole, received;
+  const std::string file = rank_name(0, "safetensors");
+  const std::string path = (fs::path(dir) / file).string();
+  auto assemble = [&](const TensorRef& ref) -> const void* {
+    const std::string name = tensor_of(ref);
+    const FullTensor& t = tensors.at(name);
+    whole = at::empty({ref.shape[0]}, at::TensorOptions().dtype(t.dtype));
+    for (const OutPiece* p : my_pieces(name)) whole.narrow(0, p->begin, p->data.numel()).copy_(p->data);
+    for (int r = 1; r < g.size(); ++r) {
+      int64_t n = 0;
+      for (const auto& h : t.held) n += h.rank == r ? h.numel : 0;
+      if (n == 0) continue;
+      received = at::empty({n}, whole.options());
+      g.recv(received, r, tag).wait();
+      int64_t at_ = 0;
+      for (const auto& h : t.held) {
+        if (h.rank != r) continue;
+        whole.narrow(0, h.begin, h.numel).copy_(received.narrow(0, at_, h.numel));
+        at_ += h.numel;
+      }
+    }
+    int64_t covered = 0;
+    for (const auto& h : t.held) covered += h.numel;
+    if (covered != ref.shape[0])
+      throw UsageError("checkpoint: the ranks hold " + std::to_string(covered) + " of " + std::to_string(ref.shape[0]) +
+                       " elements of " + name);
+    part_pieces.push_back({{"tensor", name},
+                           {"shape", t.shape},
+                           {"dtype", dtype_name(ref.dtype)},
+                           {"key", ref.name},
+                           {"begin", 0},
+                           {"numel", ref.shape[0]},
+                           {"crc32", crc32_update(0, whole.data_ptr(), whole.nbytes())}});
+    return whole.data_ptr();
+  };
+  try {
+    write_safetensors_streamed(path, refs, assemble, {{"format", "scaletrain"}, {"state_dict", "full"}});
+  } catch (const SafetensorsError& e) {
+    throw UsageError(std::string("checkpoint: ") + e.what());
+  }
+  int64_t bytes = 0;
+  const uint32_t crc = crc32_file(path, &bytes);
+  json part = {{"file", file}, {"rank", 0}, {"bytes", bytes}, {"crc32", crc}, {"pieces", part_pieces}};
+  write_file_durably((fs::path(dir) / rank_name(0, "json")).string(), part.dump());
+}
 
 Index load_checkpoint(const std::string& dir, const Layout& layout, optim::AdamW* opt) {
   Index index = read_index(dir);

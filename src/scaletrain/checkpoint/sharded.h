@@ -2,6 +2,17 @@
 // Sharded checkpoints: every rank saves only what it owns, any layout loads
 // any checkpoint (Note [Checkpoint pieces] in index.h).
 //
+// Note [Full state dict]
+// With CheckpointOptions::full (FSDP's FULL_STATE_DICT), step 2 below is
+// replaced: every rank describes the pieces it would have written (tensor,
+// range, dtype) and the descriptions are all-gathered, so every rank knows
+// every tensor and who holds which range. Then, tensor by tensor in the
+// file's data order, each holder sends its ranges to rank 0, which assembles
+// the whole tensor and streams it into rank-00000.safetensors. Rank 0 holds
+// one whole tensor (and one received buffer) at a time, never the model.
+// The file's pieces are whole tensors, so loading (which copies overlaps of
+// pieces) needs nothing new, under any layout.
+//
 // Note [Checkpoint commit]
 // save(step), a collective over the world group:
 //   1. rank 0 empties ROOT/step-N (a leftover of a crashed save) and creates
@@ -20,6 +31,7 @@
 // which loading never picks. The destructor only joins the thread: it never
 // commits, because a barrier in a destructor (during unwinding) could hang.
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <exception>
@@ -30,10 +42,7 @@
 
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/comm/group.h"
-#include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/parallel/fsdp/fsdp.h"
-#include "scaletrain/parallel/tensor/tensor_parallel.h"
 
 namespace scaletrain::checkpoint {
 
@@ -67,21 +76,18 @@ struct Layout {
 // Whole parameters (DDP, one process): slot i is model->parameters()[i],
 // optimizer state i when `with_optimizer`. `writer`: this rank saves.
 Layout replicated_layout(const torch::nn::Module& model, bool writer);
-// The shards of a sharded engine (Note [Flat parameters]): trainable shards
-// are optimizer states 0..n-1 in order.
-Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine);
-// `local` describes a tensor-parallel rank's parameters (replicated_layout or
-// sharded_layout of the split model); the result describes the same tensors
-// as pieces of the full parameters: each piece of a split parameter becomes
-// the runs it occupies in the full tensor (parallel::tensor::full_runs), and
-// pieces of replicated parameters are saved by tp rank 0 only. So the
-// checkpoint holds the single-process model's tensors and any layout loads it.
-Layout tensor_parallel_layout(Layout local, const parallel::tensor::TensorParallelPlan& plan);
+// The engines describe what they hold with these types; the functions that
+// build a Layout from an engine live with the training glue
+// (train/checkpoint_layout.h), so checkpoints never depend on the engines.
 
 struct CheckpointOptions {
   std::string root;    // directory of step-N directories
   int keep = 0;        // complete checkpoints kept (older ones removed by rank 0); 0 = all
   bool async = false;  // write in a background thread (Note [Checkpoint commit])
+  // Rank 0 writes every tensor whole into one file, gathered from the ranks
+  // one tensor at a time (Note [Full state dict]); false: each rank writes
+  // what it owns. Both load under any layout. Not with async.
+  bool full = false;
 };
 
 // Non-tensor state passed through save and load.
@@ -109,6 +115,7 @@ class Checkpointer {
  private:
   struct Pending;
   void commit_pending();  // join, barrier, rank 0 writes the index
+  void write_full(const Layout& layout, const optim::AdamW* opt, const std::string& dir);
 
   comm::Group& group_;
   CheckpointOptions options_;

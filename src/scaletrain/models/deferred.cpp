@@ -24,4 +24,25 @@ void free_parameters(torch::nn::Module& module) {
   for (auto& p : module.parameters()) free_storage(p);
 }
 
+void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) {
+    if (p.scalar_type() == dtype) continue;
+    TORCH_CHECK(p.storage().nbytes() == 0, "scaletrain: set_deferred_dtype on a parameter that has bytes");
+    at::Tensor t = at::empty(p.sizes(), p.options().dtype(dtype).requires_grad(false));
+    free_storage(t);  // the peak is one parameter, in the new dtype
+    p.set_data(t);
+  }
+}
+
+InitFn init_through(at::ScalarType dtype, InitFn init) {
+  return [dtype, init = std::move(init)](const std::string& name, at::Tensor& out) {
+    if (out.scalar_type() == dtype) return init(name, out);
+    at::Tensor tmp = at::empty(out.sizes(), out.options().dtype(dtype));
+    init(name, tmp);
+    torch::NoGradGuard no_grad;
+    out.copy_(tmp);
+  };
+}
+
 }  // namespace scaletrain::models

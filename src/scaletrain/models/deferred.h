@@ -26,4 +26,13 @@ void free_storage(const at::Tensor& t);
 // Releases the bytes of every parameter of `module` (and its children).
 void free_parameters(torch::nn::Module& module);
 
+// Gives every byte-less parameter of `module` the dtype `dtype`, still
+// without bytes: what `module->to(dtype)` does to a materialized model.
+void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype);
+
+// An InitFn that draws each tensor in `dtype` (a temporary) and copies it
+// into the parameter's dtype: the values an eager model built in `dtype` and
+// converted by `to()` would hold, so deferred 16-bit parameters equal eager ones.
+InitFn init_through(at::ScalarType dtype, InitFn init);
+
 }  // namespace scaletrain::models

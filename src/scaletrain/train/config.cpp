@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -16,7 +17,11 @@
 namespace scaletrain::train {
 namespace {
 
-using Setter = std::function<void(Config&, const std::string&)>;
+// One key of the table: how to set it from text and how to show its value.
+struct Field {
+  std::function<void(Config&, const std::string&)> set;
+  std::function<std::string(const Config&)> get;
+};
 
 int64_t to_int(const std::string& key, const std::string& v) {
   char* end = nullptr;
@@ -36,6 +41,7 @@ double to_double(const std::string& key, const std::string& v) {
   errno = 0;
   double x = std::strtod(v.c_str(), &end);
   if (v.empty() || *end != '\0' || errno == ERANGE) throw UsageError(key + ": '" + v + "' is not a number");
+  if (!std::isfinite(x)) throw UsageError(key + ": '" + v + "' is not a finite number");
   return x;
 }
 
@@ -96,24 +102,33 @@ void check_choice(const std::string& key, const std::string& value) {
     throw UsageError(key + " must be one of " + join(c.values) + ", got '" + value + "'");
 }
 
+std::string show_int(int64_t v) { return std::to_string(v); }
+std::string show_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+std::string show_bool(bool v) { return v ? "true" : "false"; }
+std::string show_str(const std::string& v) { return v; }
+std::string checked_choice(const std::string& key, const std::string& v) {
+  check_choice(key, v);
+  return v;
+}
+
 // The table of keys: one entry per field. `section` may be nested (parallel.fsdp).
-const std::map<std::string, Setter>& fields() {
-  static const std::map<std::string, Setter> table = [] {
-    std::map<std::string, Setter> t;
+const std::map<std::string, Field>& fields() {
+  static const std::map<std::string, Field> table = [] {
+    std::map<std::string, Field> t;
     // One row per key, grouped by section.
     // clang-format off
-#define ST_INT(section, name) \
-  t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_int(#section "." #name, v); };
-#define ST_DBL(section, name) \
-  t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_double(#section "." #name, v); };
-#define ST_BOOL(section, name) \
-  t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = to_bool(#section "." #name, v); };
-#define ST_STR(section, name) t[#section "." #name] = [](Config& c, const std::string& v) { c.section.name = v; };
-#define ST_ENUM(section, name)                                  \
-  t[#section "." #name] = [](Config& c, const std::string& v) { \
-    check_choice(#section "." #name, v);                        \
-    c.section.name = v;                                         \
-  };
+#define ST_FIELD(section, name, parse, show)                                                      \
+  t[#section "." #name] = Field{[](Config& c, const std::string& v) { c.section.name = parse; }, \
+                                [](const Config& c) { return show(c.section.name); }};
+#define ST_INT(section, name) ST_FIELD(section, name, to_int(#section "." #name, v), show_int)
+#define ST_DBL(section, name) ST_FIELD(section, name, to_double(#section "." #name, v), show_double)
+#define ST_BOOL(section, name) ST_FIELD(section, name, to_bool(#section "." #name, v), show_bool)
+#define ST_STR(section, name) ST_FIELD(section, name, v, show_str)
+#define ST_ENUM(section, name) ST_FIELD(section, name, checked_choice(#section "." #name, v), show_str)
     // model
     ST_STR(model, preset)
     ST_INT(model, n_layer)
@@ -210,6 +225,7 @@ const std::map<std::string, Setter>& fields() {
     ST_INT(checkpoint, keep)
     ST_STR(checkpoint, resume)
     ST_BOOL(checkpoint, async)
+#undef ST_FIELD
 #undef ST_INT
 #undef ST_DBL
 #undef ST_BOOL
@@ -244,7 +260,7 @@ void set_key(Config& c, const std::string& key, const std::string& value) {
     if (known.empty()) throw UsageError("unknown config section '" + section + "' " + kSections);
     throw UsageError("unknown config key '" + key + "' (known in " + section + ": " + known + ")");
   }
-  it->second(c, value);
+  it->second.set(c, value);
 }
 
 // Note [Accelerate keys]: Hugging Face Accelerate's config files carry FSDP
@@ -375,42 +391,60 @@ void load_file(Config& c, const std::string& path, Loaded& loaded) {
 }  // namespace
 
 void validate_config(const Config& c) {
-  for (const auto& [key, choice] : choices()) check_choice(key, choice.get(c));
-  if (c.train.steps < 1) throw UsageError("train.steps must be at least 1");
+  // Every problem at once, in one line (like make_plan, Note [One plan]).
+  std::vector<std::string> problems;
+  auto fail = [&](const std::string& problem) { problems.push_back(problem); };
+  for (const auto& [key, choice] : choices()) {
+    try {
+      check_choice(key, choice.get(c));
+    } catch (const UsageError& e) {
+      fail(e.what());
+    }
+  }
+  if (c.train.steps < 1) fail("train.steps must be at least 1");
   if (c.train.global_batch < 1 || c.train.micro_batch < 1)
-    throw UsageError("train.global_batch and train.micro_batch must be at least 1");
-  if (c.train.lr <= 0) throw UsageError("train.lr must be positive");
-  if (c.train.eps <= 0) throw UsageError("train.eps must be positive");
+    fail("train.global_batch and train.micro_batch must be at least 1");
+  if (c.train.lr <= 0) fail("train.lr must be positive");
+  if (c.train.eps <= 0) fail("train.eps must be positive");
   if (c.train.warmup_start_ratio < 0 || c.train.warmup_start_ratio > 1)
-    throw UsageError("train.warmup_start_ratio must be in [0, 1]");
+    fail("train.warmup_start_ratio must be in [0, 1]");
   if (c.parallel.bucket_cap_mb <= 0 || c.parallel.first_bucket_mb <= 0)
-    throw UsageError("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
-  if (c.parallel.last_bucket_mb < 0)
-    throw UsageError("parallel.last_bucket_mb must be >= 0 (0 turns the small tail off)");
-  if (c.parallel.timeout_s <= 0) throw UsageError("parallel.timeout_s must be positive");
+    fail("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
+  if (c.parallel.last_bucket_mb < 0) fail("parallel.last_bucket_mb must be >= 0 (0 turns the small tail off)");
+  if (c.parallel.timeout_s <= 0) fail("parallel.timeout_s must be positive");
   const auto& f = c.parallel.fsdp;
-  if (f.min_num_params < 1) throw UsageError("parallel.fsdp.min_num_params must be at least 1");
+  if (f.min_num_params < 1) fail("parallel.fsdp.min_num_params must be at least 1");
   if (f.auto_wrap_policy == "transformer" && f.transformer_layer_cls.empty())
-    throw UsageError("parallel.fsdp.transformer_layer_cls is empty but auto_wrap_policy is transformer");
+    fail("parallel.fsdp.transformer_layer_cls is empty but auto_wrap_policy is transformer");
   const auto& z = c.parallel.zero;
   if (z.reduce_bucket_mb <= 0 || z.allgather_bucket_mb <= 0 || z.prefetch_bucket_mb <= 0)
-    throw UsageError("parallel.zero.reduce_bucket_mb, allgather_bucket_mb and prefetch_bucket_mb must be positive");
-  if (z.max_live_parameters < 1) throw UsageError("parallel.zero.max_live_parameters must be at least 1");
+    fail("parallel.zero.reduce_bucket_mb, allgather_bucket_mb and prefetch_bucket_mb must be positive");
+  if (z.max_live_parameters < 1) fail("parallel.zero.max_live_parameters must be at least 1");
   if ((z.offload_optimizer == "nvme" || z.offload_param == "nvme") && z.offload_dir.empty())
-    throw UsageError("parallel.zero.offload_dir must be set when offloading to nvme");
+    fail("parallel.zero.offload_dir must be set when offloading to nvme");
   const auto& p = c.precision;
-  if (p.loss_scale < 0) throw UsageError("precision.loss_scale must be 0 (dynamic) or positive");
-  if (p.initial_scale_power < 0 || p.initial_scale_power > 62)
-    throw UsageError("precision.initial_scale_power must be in [0, 62]");
-  if (p.loss_scale_window < 1) throw UsageError("precision.loss_scale_window must be at least 1");
-  if (p.hysteresis < 1) throw UsageError("precision.hysteresis must be at least 1");
-  if (p.min_loss_scale <= 0) throw UsageError("precision.min_loss_scale must be positive");
-  if (c.metrics.log_every < 1) throw UsageError("metrics.log_every must be at least 1");
-  if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps)
-    throw UsageError("train.stop_at must be in [0, train.steps]");
-  if (c.checkpoint.every < 0) throw UsageError("checkpoint.every must be 0 (end of run only) or positive");
-  if (c.checkpoint.keep < 0) throw UsageError("checkpoint.keep must be 0 (keep all) or positive");
-  if (c.checkpoint.resume.empty()) throw UsageError("checkpoint.resume must be auto, never or a checkpoint path");
+  if (p.loss_scale < 0) fail("precision.loss_scale must be 0 (dynamic) or positive");
+  if (p.initial_scale_power < 0 || p.initial_scale_power > 62) fail("precision.initial_scale_power must be in [0, 62]");
+  if (p.loss_scale_window < 1) fail("precision.loss_scale_window must be at least 1");
+  if (p.hysteresis < 1) fail("precision.hysteresis must be at least 1");
+  if (p.min_loss_scale <= 0) fail("precision.min_loss_scale must be positive");
+  if (c.metrics.log_every < 1) fail("metrics.log_every must be at least 1");
+  if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps) fail("train.stop_at must be in [0, train.steps]");
+  if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");
+  if (c.checkpoint.keep < 0) fail("checkpoint.keep must be 0 (keep all) or positive");
+  if (c.checkpoint.resume.empty()) fail("checkpoint.resume must be auto, never or a checkpoint path");
+  if (problems.size() == 1) throw UsageError(problems[0]);
+  if (problems.size() > 1) {
+    std::string all = std::to_string(problems.size()) + " problems in the config: ";
+    for (size_t i = 0; i < problems.size(); ++i) all += (i ? "; " : "") + problems[i];
+    throw UsageError(all);
+  }
+}
+
+std::string config_value(const Config& config, const std::string& key) {
+  auto it = fields().find(key);
+  if (it == fields().end()) throw std::invalid_argument("config_value: unknown key " + key);
+  return it->second.get(config);
 }
 
 std::vector<std::string> config_keys() {

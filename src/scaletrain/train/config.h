@@ -144,5 +144,8 @@ void apply_override(Config& config, const std::string& assignment);
 void validate_config(const Config& config);
 // Every known key, "section.key", for help texts and error messages.
 std::vector<std::string> config_keys();
+// The value of a key as text (numbers in full precision, bools true/false);
+// comparing with a default Config tells which keys a run changed.
+std::string config_value(const Config& config, const std::string& key);
 
 }  // namespace scaletrain::train

@@ -23,8 +23,7 @@ namespace pl = parallel::pipeline;
 
 class PipelineStrategy final : public DataParallel {
  public:
-  PipelineStrategy(const Config& c, models::GPT model, comm::World& world, comm::Mesh& mesh,
-                   const precision::PrecisionPolicy& policy, int64_t microbatches, int64_t micro_batch)
+  PipelineStrategy(const Config& c, models::GPT model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
       : model_(std::move(model)), mesh_(mesh) {
     const auto& p = c.parallel;
     if (p.tp > 1) {
@@ -34,10 +33,10 @@ class PipelineStrategy final : public DataParallel {
     }
     pl::PipelineOptions po;
     po.schedule = pl::parse_schedule(p.schedule);
-    po.microbatches = static_cast<int>(microbatches);
+    po.microbatches = static_cast<int>(run_plan.accum);
     po.virtual_stages = p.virtual_stages;
     po.balance = pl::parse_balance(p.pp_balance);
-    po.micro_batch = micro_batch;
+    po.micro_batch = run_plan.micro_batch;
     po.sequence_parallel_tp = p.tp > 1 && p.sequence_parallel;
     po.tp_size = p.tp;
     pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), po, world.group().get());
@@ -45,7 +44,7 @@ class PipelineStrategy final : public DataParallel {
     std::vector<std::shared_ptr<pl::ChunkRunner>> runners;
     sharded_ = p.strategy != "ddp" && !(p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
     if (sharded_) {
-      ShardedSetup setup = sharded_setup(c, policy, mesh);
+      ShardedSetup setup = sharded_setup(c, run_plan, mesh);
       label_ = setup.label;
       shard_group_ = setup.shard;
       for (const auto& ch : pipe_->chunks()) {
@@ -59,7 +58,7 @@ class PipelineStrategy final : public DataParallel {
     } else {
       label_ = "ddp";
       parallel::DDPOptions o = ddp_options(p);
-      if (policy.reduce == at::kBFloat16) o.comm_dtype = at::kBFloat16;
+      if (run_plan.policy.reduce == at::kBFloat16) o.comm_dtype = at::kBFloat16;
       for (const auto& ch : pipe_->chunks()) {
         auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);
         ddps_.push_back(r);
@@ -153,9 +152,9 @@ class PipelineStrategy final : public DataParallel {
     int offset = 0;
     for (size_t j = 0; j < pipe_->chunks().size(); ++j) {
       checkpoint::Layout l =
-          sharded_ ? checkpoint::sharded_layout(engines_[j]->engine())
+          sharded_ ? sharded_layout(engines_[j]->engine())
                    : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
-      if (plan_) l = checkpoint::tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
+      if (plan_) l = tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
       int n = 0;
       for (auto& s : l.slots) {
         if (s.optim_index >= 0) {
@@ -196,19 +195,14 @@ class PipelineStrategy final : public DataParallel {
 
 }  // namespace
 
-Parallelized parallelize_pipeline(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
-                                  const precision::PrecisionPolicy& policy) {
-  const auto& p = c.parallel;
-  const int dp = mesh.dims().dp();
-  const int64_t m = p.microbatches > 0 ? p.microbatches : c.train.global_batch / (c.train.micro_batch * dp);
-  const int64_t micro = c.train.global_batch / (m * dp);
+Parallelized parallelize_pipeline(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   Parallelized out;
   torch::manual_seed(c.train.seed);
-  out.model = models::GPT(mcfg);
-  out.model->to(policy.param);
+  out.model = models::GPT(plan.model);
+  out.model->to(plan.policy.param);
   init_from(out.model, c.model.init_from);
   try {
-    out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, policy, m, micro);
+    out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, plan);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
   }

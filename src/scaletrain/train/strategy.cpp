@@ -8,6 +8,7 @@
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
 #include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/models/deferred.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -24,7 +25,7 @@ using TensorPlan = std::optional<parallel::tensor::TensorParallelPlan>;
 // What a strategy's rank holds for checkpoints, in full-model coordinates
 // when the model is tensor parallel.
 checkpoint::Layout in_full_coordinates(checkpoint::Layout l, const TensorPlan& plan) {
-  return plan ? checkpoint::tensor_parallel_layout(std::move(l), *plan) : l;
+  return plan ? tensor_parallel_layout(std::move(l), *plan) : l;
 }
 
 // Micro-batches before the last accumulate locally (no communication) under
@@ -36,7 +37,7 @@ class DDPStrategy final : public DataParallel {
   // replicated parameters over tp; see parallel/tensor).
   DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p,
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
-      : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()) {
+      : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_.ptr(), group, ddp_options(p));
     params_ = model_->parameters();
   }
@@ -81,6 +82,7 @@ class DDPStrategy final : public DataParallel {
   void with_full_parameters(const std::function<void()>& fn) override { fn(); }
   std::string describe() const override {
     std::string s = "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
+    if (find_unused_) s += ", unused parameters found after each forward";
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
@@ -97,6 +99,7 @@ class DDPStrategy final : public DataParallel {
   models::GPT model_;
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   int rank_;
+  bool find_unused_;
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::vector<at::Tensor> params_;
 };
@@ -146,13 +149,23 @@ class ShardedStrategy final : public DataParallel {
   std::string describe() const override {
     std::string s = label_ + ", " + std::to_string(engine_->num_units()) + " units (root + " +
                     std::to_string(engine_->num_units() - 1) + " wrapped)";
+    // The engine's own options, as it runs them.
+    const fsdp::ShardedOptions& o = engine_->options();
+    s += std::string(", prefetch backward ") +
+         (o.backward_prefetch == fsdp::BackwardPrefetch::Pre    ? "PRE"
+          : o.backward_prefetch == fsdp::BackwardPrefetch::Post ? "POST"
+                                                                : "none") +
+         " forward " + (o.forward_prefetch ? "on" : "off");
+    if (o.limit_all_gathers) s += ", at most two units gathered";
+    s += o.deferred_init ? ", initialized shard by shard" : ", built whole then sharded";
+    s += o.sync_module_states ? " from rank 0's weights" : " on every rank";
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
     return s;
   }
   checkpoint::Layout checkpoint_layout() const override {
-    checkpoint::Layout l = in_full_coordinates(checkpoint::sharded_layout(*engine_), plan_);
+    checkpoint::Layout l = in_full_coordinates(sharded_layout(*engine_), plan_);
     l.strategy = label_;
     return l;
   }
@@ -215,46 +228,10 @@ TensorPlan apply_tensor_parallel(models::GPT& model, comm::Mesh& mesh, const Par
 
 }  // namespace
 
-void check_strategy(const Config& c, bool cuda) {
-  const auto& p = c.parallel;
-  const auto& z = p.zero;
-  const bool zero = p.strategy.rfind("zero", 0) == 0;
-  if (zero) {
-    if (z.offload_param != "none")
-      throw UsageError("parallel.zero.offload_param=" + z.offload_param +
-                       " is not available: parameter offload needs a CUDA build, and is not implemented yet");
-    if (z.offload_optimizer == "cpu")
-      throw UsageError(cuda ? "parallel.zero.offload_optimizer=cpu is not implemented yet on CUDA"
-                            : "parallel.zero.offload_optimizer=cpu: optimizer states already live in CPU memory "
-                              "on a CPU run; use nvme for file-backed states");
-    if (!z.overlap_comm || !z.contiguous_gradients || !z.reduce_scatter || !z.allgather_partitions)
-      throw UsageError(
-          "parallel.zero: overlap_comm, contiguous_gradients, reduce_scatter and allgather_partitions must stay true "
-          "(scaletrain always reduce-scatters flat gradient buffers during backward)");
-  }
-  if (!zero && (z.offload_optimizer != "none" || z.offload_param != "none"))
-    throw UsageError("parallel.zero.offload_* applies to strategies zero1-zero3, not '" + p.strategy + "'");
-  if (zero && z.offload_optimizer == "nvme" && ::access(z.offload_dir.c_str(), W_OK) != 0)
-    throw UsageError("parallel.zero.offload_dir '" + z.offload_dir + "' is not a writable directory");
-  if (p.strategy == "fsdp" && p.fsdp.offload_params)
-    throw UsageError(std::string("parallel.fsdp.offload_params is not available: ") +
-                     (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
-  if (p.strategy != "fsdp" && p.strategy != "ddp" && !zero)
-    throw UsageError("parallel.strategy '" + p.strategy + "' is not available");
-  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
-    throw UsageError("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
-  if (p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD")
-    if (p.dp_replicate != 1 && p.strategy != "ddp")
-      throw UsageError("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
-                       " needs strategy ddp or "
-                       "fsdp with HYBRID_SHARD (" +
-                       p.strategy + " shards over the whole data-parallel group)");
-}
-
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
-ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& policy, comm::Mesh& mesh) {
+ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) {
   const auto& p = c.parallel;
-  const at::ScalarType param_dtype = policy.param;
+  const at::ScalarType param_dtype = plan.policy.param;
   ShardedSetup out;
   fsdp::ShardedOptions& o = out.options;
   o.master_dtype = at::kFloat;
@@ -270,7 +247,6 @@ ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& po
     o.forward_prefetch = f.forward_prefetch;
     o.limit_all_gathers = f.limit_all_gathers;
     o.sync_module_states = f.sync_module_states;
-    out.deferred = f.cpu_ram_efficient_loading;
     if (o.sharding == fsdp::Sharding::HybridShard) {
       out.shard = &mesh.dp_shard();
       out.replicate = &mesh.dp_replicate();
@@ -283,53 +259,53 @@ ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& po
     z.prefetch = p.zero.prefetch_bucket_mb > 0;
     o = parallel::zero::sharded_options(z);
     o.master_dtype = at::kFloat;
-    // stage3_max_live_parameters: gathered units stay bounded to two unless
-    // the whole model may be live at once.
     o.limit_all_gathers = z.stage == 3;
-    out.deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
     out.no_sync = z.stage == 1;
   }
-  o.reduce_dtype = policy.reduce;
+  o.reduce_dtype = plan.policy.reduce;
+  // zero3 always, fsdp with cpu_ram_efficient_loading (like DeepSpeed's
+  // zero.Init): never build the whole model; make_plan says when it cannot.
+  out.deferred = plan.deferred_init;
   return out;
 }
 
-Parallelized parallelize(const Config& c, const models::GPTConfig& mcfg, comm::World& world, comm::Mesh& mesh,
-                         const precision::PrecisionPolicy& policy) {
+Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   const auto& p = c.parallel;
-  const at::ScalarType param_dtype = policy.param;
+  const models::GPTConfig& mcfg = plan.model;
+  const at::ScalarType param_dtype = plan.policy.param;
   Parallelized out;
-  if (p.pp > 1) return parallelize_pipeline(c, mcfg, world, mesh, policy);
+  if (p.pp > 1) return parallelize_pipeline(c, plan, world, mesh);
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
-    TensorPlan plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
+    TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
-    if (policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(plan));
+    if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(tp_plan));
     return out;
   }
-  ShardedSetup setup = sharded_setup(c, policy, mesh);
+  ShardedSetup setup = sharded_setup(c, plan, mesh);
   fsdp::ShardedOptions& o = setup.options;
-  bool deferred = setup.deferred;
-  if (!c.model.init_from.empty()) deferred = false;  // build whole, load, then shard
   torch::manual_seed(c.train.seed);
-  // Deferred models are built in fp32 and initialized per tensor in the
-  // parameter dtype; the engine's buffers take the parameters' dtype.
-  if (deferred && param_dtype == at::kFloat) {
+  // Deferred models are built in fp32 and initialized per tensor; the
+  // engine's buffers take the parameters' dtype.
+  if (setup.deferred) {
     out.model = models::GPT(mcfg, /*materialize=*/false);
-    o.deferred_init = [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); };
+    models::set_deferred_dtype(*out.model, param_dtype);
+    o.deferred_init = models::init_through(
+        at::kFloat, [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
   } else {
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
   }
-  TensorPlan plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
+  TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,
-                                               setup.label, std::move(plan));
+                                               setup.label, std::move(tp_plan));
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // a wrap policy the model cannot take, etc.
   }

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
@@ -16,6 +16,7 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/plan.h"
 
 namespace scaletrain::train {
 
@@ -69,8 +70,7 @@ struct Parallelized {
   models::GPT model{nullptr};
   std::unique_ptr<DataParallel> dp;
 };
-Parallelized parallelize(const Config& config, const models::GPTConfig& model_config, comm::World& world,
-                         comm::Mesh& mesh, const precision::PrecisionPolicy& policy);
+Parallelized parallelize(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 
 // Pieces parallelize() shares with the pipeline strategy.
 struct ShardedSetup {
@@ -81,16 +81,12 @@ struct ShardedSetup {
   bool no_sync = true;               // accumulate whole gradients until the last micro-batch
   std::string label;                 // for describe()
 };
-ShardedSetup sharded_setup(const Config& config, const precision::PrecisionPolicy& policy, comm::Mesh& mesh);
+ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& mesh);
 // DDP's options from the parallel section (bucket caps, unused parameters, comm dtype).
 parallel::DDPOptions ddp_options(const ParallelOptions& p);
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::GPT& model, const std::string& path);
 // parallel.pp > 1 (train/pipeline_strategy.cpp).
-Parallelized parallelize_pipeline(const Config& config, const models::GPTConfig& model_config, comm::World& world,
-                                  comm::Mesh& mesh, const precision::PrecisionPolicy& policy);
-
-// Checks the parallel section against what this build can do (no peers needed).
-void check_strategy(const Config& config, bool cuda);
+Parallelized parallelize_pipeline(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 
 }  // namespace scaletrain::train

@@ -153,6 +153,54 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(other[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 }
 
+// FSDP's FULL_STATE_DICT (Note [Full state dict]): rank 0 writes one file of
+// whole tensors, holding the same values as the sharded save of the same
+// step, and other layouts resume it on the same curve (ports 29930-29933).
+TEST(CheckpointResume, FullStateDictIsOneFileOfWholeTensors) {
+  const auto full = fresh("full_sd"), sharded = fresh("sharded_sd");
+  const std::string fsdp = "--parallel.strategy=fsdp --train.stop_at=3 ";
+  const auto whole = train(2, "fsdp_whole", "--parallel.strategy=fsdp", 29930);
+  ASSERT_EQ(whole.size(), 6u);
+  train(2, "fsdp_full",
+        fsdp + "--parallel.fsdp.state_dict_type=FULL_STATE_DICT --checkpoint.dir=" + full.string(), 29931);
+  train(2, "fsdp_sharded", fsdp + "--checkpoint.dir=" + sharded.string(), 29932);
+  const std::string full3 = checkpoint::step_dir(full.string(), 3), sharded3 = checkpoint::step_dir(sharded.string(), 3);
+
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(full3)) files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"index.json", "rank-00000.json", "rank-00000.safetensors"}));
+  const Index fi = checkpoint::read_index(full3), si = checkpoint::read_index(sharded3);
+  ASSERT_EQ(fi.files.size(), 1u);
+  EXPECT_GT(si.files.size(), 1u) << "the sharded save is the comparison: it must have one file per rank";
+  ASSERT_EQ(fi.tensors.size(), si.tensors.size());
+  int model_tensors = 0;
+  for (const auto& [name, t] : fi.tensors) {
+    ASSERT_TRUE(si.tensors.count(name)) << name;
+    ASSERT_EQ(t.pieces.size(), 1u) << name << " is not whole";
+    EXPECT_EQ(t.pieces[0].begin, 0);
+    EXPECT_EQ(t.pieces[0].numel, t.numel());
+    model_tensors += name.rfind("model/", 0) == 0;
+    // Same values as the ranks' own pieces of the same step.
+    at::Tensor a = torch::empty({t.numel()}), b = torch::empty({t.numel()});
+    checkpoint::read_tensors(full3, fi, {{name, a}});
+    checkpoint::read_tensors(sharded3, si, {{name, b}});
+    EXPECT_TRUE(torch::equal(a, b)) << name;
+  }
+  EXPECT_EQ(static_cast<int>(fi.tensors.size()), 3 * model_tensors) << "model, exp_avg and exp_avg_sq of each";
+  EXPECT_TRUE(checkpoint::verify_files(full3, fi).empty());
+
+  // DDP on one process and zero3 on two resume the full checkpoint.
+  const auto ddp = train(0, "full_to_ddp", "--parallel.strategy=ddp --checkpoint.resume=" + full3, 0);
+  const auto zero3 = train(2, "full_to_zero3", "--parallel.strategy=zero3 --checkpoint.resume=" + full3, 29933);
+  ASSERT_EQ(ddp.size(), 3u);
+  ASSERT_EQ(zero3.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+    EXPECT_NEAR(zero3[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
+  }
+}
+
 // A pipeline saves per stage under the whole model's names: DDP on one
 // process resumes it, and a pipeline resumes what DDP saved (ports 29926-29929).
 TEST(CheckpointResume, PipelineStagesSaveAndLoadAcrossLayouts) {

@@ -18,7 +18,7 @@
 // (ZeRO/FSDP: Note [Sharding tensor-parallel parameters] in parallel/fsdp)
 // then wraps the split model over the data-parallel group of each tp rank.
 // Checkpoints describe every shard as pieces of the full tensor
-// (checkpoint::tensor_parallel_layout), so they reload under any layout.
+// (train::tensor_parallel_layout), so they reload under any layout.
 //
 // Per block, forward and backward each cost two all-reduces of [B, T, C]
 // (attention and MLP), or under sequence parallelism two all-gathers and two

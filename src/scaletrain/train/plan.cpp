@@ -1,0 +1,292 @@
+#include "scaletrain/train/plan.h"
+
+#include <unistd.h>
+
+#include <functional>
+
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/parallel/pipeline/schedule.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+// Problems found so far (Note [One plan]).
+class Problems {
+ public:
+  // Runs `check`; a UsageError it throws becomes a problem. Returns whether it passed.
+  bool check(const std::function<void()>& check) {
+    try {
+      check();
+      return true;
+    } catch (const UsageError& e) {
+      list_.emplace_back(e.what());
+      return false;
+    }
+  }
+  void add(std::string problem) { list_.push_back(std::move(problem)); }
+  void raise() const {
+    if (list_.empty()) return;
+    if (list_.size() == 1) throw UsageError(list_[0]);
+    std::string all = std::to_string(list_.size()) + " problems in the config: ";
+    for (size_t i = 0; i < list_.size(); ++i) all += (i ? "; " : "") + list_[i];
+    throw UsageError(all);
+  }
+
+ private:
+  std::vector<std::string> list_;
+};
+
+bool is_zero(const std::string& strategy) { return strategy.rfind("zero", 0) == 0; }
+// FSDP's NO_SHARD runs DDP (parallel/ddp).
+bool runs_ddp(const ParallelOptions& p) {
+  return p.strategy == "ddp" || (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
+}
+
+models::GPTConfig model_config(const ModelOptions& m) {
+  models::GPTConfig c = models::gpt_preset(m.preset);
+  if (m.n_layer) c.n_layer = m.n_layer;
+  if (m.n_head) c.n_head = m.n_head;
+  if (m.n_embd) c.n_embd = m.n_embd;
+  if (m.block_size) c.block_size = m.block_size;
+  if (m.vocab_size) c.vocab_size = m.vocab_size;
+  c.dropout = m.dropout;
+  c.validate();
+  return c;
+}
+
+// Note [Settings that apply]: a key that the run would not read, set to a
+// value other than its default, is refused with the reason. Each rule names
+// keys (a trailing '.' matches a whole section) and says when they apply.
+struct ApplyRule {
+  std::vector<std::string> keys;
+  std::function<bool(const Config&)> applies;
+  std::function<std::string(const Config&)> reason;
+};
+
+const std::vector<ApplyRule>& apply_rules() {
+  static const std::vector<ApplyRule> rules = {
+      {{"parallel.fsdp."},
+       [](const Config& c) { return c.parallel.strategy == "fsdp"; },
+       [](const Config& c) { return "parallel.fsdp applies to parallel.strategy=fsdp, not " + c.parallel.strategy; }},
+      {{"parallel.fsdp.auto_wrap_policy", "parallel.fsdp.backward_prefetch", "parallel.fsdp.forward_prefetch",
+        "parallel.fsdp.limit_all_gathers", "parallel.fsdp.sync_module_states",
+        "parallel.fsdp.cpu_ram_efficient_loading", "parallel.fsdp.transformer_layer_cls",
+        "parallel.fsdp.min_num_params"},
+       [](const Config& c) { return c.parallel.fsdp.sharding_strategy != "NO_SHARD"; },
+       [](const Config&) { return std::string("sharding_strategy NO_SHARD runs DDP, which has no units to gather"); }},
+      {{"parallel.fsdp.transformer_layer_cls"},
+       [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "transformer"; },
+       [](const Config& c) {
+         return "it is read by auto_wrap_policy transformer, not " + c.parallel.fsdp.auto_wrap_policy;
+       }},
+      {{"parallel.fsdp.min_num_params"},
+       [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "size"; },
+       [](const Config& c) { return "it is read by auto_wrap_policy size, not " + c.parallel.fsdp.auto_wrap_policy; }},
+      {{"parallel.zero."},
+       [](const Config& c) { return is_zero(c.parallel.strategy); },
+       [](const Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
+      {{"parallel.zero.reduce_bucket_mb", "parallel.zero.allgather_bucket_mb"},
+       [](const Config& c) { return c.parallel.strategy != "zero3"; },
+       [](const Config&) {
+         return std::string("stage 3 gathers and reduces one transformer block at a time (stages 1-2 read it)");
+       }},
+      {{"parallel.zero.prefetch_bucket_mb", "parallel.zero.max_live_parameters", "parallel.zero.offload_param"},
+       [](const Config& c) { return c.parallel.strategy == "zero3"; },
+       [](const Config& c) {
+         return "it concerns sharded parameters, which only zero3 has (strategy is " + c.parallel.strategy + ")";
+       }},
+      {{"parallel.zero.offload_dir"},
+       [](const Config& c) {
+         return c.parallel.zero.offload_optimizer == "nvme" || c.parallel.zero.offload_param == "nvme";
+       },
+       [](const Config&) { return std::string("it is read only when offloading to nvme"); }},
+      {{"parallel.bucket_cap_mb", "parallel.first_bucket_mb", "parallel.last_bucket_mb",
+        "parallel.find_unused_parameters"},
+       [](const Config& c) { return runs_ddp(c.parallel); },
+       [](const Config& c) { return "DDP reads it; strategy " + c.parallel.strategy + " does not"; }},
+      {{"parallel.schedule", "parallel.microbatches", "parallel.virtual_stages", "parallel.pp_balance"},
+       [](const Config& c) { return c.parallel.pp > 1; },
+       [](const Config&) { return std::string("pipelines read it (parallel.pp > 1)"); }},
+      {{"parallel.sequence_parallel"},
+       [](const Config& c) { return c.parallel.tp > 1; },
+       [](const Config&) { return std::string("it applies with tensor parallelism (parallel.tp > 1)"); }},
+      {{"checkpoint.every", "checkpoint.keep", "checkpoint.async"},
+       [](const Config& c) { return !c.checkpoint.dir.empty(); },
+       [](const Config&) { return std::string("checkpoint.dir is not set"); }},
+      {{"precision.buffer_dtype"},
+       [](const Config&) { return false; },
+       [](const Config&) { return std::string("the model has no buffers (every tensor it keeps is a parameter)"); }},
+      {{"train.sample_prompt"},
+       [](const Config& c) { return c.train.sample_tokens > 0; },
+       [](const Config&) { return std::string("train.sample_tokens is 0 (no sample)"); }},
+  };
+  return rules;
+}
+
+bool matches(const std::string& rule_key, const std::string& key) {
+  return rule_key.back() == '.' ? key.compare(0, rule_key.size(), rule_key) == 0 : key == rule_key;
+}
+
+// Keys set away from their defaults that the run would not read.
+void check_settings_apply(const Config& c, const precision::PrecisionPolicy* policy, Problems& problems) {
+  static const Config defaults;
+  for (const auto& key : config_keys()) {
+    const std::string value = config_value(c, key);
+    if (value == config_value(defaults, key)) continue;
+    for (const auto& rule : apply_rules()) {
+      bool named = false;
+      for (const auto& k : rule.keys) named = named || matches(k, key);
+      if (named && !rule.applies(c)) {
+        problems.add(key + "=" + value + " would have no effect: " + rule.reason(c));
+        break;
+      }
+    }
+  }
+  // Loss-scaling keys need loss scaling (fp16, or bf16 with scale_bf16).
+  if (!policy) return;
+  const bool dynamic = c.precision.loss_scale == 0;
+  for (const char* key : {"precision.loss_scale", "precision.initial_scale_power", "precision.loss_scale_window",
+                          "precision.hysteresis", "precision.min_loss_scale"}) {
+    const std::string value = config_value(c, key);
+    if (value == config_value(defaults, key)) continue;
+    if (!policy->loss_scaling)
+      problems.add(std::string(key) + "=" + value + " would have no effect: this run does not scale the loss " +
+                   "(fp16, or bf16 with precision.scale_bf16)");
+    else if (!dynamic && std::string(key) != "precision.loss_scale")
+      problems.add(std::string(key) + "=" + value + " would have no effect: precision.loss_scale fixes a static scale");
+  }
+  if (c.precision.scale_bf16 && c.precision.mode != "bf16" && c.precision.param_dtype != "bf16")
+    problems.add("precision.scale_bf16=true would have no effect: nothing computes or is stored in bf16");
+}
+
+// What this build can run of the parallel section (no peers needed).
+void check_strategy(const Config& c, bool cuda, Problems& problems) {
+  const auto& p = c.parallel;
+  const auto& z = p.zero;
+  const bool zero = is_zero(p.strategy);
+  if (zero && z.offload_param != "none")
+    problems.add("parallel.zero.offload_param=" + z.offload_param +
+                 " is not available: parameter offload needs a CUDA build, and is not implemented yet");
+  if (zero && z.offload_optimizer == "cpu")
+    problems.add(cuda ? "parallel.zero.offload_optimizer=cpu is not implemented yet on CUDA"
+                      : "parallel.zero.offload_optimizer=cpu: optimizer states already live in CPU memory "
+                        "on a CPU run; use nvme for file-backed states");
+  if (zero && (!z.overlap_comm || !z.contiguous_gradients || !z.reduce_scatter || !z.allgather_partitions))
+    problems.add(
+        "parallel.zero: overlap_comm, contiguous_gradients, reduce_scatter and allgather_partitions must stay true "
+        "(scaletrain always reduce-scatters flat gradient buffers during backward)");
+  if (zero && z.offload_optimizer == "nvme" && ::access(z.offload_dir.c_str(), W_OK) != 0)
+    problems.add("parallel.zero.offload_dir '" + z.offload_dir + "' is not a writable directory");
+  if (z.offload_pin_memory && !cuda)
+    problems.add(
+        "parallel.zero.offload_pin_memory=true needs a CUDA device (page-locked host memory only speeds "
+        "copies between host and GPU); this run computes on CPU");
+  if (p.strategy == "fsdp" && p.fsdp.offload_params)
+    problems.add(std::string("parallel.fsdp.offload_params is not available: ") +
+                 (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
+  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
+    problems.add("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
+  if ((p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD") && p.dp_replicate != 1 &&
+      p.strategy != "ddp")
+    problems.add("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
+                 " needs strategy ddp or fsdp with HYBRID_SHARD (" + p.strategy +
+                 " shards over the whole data-parallel group)");
+  if (p.backend == "nccl" && !cuda) problems.add("parallel.backend=nccl needs CUDA tensors; this run computes on CPU");
+  if (p.comm_dtype == "bf16" && !c.precision.reduce_dtype.empty() && c.precision.reduce_dtype != "bf16")
+    problems.add("parallel.comm_dtype=bf16 and precision.reduce_dtype=" + c.precision.reduce_dtype +
+                 " disagree on the dtype gradients are reduced in");
+  if (c.checkpoint.async && p.strategy == "fsdp" && p.fsdp.state_dict_type == "FULL_STATE_DICT")
+    problems.add(
+        "checkpoint.async with parallel.fsdp.state_dict_type=FULL_STATE_DICT is not supported: the full "
+        "state is gathered tensor by tensor, a collective that runs in the training thread");
+}
+
+// Pipeline keys, and the schedule's shape.
+void check_pipeline(const Config& c, const models::GPTConfig& m, int dp, Problems& problems) {
+  const auto& p = c.parallel;
+  if (p.pp < 1) return problems.add("parallel.pp must be at least 1, got " + std::to_string(p.pp));
+  if (p.pp == 1) return;
+  if (c.train.sample_tokens > 0)
+    problems.add("sampling a pipeline-parallel model is not available; set train.sample_tokens=0");
+  if (p.tp > 1 && p.strategy != "ddp")
+    problems.add("parallel.tp=" + std::to_string(p.tp) + " with parallel.pp composes with strategy ddp only (got '" +
+                 p.strategy + "')");
+  if (p.microbatches < 0) problems.add("parallel.microbatches must be positive");
+  if (p.microbatches > 0 && c.train.global_batch % (static_cast<int64_t>(p.microbatches) * dp) != 0)
+    problems.add("train.global_batch=" + std::to_string(c.train.global_batch) + " is not divisible by " +
+                 "parallel.microbatches=" + std::to_string(p.microbatches) + " x dp=" + std::to_string(dp));
+  if (m.n_layer < static_cast<int64_t>(p.pp) * p.virtual_stages)
+    problems.add("model.n_layer=" + std::to_string(m.n_layer) + " blocks cannot fill parallel.pp=" +
+                 std::to_string(p.pp) + " x virtual_stages=" + std::to_string(p.virtual_stages) + " chunks");
+}
+
+}  // namespace
+
+Plan make_plan(const Config& c, int world_size) {
+  Plan plan;
+  Problems problems;
+  const auto& p = c.parallel;
+  const bool model_ok = problems.check([&] { plan.model = model_config(c.model); });
+  const bool policy_ok =
+      problems.check([&] { plan.policy = precision::PrecisionPolicy::from_options(c.precision, plan.cuda); });
+  // parallel.comm_dtype is the dtype gradients travel in under every
+  // strategy: DDP's buckets and the sharded engine's reduce-scatters.
+  if (policy_ok && p.comm_dtype == "bf16") plan.policy.reduce = at::kBFloat16;
+  check_strategy(c, plan.cuda, problems);
+  check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
+  if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))
+    problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +
+                 " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); " +
+                 (p.strategy == "ddp" ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
+  if (policy_ok && plan.policy.reduce == at::kHalf && !plan.cuda)
+    problems.add("precision.reduce_dtype=fp16 needs CUDA (Gloo sums 16-bit payloads only as bf16 here)");
+  if (c.data.path.empty()) problems.add("data.path is not set (a token file from `scaletrain prepare`)");
+
+  const bool dims_ok = problems.check([&] {
+    plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp}.resolved(world_size);
+  });
+  if (model_ok && p.tp > 1) problems.check([&] { parallel::tensor::check_tensor_parallel(plan.model, p.tp); });
+  if (model_ok && dims_ok) {
+    check_pipeline(c, plan.model, plan.dims.dp(), problems);
+    // A pipeline's parallel.microbatches, when set, decides the micro-batch size.
+    plan.micro_batch = p.pp > 1 && p.microbatches > 0
+                           ? c.train.global_batch / (static_cast<int64_t>(p.microbatches) * plan.dims.dp())
+                           : c.train.micro_batch;
+    const bool layout_ok = problems.check([&] {
+      data::SamplerOptions so;
+      so.global_batch = c.train.global_batch;
+      // The layout's arithmetic does not depend on the dataset's size.
+      data::DistributedSampler layout(1, so);
+      plan.accum = layout.micro_batches_per_step(plan.dims.dp(), static_cast<int>(plan.micro_batch));
+    });
+    if (layout_ok && p.pp > 1)
+      problems.check([&] {
+        parallel::pipeline::check_schedule(
+            {parallel::pipeline::parse_schedule(p.schedule), p.pp, static_cast<int>(plan.accum), p.virtual_stages});
+      });
+  }
+
+  // Memory-efficient initialization: zero3 always, fsdp when asked. The cases
+  // it does not cover build the whole model first, and say so.
+  const bool wants_deferred = p.strategy == "zero3" || (p.strategy == "fsdp" && p.fsdp.cpu_ram_efficient_loading);
+  if (wants_deferred) {
+    std::string why;
+    if (p.pp > 1)
+      why = "pipeline stages are cut from a whole model";
+    else if (!c.model.init_from.empty())
+      why = "model.init_from loads the whole model before sharding";
+    plan.deferred_init = why.empty();
+    if (!why.empty())
+      plan.notices.push_back(std::string(p.strategy == "zero3" ? "zero3's deferred initialization"
+                                                               : "parallel.fsdp.cpu_ram_efficient_loading") +
+                             " does not apply to this run (" + why +
+                             "): every rank builds the whole model once, then keeps its shard");
+  }
+  plan.full_state_dict = p.strategy == "fsdp" && p.fsdp.state_dict_type == "FULL_STATE_DICT";
+  problems.raise();
+  return plan;
+}
+
+}  // namespace scaletrain::train
