@@ -25,23 +25,15 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/metrics.h"
+#include "scaletrain/train/model_config.h"
 #include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
 namespace {
 
-models::GPTConfig model_config(const ModelOptions& m) {
-  models::GPTConfig c = models::gpt_preset(m.preset);
-  if (m.n_layer) c.n_layer = m.n_layer;
-  if (m.n_head) c.n_head = m.n_head;
-  if (m.n_embd) c.n_embd = m.n_embd;
-  if (m.block_size) c.block_size = m.block_size;
-  if (m.vocab_size) c.vocab_size = m.vocab_size;
-  c.dropout = m.dropout;
-  c.validate();
-  return c;
-}
+// The preset with model.* over it, or model.init_from's dimensions (train/model_config.h).
+models::GPTConfig model_config(const ModelOptions& m) { return resolve_model_config(m); }
 
 // Threads per rank: what the launcher decided (SCALETRAIN_THREADS or
 // OMP_NUM_THREADS), else libtorch's default.
@@ -113,6 +105,8 @@ TrainResult run_training(const Config& cfg) {
   // Everything that can be rejected without peers is checked first, so bad
   // input fails fast and identically on every rank.
   TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
+  if (comm::world_info_from_env().rank == 0)  // accepted config keys without effect here, once
+    for (const auto& n : cfg.notices) std::printf("scaletrain: note: %s\n", n.c_str());
   const models::GPTConfig mcfg = model_config(cfg.model);
   if (cfg.parallel.tp > 1) parallel::tensor::check_tensor_parallel(mcfg, cfg.parallel.tp);
   const bool cuda = false;  // the trainer computes on CPU (CUDA placement is not wired yet)
