@@ -1,6 +1,7 @@
 #include "scaletrain/train/model_config.h"
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -27,7 +28,12 @@ models::GPTConfig resolve_model_config(const ModelOptions& m) {
     c.validate();
     return c;
   }
-  models::GPTConfig f = checkpoint::hf_gpt2_file_config(m.init_from);
+  models::GPTConfig f;
+  try {
+    f = checkpoint::hf_gpt2_file_config(m.init_from);
+  } catch (const checkpoint::SafetensorsError& e) {  // a missing or malformed file: bad input, one line
+    throw UsageError("model.init_from: " + std::string(e.what()));
+  }
   agree("n_layer", m.n_layer, f.n_layer, m.init_from);
   agree("n_embd", m.n_embd, f.n_embd, m.init_from);
   agree("vocab_size", m.vocab_size, f.vocab_size, m.init_from);
