@@ -402,6 +402,27 @@ TEST(ConfigFilesRun, ConfigCommandWritesAFileThatTrains) {
   EXPECT_EQ(run_cli("config -o " + out.string()).code, 2);
 }
 
+// On a terminal it asks, re-asks after a bad answer, and keeps defaults on Enter
+// (a pseudo-terminal from util-linux's `script`).
+TEST(ConfigFilesRun, ConfigCommandAsksOnATerminal) {
+  if (std::system("command -v script >/dev/null 2>&1") != 0) GTEST_SKIP() << "util-linux script not installed";
+  const auto out = scratch() / "asked.yaml";
+  fs::remove(out);
+  const std::string cmd = "printf 'zero9\\nzero1\\n\\nbf16\\n\\n/tmp/x.tok\\n7\\n\\n\\n\\n' | script -qc '" +
+                          std::string(SCALETRAIN_BIN) + " config -o " + out.string() + "' /dev/null >" +
+                          (scratch() / "asked.txt").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(out), log(scratch() / "asked.txt");
+  std::stringstream ss, ls;
+  ss << in.rdbuf();
+  ls << log.rdbuf();
+  EXPECT_HAS(ls.str(), "parallel.strategy must be one of");  // zero9, then asked again
+  EXPECT_HAS(ss.str(), "strategy: zero1");
+  EXPECT_HAS(ss.str(), "mode: bf16");
+  EXPECT_HAS(ss.str(), "steps: 7");
+  EXPECT_HAS(ss.str(), "global_batch: 32");  // Enter: the default
+}
+
 // ---- model.init_from: dimensions from the file ---------------------------------
 
 TEST(InitFrom, DimensionsFromTheFileAndItsConfigJson) {
