@@ -8,12 +8,23 @@
 //
 // The `--` is needed whenever the worker command has options of its own:
 // without it those would be parsed as the launcher's.
+//
+// `--config_file FILE` reads an Accelerate config file as `accelerate launch
+// --config_file` does: num_processes (over all machines) / num_machines
+// workers per node, machine_rank, main_process_ip and main_process_port;
+// flags given explicitly win over the file. The file is also handed to each
+// worker (SCALETRAIN_ACCELERATE_CONFIG) so that `scaletrain train` applies
+// its training keys (distributed_type, mixed_precision, fsdp_config, ...).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "scaletrain/launch/launcher.h"
+#include "scaletrain/train/accelerate_config.h"
 
 namespace scaletrain::cli {
 
@@ -26,11 +37,19 @@ void add_launch(CLI::App& app, Runner& run) {
   auto opts = std::make_shared<launch::LaunchOptions>();
   auto command = std::make_shared<std::vector<std::string>>();
 
-  sub->add_option("--nproc-per-node", opts->nproc_per_node, "Workers to start on this node")->required();
-  sub->add_option("--nnodes", opts->nnodes, "Nodes in the job")->capture_default_str();
-  sub->add_option("--node-rank", opts->node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
-  sub->add_option("--master-addr", opts->master_addr, "Host of the rank-0 node (rendezvous)")->capture_default_str();
-  sub->add_option("--master-port", opts->master_port, "Rendezvous port on the master")->capture_default_str();
+  auto config_file = std::make_shared<std::string>();
+  auto* nproc = sub->add_option("--nproc-per-node", opts->nproc_per_node,
+                                "Workers to start on this node (required unless --config_file gives num_processes)");
+  auto* nnodes = sub->add_option("--nnodes", opts->nnodes, "Nodes in the job")->capture_default_str();
+  auto* node_rank =
+      sub->add_option("--node-rank", opts->node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
+  auto* addr = sub->add_option("--master-addr", opts->master_addr, "Host of the rank-0 node (rendezvous)")
+                   ->capture_default_str();
+  auto* port =
+      sub->add_option("--master-port", opts->master_port, "Rendezvous port on the master")->capture_default_str();
+  sub->add_option("--config_file,--config-file", *config_file,
+                  "Accelerate config file (as `accelerate launch --config_file`): its launcher keys set the flags "
+                  "not given, its training keys reach each `scaletrain train` worker");
   sub->add_option("--log-dir", opts->log_dir, "Also write each rank's output to DIR/rank<N>.log");
   sub->add_option("--threads", opts->threads,
                   "Intra-op threads per worker (OMP_NUM_THREADS, SCALETRAIN_THREADS); default: an "
@@ -39,8 +58,28 @@ void add_launch(CLI::App& app, Runner& run) {
       ->capture_default_str();
   sub->add_option("command", *command, "Worker command and its arguments, after --")->required();
 
-  sub->callback([&run, opts, command] {
-    run = [opts, command] { return launch::run(*opts, *command); };
+  sub->callback([&run, opts, command, config_file, nproc, nnodes, node_rank, addr, port] {
+    const bool from_file = !config_file->empty();
+    if (!from_file && nproc->count() == 0)
+      throw CLI::RequiredError("--nproc-per-node (or --config_file with num_processes)");
+    // Which flags were given explicitly: those win over the file.
+    const bool given[] = {nproc->count() > 0, nnodes->count() > 0, node_rank->count() > 0, addr->count() > 0,
+                          port->count() > 0};
+    run = [opts, command, config_file, from_file, given] {
+      if (from_file) {
+        const auto l = train::read_accelerate_launch(*config_file);
+        if (!given[1]) opts->nnodes = l.num_machines;
+        if (!given[0]) opts->nproc_per_node = l.num_processes / l.num_machines;
+        if (!given[2]) opts->node_rank = l.machine_rank;
+        if (!given[3] && !l.main_process_ip.empty()) opts->master_addr = l.main_process_ip;
+        if (!given[4] && l.main_process_port > 0) opts->master_port = l.main_process_port;
+        for (const auto& n : l.notes) std::fprintf(stderr, "scaletrain launch: note: %s\n", n.c_str());
+        // Inherited by every worker: `scaletrain train` reads the training keys.
+        const std::string abs = std::filesystem::absolute(*config_file).string();
+        ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
+      }
+      return launch::run(*opts, *command);
+    };
   });
 }
 

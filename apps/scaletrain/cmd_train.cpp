@@ -5,7 +5,6 @@
 #include <cstdio>
 
 #include "commands.h"
-#include "scaletrain/comm/env.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/train/metrics.h"
@@ -39,12 +38,8 @@ void add_train(CLI::App& app, Runner& run) {
     if (!init_from->empty()) overrides.push_back("model.init_from=" + *init_from);
     run = [config, deepspeed, overrides] {
       auto cfg = train::load_config(*config, overrides);
-      if (!deepspeed->empty()) {
-        // DeepSpeed's batch rule needs the data-parallel degree: the world over tp x pp.
-        const int world = comm::world_info_from_env().world_size;
-        const int model_parallel = static_cast<int>(std::max<int64_t>(1, cfg.parallel.tp * cfg.parallel.pp));
-        train::apply_deepspeed_config(cfg, *deepspeed, std::max(1, world / model_parallel));
-      }
+      if (!deepspeed->empty())
+        train::apply_deepspeed_config(cfg, *deepspeed, train::deepspeed_data_parallel_size(cfg));
       train::run_training(cfg);
       return 0;
     };

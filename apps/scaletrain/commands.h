@@ -18,5 +18,6 @@ void add_prepare(CLI::App& app, Runner& run);         // cmd_data.cpp
 void add_plot(CLI::App& app, Runner& run);            // cmd_data.cpp
 void add_estimate_memory(CLI::App& app, Runner& run); // cmd_estimate.cpp
 void add_checkpoint(CLI::App& app, Runner& run);      // cmd_checkpoint.cpp
+void add_config(CLI::App& app, Runner& run);          // cmd_config.cpp
 
 }  // namespace scaletrain::cli

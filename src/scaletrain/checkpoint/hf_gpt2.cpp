@@ -1,6 +1,11 @@
 #include "scaletrain/checkpoint/hf_gpt2.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <vector>
@@ -112,7 +117,9 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
     const TensorView& t = *it->second;
     std::vector<int64_t> want = item.value().sizes().vec();
     if (is_conv1d_weight(name)) std::swap(want[0], want[1]);
-    if (t.shape != want) {
+    // A longer position table serves a shorter block_size: its first rows are loaded.
+    const bool longer_wpe = name == "wpe.weight" && t.shape.size() == 2 && t.shape[0] > want[0] && t.shape[1] == want[1];
+    if (t.shape != want && !longer_wpe) {
       const auto& c = model->config();
       fail(path, "tensor '" + t.name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str(want) +
                      " (vocab_size=" + std::to_string(c.vocab_size) + ", block_size=" + std::to_string(c.block_size) +
@@ -139,6 +146,7 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
     const TensorView& t = *hf.by_name.at(item.key());
     at::Tensor src = tensor_from_view(t, path);
     if (is_conv1d_weight(item.key())) src = src.t();
+    if (item.key() == "wpe.weight") src = src.narrow(0, 0, item.value().size(0));
     item.value().copy_(src);  // converts dtype and device; copies the transpose's strides
   }
 }
@@ -182,7 +190,53 @@ models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {
   c.n_head = n_head;
   c.dropout = 0.0;
   c.bias = hf.by_name.count("h.0.attn.c_attn.bias") > 0;
-  c.validate();
+  if (n_head > 0) c.validate();  // 0: the head count is still unknown
+  return c;
+}
+
+models::GPTConfig hf_gpt2_file_config(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path json_path = fs::path(path).parent_path() / "config.json";
+  if (!fs::exists(json_path)) return hf_gpt2_config(path, 0);
+  const std::string where = "hf gpt2 " + json_path.string() + ": ";
+  nlohmann::json j;
+  try {
+    std::ifstream in(json_path);
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception&) {
+    throw UsageError(where + "is not valid JSON");
+  }
+  if (!j.is_object()) throw UsageError(where + "the top level must be an object");
+  auto integer = [&](const char* key) -> int64_t {
+    if (!j.contains(key) || j[key].is_null()) return 0;
+    if (!j[key].is_number_integer()) throw UsageError(where + key + " must be an integer, got " + j[key].dump());
+    return j[key].get<int64_t>();
+  };
+  const int64_t n_head = integer("n_head");
+  if (j.contains("n_head") && n_head < 1) throw UsageError(where + "n_head must be positive");
+  models::GPTConfig c = hf_gpt2_config(path, n_head);
+  // Each dimension config.json states must be the one the weights have.
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"n_layer", c.n_layer},
+                                   {"n_embd", c.n_embd},
+                                   {"n_positions", c.block_size},
+                                   {"vocab_size", c.vocab_size}}) {
+    const int64_t v = integer(key);
+    if (j.contains(key) && v != value)
+      throw UsageError(where + key + "=" + std::to_string(v) + " disagrees with the weights in " + path + " (" +
+                       std::to_string(value) + ")");
+  }
+  if (j.contains("model_type") && j["model_type"] != "gpt2")
+    throw UsageError(where + "model_type " + j["model_type"].dump() + " is not gpt2");
+  if (j.contains("layer_norm_epsilon") && j["layer_norm_epsilon"].is_number() &&
+      std::fabs(j["layer_norm_epsilon"].get<double>() - 1e-5) > 1e-12)
+    throw UsageError(where + "layer_norm_epsilon=" + j["layer_norm_epsilon"].dump() +
+                     " is not supported (this GPT-2 uses 1e-5)");
+  if (j.contains("activation_function") && j["activation_function"] != "gelu_new" &&
+      j["activation_function"] != "gelu_pytorch_tanh")
+    throw UsageError(where + "activation_function " + j["activation_function"].dump() +
+                     " is not supported (this GPT-2 uses the tanh GELU, gelu_new)");
+  if (const int64_t inner = integer("n_inner"); inner != 0 && inner != 4 * c.n_embd)
+    throw UsageError(where + "n_inner=" + std::to_string(inner) + " is not supported (this GPT-2 uses 4 x n_embd)");
   return c;
 }
 

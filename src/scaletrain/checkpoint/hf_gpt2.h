@@ -34,7 +34,8 @@ namespace scaletrain::checkpoint {
 void export_hf_gpt2(const models::GPT& model, const std::string& path);
 
 // Loads an HF GPT-2 safetensors file into `model`, in place, on the model's
-// device and dtype. Every tensor is checked before any parameter is written:
+// device and dtype. A position table (wpe.weight) longer than the model's
+// block_size is allowed: its first block_size rows are loaded. Every tensor is checked before any parameter is written:
 // a missing, unexpected, duplicated, misshaped or non-floating tensor throws
 // UsageError naming the tensor ("hf gpt2 PATH: ..."), and leaves the model
 // untouched. Malformed files throw SafetensorsError.
@@ -43,8 +44,19 @@ void import_hf_gpt2(models::GPT& model, const std::string& path);
 // The GPTConfig an HF GPT-2 file describes: vocab_size and n_embd from
 // wte.weight, block_size from wpe.weight, n_layer from the h.N blocks present
 // (they must be 0..L-1), bias from h.0.attn.c_attn.bias, dropout 0. The head
-// count is not recorded in the weights, so it is a parameter (GPT-2 small: 12).
+// count is not recorded in the weights, so it is a parameter (GPT-2 small: 12;
+// 0 = unknown: the result is then not validated).
 // Throws UsageError naming what is missing or inconsistent.
 models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head);
+
+// hf_gpt2_config() completed by the Hugging Face config.json in the file's
+// directory, when there is one: n_head from it (0 when there is no
+// config.json), and its n_layer, n_embd, n_positions, vocab_size checked
+// against the weights. Settings of config.json this model cannot honour
+// (layer_norm_epsilon other than 1e-5, an activation other than GPT-2's tanh
+// GELU, n_inner other than 4 x n_embd, a model_type other than gpt2) throw
+// UsageError naming config.json and the key. Its dropout probabilities are
+// not taken: dropout is a training choice (model.dropout).
+models::GPTConfig hf_gpt2_file_config(const std::string& path);
 
 }  // namespace scaletrain::checkpoint

@@ -7,21 +7,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <set>
 
+#include "scaletrain/train/accelerate_config.h"
+#include "scaletrain/train/config_values.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
-namespace {
-
-// One key of the table: how to set it from text and how to show its value.
-struct Field {
-  std::function<void(Config&, const std::string&)> set;
-  std::function<std::string(const Config&)> get;
-};
 
 int64_t to_int(const std::string& key, const std::string& v) {
   char* end = nullptr;
@@ -56,6 +52,14 @@ std::string join(const std::vector<std::string>& v) {
   for (const auto& x : v) out += (out.empty() ? "" : " | ") + (x.empty() ? std::string("\"\"") : x);
   return out;
 }
+
+namespace {
+
+// One key of the table: how to set it from text and how to show its value.
+struct Field {
+  std::function<void(Config&, const std::string&)> set;
+  std::function<std::string(const Config&)> get;
+};
 
 // Enum-like keys: their choices and how to read the current value.
 struct Choice {
@@ -238,7 +242,7 @@ const std::map<std::string, Field>& fields() {
 }
 
 const char* const kSections =
-    "(known: model, data, train, parallel, metrics, precision, checkpoint, fsdp_config, mixed_precision)";
+    "(known: model, data, train, parallel, metrics, precision, checkpoint, and the keys of Accelerate config files)";
 
 // True when some key starts with "prefix." (a section or sub-section).
 bool is_section(const std::string& prefix) {
@@ -263,88 +267,31 @@ void set_key(Config& c, const std::string& key, const std::string& value) {
   it->second.set(c, value);
 }
 
-// Note [Accelerate keys]: Hugging Face Accelerate's config files carry FSDP
-// settings in a top-level `fsdp_config:` map of fsdp_* keys and the compute
-// dtype in a top-level `mixed_precision:` (no | bf16 | fp16). We accept those
-// keys, and only those (any other is an error naming it), and map each onto
-// parallel.fsdp.* or precision.mode. An fsdp_config section implies
-// parallel.strategy=fsdp; an explicit other strategy, or a precision.mode
-// that disagrees with mixed_precision, is an error. Older Accelerate versions
-// wrote the sharding strategy as 1..4 (PyTorch's ShardingStrategy values);
-// 5 (HYBRID_SHARD_ZERO2) has no equivalent here. Explicit parallel.fsdp.*
-// keys and overrides are applied after fsdp_config and win.
-std::string map_value(const std::string& key, const std::string& v,
-                      const std::vector<std::pair<std::string, std::string>>& table) {
-  std::vector<std::string> accepted;
-  for (const auto& [from, to] : table) {
-    if (v == from) return to;
-    accepted.push_back(from);
-  }
-  throw UsageError(key + " must be one of " + join(accepted) + ", got '" + v + "'");
-}
-
-void set_accelerate_key(Config& c, const std::string& name, const std::string& v) {
-  const std::string key = "fsdp_config." + name;
-  auto& f = c.parallel.fsdp;
-  if (name == "fsdp_sharding_strategy")
-    f.sharding_strategy = map_value(key, v,
-                                    {{"FULL_SHARD", "FULL_SHARD"},
-                                     {"SHARD_GRAD_OP", "SHARD_GRAD_OP"},
-                                     {"NO_SHARD", "NO_SHARD"},
-                                     {"HYBRID_SHARD", "HYBRID_SHARD"},
-                                     {"1", "FULL_SHARD"},
-                                     {"2", "SHARD_GRAD_OP"},
-                                     {"3", "NO_SHARD"},
-                                     {"4", "HYBRID_SHARD"}});
-  else if (name == "fsdp_auto_wrap_policy")
-    f.auto_wrap_policy = map_value(
-        key, v, {{"TRANSFORMER_BASED_WRAP", "transformer"}, {"SIZE_BASED_WRAP", "size"}, {"NO_WRAP", "none"}});
-  else if (name == "fsdp_transformer_layer_cls_to_wrap")
-    f.transformer_layer_cls = v;
-  else if (name == "fsdp_min_num_params")
-    f.min_num_params = to_int(key, v);
-  else if (name == "fsdp_backward_prefetch")
-    f.backward_prefetch = map_value(
-        key, v, {{"BACKWARD_PRE", "BACKWARD_PRE"}, {"BACKWARD_POST", "BACKWARD_POST"}, {"NO_PREFETCH", "NONE"}});
-  else if (name == "fsdp_forward_prefetch")
-    f.forward_prefetch = to_bool(key, v);
-  else if (name == "fsdp_offload_params")
-    f.offload_params = to_bool(key, v);
-  else if (name == "fsdp_sync_module_states")
-    f.sync_module_states = to_bool(key, v);
-  else if (name == "fsdp_cpu_ram_efficient_loading")
-    f.cpu_ram_efficient_loading = to_bool(key, v);
-  else if (name == "fsdp_state_dict_type")
-    f.state_dict_type =
-        map_value(key, v, {{"FULL_STATE_DICT", "FULL_STATE_DICT"}, {"SHARDED_STATE_DICT", "SHARDED_STATE_DICT"}});
-  else
-    throw UsageError("unknown config key '" + key +
-                     "' (known in fsdp_config: fsdp_sharding_strategy, fsdp_auto_wrap_policy, "
-                     "fsdp_transformer_layer_cls_to_wrap, fsdp_min_num_params, fsdp_backward_prefetch, "
-                     "fsdp_forward_prefetch, fsdp_offload_params, fsdp_sync_module_states, "
-                     "fsdp_cpu_ram_efficient_loading, fsdp_state_dict_type)");
-}
-
-// Sets every scalar of a YAML map under `prefix` ("train", "parallel.fsdp").
-void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::set<std::string>& given) {
+// Sets every scalar of a YAML map under `prefix` ("train", "parallel.fsdp");
+// each key's problem is added to `problems` (a file's problems are reported together).
+void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::set<std::string>& given,
+              std::vector<std::string>& problems) {
   for (const auto& kv : map) {
     const std::string key = prefix + "." + kv.first.as<std::string>();
-    if (kv.second.IsMap() && is_section(key)) {
-      load_map(c, kv.second, key, given);
-      continue;
+    try {
+      if (kv.second.IsMap() && is_section(key)) {
+        load_map(c, kv.second, key, given, problems);
+        continue;
+      }
+      if (!kv.second.IsScalar() && (fields().count(key) || !kv.second.IsMap()))
+        throw UsageError(key + " must be a single value");
+      set_key(c, key, kv.second.IsScalar() ? kv.second.Scalar() : "");  // an unknown map: the error names it
+      given.insert(key);
+    } catch (const UsageError& e) {
+      problems.push_back(e.what());
     }
-    if (!kv.second.IsScalar() && (fields().count(key) || !kv.second.IsMap()))
-      throw UsageError(key + " must be a single value");
-    set_key(c, key, kv.second.IsScalar() ? kv.second.Scalar() : "");  // an unknown map: the error names it
-    given.insert(key);
   }
 }
 
-// Reads the YAML file into `c`; returns the keys it set and Accelerate's sections.
+// Reads the YAML file into `c`; returns the keys it set and Accelerate's settings.
 struct Loaded {
-  std::set<std::string> given;  // "section.key" set explicitly
-  bool fsdp_config = false;     // an Accelerate fsdp_config section was present
-  std::string mixed_precision;  // precision.mode implied by Accelerate's mixed_precision ("" = none)
+  std::set<std::string> given;     // "section.key" set explicitly
+  AccelerateSettings accelerate;  // Note [Accelerate keys] (accelerate_config.cpp)
 };
 
 void load_file(Config& c, const std::string& path, Loaded& loaded) {
@@ -359,33 +306,26 @@ void load_file(Config& c, const std::string& path, Loaded& loaded) {
   }
   if (!root || root.IsNull()) return;
   if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
+  std::vector<std::string> problems;  // every problem of the file, in one error
   for (const auto& section : root) {
     const std::string name = section.first.as<std::string>();
     try {
-      if (name == "mixed_precision") {  // Note [Accelerate keys]
-        if (!section.second.IsScalar()) throw UsageError("mixed_precision must be a single value");
-        loaded.mixed_precision =
-            map_value("mixed_precision", section.second.Scalar(), {{"no", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}});
+      if (is_accelerate_key(name)) {
+        read_accelerate_key(c, loaded.accelerate, name, section.second, path);
         continue;
       }
-      if (name != "fsdp_config" && !is_section(name))
-        throw UsageError("unknown config section '" + name + "' " + kSections);
+      if (!is_section(name)) throw UsageError("unknown config section '" + name + "' " + kSections);
       if (!section.second.IsMap() && !section.second.IsNull())
         throw UsageError("section '" + name + "' must be a map of keys");
-      if (name == "fsdp_config") {
-        for (const auto& kv : section.second) {
-          const std::string key = kv.first.as<std::string>();
-          if (!kv.second.IsScalar()) throw UsageError("fsdp_config." + key + " must be a single value");
-          set_accelerate_key(c, key, kv.second.Scalar());
-        }
-        loaded.fsdp_config = true;
-        continue;
-      }
-      load_map(c, section.second, name, loaded.given);
+      load_map(c, section.second, name, loaded.given, problems);
     } catch (const UsageError& e) {
-      throw UsageError("config file " + path + ": " + e.what());
+      problems.push_back(e.what());
     }
   }
+  if (problems.empty()) return;
+  std::string all;
+  for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
+  throw UsageError("config file " + path + ": " + all);
 }
 
 }  // namespace
@@ -466,23 +406,17 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   Config c;
   Loaded loaded;
   if (!path.empty()) load_file(c, path, loaded);
+  // An Accelerate file handed down by `scaletrain launch --config_file`.
+  if (const char* acc = std::getenv(kAccelerateConfigEnv); acc && *acc) {
+    std::error_code ec;
+    if (path.empty() || !std::filesystem::equivalent(path, acc, ec)) load_file(c, acc, loaded);
+  }
   for (const auto& o : overrides) {
     apply_override(c, o);
     const std::string a = o.rfind("--", 0) == 0 ? o.substr(2) : o;
     loaded.given.insert(a.substr(0, a.find('=')));
   }
-  if (loaded.fsdp_config) {  // Note [Accelerate keys]
-    if (loaded.given.count("parallel.strategy") && c.parallel.strategy != "fsdp")
-      throw UsageError("fsdp_config implies parallel.strategy=fsdp, but parallel.strategy is '" + c.parallel.strategy +
-                       "'");
-    c.parallel.strategy = "fsdp";
-  }
-  if (!loaded.mixed_precision.empty()) {
-    if (loaded.given.count("precision.mode") && c.precision.mode != loaded.mixed_precision)
-      throw UsageError("mixed_precision implies precision.mode=" + loaded.mixed_precision +
-                       ", but precision.mode is '" + c.precision.mode + "'");
-    c.precision.mode = loaded.mixed_precision;
-  }
+  finish_accelerate(c, loaded.accelerate, loaded.given);  // Note [Accelerate keys]
   validate_config(c);
   return c;
 }

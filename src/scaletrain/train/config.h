@@ -128,15 +128,20 @@ struct Config {
   MetricsOptions metrics;
   PrecisionOptions precision;
   CheckpointingOptions checkpoint;
+  // Not a key: "accepted, no effect on this build" lines that the config-file
+  // readers (DeepSpeed JSON, Accelerate YAML) append, one per key, and that
+  // rank 0 prints once at start ("scaletrain: note: ...").
+  std::vector<std::string> notices;
 };
 
 // Reads a YAML file of sections (model, data, train, parallel, metrics,
 // precision, checkpoint) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
-// and Accelerate's top-level `fsdp_config:` and `mixed_precision:` (see
-// config.cpp, Note [Accelerate keys]), then applies overrides of the form
+// and the keys of Accelerate config files (accelerate_config.cpp, Note
+// [Accelerate keys]; also the file named by SCALETRAIN_ACCELERATE_CONFIG, as
+// `scaletrain launch --config_file` sets it), then applies overrides of the form
 // "section.key=value" or "section.sub.key=value". Malformed YAML, unknown
 // sections or keys, ill-typed values and values outside a key's choices throw
-// UsageError naming the file, the key and the problem.
+// UsageError naming the file, every such key and its problem.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // Applies one "section.key=value" to `config` (enum-like keys are checked here).
 void apply_override(Config& config, const std::string& assignment);

@@ -2,22 +2,54 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <set>
+
+#include "scaletrain/comm/env.h"
+#include "scaletrain/train/model_config.h"
 
 #include "scaletrain/util/error.h"
 
 // Note [DeepSpeed mapping]
-// - Every key is mapped onto a Config field, or is an error naming it
-//   ("file: unknown key 'zero_optimization.sub_group_size' (known: ...)").
-//   Keys accepted only for values that match our behaviour:
-//   wall_clock_breakdown (false only). Purely cosmetic keys, accepted and
-//   ignored: optimizer.params.torch_adam (picks PyTorch's Adam kernel over
-//   DeepSpeed's fused one; same arithmetic). Nothing else is ignored.
-// - "auto" (Hugging Face's convention) means "take it from the YAML config":
-//   the field is left as the YAML and overrides set it.
+// - Every key is mapped onto a Config field, or accepted with one start-up
+//   notice (Config::notices) saying it has no effect on this build, or is an
+//   error. All unknown keys of a file are named in one error ("file: unknown
+//   keys 'a' (known in zero_optimization: ...), 'b' (...)"). Nothing else is
+//   ignored.
+// - Accepted with a notice (no effect here): stage3_param_persistence_threshold
+//   (every parameter is sharded), stage3_max_reuse_distance, sub_group_size
+//   (each rank steps its whole shard), stage3_gather_16bit_weights_on_model_save
+//   and its older fp16 spelling (checkpoints are sharded),
+//   zero_allow_untested_optimizer (only AdamW is accepted anyway),
+//   wall_clock_breakdown, the aio section and the offload tuning keys
+//   (pin_memory, buffer_count, buffer_size, max_in_cpu, pipeline_read,
+//   pipeline_write, fast_init, ratio). A boolean that is false asks for
+//   nothing and gets no notice. Keys of a disabled offload section (device
+//   none) are accepted without notice, and its nvme_path is not compared with
+//   the other section's. optimizer.params.torch_adam picks PyTorch's Adam
+//   kernel over DeepSpeed's fused one (same arithmetic): type-checked only.
+// - On this CPU build, offload device cpu is accepted with a notice: optimizer
+//   states and parameters already live in CPU memory. DeepSpeed's pin_memory
+//   never sets parallel.zero.offload_pin_memory (page-locked memory is a CUDA
+//   notion).
+// - activation_checkpointing: the section's presence turns block-level
+//   recomputation on (model.activation_checkpointing=full), as Megatron-style
+//   models configured by it checkpoint each layer; its keys
+//   (partition_activations, cpu_checkpointing, contiguous_memory_optimization,
+//   synchronize_checkpoint_boundary, profile, number_checkpoints) tune
+//   DeepSpeed's own implementation and get a notice when set.
+// - "auto" resolves from our own config, as the Hugging Face trainer does:
+//   reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 x hidden^2,
+//   stage3_param_persistence_threshold = 10 x hidden (hidden = model width);
+//   batch sizes from train.global_batch / micro_batch; gradient_clipping from
+//   train.grad_clip; lr, betas, eps, weight_decay from train.*; the
+//   scheduler's warmup_max_lr = train.lr, warmup_min_lr = 0,
+//   warmup_num_steps = train.warmup_steps, total_num_steps = train.steps;
+//   fp16/bf16 enabled = whether precision.mode is that dtype.
 // - Explicit values win over the YAML config and over --section.key overrides.
 // - Absent keys: where DeepSpeed's default changes the arithmetic (optimizer
 //   hyper-parameters, scheduler parameters, fp16 loss scaling) DeepSpeed's
@@ -46,28 +78,47 @@ using nlohmann::json;
 
 class Reader {
  public:
-  explicit Reader(std::string file) : file_(std::move(file)) {}
+  Reader(std::string file, std::vector<std::string>* notices) : file_(std::move(file)), notices_(notices) {}
 
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
     throw UsageError(file_ + ": " + key + (msg.rfind('=', 0) == 0 ? "" : " ") + msg);
   }
 
-  // Rejects keys of `obj` outside `known`; `prefix` names obj ("" = top level).
+  // Records the keys of `obj` outside `known` (finish() reports them all);
+  // `prefix` names obj ("" = top level).
   void check_keys(const json& obj, const std::string& prefix, const std::set<std::string>& known) const {
     if (!obj.is_object()) fail(prefix.empty() ? "the top level" : prefix, "must be an object");
     for (auto it = obj.begin(); it != obj.end(); ++it) {
       if (known.count(it.key())) continue;
       std::string list;
       for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
-      throw UsageError(file_ + ": unknown key '" + name(prefix, it.key()) + "' (known" +
-                       (prefix.empty() ? "" : " in " + prefix) + ": " + list + ")");
+      unknown_.push_back("'" + name(prefix, it.key()) + "' (known" + (prefix.empty() ? "" : " in " + prefix) + ": " +
+                         list + ")");
     }
   }
+
+  // One error naming every unknown key met so far.
+  void finish() const {
+    if (unknown_.empty()) return;
+    std::string all;
+    for (const auto& u : unknown_) all += (all.empty() ? "" : ", ") + u;
+    throw UsageError(file_ + ": unknown key" + (unknown_.size() > 1 ? "s " : " ") + all);
+  }
+
+  // A start-up line: `key` (with its value) is accepted and has no effect here.
+  void notice(const std::string& key, const json& value, const std::string& why) const {
+    notices_->push_back(file_ + ": " + key + "=" + value.dump() + " has no effect on this build (" + why + ")");
+  }
+  void note(const std::string& line) const { notices_->push_back(file_ + ": " + line); }
 
   static std::string name(const std::string& prefix, const std::string& key) {
     return prefix.empty() ? key : prefix + "." + key;
   }
   static bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "auto"; }
+  // A key present with a value that asks for something (not false, not null).
+  static bool asks(const json& obj, const std::string& key) {
+    return obj.contains(key) && !obj[key].is_null() && !(obj[key].is_boolean() && !obj[key].get<bool>());
+  }
 
   // Typed getters: nullopt when the key is absent or "auto".
   std::optional<double> number(const json& obj, const std::string& prefix, const std::string& key) const {
@@ -99,6 +150,8 @@ class Reader {
 
  private:
   std::string file_;
+  std::vector<std::string>* notices_;
+  mutable std::vector<std::string> unknown_;
 };
 
 template <typename T>
@@ -106,15 +159,31 @@ void set_if(T& field, const std::optional<T>& v) {
   if (v) field = *v;
 }
 
+// The model width "auto" sizes are derived from (Note [DeepSpeed mapping]).
+double hidden_size(const Config& c) { return static_cast<double>(resolve_model_config(c.model).n_embd); }
+
 // bf16 / fp16 sections: precision.mode and param_dtype, fp16 loss scaling.
 void map_precision(const Reader& r, const json& root, Config& c) {
   std::optional<bool> bf16, fp16;
-  if (root.contains("bf16")) bf16 = r.boolean(r.object(root, "", "bf16", {"enabled"}), "bf16", "enabled");
+  // "bfloat16" is DeepSpeed's older spelling of "bf16" (still in transformers' test configs).
+  for (const char* key : {"bf16", "bfloat16"}) {
+    if (!root.contains(key)) continue;
+    const json& b = r.object(root, "", key, {"enabled"});
+    // "auto": on when the YAML's precision.mode says so; off leaves the YAML's dtype alone.
+    if (b.contains("enabled") && Reader::is_auto(b["enabled"])) {
+      if (c.precision.mode == "bf16") bf16 = true;
+    } else if (auto v = r.boolean(b, key, "enabled"))
+      bf16 = v;
+  }
   if (root.contains("fp16")) {
     const json& f =
         r.object(root, "", "fp16",
                  {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"});
-    fp16 = r.boolean(f, "fp16", "enabled");
+    if (f.contains("enabled") && Reader::is_auto(f["enabled"])) {
+      if (c.precision.mode == "fp16") fp16 = true;
+    } else {
+      fp16 = r.boolean(f, "fp16", "enabled");
+    }
     auto& p = c.precision;
     // DeepSpeed's defaults for absent keys: dynamic, 2^16, window 1000, hysteresis 2, min 1.
     p.loss_scale = r.number(f, "fp16", "loss_scale").value_or(f.contains("loss_scale") ? p.loss_scale : 0.0);
@@ -137,24 +206,36 @@ void map_precision(const Reader& r, const json& root, Config& c) {
   if (dtype) c.precision.mode = c.precision.param_dtype = *dtype;
 }
 
+// Offload sections share one nvme_path (one offload directory here), and
+// only enabled sections are compared (Note [DeepSpeed mapping]).
 void map_offload(const Reader& r, const json& z, const std::string& key, std::string& device,
-                 std::optional<std::string>& nvme_path, std::optional<bool>& pin) {
+                 std::optional<std::string>& nvme_path, const char* what) {
   const std::string prefix = "zero_optimization." + key;
-  const json& o = r.object(z, "zero_optimization", key, {"device", "nvme_path", "pin_memory"});
-  if (auto d = r.string(o, prefix, "device")) {
-    if (*d != "none" && *d != "cpu" && *d != "nvme")
-      r.fail(prefix + ".device", "must be none, cpu or nvme, got '" + *d + "'");
-    device = *d;
+  const json& o = r.object(z, "zero_optimization", key,
+                           {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
+                            "pipeline_read", "pipeline_write", "fast_init", "ratio"});
+  std::string d = r.string(o, prefix, "device").value_or("none");
+  if (d != "none" && d != "cpu" && d != "nvme") r.fail(prefix + ".device", "must be none, cpu or nvme, got '" + d + "'");
+  for (const char* k : {"buffer_count", "buffer_size", "max_in_cpu", "ratio"}) r.number(o, prefix, k);
+  for (const char* k : {"pin_memory", "pipeline_read", "pipeline_write", "fast_init"}) r.boolean(o, prefix, k);
+  r.string(o, prefix, "nvme_path");
+  if (d == "none") return;  // a disabled section: nothing in it applies
+  if (d == "cpu") {
+    // The trainer computes on CPU: there is no device memory to move them out of.
+    r.note(prefix + ".device=\"cpu\" has no effect on this build (a CPU build: " + what +
+           " already live in CPU memory)");
+  } else {
+    device = d;
+    if (auto p = r.string(o, prefix, "nvme_path")) {
+      if (nvme_path && *nvme_path != *p)
+        r.fail(prefix + ".nvme_path", "differs from the other offload's nvme_path (one offload directory is supported)");
+      nvme_path = p;
+    }
   }
-  if (auto p = r.string(o, prefix, "nvme_path")) {
-    if (nvme_path && *nvme_path != *p)
-      r.fail(prefix + ".nvme_path", "differs from the other offload's nvme_path (one offload directory is supported)");
-    nvme_path = p;
-  }
-  if (auto p = r.boolean(o, prefix, "pin_memory")) {
-    if (pin && *pin != *p) r.fail(prefix + ".pin_memory", "differs from the other offload's pin_memory");
-    pin = p;
-  }
+  for (const char* k : {"pin_memory", "pipeline_read", "pipeline_write", "fast_init"})
+    if (Reader::asks(o, k)) r.notice(prefix + "." + k, o[k], "a CPU build has no device copies to pin or overlap");
+  for (const char* k : {"buffer_count", "buffer_size", "max_in_cpu", "ratio"})
+    if (o.contains(k)) r.notice(prefix + "." + k, o[k], "file-backed states are read and written whole, per step");
 }
 
 void map_zero(const Reader& r, const json& root, Config& c, double element_bytes) {
@@ -163,33 +244,93 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
   const json& z = r.object(root, "", P,
                            {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                             "contiguous_gradients", "offload_optimizer", "offload_param", "stage3_prefetch_bucket_size",
-                            "stage3_max_live_parameters", "reduce_scatter", "allgather_partitions"});
+                            "stage3_max_live_parameters", "reduce_scatter", "allgather_partitions",
+                            "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                            "stage3_max_reuse_distance", "stage3_param_persistence_threshold", "sub_group_size"});
   if (auto s = r.integer(z, P, "stage")) {
     if (*s < 0 || *s > 3) r.fail(P + ".stage", "must be 0, 1, 2 or 3, got " + std::to_string(*s));
     c.parallel.strategy = *s == 0 ? "ddp" : "zero" + std::to_string(*s);
   }
   auto& o = c.parallel.zero;
   const double mib = 1024.0 * 1024.0;
-  auto elements_to_mb = [&](const char* key, double& field) {
-    if (auto n = r.integer(z, P, key)) {
-      if (*n < 1) r.fail(P + "." + key, "must be positive");
-      field = static_cast<double>(*n) * element_bytes / mib;
+  // "auto" sizes, as the Hugging Face trainer fills them in (in elements).
+  const double hidden = hidden_size(c);
+  auto elements_to_mb = [&](const char* key, double& field, std::optional<double> auto_elements) {
+    std::optional<double> n;
+    if (auto v = r.integer(z, P, key)) {
+      if (*v < 1) r.fail(P + "." + key, "must be positive");
+      n = static_cast<double>(*v);
+    } else if (z.contains(key) && auto_elements) {
+      n = std::floor(*auto_elements);
     }
+    if (n) field = *n * element_bytes / mib;
   };
-  elements_to_mb("reduce_bucket_size", o.reduce_bucket_mb);
-  elements_to_mb("allgather_bucket_size", o.allgather_bucket_mb);
-  elements_to_mb("stage3_prefetch_bucket_size", o.prefetch_bucket_mb);
+  elements_to_mb("reduce_bucket_size", o.reduce_bucket_mb, hidden * hidden);
+  elements_to_mb("allgather_bucket_size", o.allgather_bucket_mb, std::nullopt);
+  elements_to_mb("stage3_prefetch_bucket_size", o.prefetch_bucket_mb, 0.9 * hidden * hidden);
   set_if(o.max_live_parameters, r.integer(z, P, "stage3_max_live_parameters"));
   set_if(o.overlap_comm, r.boolean(z, P, "overlap_comm"));
   set_if(o.contiguous_gradients, r.boolean(z, P, "contiguous_gradients"));
   set_if(o.reduce_scatter, r.boolean(z, P, "reduce_scatter"));
   set_if(o.allgather_partitions, r.boolean(z, P, "allgather_partitions"));
   std::optional<std::string> nvme_path;
-  std::optional<bool> pin;
-  if (z.contains("offload_optimizer")) map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path, pin);
-  if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path, pin);
+  if (z.contains("offload_optimizer"))
+    map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path, "optimizer states");
+  if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path, "parameters");
   set_if(o.offload_dir, nvme_path);
-  set_if(o.offload_pin_memory, pin);
+  // Accepted, no effect (Note [DeepSpeed mapping]).
+  if (z.contains("stage3_param_persistence_threshold")) {
+    json v = z["stage3_param_persistence_threshold"];
+    if (Reader::is_auto(v)) v = static_cast<int64_t>(10 * hidden);  // shown resolved
+    r.integer(z, P, "stage3_param_persistence_threshold");
+    r.notice(P + ".stage3_param_persistence_threshold", v, "every parameter is sharded, however small");
+  }
+  if (z.contains("stage3_max_reuse_distance")) {
+    r.integer(z, P, "stage3_max_reuse_distance");
+    r.notice(P + ".stage3_max_reuse_distance", z["stage3_max_reuse_distance"],
+             "gathered units are released after use; stage3_max_live_parameters bounds them");
+  }
+  if (z.contains("sub_group_size")) {
+    r.integer(z, P, "sub_group_size");
+    r.notice(P + ".sub_group_size", z["sub_group_size"], "each rank's optimizer steps its whole shard at once");
+  }
+  for (const char* k : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"}) {
+    r.boolean(z, P, k);
+    if (Reader::asks(z, k))
+      r.notice(P + "." + k, z[k], "checkpoints are written sharded; `scaletrain checkpoint` consolidates them");
+  }
+}
+
+// activation_checkpointing: the section turns block recomputation on.
+void map_activation_checkpointing(const Reader& r, const json& root, Config& c) {
+  if (!root.contains("activation_checkpointing")) return;
+  const std::string P = "activation_checkpointing";
+  const json& a = r.object(root, "", P,
+                           {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                            "synchronize_checkpoint_boundary", "profile", "number_checkpoints"});
+  for (const char* k : {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                        "synchronize_checkpoint_boundary", "profile"})
+    r.boolean(a, P, k);
+  c.model.activation_checkpointing = "full";
+  r.note(P + " sets model.activation_checkpointing=full (each block's input is kept, the block recomputed)");
+  const std::map<std::string, std::string> why = {
+      {"partition_activations", "checkpointed inputs are kept whole on each tensor-parallel rank"},
+      {"cpu_checkpointing", "a CPU build keeps checkpoints in CPU memory already"},
+      {"contiguous_memory_optimization", "checkpoints are ordinary tensors, not one preallocated buffer"},
+      {"synchronize_checkpoint_boundary", "a CPU build has no device stream to synchronize"},
+      {"profile", "recomputation is not timed separately"},
+      {"number_checkpoints", "every block is checkpointed"}};
+  for (const auto& [k, w] : why)
+    if (Reader::asks(a, k)) r.notice(P + "." + k, a[k], w);
+}
+
+// aio: DeepSpeed's asynchronous NVMe I/O library; accepted as a whole.
+void map_aio(const Reader& r, const json& root) {
+  if (!root.contains("aio")) return;
+  const json& a = r.object(root, "", "aio",
+                           {"block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
+                            "overlap_events", "use_gds"});
+  if (!a.empty()) r.notice("aio", a, "file-backed optimizer states use plain POSIX reads and writes");
 }
 
 void map_batch(const Reader& r, const json& root, Config& c, int dp) {
@@ -302,37 +443,30 @@ void map_scheduler(const Reader& r, const json& root, Config& c) {
   // The scheduler's warmup_max_lr is the peak (it overrides the optimizer's lr, as in DeepSpeed).
   t.lr = r.number(p, P, "warmup_max_lr").value_or(given("warmup_max_lr") ? t.lr : 1e-3);
   if (t.lr <= 0) r.fail(P + ".warmup_max_lr", "must be positive");
-  const auto min_lr = r.number(p, P, "warmup_min_lr");
-  if (min_lr || !given("warmup_min_lr")) {
-    const double ratio = min_lr.value_or(0.0) / t.lr;
-    t.warmup_start_ratio = ratio;
-    t.min_lr_ratio = ratio;  // WarmupDecayLR decays to warmup_min_lr
-  }
+  // Absent: DeepSpeed's default 0; "auto": 0, as the Hugging Face trainer fills it.
+  const double ratio = r.number(p, P, "warmup_min_lr").value_or(0.0) / t.lr;
+  t.warmup_start_ratio = ratio;
+  t.min_lr_ratio = ratio;  // WarmupDecayLR decays to warmup_min_lr
 }
 
 }  // namespace
 
-void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
+void apply_deepspeed_json(Config& c, const nlohmann::json& root, const std::string& origin, int dp) {
   if (dp < 1) throw UsageError("data-parallel size must be at least 1, got " + std::to_string(dp));
-  std::ifstream in(path);
-  if (!in) throw UsageError("deepspeed config " + path + " cannot be read");
-  json root;
-  try {
-    root = json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw UsageError("deepspeed config " + path + " is not valid JSON (byte " + std::to_string(e.byte) + ")");
-  }
-  const Reader r(path);
-  r.check_keys(
-      root, "",
-      {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-       "gradient_clipping", "optimizer", "scheduler", "bf16", "fp16", "steps_per_print", "wall_clock_breakdown"});
+  const Reader r(origin, &c.notices);
+  r.check_keys(root, "",
+               {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler", "bf16", "bfloat16",
+                "fp16", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                "activation_checkpointing", "aio"});
   map_precision(r, root, c);
   const double element_bytes = c.precision.param_dtype == "fp32" ? 4.0 : 2.0;
   map_zero(r, root, c, element_bytes);
   map_batch(r, root, c, dp);
   map_optimizer(r, root, c);
   map_scheduler(r, root, c);
+  map_activation_checkpointing(r, root, c);
+  map_aio(r, root);
   if (auto g = r.number(root, "", "gradient_clipping")) {
     if (*g < 0) r.fail("gradient_clipping", "must be 0 (off) or positive");
     c.train.grad_clip = *g;
@@ -342,12 +476,34 @@ void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
     c.metrics.log_every = *n;
   }
   if (r.boolean(root, "", "wall_clock_breakdown").value_or(false))
-    r.fail("wall_clock_breakdown", "true is not supported (per-phase timings are not implemented)");
+    r.notice("wall_clock_breakdown", true, "per-step time and communication wait are in the metrics file instead");
+  if (r.boolean(root, "", "zero_allow_untested_optimizer").value_or(false))
+    r.notice("zero_allow_untested_optimizer", true, "only AdamW is accepted, and it is the tested one");
+  r.finish();
   try {
     validate_config(c);
   } catch (const UsageError& e) {
-    throw UsageError(path + ": " + e.what());
+    throw UsageError(origin + ": " + e.what());
   }
+}
+
+void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("deepspeed config " + path + " cannot be read");
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw UsageError("deepspeed config " + path + " is not valid JSON (byte " + std::to_string(e.byte) + ")");
+  }
+  apply_deepspeed_json(c, root, path, dp);
+}
+
+int deepspeed_data_parallel_size(const Config& c) {
+  // DeepSpeed's batch rule needs the data-parallel degree: the world over tp x pp.
+  const int world = comm::world_info_from_env().world_size;
+  const int model_parallel = static_cast<int>(std::max<int64_t>(1, int64_t{c.parallel.tp} * c.parallel.pp));
+  return std::max(1, world / model_parallel);
 }
 
 }  // namespace scaletrain::train

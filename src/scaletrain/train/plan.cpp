@@ -7,6 +7,7 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/train/model_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -42,18 +43,6 @@ bool is_zero(const std::string& strategy) { return strategy.rfind("zero", 0) == 
 // FSDP's NO_SHARD runs DDP (parallel/ddp).
 bool runs_ddp(const ParallelOptions& p) {
   return p.strategy == "ddp" || (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
-}
-
-models::GPTConfig model_config(const ModelOptions& m) {
-  models::GPTConfig c = models::gpt_preset(m.preset);
-  if (m.n_layer) c.n_layer = m.n_layer;
-  if (m.n_head) c.n_head = m.n_head;
-  if (m.n_embd) c.n_embd = m.n_embd;
-  if (m.block_size) c.block_size = m.block_size;
-  if (m.vocab_size) c.vocab_size = m.vocab_size;
-  c.dropout = m.dropout;
-  c.validate();
-  return c;
 }
 
 // Note [Settings that apply]: a key that the run would not read, set to a
@@ -228,7 +217,7 @@ Plan make_plan(const Config& c, int world_size) {
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
-  const bool model_ok = problems.check([&] { plan.model = model_config(c.model); });
+  const bool model_ok = problems.check([&] { plan.model = resolve_model_config(c.model); });
   const bool policy_ok =
       problems.check([&] { plan.policy = precision::PrecisionPolicy::from_options(c.precision, plan.cuda); });
   // parallel.comm_dtype is the dtype gradients travel in under every

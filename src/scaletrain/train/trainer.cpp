@@ -169,6 +169,9 @@ void print_start(Run& r, const comm::WorldInfo& info) {
       r.dp().describe().c_str(), r.plan.policy.describe().c_str(),
       (r.dp().model_state_bytes() + r.opt_bytes) / 1048576.0, r.dp().model_state_bytes() / 1048576.0,
       r.opt_bytes / 1048576.0, r.setup_peak_mb);
+  // Accepted settings that work differently here, once: from config files
+  // (DeepSpeed, Accelerate) and from the plan.
+  for (const auto& n : cfg.notices) std::printf("scaletrain: note: %s\n", n.c_str());
   for (const auto& n : r.plan.notices) std::printf("scaletrain: note: %s\n", n.c_str());
   std::fflush(stdout);
 }

@@ -1,0 +1,59 @@
+#include "scaletrain/train/model_config.h"
+
+#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+// An explicit model.<key> must be the file's value.
+void agree(const char* key, int64_t given, int64_t from_file, const std::string& path) {
+  if (given != 0 && given != from_file)
+    throw UsageError(std::string("model.") + key + "=" + std::to_string(given) + " disagrees with model.init_from " +
+                     path + " (" + std::to_string(from_file) + ")");
+}
+
+}  // namespace
+
+models::GPTConfig resolve_model_config(const ModelOptions& m) {
+  models::GPTConfig c = models::gpt_preset(m.preset);
+  if (m.init_from.empty()) {
+    if (m.n_layer) c.n_layer = m.n_layer;
+    if (m.n_head) c.n_head = m.n_head;
+    if (m.n_embd) c.n_embd = m.n_embd;
+    if (m.block_size) c.block_size = m.block_size;
+    if (m.vocab_size) c.vocab_size = m.vocab_size;
+    c.dropout = m.dropout;
+    c.validate();
+    return c;
+  }
+  models::GPTConfig f;
+  try {
+    f = checkpoint::hf_gpt2_file_config(m.init_from);
+  } catch (const checkpoint::SafetensorsError& e) {  // a missing or malformed file: bad input, one line
+    throw UsageError("model.init_from: " + std::string(e.what()));
+  }
+  agree("n_layer", m.n_layer, f.n_layer, m.init_from);
+  agree("n_embd", m.n_embd, f.n_embd, m.init_from);
+  agree("vocab_size", m.vocab_size, f.vocab_size, m.init_from);
+  if (f.n_head > 0) {
+    agree("n_head", m.n_head, f.n_head, m.init_from);
+  } else if (m.n_head) {
+    f.n_head = m.n_head;
+  } else if (c.n_embd == f.n_embd) {
+    f.n_head = c.n_head;  // the preset describes this width
+  } else {
+    throw UsageError("model.init_from " + m.init_from +
+                     ": the head count is not in the weights and there is no config.json beside them; set model.n_head");
+  }
+  if (m.block_size > f.block_size)
+    throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than model.init_from " +
+                     m.init_from + "'s position table (" + std::to_string(f.block_size) + ")");
+  if (m.block_size) f.block_size = m.block_size;
+  f.dropout = m.dropout;
+  f.validate();
+  return f;
+}
+
+}  // namespace scaletrain::train
