@@ -99,10 +99,12 @@ void export_hf_gpt2(const models::GPT& model, const std::string& path) {
   save_safetensors(path, tensors, {{"format", "pt"}});
 }
 
-void import_hf_gpt2(models::GPT& model, const std::string& path) {
+namespace {
+
+// Checks every tensor of the file against `model`'s parameters (by shape
+// only: a deferred model has no bytes yet) before any is read.
+void check_file(const models::GPT& model, const HfTensors& hf, const std::string& path) {
   if (!model->config().bias) fail(path, "HF GPT-2 has biases in every layer; a model with bias=false cannot load it");
-  const SafetensorsFile file(path);
-  const HfTensors hf = index_file(file);
   const auto params = model->named_parameters();
 
   // Check everything first, so that a bad file leaves the model untouched.
@@ -118,7 +120,8 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
     std::vector<int64_t> want = item.value().sizes().vec();
     if (is_conv1d_weight(name)) std::swap(want[0], want[1]);
     // A longer position table serves a shorter block_size: its first rows are loaded.
-    const bool longer_wpe = name == "wpe.weight" && t.shape.size() == 2 && t.shape[0] > want[0] && t.shape[1] == want[1];
+    const bool longer_wpe =
+        name == "wpe.weight" && t.shape.size() == 2 && t.shape[0] > want[0] && t.shape[1] == want[1];
     if (t.shape != want && !longer_wpe) {
       const auto& c = model->config();
       fail(path, "tensor '" + t.name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str(want) +
@@ -140,15 +143,38 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
       fail(path, "tensor '" + hf.lm_head->name + "' differs from '" + wte.name + "'; this model ties its head to wte");
     }
   }
+}
 
+// The file's value of parameter `name`, shaped like ours (Conv1D transposed,
+// the position table cut to `rows`).
+at::Tensor read_param(const HfTensors& hf, const std::string& name, int64_t rows, const std::string& path) {
+  at::Tensor src = tensor_from_view(*hf.by_name.at(name), path);
+  if (is_conv1d_weight(name)) src = src.t();
+  if (name == "wpe.weight") src = src.narrow(0, 0, rows);
+  return src;
+}
+
+}  // namespace
+
+void import_hf_gpt2(models::GPT& model, const std::string& path) {
+  const SafetensorsFile file(path);
+  const HfTensors hf = index_file(file);
+  check_file(model, hf, path);
   torch::NoGradGuard no_grad;
-  for (const auto& item : params) {
-    const TensorView& t = *hf.by_name.at(item.key());
-    at::Tensor src = tensor_from_view(t, path);
-    if (is_conv1d_weight(item.key())) src = src.t();
-    if (item.key() == "wpe.weight") src = src.narrow(0, 0, item.value().size(0));
-    item.value().copy_(src);  // converts dtype and device; copies the transpose's strides
+  for (const auto& item : model->named_parameters()) {
+    // copy_ converts dtype and device, and copies the transpose's strides.
+    item.value().copy_(read_param(hf, item.key(), item.value().size(0), path));
   }
+}
+
+models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path) {
+  auto file = std::make_shared<const SafetensorsFile>(path);
+  auto hf = std::make_shared<const HfTensors>(index_file(*file));
+  check_file(model, *hf, path);
+  return [file, hf, path](const std::string& name, at::Tensor& out) {
+    torch::NoGradGuard no_grad;
+    out.copy_(read_param(*hf, name, out.size(0), path));
+  };
 }
 
 models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {

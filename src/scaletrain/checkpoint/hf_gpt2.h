@@ -41,6 +41,12 @@ void export_hf_gpt2(const models::GPT& model, const std::string& path);
 // untouched. Malformed files throw SafetensorsError.
 void import_hf_gpt2(models::GPT& model, const std::string& path);
 
+// The same file as an initialization function for deferred models (models/
+// deferred.h): the file is checked against `model` now (by shapes), and each
+// parameter is read from the memory-mapped file when the strategy asks for
+// it, so a sharded strategy loads one tensor at a time and keeps its shard.
+models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path);
+
 // The GPTConfig an HF GPT-2 file describes: vocab_size and n_embd from
 // wte.weight, block_size from wpe.weight, n_layer from the h.N blocks present
 // (they must be 0..L-1), bias from h.0.attn.c_attn.bias, dropout 0. The head

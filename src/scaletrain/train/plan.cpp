@@ -262,10 +262,7 @@ Plan make_plan(const Config& c, int world_size) {
   const bool wants_deferred = p.strategy == "zero3" || (p.strategy == "fsdp" && p.fsdp.cpu_ram_efficient_loading);
   if (wants_deferred) {
     std::string why;
-    if (p.pp > 1)
-      why = "pipeline stages are cut from a whole model";
-    else if (!c.model.init_from.empty())
-      why = "model.init_from loads the whole model before sharding";
+    if (p.pp > 1) why = "pipeline stages are cut from a whole model";
     plan.deferred_init = why.empty();
     if (!why.empty())
       plan.notices.push_back(std::string(p.strategy == "zero3" ? "zero3's deferred initialization"

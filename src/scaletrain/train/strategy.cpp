@@ -210,6 +210,14 @@ void init_from(models::GPT& model, const std::string& path) {
 
 namespace {
 
+models::InitFn hf_init(const models::GPT& model, const std::string& path) {
+  try {
+    return checkpoint::hf_gpt2_init(model, path);
+  } catch (const checkpoint::SafetensorsError& e) {
+    throw UsageError("model.init_from: " + std::string(e.what()));
+  }
+}
+
 // Tensor parallelism comes first, then data parallelism over the split
 // parameters (DDP and the sharded engine broadcast, bucket and shard what each
 // rank now holds). A deferred model is split in shape only, and its init
@@ -290,13 +298,18 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   ShardedSetup setup = sharded_setup(c, plan, mesh);
   fsdp::ShardedOptions& o = setup.options;
   torch::manual_seed(c.train.seed);
-  // Deferred models are built in fp32 and initialized per tensor; the
-  // engine's buffers take the parameters' dtype.
+  // Deferred models are built without bytes in the parameter dtype and
+  // initialized one tensor at a time (drawn in fp32, or read from
+  // model.init_from); the engine keeps each rank's shard.
   if (setup.deferred) {
     out.model = models::GPT(mcfg, /*materialize=*/false);
     models::set_deferred_dtype(*out.model, param_dtype);
-    o.deferred_init = models::init_through(
-        at::kFloat, [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
+    if (c.model.init_from.empty())
+      o.deferred_init = models::init_through(
+          at::kFloat,
+          [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
+    else
+      o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
   } else {
     out.model = models::GPT(mcfg);
     out.model->to(param_dtype);

@@ -103,11 +103,12 @@ TEST(Plan, SaysWhenDeferredInitializationDoesNotApply) {
   EXPECT_FALSE(pipe.deferred_init);
   ASSERT_EQ(pipe.notices.size(), 1u);
   EXPECT_NE(pipe.notices[0].find("pipeline stages are cut from a whole model"), std::string::npos);
-  const Plan loaded = make_plan(
-      base({"parallel.strategy=fsdp", "parallel.fsdp.cpu_ram_efficient_loading=true", "model.init_from=x.st"}), 2);
-  EXPECT_FALSE(loaded.deferred_init);
-  ASSERT_EQ(loaded.notices.size(), 1u);
-  EXPECT_NE(loaded.notices[0].find("cpu_ram_efficient_loading does not apply"), std::string::npos);
+  const Plan fsdp = make_plan(base({"parallel.strategy=fsdp", "parallel.fsdp.cpu_ram_efficient_loading=true"}), 2);
+  EXPECT_TRUE(fsdp.deferred_init);
+  EXPECT_TRUE(fsdp.notices.empty());
+  const Plan bf16 =
+      make_plan(base({"parallel.strategy=zero3", "precision.mode=bf16", "precision.param_dtype=bf16"}), 2);
+  EXPECT_TRUE(bf16.deferred_init) << "16-bit parameters are initialized deferred too";
 }
 
 TEST(Plan, FullStateDictIsRefusedWithAsyncSaves) {

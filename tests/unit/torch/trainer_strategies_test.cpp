@@ -256,5 +256,30 @@ TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
   for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(deferred[i], eager[i], 1e-3 * eager[i]) << "step " << i + 1;
 }
 
+// model.init_from under deferred initialization: zero3 and FSDP with
+// cpu_ram_efficient_loading read the Hugging Face file one tensor at a time
+// (checkpoint::hf_gpt2_init) and keep their shards; zero2 loads the whole
+// model first. Same file, same first loss bit for bit, same curve.
+TEST(TrainerStrategies, DeferredInitializationLoadsInitFromOneTensorAtATime) {
+  const fs::path ckpt = scratch() / "init_from_ckpt", hf = scratch() / "init_from.safetensors";
+  fs::remove_all(ckpt);
+  ASSERT_EQ(train(2, "init_from_source", "--parallel.strategy=ddp --train.sample_tokens=0 --checkpoint.dir=" +
+                                             ckpt.string(),
+                  29994)
+                .size(),
+            6u);
+  ASSERT_EQ(run("checkpoint consolidate " + (ckpt / "step-000006").string() + " -o " + hf.string()).code, 0);
+  const std::string from = "--train.sample_tokens=0 --model.init_from=" + hf.string() + " ";
+  const auto eager = train(2, "init_from_zero2", from + "--parallel.strategy=zero2", 29995);
+  const auto zero3 = train(2, "init_from_zero3", from + "--parallel.strategy=zero3", 29996);
+  const auto fsdp = train(2, "init_from_fsdp",
+                          from + "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true", 29997);
+  ASSERT_EQ(eager.size(), 6u);
+  EXPECT_EQ(zero3.at(0), eager[0]);
+  EXPECT_EQ(fsdp.at(0), eager[0]);
+  expect_same_curve(zero3, eager, "zero3 from the file");
+  expect_same_curve(fsdp, eager, "fsdp cpu_ram_efficient_loading from the file");
+}
+
 }  // namespace
 }  // namespace scaletrain::test
