@@ -280,12 +280,14 @@ ShardedSetup sharded_setup(const Config& c, const precision::PrecisionPolicy& po
     parallel::zero::ZeroOptions z;
     z.stage = p.strategy.back() - '0';
     z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
-    z.prefetch = p.zero.prefetch_bucket_mb > 0;
+    // Stage 1/2 units taper at both ends as DDP's buckets do, with DDP's caps.
+    z.first_bucket_numel = std::max<int64_t>(1, mib_to_numel(p.first_bucket_mb, param_dtype));
+    z.last_bucket_numel = mib_to_numel(p.last_bucket_mb, param_dtype);
+    z.allgather_bucket_numel = std::max<int64_t>(1, mib_to_numel(p.zero.allgather_bucket_mb, param_dtype));
+    z.prefetch_bytes = static_cast<int64_t>(p.zero.prefetch_bucket_mb * (1 << 20));
+    z.max_live_numel = p.zero.max_live_parameters;
     o = parallel::zero::sharded_options(z);
     o.master_dtype = at::kFloat;
-    // stage3_max_live_parameters: gathered units stay bounded to two unless
-    // the whole model may be live at once.
-    o.limit_all_gathers = z.stage == 3;
     out.deferred = z.stage == 3;  // like DeepSpeed's zero.Init: never build the whole model
     out.no_sync = z.stage == 1;
   }
