@@ -215,6 +215,7 @@ TEST(ZeroOptions, Stage12GatherUpdatedParametersInTheNextForward) {
       for (size_t s = 1; s < o.forward.size(); ++s) {
         EXPECT_GE(o.forward[s].all_gathers, 5);
         EXPECT_EQ(o.forward[s].max_gathers_in_flight, 2);
+        EXPECT_EQ(o.forward[s].prefetched, 4);  // every block unit's gather was on the way before it ran
       }
       EXPECT_EQ(o.forward[0].all_gathers, 0);  // nothing stale before the first step
       EXPECT_LE(o.final_diff, 1e-5);

@@ -226,6 +226,7 @@ at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockB
   Unit& unit = units[u];
   if (i == unit.first_block) {
     std::lock_guard<std::recursive_mutex> lock(mu);
+    if (unit.gathering) ++stats.prefetched;
     unshard(u);
     if (options.forward_prefetch || replicated()) prefetch(u + 1, +1);
   }
@@ -254,6 +255,7 @@ void ShardedDataParallel::State::begin_backward() {
 void ShardedDataParallel::State::pre_backward(size_t u) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   begin_backward();
+  if (units[u].gathering) ++stats.prefetched;
   unshard(u);
   if (options.backward_prefetch == BackwardPrefetch::Pre) prefetch(u - 1, -1);
 }

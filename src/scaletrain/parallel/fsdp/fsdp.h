@@ -218,6 +218,7 @@ class ShardedDataParallel {
     int64_t reduces = 0;              // unit gradient reduces issued
     int64_t reduces_in_backward = 0;  // of those, issued while gradients of the backward were still to come
     int max_gathers_in_flight = 0;    // most units with a gather issued and not yet waited, at once
+    int64_t prefetched = 0;           // block units whose gather was in flight before they needed it
     int64_t peak_gathered_numel = 0;  // most elements of sharded parameters gathered (or arriving) at once
   };
   Stats stats() const;
