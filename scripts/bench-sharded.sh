@@ -12,9 +12,10 @@
 #
 # usage: scripts/bench-sharded.sh [--build DIR] [--data TOKENS] [--steps S] [--worlds 2,4]
 #                                 [--links loopback,netem] [--rate MBIT] [--delay MS] [--out FILE]
+#                                 [--cases ddp,zero1,zero2]  (names before the first space; default all)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BUILD=$ROOT/build-bench DATA="" STEPS=12 WORLDS=2,4 LINKS=loopback,netem RATE=1000 DELAY=1 OUT=""
+BUILD=$ROOT/build-bench DATA="" STEPS=12 WORLDS=2,4 LINKS=loopback,netem RATE=1000 DELAY=1 OUT="" ONLY=""
 MODEL="--model.n_layer=6 --model.n_embd=384 --model.n_head=6 --model.block_size=128"
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -26,7 +27,8 @@ while [[ $# -gt 0 ]]; do
     --rate) RATE=$2; shift 2 ;;
     --delay) DELAY=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --cases) ONLY=,$2,; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "bench-sharded.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -109,6 +111,7 @@ for link in "${links[@]}"; do
     for c in "${CASES[@]}"; do
       name=${c%%|*} flags=${c#*|}
       [[ $name == HYBRID* && $world != 4 ]] && continue
+      [[ -n $ONLY && $ONLY != *",${name%% *},"* ]] && continue
       for try in 1 2 3 4 5; do  # a run disturbed by a compiler is done again
         wait_quiet
         busy_watch_start

@@ -91,8 +91,8 @@ struct ParallelOptions {
   int virtual_stages = 1;               // model chunks per stage (interleaved only)
   std::string pp_balance = "params";    // cut blocks into stages by params | time (measured on rank 0)
   double bucket_cap_mb = 25;            // DDP bucket size in MiB
-  double first_bucket_mb = 1;           // DDP first bucket size in MiB
-  double last_bucket_mb = 1;            // DDP last bucket size in MiB, growing 1.5x back to bucket_cap_mb; 0 = off
+  double first_bucket_mb = 1;           // DDP's (and ZeRO-1/2's) first bucket size in MiB
+  double last_bucket_mb = 1;            // DDP's (and ZeRO-1/2's) last bucket in MiB, growing 1.5x back; 0 = off
   bool find_unused_parameters = false;  // tolerate parameters without gradients
   bool sequence_parallel = false;       // with tp > 1: shard LayerNorm/dropout regions along the sequence
   std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in

@@ -91,10 +91,15 @@ const std::vector<ApplyRule>& apply_rules() {
          return c.parallel.zero.offload_optimizer == "nvme" || c.parallel.zero.offload_param == "nvme";
        },
        [](const Config&) { return std::string("it is read only when offloading to nvme"); }},
-      {{"parallel.bucket_cap_mb", "parallel.first_bucket_mb", "parallel.last_bucket_mb",
-        "parallel.find_unused_parameters"},
+      {{"parallel.bucket_cap_mb", "parallel.find_unused_parameters"},
        [](const Config& c) { return runs_ddp(c.parallel); },
        [](const Config& c) { return "DDP reads it; strategy " + c.parallel.strategy + " does not"; }},
+      // ZeRO-1/2 cut their backward buckets with DDP's first and last caps.
+      {{"parallel.first_bucket_mb", "parallel.last_bucket_mb"},
+       [](const Config& c) {
+         return runs_ddp(c.parallel) || c.parallel.strategy == "zero1" || c.parallel.strategy == "zero2";
+       },
+       [](const Config& c) { return "DDP and ZeRO-1/2 read it; strategy " + c.parallel.strategy + " does not"; }},
       {{"parallel.schedule", "parallel.microbatches", "parallel.virtual_stages", "parallel.pp_balance"},
        [](const Config& c) { return c.parallel.pp > 1; },
        [](const Config&) { return std::string("pipelines read it (parallel.pp > 1)"); }},

@@ -157,6 +157,10 @@ class ShardedStrategy final : public DataParallel {
                                                                 : "none") +
          " forward " + (o.forward_prefetch ? "on" : "off");
     if (o.limit_all_gathers) s += ", at most two units gathered";
+    if (o.prefetch_bytes > 0) s += ", prefetch " + std::to_string(o.prefetch_bytes) + " bytes ahead";
+    if (o.max_live_numel > 0) s += ", at most " + std::to_string(o.max_live_numel) + " elements live";
+    if (o.allgather_bucket_numel > 0)
+      s += ", gathers of at most " + std::to_string(o.allgather_bucket_numel) + " elements";
     s += o.deferred_init ? ", initialized shard by shard" : ", built whole then sharded";
     s += o.sync_module_states ? " from rank 0's weights" : " on every rank";
     if (plan_)
@@ -264,10 +268,14 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
     parallel::zero::ZeroOptions z;
     z.stage = p.strategy.back() - '0';
     z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
-    z.prefetch = p.zero.prefetch_bucket_mb > 0;
+    // Stage 1/2 units taper at both ends as DDP's buckets do, with DDP's caps.
+    z.first_bucket_numel = std::max<int64_t>(1, mib_to_numel(p.first_bucket_mb, param_dtype));
+    z.last_bucket_numel = mib_to_numel(p.last_bucket_mb, param_dtype);
+    z.allgather_bucket_numel = std::max<int64_t>(1, mib_to_numel(p.zero.allgather_bucket_mb, param_dtype));
+    z.prefetch_bytes = static_cast<int64_t>(p.zero.prefetch_bucket_mb * (1 << 20));
+    z.max_live_numel = p.zero.max_live_parameters;
     o = parallel::zero::sharded_options(z);
     o.master_dtype = at::kFloat;
-    o.limit_all_gathers = z.stage == 3;
     out.no_sync = z.stage == 1;
   }
   o.reduce_dtype = plan.policy.reduce;

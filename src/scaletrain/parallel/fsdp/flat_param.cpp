@@ -5,6 +5,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace scaletrain::parallel::fsdp {
@@ -175,12 +176,31 @@ void FlatParam::zero_grad() {
   reduced_ = false;
 }
 
-comm::Work FlatParam::start_refresh_replicated() {
-  if (!options_.replicated_params) return comm::Work();
+std::vector<comm::Work> FlatParam::start_refresh_replicated(int64_t bucket_numel) {
+  std::vector<comm::Work> works;
+  if (!options_.replicated_params) return works;
   torch::NoGradGuard no_grad;
   // The shard may alias its chunk of `full`: gather from a copy.
   at::Tensor src = shard_.to(full_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-  return group_.all_gather(src, full_);
+  // A call gathers the same `piece` elements of every rank's chunk.
+  const int64_t piece = bucket_numel <= 0 ? k_ : std::clamp<int64_t>(bucket_numel / n_, 1, k_);
+  if (piece == k_) {
+    works.push_back(group_.all_gather(src, full_));
+    return works;
+  }
+  const at::Tensor chunks = full_.view({n_, k_});
+  for (int64_t a = 0; a < k_; a += piece) {
+    const int64_t len = std::min(piece, k_ - a);
+    at::Tensor gathered = at::empty({n_ * len}, full_.options());
+    comm::Work w = group_.all_gather(src.narrow(0, a, len), gathered);
+    w.and_then([chunks, gathered, a, len, n = n_]() {
+      torch::NoGradGuard guard;
+      chunks.narrow(1, a, len).copy_(gathered.view({n, len}));
+      return comm::Work();
+    });
+    works.push_back(std::move(w));
+  }
+  return works;
 }
 
 int64_t FlatParam::param_bytes() const {

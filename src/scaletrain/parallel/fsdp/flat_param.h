@@ -108,8 +108,11 @@ class FlatParam {
   // Sets gradients to zero: the shard's and, if kept, the full buffer.
   void zero_grad();
   // After the optimizer stepped the shards: replicated buffers gather the
-  // updated shards back into `full` (the ZeRO-1/2 parameter all-gather).
-  [[nodiscard]] comm::Work start_refresh_replicated();
+  // updated shards back into `full` (the ZeRO-1/2 parameter all-gather), in
+  // calls that each move at most `bucket_numel` elements of `full` (0: one
+  // call); a call that moves part of every chunk lands in a temporary and is
+  // copied into place when waited. Nothing for sharded buffers.
+  [[nodiscard]] std::vector<comm::Work> start_refresh_replicated(int64_t bucket_numel = 0);
 
   // Bytes this buffer holds now: parameters (full and shard when distinct),
   // gradients (full and shard). Optimizer state is counted by the optimizer.

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -68,6 +69,9 @@ struct Unit {
   std::vector<std::unique_ptr<FlatParam>> flats;
   std::vector<comm::Work> gathers;  // in flight; empty once waited
   bool gathering = false;
+  bool stale = false;  // replicated: parameters wait for the deferred gather (Note [Deferred gather])
+  int64_t numel = 0;   // parameter elements of its flat buffers, padded
+  int64_t bytes = 0;
   int trainable = 0;  // parameters with gradients
   int pending = 0;    // of those, not yet accumulated in this backward
   bool reduced = false;
@@ -106,13 +110,21 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   bool in_backward = false;
   bool summoned = false;
   double wait_ms = 0;
+  Stats stats;
   std::recursive_mutex mu;
 
-  // Gathering and freeing units.
+  bool replicated() const { return replicated_params(options.sharding); }
+  // Gathering and freeing units. A replicated unit "unshards" by its
+  // deferred gather when stale (Note [Deferred gather]), else does nothing.
   void start_unshard(size_t u);
   void unshard(size_t u);
   void reshard(size_t u);
-  void prefetch(size_t u);
+  void wait_gathers();
+  // Starts gathering units from `u` on in direction `dir` (+1 forward, -1
+  // backward) within the prefetch budget.
+  void prefetch(size_t u, int dir);
+  bool may_prefetch(size_t u) const;
+  int64_t live_numel() const;
   // Hooks.
   at::Tensor run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x);
   void pre_backward(size_t u);
@@ -125,9 +137,37 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
 
 void ShardedDataParallel::State::start_unshard(size_t u) {
   Unit& unit = units[u];
-  if (unit.gathering || unit.unsharded()) return;
-  for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard());
+  if (unit.gathering) return;
+  if (replicated()) {
+    if (!unit.stale) return;
+    for (auto& f : unit.flats)
+      if (f->trainable())  // frozen parameters never change
+        for (auto& w : f->start_refresh_replicated(options.allgather_bucket_numel)) unit.gathers.push_back(std::move(w));
+    unit.stale = false;
+  } else {
+    if (unit.unsharded()) return;
+    for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard());
+  }
   unit.gathering = true;
+  stats.all_gathers += static_cast<int64_t>(unit.gathers.size());
+  int in_flight = 0;
+  for (auto& v : units) in_flight += v.gathering ? 1 : 0;
+  stats.max_gathers_in_flight = std::max(stats.max_gathers_in_flight, in_flight);
+  if (!replicated()) stats.peak_gathered_numel = std::max(stats.peak_gathered_numel, live_numel());
+}
+
+int64_t ShardedDataParallel::State::live_numel() const {
+  int64_t n = 0;
+  for (auto& unit : units)
+    if (unit.gathering || unit.unsharded()) n += unit.numel;
+  return n;
+}
+
+// Before anything may write into the shards (the optimizer step), no gather
+// may still be in flight: a deferred gather copies the pre-step shard.
+void ShardedDataParallel::State::wait_gathers() {
+  for (size_t u = 0; u < units.size(); ++u)
+    if (units[u].gathering) unshard(u);
 }
 
 void ShardedDataParallel::State::unshard(size_t u) {
@@ -147,17 +187,37 @@ void ShardedDataParallel::State::reshard(size_t u) {
   for (auto& f : unit.flats) f->reshard();
 }
 
-// Starts gathering unit `u` early, unless limit_all_gathers would then hold
-// more than two block units at once. Decided from state every rank shares.
-void ShardedDataParallel::State::prefetch(size_t u) {
-  if (u == 0 || u >= units.size() || replicated_params(options.sharding)) return;
+// Whether unit `u` may be gathered ahead of use: limit_all_gathers holds at
+// most two block units at once, max_live_numel bounds the gathered elements.
+// Decided from state every rank shares, so all ranks gather in one order.
+bool ShardedDataParallel::State::may_prefetch(size_t u) const {
   if (options.limit_all_gathers) {
     int live = 0;
     for (size_t v = 1; v < units.size(); ++v)
       if (v != u && (units[v].gathering || units[v].unsharded())) ++live;
-    if (live >= 2) return;
+    if (live >= 2) return false;
   }
-  start_unshard(u);
+  return options.max_live_numel <= 0 || live_numel() + units[u].numel <= options.max_live_numel;
+}
+
+// Gathers block units ahead of use: one unit, or (prefetch_bytes) units until
+// that many bytes are gathered or on the way ahead of the unit in use.
+// Replicated strategies fetch the next stale unit only (Note [Deferred gather]).
+void ShardedDataParallel::State::prefetch(size_t u, int dir) {
+  if (replicated()) {
+    if (u >= 1 && u < units.size()) start_unshard(u);
+    return;
+  }
+  int64_t ahead = 0;
+  for (auto v = static_cast<int64_t>(u); v >= 1 && v < static_cast<int64_t>(units.size()); v += dir) {
+    Unit& unit = units[static_cast<size_t>(v)];
+    if (!unit.gathering && !unit.unsharded()) {
+      if (!may_prefetch(static_cast<size_t>(v))) return;
+      start_unshard(static_cast<size_t>(v));
+    }
+    ahead += unit.bytes;
+    if (options.prefetch_bytes <= 0 || ahead >= options.prefetch_bytes) return;
+  }
 }
 
 at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x) {
@@ -166,8 +226,9 @@ at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockB
   Unit& unit = units[u];
   if (i == unit.first_block) {
     std::lock_guard<std::recursive_mutex> lock(mu);
+    if (unit.gathering) ++stats.prefetched;
     unshard(u);
-    if (options.forward_prefetch) prefetch(u + 1);
+    if (options.forward_prefetch || replicated()) prefetch(u + 1, +1);
   }
   at::Tensor y = body(x);
   if (i != unit.last_block) return y;
@@ -194,8 +255,9 @@ void ShardedDataParallel::State::begin_backward() {
 void ShardedDataParallel::State::pre_backward(size_t u) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   begin_backward();
+  if (units[u].gathering) ++stats.prefetched;
   unshard(u);
-  if (options.backward_prefetch == BackwardPrefetch::Pre) prefetch(u - 1);
+  if (options.backward_prefetch == BackwardPrefetch::Pre) prefetch(u - 1, -1);
 }
 
 void ShardedDataParallel::State::on_grad_ready(size_t s) {
@@ -208,7 +270,7 @@ void ShardedDataParallel::State::on_grad_ready(size_t s) {
   // The unit's backward is over: its parameters can go, its gradients travel.
   if (slot.unit != 0) {
     reshard(slot.unit);
-    if (options.backward_prefetch == BackwardPrefetch::Post) prefetch(slot.unit - 1);
+    if (options.backward_prefetch == BackwardPrefetch::Post) prefetch(slot.unit - 1, -1);
   }
   if (sync) issue_ready_reduces(/*flush=*/false);
 }
@@ -229,6 +291,9 @@ void ShardedDataParallel::State::issue_ready_reduces(bool flush) {
     for (auto& f : unit.flats)
       if (f->trainable()) works.push_back(f->start_reduce(replicate));
     unit.reduced = true;
+    ++stats.reduces;
+    if (!flush && std::any_of(units.begin(), units.end(), [](const Unit& v) { return v.pending > 0; }))
+      ++stats.reduces_in_backward;
     inflight.emplace_back(u, std::move(works));
     ++next_reduce;
     while (static_cast<int>(inflight.size()) > options.max_inflight_reduces) finish_oldest_reduce();
@@ -247,6 +312,7 @@ void ShardedDataParallel::State::finish_oldest_reduce() {
 
 void ShardedDataParallel::State::finish_backward() {
   std::lock_guard<std::recursive_mutex> lock(mu);
+  wait_gathers();
   if (sync) {
     issue_ready_reduces(/*flush=*/true);
     while (!inflight.empty()) finish_oldest_reduce();
@@ -354,6 +420,10 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       }
     }
     unit.pending = unit.trainable;
+    for (auto& f : unit.flats) {
+      unit.numel += f->padded_numel();
+      unit.bytes += f->padded_numel() * static_cast<int64_t>(f->params().front().element_size());
+    }
   }
   if (s.slots.empty()) throw std::invalid_argument("sharded data parallel: the module has no trainable parameters");
   if (deferred) {
@@ -393,8 +463,9 @@ ShardedDataParallel::~ShardedDataParallel() { blocks_.set_block_runner(nullptr);
 at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   {
     std::lock_guard<std::recursive_mutex> lock(state_->mu);
+    state_->start_unshard(0);
+    if (options_.forward_prefetch || state_->replicated()) state_->prefetch(1, +1);
     state_->unshard(0);
-    if (options_.forward_prefetch) state_->prefetch(1);
   }
   at::Tensor out = fn();
   // Without autograd no backward will come to free the root.
@@ -476,15 +547,13 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
   return norm;
 }
 
+// Note [Deferred gather]: nothing moves here; the next forward (or a
+// FullParams) gathers each unit.
 void ShardedDataParallel::after_step() {
   if (!replicated_params(options_.sharding)) return;
-  std::vector<comm::Work> works;
-  for (auto& unit : state_->units)
-    for (auto& f : unit.flats)
-      if (f->trainable()) works.push_back(f->start_refresh_replicated());
-  auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : works) w.wait();
-  state_->wait_ms += ms_since(t0);
+  std::lock_guard<std::recursive_mutex> lock(state_->mu);
+  state_->wait_gathers();
+  for (auto& unit : state_->units) unit.stale = unit.trainable > 0;
 }
 
 void ShardedDataParallel::zero_grad() {
@@ -546,6 +615,16 @@ int64_t ShardedDataParallel::grad_bytes() const {
 }
 
 double ShardedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
-void ShardedDataParallel::reset_stats() { state_->wait_ms = 0; }
+ShardedDataParallel::Stats ShardedDataParallel::stats() const { return state_->stats; }
+void ShardedDataParallel::reset_stats() {
+  state_->wait_ms = 0;
+  state_->stats = {};
+}
+
+int ShardedDataParallel::stale_units() const {
+  int n = 0;
+  for (auto& unit : state_->units) n += unit.stale ? 1 : 0;
+  return n;
+}
 
 }  // namespace scaletrain::parallel::fsdp

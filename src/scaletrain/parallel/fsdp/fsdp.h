@@ -8,8 +8,10 @@
 // differ in what else is sharded and when parameters are gathered:
 //
 //   strategy        params between steps   params in fwd/bwd         gradients kept
-//   Zero1           replicated             replicated                whole (reduced into shards at the step)
-//   Zero2           replicated             replicated                shard (reduce-scatter per unit in backward)
+//   Zero1           replicated (stale      replicated                whole (reduced into shards per unit in
+//                   until the next fwd)                              the step's last backward)
+//   Zero2           replicated (stale      replicated                shard (reduce-scatter per unit in backward)
+//                   until the next fwd)
 //   Zero3/FullShard shard                  unit gathered per use,    shard
 //                                          freed after fwd and bwd
 //   ShardGradOp     shard                  gathered in fwd, kept     shard
@@ -27,6 +29,18 @@
 // parameters are freed. A callback queued on the autograd engine waits for
 // the reduces when backward ends. Then clip_grad_norm(), the optimizer on
 // shards(), and after_step().
+//
+// Note [Deferred gather]: under ZeRO-1/2 every rank keeps whole parameters,
+// but the optimizer updates only its shard, so after a step the other ranks'
+// parts are out of date. Gathering them in after_step() would leave the link
+// busy while nothing computes. Instead after_step() marks every unit stale,
+// and the next forward gathers each unit just before it runs (the root at
+// forward(), a block unit at its first block) while the next unit's gather
+// is already in flight, so the gathers overlap the forward as the reduces
+// overlap the backward. A stale unit's gather goes out in calls of at most
+// allgather_bucket_numel elements. Whatever reads parameters outside a
+// forward must gather first: FullParams (and full_parameters()) does; the
+// shards themselves (shard_views(), the optimizer) are always current.
 //
 // Note [Unit order]: c10d matches collectives by issue order. Gathers run on
 // the shard group in the order the hooks ask for them, which is the same on
@@ -81,6 +95,19 @@ struct ShardedOptions {
   // pipeline schedule runs several forwards before their backwards, and each
   // of those graphs saved views of the root's parameters (ln_f, the head).
   bool keep_root_between_backwards = false;
+  // ZeRO-1/2: elements of parameters one all-gather call of the deferred
+  // gather moves (Note [Deferred gather]); 0: one call per flat buffer.
+  int64_t allgather_bucket_numel = 0;
+  // Sharded parameters: a prefetch gathers units ahead of the one in use
+  // until this many bytes of parameters are gathered or on the way ahead of
+  // it (DeepSpeed's stage3_prefetch_bucket_size; the last unit may overshoot).
+  // 0: one unit ahead (FSDP's prefetch).
+  int64_t prefetch_bytes = 0;
+  // Sharded parameters: a prefetch is not started when it would make more
+  // than this many parameter elements gathered at once, the root's and the
+  // unit in use included (DeepSpeed's stage3_max_live_parameters); a unit in
+  // use is gathered regardless. 0: no bound (limit_all_gathers still applies).
+  int64_t max_live_numel = 0;
 };
 
 // Note [Sharding tensor-parallel parameters]: under tensor parallelism the
@@ -185,7 +212,19 @@ class ShardedDataParallel {
   int64_t grad_bytes() const;
   // Milliseconds spent blocked on gathers and reduces since reset_stats().
   double comm_wait_ms() const;
+  // What the engine did since reset_stats() (tests and benchmarks).
+  struct Stats {
+    int64_t all_gathers = 0;          // parameter all-gather calls issued
+    int64_t reduces = 0;              // unit gradient reduces issued
+    int64_t reduces_in_backward = 0;  // of those, issued while gradients of the backward were still to come
+    int max_gathers_in_flight = 0;    // most units with a gather issued and not yet waited, at once
+    int64_t prefetched = 0;           // block units whose gather was in flight before they needed it
+    int64_t peak_gathered_numel = 0;  // most elements of sharded parameters gathered (or arriving) at once
+  };
+  Stats stats() const;
   void reset_stats();
+  // Units whose parameters wait for their deferred gather (Note [Deferred gather]).
+  int stale_units() const;
 
   struct State;  // shared with the autograd hooks (fsdp.cpp)
 

@@ -13,14 +13,26 @@ fsdp::ShardedOptions sharded_options(const ZeroOptions& options) {
     case 2:
       o.sharding = options.stage == 1 ? fsdp::Sharding::Zero1 : fsdp::Sharding::Zero2;
       if (options.reduce_bucket_numel <= 0) throw std::invalid_argument("zero: reduce_bucket_numel must be positive");
-      o.wrap.policy = fsdp::WrapPolicy::Size;
+      if (options.allgather_bucket_numel <= 0)
+        throw std::invalid_argument("zero: allgather_bucket_numel must be positive");
+      o.wrap.policy = fsdp::WrapPolicy::Buckets;
       o.wrap.min_num_params = options.reduce_bucket_numel;
+      o.wrap.first_bucket_numel = options.first_bucket_numel;
+      o.wrap.last_bucket_numel = options.last_bucket_numel;
+      o.wrap.tail_growth = options.tail_growth;
+      o.allgather_bucket_numel = options.allgather_bucket_numel;
       return o;
     case 3:
+      if (options.prefetch_bytes < 0) throw std::invalid_argument("zero: prefetch_bytes must be >= 0");
+      if (options.max_live_numel <= 0) throw std::invalid_argument("zero: max_live_numel must be positive");
       o.sharding = fsdp::Sharding::Zero3;
       o.wrap.policy = fsdp::WrapPolicy::Transformer;
-      o.backward_prefetch = options.prefetch ? fsdp::BackwardPrefetch::Pre : fsdp::BackwardPrefetch::None;
-      o.forward_prefetch = options.prefetch;
+      o.backward_prefetch = options.prefetch_bytes > 0 ? fsdp::BackwardPrefetch::Pre : fsdp::BackwardPrefetch::None;
+      o.forward_prefetch = options.prefetch_bytes > 0;
+      o.prefetch_bytes = options.prefetch_bytes;
+      // The live bound replaces FSDP's fixed two units.
+      o.limit_all_gathers = false;
+      o.max_live_numel = options.max_live_numel;
       return o;
     default:
       throw std::invalid_argument("ZeRO stage " + std::to_string(options.stage) +
