@@ -1,6 +1,9 @@
 #pragma once
 // Shared pieces of the parity tests: the global batches every rank draws the
-// same way, and the relative difference between two parameter lists.
+// same way, the relative difference between two parameter lists, the
+// element-wise statistics the bf16 tests compare, and the check that a run's
+// weights really moved.
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "scaletrain/models/gpt.h"
@@ -9,6 +12,7 @@
 #include "scaletrain/parallel/zero/zero.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -47,6 +51,73 @@ inline double relative_diff(const std::vector<at::Tensor>& a, const std::vector<
     scale = std::max(scale, s);
   }
   return per_tensor ? worst : diff / scale;
+}
+
+// All elements of `a` minus `b`, as one fp64 vector.
+inline at::Tensor flat_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    parts.push_back((a[i].to(at::kDouble) - b[i].to(at::kDouble)).reshape({-1}));
+  return at::cat(parts);
+}
+
+// The median over all elements of |a - b|: the typical element, blind to the
+// few whose Adam update a rounding can flip (Note [bf16 parity bounds] in
+// mixed_precision_test.cpp).
+inline double median_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  return flat_diff(a, b).abs().median().item<double>();
+}
+
+// Note [Weights moved]
+// A parity test that compares two runs passes vacuously when neither moved
+// (a step never applied, a learning rate lost on the way). A relative test
+// against the initial weights does not guard that: a zero-initialised bias
+// divides by ~0, so a motion of 1e-15 passes it. So the check is absolute and
+// on the tensors that start non-zero and random (the weight matrices, dim >=
+// 2), against what AdamW must do with learning rate lr:
+//  - its first step moves every element with a non-zero gradient by
+//    lr * |g| / (|g| + eps) ~= lr (m-hat / sqrt(v-hat) = g / |g|), and later
+//    steps by at most ~lr each, plus decoupled decay lr * wd * |w| (tiny here);
+//  - so every matrix moved by at least lr somewhere (max |got - init|;
+//    measured 4.7-4.9 lr after 5 steps in the parity tests),
+//  - and the mean |got - init| over all matrix elements lies between
+//    0.25 and 1.0 x lr x steps (gradients that change sign between steps
+//    cancel part of the motion: measured 0.46-0.48 in the parity tests).
+// A run that skipped its updates, or ran with a learning rate 3x off, fails.
+struct Moved {
+  double least_max_abs = 0;  // the smallest, over matrices, of max |got - init|
+  double mean_abs = 0;       // mean |got - init| over all matrix elements
+};
+
+inline Moved weights_moved(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& init,
+                           const std::vector<bool>& skip = {}) {
+  Moved m;
+  m.least_max_abs = std::numeric_limits<double>::infinity();
+  double sum = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < got.size() && i < init.size(); ++i) {
+    if (got[i].dim() < 2 || (i < skip.size() && skip[i])) continue;
+    const auto d = (got[i].to(at::kDouble) - init[i].to(at::kDouble)).abs();
+    m.least_max_abs = std::min(m.least_max_abs, d.max().item<double>());
+    sum += d.sum().item<double>();
+    n += d.numel();
+  }
+  m.mean_abs = n > 0 ? sum / static_cast<double>(n) : 0;
+  if (n == 0) m.least_max_abs = 0;
+  return m;
+}
+
+// Note [Weights moved], as a test: `skip[i]` marks tensors that must not
+// move (frozen).
+inline void expect_weights_moved(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& init, double lr,
+                                 int steps, const std::string& what, const std::vector<bool>& skip = {}) {
+  ASSERT_EQ(got.size(), init.size()) << what;
+  const Moved m = weights_moved(got, init, skip);
+  EXPECT_GE(m.least_max_abs, lr) << what << ": a weight matrix did not move";
+  EXPECT_GE(m.mean_abs, 0.25 * lr * steps) << what << ": the weights moved less than " << steps << " steps of lr " << lr
+                                           << " make plausible";
+  EXPECT_LE(m.mean_abs, 1.0 * lr * steps) << what << ": the weights moved more than " << steps << " steps of lr " << lr
+                                          << " can";
 }
 
 // The single-process reference after `steps` AdamW steps on `batches` (one

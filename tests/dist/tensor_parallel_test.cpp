@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "dist_env.h"
+#include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
@@ -175,19 +176,7 @@ TEST(TensorParallelLayers, VocabParallelCrossEntropyMatchesFull) {
   EXPECT_LE(rel(z.grad(), mine(Z.grad(), -1)), kTol);
 }
 
-struct Batch {
-  at::Tensor x, y;
-};
-
-std::vector<Batch> make_data(int steps) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-  std::vector<Batch> d;
-  for (int s = 0; s < steps; ++s) {
-    auto tokens = torch::randint(0, kVocab, {kBatch, kSeq + 1}, gen, torch::kLong);
-    d.push_back({tokens.narrow(1, 0, kSeq).contiguous(), tokens.narrow(1, 1, kSeq).contiguous()});
-  }
-  return d;
-}
+std::vector<Batch> make_data(int steps) { return make_batches(steps, kBatch, kSeq, kVocab, 1234); }
 
 models::GPT make_model(at::ScalarType dtype) {
   torch::manual_seed(42);
@@ -273,8 +262,7 @@ void expect_same_training(const Trained& got, const Trained& ref, const std::str
   for (size_t s = 0; s < ref.norms.size(); ++s) EXPECT_NEAR(got.norms[s], ref.norms[s], 1e-9 * ref.norms[s]) << what;
   // Clipping was active, and the weights moved: the comparison is not empty.
   EXPECT_GT(ref.norms[0], kMaxNorm);
-  auto init = make_model(at::kDouble)->parameters();
-  EXPECT_GT(rel(ref.params[0], init[0]), 1e-3);
+  expect_weights_moved(got.params, make_model(at::kDouble)->parameters(), kLr, kSteps, what);
   if (world().rank() == 0) std::printf("[parity] %s: max relative diff %.3g\n", what.c_str(), worst);
 }
 

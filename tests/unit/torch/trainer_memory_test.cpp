@@ -19,9 +19,9 @@ struct Trained {
   std::vector<nlohmann::json> memory;
 };
 
+// Ports 29960-29969 (the tests above) and 29740-29749 (out of sample).
 Trained train(int nproc, const std::string& name, const std::string& flags, int port) {
-  EXPECT_GE(port, 29960);
-  EXPECT_LE(port, 29969);
+  EXPECT_TRUE((port >= 29960 && port <= 29969) || (port >= 29740 && port <= 29749)) << port;
   const fs::path metrics = scratch() / (name + ".jsonl");
   fs::remove(metrics);
   Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
@@ -95,6 +95,51 @@ TEST(TrainerMemory, LogsPredictionNextToMeasurement) {
     std::printf("[memory] %s: predicted %.3f MiB, measured tensor peak %.3f MiB\n",
                 rec->at("layout").get<std::string>().c_str(), predicted, peak);
     EXPECT_NEAR(predicted, peak, 0.1 * peak) << rec->at("layout");
+  }
+}
+
+// Note [Estimator out of sample]
+// The estimator's corrections were fitted to 24 runs of one model (8 x 512,
+// 256 tokens, micro-batch 4, fp32; DDP and ZeRO-1/2/3, with and without
+// checkpointing: bench/RESULTS.md section 7, pinned in estimate_test.cpp).
+// These runs use none of that: another shape (3 x 96, 4 heads, 64 tokens),
+// and strategies, precisions and degrees the fit never saw; each is measured
+// here, by the trainer, and its predicted peak must be within the target the
+// estimator is held to (RESULTS.md section 7: within 10% of the measured
+// tensor peak).
+TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
+  const std::string shape =
+      " --model.n_layer=3 --model.n_embd=96 --model.n_head=4 --model.block_size=64"
+      " --train.micro_batch=4 --train.global_batch=8 --train.steps=3";
+  struct Case {
+    const char* name;
+    int nproc;
+    std::string flags;
+    double tolerance = 0.1;  // |predicted - peak| / peak
+  };
+  const std::vector<Case> cases{
+      {"oos_full_shard", 2, "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=FULL_SHARD"},
+      {"oos_shard_grad_op", 2, "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
+      {"oos_full_shard_ckpt", 2,
+       "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=FULL_SHARD --model.activation_checkpointing=full"},
+      {"oos_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2"},
+      // NOT within the 10% target: a 1F1B stage is over-predicted by 39%
+      // (predicted 11.49 MiB, measured 8.27 MiB, 2026-11-22). Reported to be
+      // fixed in estimate/; asserted at the 45% that is met, so it cannot get worse
+      // unnoticed.
+      {"oos_pp2", 2, "--parallel.strategy=ddp --parallel.pp=2 --train.micro_batch=2", 0.45},
+      {"oos_zero3_bf16_params", 2, "--parallel.strategy=zero3 --precision.mode=bf16 --precision.param_dtype=bf16"},
+      {"oos_ddp_bf16_autocast", 1, "--parallel.strategy=ddp --precision.mode=bf16"},
+  };
+  int port = 29740;
+  for (const auto& c : cases) {
+    const auto mem = train(c.nproc, c.name, c.flags + shape, port++).memory;
+    ASSERT_EQ(mem.size(), 2u) << c.name << ": no memory record (the estimator could not describe the layout?)";
+    const auto& end = mem[1];
+    const double predicted = mib(end, "predicted_mib", "total"), peak = mib(end, "measured_mib", "tensor_peak");
+    std::printf("[memory out of sample] %-22s %s: predicted %.3f MiB, measured tensor peak %.3f MiB, ratio %.3f\n",
+                c.name, end.at("layout").get<std::string>().c_str(), predicted, peak, predicted / peak);
+    EXPECT_NEAR(predicted, peak, c.tolerance * peak) << c.name << " " << end.at("layout");
   }
 }
 
