@@ -281,14 +281,14 @@ TEST(ZeroOptions, Stage3MaxLiveParametersBoundsTheGatheredElements) {
 // The trainer's keys reach the engine (train/strategy.cpp, sharded_setup).
 TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   static comm::Mesh mesh(world(), comm::MeshDims{});
-  precision::PrecisionPolicy policy;
+  train::Plan plan;  // fp32, nothing deferred
   train::Config c;
   c.parallel.strategy = "zero2";
   c.parallel.zero.reduce_bucket_mb = 2;
   c.parallel.zero.allgather_bucket_mb = 0.5;
   c.parallel.first_bucket_mb = 0.25;
   c.parallel.last_bucket_mb = 0;
-  ShardedOptions o = train::sharded_setup(c, policy, mesh).options;
+  ShardedOptions o = train::sharded_setup(c, plan, mesh).options;
   EXPECT_EQ(o.wrap.policy, parallel::fsdp::WrapPolicy::Buckets);
   EXPECT_EQ(o.wrap.min_num_params, 2 << 18);  // 2 MiB of fp32
   EXPECT_EQ(o.allgather_bucket_numel, 1 << 17);
@@ -297,7 +297,7 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   c.parallel.strategy = "zero3";
   c.parallel.zero.prefetch_bucket_mb = 3;
   c.parallel.zero.max_live_parameters = 12345;
-  o = train::sharded_setup(c, policy, mesh).options;
+  o = train::sharded_setup(c, plan, mesh).options;
   EXPECT_EQ(o.prefetch_bytes, 3 << 20);
   EXPECT_EQ(o.max_live_numel, 12345);
   EXPECT_FALSE(o.limit_all_gathers);  // the live bound replaces FSDP's two units

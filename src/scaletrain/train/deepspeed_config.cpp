@@ -184,7 +184,15 @@ void map_precision(const Reader& r, const json& root, Config& c) {
     } else {
       fp16 = r.boolean(f, "fp16", "enabled");
     }
-    auto& p = c.precision;
+    // The loss-scaling keys act only when fp16 is on; otherwise each one
+    // given (not "auto") is said to have no effect, and precision.* keeps
+    // the YAML's values (which make_plan checks).
+    precision::PrecisionOptions scaled = c.precision;
+    auto& p = fp16.value_or(false) ? c.precision : scaled;
+    if (!fp16.value_or(false))
+      for (const char* k : {"loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"})
+        if (f.contains(k) && !Reader::is_auto(f[k]))
+          r.notice(std::string("fp16.") + k, f[k], "fp16 is not enabled, so nothing scales the loss");
     // DeepSpeed's defaults for absent keys: dynamic, 2^16, window 1000, hysteresis 2, min 1.
     p.loss_scale = r.number(f, "fp16", "loss_scale").value_or(f.contains("loss_scale") ? p.loss_scale : 0.0);
     p.initial_scale_power = r.integer(f, "fp16", "initial_scale_power")

@@ -1,6 +1,8 @@
 // Predicted vs measured memory of a run. See memory_report.h, Note [What is measured].
 #include "scaletrain/train/memory_report.h"
 
+#include <cmath>
+
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <malloc.h>
@@ -129,6 +131,20 @@ estimate::Layout run_layout(const Config& c, const models::GPTConfig& m, const p
     l.sharding = p.strategy == "zero1" ? Sharding::kZero1 : p.strategy == "zero2" ? Sharding::kZero2 : Sharding::kZero3;
     l.bucket_bytes = static_cast<int64_t>(p.zero.reduce_bucket_mb * kMiB);
     l.prefetch_units = p.zero.prefetch_bucket_mb > 0 ? 1 : 0;
+    if (l.sharding == Sharding::kZero3) {
+      // The engine gathers blocks ahead while the bytes ahead are below
+      // prefetch_bucket_mb (the last may overshoot), and starts none that
+      // would put more than max_live_parameters elements gathered at once,
+      // the root's and the block in use included.
+      const estimate::ParamCounts n = estimate::count_params(gpt_model_spec(m));
+      const int64_t block = (n.per_layer - n.per_layer_tp_split) + n.per_layer_tp_split / p.tp;
+      const int64_t root = n.embedding + n.final_norm + n.head;
+      const double block_bytes = static_cast<double>(block) * c10::elementSize(policy.param);
+      int64_t ahead = static_cast<int64_t>(std::ceil(p.zero.prefetch_bucket_mb * kMiB / block_bytes));
+      ahead = std::min<int64_t>(ahead, std::max<int64_t>(0, m.n_layer - 1));
+      ahead = std::min<int64_t>(ahead, std::max<int64_t>(0, (p.zero.max_live_parameters - root - block) / block));
+      l.prefetch_units = ahead;
+    }
   } else if (p.strategy == "fsdp") {
     const std::string& s = p.fsdp.sharding_strategy;
     l.fsdp_names = true;

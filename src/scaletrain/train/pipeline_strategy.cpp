@@ -137,7 +137,7 @@ class PipelineStrategy final : public DataParallel {
     const auto& o = pipe_->options();
     s << "pipeline " << pl::to_string(o.schedule) << " pp=" << pipe_->stages() << " microbatches=" << o.microbatches;
     if (o.virtual_stages > 1) s << " virtual_stages=" << o.virtual_stages;
-    s << " (blocks per chunk:";
+    s << " (blocks per chunk, cut by " << (o.balance == pl::Balance::Time ? "measured time" : "parameters") << ":";
     for (const auto& spec : pipe_->all_chunks()) s << " " << spec.end - spec.begin;
     s << ")";
     if (plan_) s << ", tensor parallel x" << mesh_.dims().tp << (plan_->options.sequence_parallel ? " (sp)" : "");

@@ -99,7 +99,7 @@ const std::map<std::string, Check>& table() {
     {"parallel.fsdp.sync_module_states", {"false", What::Line, "strategy", {"parallel.strategy=fsdp"}, 2}},
     {"parallel.fsdp.cpu_ram_efficient_loading", {"true", What::Line, "strategy", {"parallel.strategy=fsdp"}, 2}},
     {"parallel.fsdp.state_dict_type", {"FULL_STATE_DICT", What::Files, "", {"parallel.strategy=fsdp", "checkpoint.dir=" + kDir}, 2}},
-    {"parallel.zero.reduce_bucket_mb", {"0.01", What::Line, "strategy", {"parallel.strategy=zero2"}, 2}},
+    {"parallel.zero.reduce_bucket_mb", {"0.001", What::Line, "strategy", {"parallel.strategy=zero2", "model.n_layer=3", "parallel.first_bucket_mb=0.001", "parallel.last_bucket_mb=0"}, 2}},
     {"parallel.zero.allgather_bucket_mb", {"0.01", What::Line, "strategy", {"parallel.strategy=zero1"}, 2}},
     {"parallel.zero.overlap_comm", {"false", What::Refused, "must stay true", {"parallel.strategy=zero2"}}},
     {"parallel.zero.contiguous_gradients", {"false", What::Refused, "must stay true", {"parallel.strategy=zero2"}}},
