@@ -273,10 +273,30 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
     }
     if (n) field = *n * element_bytes / mib;
   };
-  elements_to_mb("reduce_bucket_size", o.reduce_bucket_mb, hidden * hidden);
-  elements_to_mb("allgather_bucket_size", o.allgather_bucket_mb, std::nullopt);
-  elements_to_mb("stage3_prefetch_bucket_size", o.prefetch_bucket_mb, 0.9 * hidden * hidden);
-  set_if(o.max_live_parameters, r.integer(z, P, "stage3_max_live_parameters"));
+  // Each size acts in the stages that read it (Note [Settings that apply] in
+  // train/plan.h); in the others it is accepted with a notice, so a file
+  // written for several stages still runs.
+  const std::string& strategy = c.parallel.strategy;
+  const bool stage12 = strategy == "zero1" || strategy == "zero2", stage3 = strategy == "zero3";
+  double unused = 0;
+  auto sized = [&](const char* key, double& field, std::optional<double> auto_elements, bool applies,
+                   const char* why) {
+    if (!z.contains(key)) return;
+    elements_to_mb(key, applies ? field : unused, auto_elements);
+    if (!applies) r.notice(P + "." + key, z[key], why);
+  };
+  sized("reduce_bucket_size", o.reduce_bucket_mb, hidden * hidden, stage12,
+        "stage 3 reduce-scatters one transformer block at a time, and stage 0 is DDP's buckets");
+  sized("allgather_bucket_size", o.allgather_bucket_mb, std::nullopt, stage12,
+        "it sizes the gathers of stages 1-2 only");
+  sized("stage3_prefetch_bucket_size", o.prefetch_bucket_mb, 0.9 * hidden * hidden, stage3,
+        "it applies to stage 3 only");
+  if (auto n = r.integer(z, P, "stage3_max_live_parameters")) {
+    if (stage3)
+      o.max_live_parameters = *n;
+    else
+      r.notice(P + ".stage3_max_live_parameters", z["stage3_max_live_parameters"], "it applies to stage 3 only");
+  }
   set_if(o.overlap_comm, r.boolean(z, P, "overlap_comm"));
   set_if(o.contiguous_gradients, r.boolean(z, P, "contiguous_gradients"));
   set_if(o.reduce_scatter, r.boolean(z, P, "reduce_scatter"));

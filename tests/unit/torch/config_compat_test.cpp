@@ -365,20 +365,26 @@ TEST(DeepSpeedConfig, Zero3Fp16WithAutoValues) {
               3, base);
   EXPECT_EQ(c.parallel.strategy, "zero3");
   EXPECT_EQ(c.precision.mode, "fp32");  // "auto": the YAML's precision stays
-  EXPECT_EQ(c.precision.initial_scale_power, 12);
-  EXPECT_EQ(c.precision.hysteresis, 3);
-  EXPECT_EQ(c.precision.loss_scale_window, 1000);  // DeepSpeed's default for an absent key
+  // fp16 "auto" resolved off: its loss-scaling keys act on nothing (notices),
+  // and precision.* keeps the YAML's values.
+  EXPECT_EQ(c.precision.initial_scale_power, 16);
+  EXPECT_EQ(c.precision.hysteresis, 2);
+  EXPECT_EQ(c.precision.loss_scale_window, 2000);
   EXPECT_EQ(c.train.global_batch, 48);
   EXPECT_EQ(c.train.micro_batch, 2);
   EXPECT_EQ(c.train.lr, 5e-4);
   EXPECT_EQ(c.train.grad_clip, 0.5);
-  // auto: hidden^2 elements, as the Hugging Face trainer fills it (the tiny preset is 128 wide)
-  EXPECT_DOUBLE_EQ(c.parallel.zero.reduce_bucket_mb, 128.0 * 128 * 4 / (1 << 20));
+  // reduce_bucket_size: stage 3 does not read it (a notice); the YAML's stays.
+  EXPECT_DOUBLE_EQ(c.parallel.zero.reduce_bucket_mb, 25);
   EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, 4.0);  // 1 Mi fp32 elements
   EXPECT_EQ(c.parallel.zero.offload_param, "none");  // cpu: where a CPU build's parameters already are
   EXPECT_FALSE(c.parallel.zero.offload_pin_memory);  // DeepSpeed's pin_memory is a notice, not ours
-  ASSERT_EQ(c.notices.size(), 2u);
-  EXPECT_HAS(c.notices[0], "zero_optimization.offload_param.device=\"cpu\" has no effect");
+  std::string notes;
+  for (const auto& n : c.notices) notes += n + "\n";
+  ASSERT_EQ(c.notices.size(), 6u) << notes;  // offload device and pin_memory, fp16's three, reduce_bucket_size
+  EXPECT_HAS(notes, "zero_optimization.offload_param.device=\"cpu\" has no effect");
+  EXPECT_HAS(notes, "fp16.initial_scale_power=12 has no effect");
+  EXPECT_HAS(notes, "zero_optimization.reduce_bucket_size=\"auto\" has no effect");
 
   auto f = ds("z3fp16.json", R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})", 2);
   EXPECT_EQ(f.precision.mode, "fp16");

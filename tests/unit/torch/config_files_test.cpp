@@ -95,7 +95,10 @@ TEST(ConfigFiles, TransformersZero2) {
   EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.device=\"cpu\" has no effect"), 1) << all_notices(c);
   EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.pin_memory=true has no effect"), 1)
       << all_notices(c);
-  EXPECT_EQ(c.notices.size(), 2u) << all_notices(c);  // wall_clock_breakdown false asks for nothing
+  // fp16 "auto" resolved off: its five loss-scaling keys act on nothing.
+  EXPECT_EQ(count_notices(c, "fp16 is not enabled"), 5) << all_notices(c);
+  EXPECT_EQ(c.precision.loss_scale_window, 2000);  // the YAML's, untouched
+  EXPECT_EQ(c.notices.size(), 7u) << all_notices(c);  // wall_clock_breakdown false asks for nothing
   // "auto" resolved from the YAML, as the Hugging Face trainer does.
   EXPECT_EQ(c.train.lr, 2e-3);
   EXPECT_EQ(c.train.warmup_steps, 3);
@@ -109,7 +112,7 @@ TEST(ConfigFiles, TransformersZero3AutoSizesFromTheModelWidth) {
   const Config c = ds("transformers_ds_config_zero3.json");
   EXPECT_EQ(c.parallel.strategy, "zero3");
   const double hidden = 32;  // model.n_embd of base()
-  EXPECT_DOUBLE_EQ(c.parallel.zero.reduce_bucket_mb, hidden * hidden * 4 / kMiB);
+  EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);  // stage 3 does not read it: a notice
   EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, std::floor(0.9 * hidden * hidden) * 4 / kMiB);
   EXPECT_EQ(c.parallel.zero.max_live_parameters, 1000000000);
   EXPECT_EQ(c.parallel.zero.offload_param, "none");
@@ -120,12 +123,15 @@ TEST(ConfigFiles, TransformersZero3AutoSizesFromTheModelWidth) {
   EXPECT_HAS(n, "stage3_gather_fp16_weights_on_model_save=true has no effect");
   EXPECT_HAS(n, "zero_optimization.offload_param.device=\"cpu\" has no effect");
   EXPECT_HAS(n, "zero_optimization.offload_param.pin_memory=true");
-  EXPECT_EQ(c.notices.size(), 8u) << n;  // the six above and offload_optimizer's device and pin_memory
+  EXPECT_HAS(n, "zero_optimization.reduce_bucket_size=\"auto\" has no effect");
+  EXPECT_EQ(count_notices(c, "fp16 is not enabled"), 5) << n;
+  // the six above, offload_optimizer's device and pin_memory, reduce_bucket_size and fp16's five
+  EXPECT_EQ(c.notices.size(), 14u) << n;
   // A wider model, wider "auto" buckets.
   Config wide = base();
   wide.model.n_embd = 64;
   const Config w = ds("transformers_ds_config_zero3.json", 1, wide);
-  EXPECT_DOUBLE_EQ(w.parallel.zero.reduce_bucket_mb, 64.0 * 64 * 4 / kMiB);
+  EXPECT_DOUBLE_EQ(w.parallel.zero.prefetch_bucket_mb, std::floor(0.9 * 64 * 64) * 4 / kMiB);
   EXPECT_HAS(all_notices(w), "stage3_param_persistence_threshold=640");
 }
 
@@ -133,7 +139,7 @@ TEST(ConfigFiles, TransformersZero3Bf16FollowsTheYamlPrecision) {
   const Config b = ds("transformers_ds_config_zero3_bf16.json", 1, base("bf16"));
   EXPECT_EQ(b.precision.mode, "bf16");
   EXPECT_EQ(b.precision.param_dtype, "bf16");  // DeepSpeed's bf16 mode: bf16 weights, fp32 master
-  EXPECT_DOUBLE_EQ(b.parallel.zero.reduce_bucket_mb, 32.0 * 32 * 2 / kMiB);  // 2-byte elements
+  EXPECT_DOUBLE_EQ(b.parallel.zero.prefetch_bucket_mb, std::floor(0.9 * 32 * 32) * 2 / kMiB);  // 2-byte elements
   const Config f = ds("transformers_ds_config_zero3_bf16.json");
   EXPECT_EQ(f.precision.mode, "fp32");
   EXPECT_EQ(f.precision.param_dtype, "fp32");
@@ -175,8 +181,10 @@ TEST(ConfigFiles, NvmeAioAndWallClockNotices) {
   EXPECT_EQ(c.parallel.zero.offload_optimizer, "nvme");
   EXPECT_EQ(c.parallel.zero.offload_param, "nvme");
   EXPECT_EQ(c.parallel.zero.offload_dir, "/nvme_data");
-  EXPECT_DOUBLE_EQ(c.parallel.zero.reduce_bucket_mb, 9e7 * 2 / kMiB);  // fp16: 2-byte elements
+  EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, 5e7 * 2 / kMiB);  // fp16: 2-byte elements
+  EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);  // stage 3 does not read it: a notice
   const std::string n = all_notices(c);
+  EXPECT_HAS(n, "zero_optimization.reduce_bucket_size=90000000 has no effect");
   for (const char* key :
        {"zero_optimization.offload_optimizer.buffer_count=4", "zero_optimization.offload_optimizer.pin_memory=true",
         "zero_optimization.offload_param.max_in_cpu=1", "zero_optimization.offload_param.pin_memory=true",
