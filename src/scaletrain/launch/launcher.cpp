@@ -351,6 +351,7 @@ class Supervisor {
   pid_t pgid_ = 0;  // rank 0's pid once spawned
   Stop stop_ = Stop::kNone;
   int stop_signal_ = 0;
+  int failure_code_ = 1;  // exit code for Stop::kFailure: 2 when the first failing rank exited 2
   bool term_sent_ = false, kill_sent_ = false;
   Clock::time_point kill_at_{};
   bool out_ok_ = true, err_ok_ = true;
@@ -454,6 +455,9 @@ void Supervisor::observe_exits() {
       else
         say("rank " + std::to_string(w.rank) + " was killed by signal " + std::to_string(info.si_status) +
             " (" + signal_name(info.si_status) + ")");
+      // A rank that exits 2 refused bad input (a usage error, reported in
+      // its one line): the job exits 2 as one process would; other failures 1.
+      failure_code_ = info.si_code == CLD_EXITED && info.si_status == 2 ? 2 : 1;
       begin_stop(Stop::kFailure, 0);
     }
   }
@@ -585,7 +589,7 @@ int Supervisor::supervise(int wake_fd) {
 
   switch (stop_) {
     case Stop::kNone: return 0;
-    case Stop::kFailure: return 1;
+    case Stop::kFailure: return failure_code_;
     case Stop::kSignal: return 128 + stop_signal_;
     case Stop::kTimeout: return kTimeoutExitCode;
   }

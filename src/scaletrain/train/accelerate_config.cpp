@@ -57,9 +57,8 @@
 namespace scaletrain::train {
 namespace {
 
-const std::vector<std::string> kLauncherKeys = {"num_processes",     "num_machines", "machine_rank",
-                                                "main_process_ip",   "main_process_port", "rdzv_backend",
-                                                "same_network"};
+const std::vector<std::string> kLauncherKeys = {"num_processes",     "num_machines", "machine_rank", "main_process_ip",
+                                                "main_process_port", "rdzv_backend", "same_network"};
 
 // Accepted, no effect on this build; why, per key.
 const std::map<std::string, std::string>& inert_keys() {
@@ -210,9 +209,9 @@ void read_deepspeed_section(Config& c, AccelerateSettings& out, const YAML::Node
       if (name == "deepspeed_multinode_launcher" || name == "deepspeed_hostfile" ||
           name == "deepspeed_exclusion_filter" || name == "deepspeed_inclusion_filter" ||
           name == "deepspeed_moe_layer_cls_names") {
-        const bool inert = inert_value(name, kv.second) ||
-                           (name == "deepspeed_multinode_launcher" && kv.second.IsScalar() &&
-                            kv.second.Scalar() == "standard");  // standard: torchrun-style, as ours
+        const bool inert =
+            inert_value(name, kv.second) || (name == "deepspeed_multinode_launcher" && kv.second.IsScalar() &&
+                                             kv.second.Scalar() == "standard");  // standard: torchrun-style, as ours
         if (!inert)
           c.notices.push_back(file + ": " + key + "=" + dump(kv.second) +
                               " has no effect on this build (workers are started by `scaletrain launch`)");
@@ -266,8 +265,9 @@ void read_deepspeed_section(Config& c, AccelerateSettings& out, const YAML::Node
     return;
   }
   if (init_flag && !*init_flag && stage == 3)
-    c.notices.push_back(file + ": deepspeed_config.zero3_init_flag=false has no effect on this build (ZeRO-3 "
-                               "always builds the model shard by shard)");
+    c.notices.push_back(file +
+                        ": deepspeed_config.zero3_init_flag=false has no effect on this build (ZeRO-3 "
+                        "always builds the model shard by shard)");
   if (!zero.empty()) ds["zero_optimization"] = zero;
   out.deepspeed = ds;
 }
@@ -276,7 +276,7 @@ void read_deepspeed_section(Config& c, AccelerateSettings& out, const YAML::Node
 
 bool is_accelerate_key(const std::string& name) {
   static const std::set<std::string> keys = {"compute_environment", "distributed_type", "mixed_precision",
-                                             "fsdp_config", "deepspeed_config", "fp16"};
+                                             "fsdp_config",         "deepspeed_config", "fp16"};
   return keys.count(name) || inert_keys().count(name) || refused_sections().count(name) ||
          std::find(kLauncherKeys.begin(), kLauncherKeys.end(), name) != kLauncherKeys.end();
 }
@@ -381,15 +381,7 @@ void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<st
 }
 
 AccelerateLaunch read_accelerate_launch(const std::string& path) {
-  std::ifstream probe(path);
-  if (!probe) throw UsageError("config file " + path + " cannot be read");
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::Exception& e) {
-    throw UsageError("config file " + path + " is not valid YAML (line " + std::to_string(e.mark.line + 1) + "): " +
-                     e.msg);
-  }
+  const YAML::Node root = read_yaml_file(path);
   AccelerateLaunch l;
   if (!root.IsMap()) return l;
   auto get = [&](const char* key) -> std::string {
@@ -410,9 +402,9 @@ AccelerateLaunch read_accelerate_launch(const std::string& path) {
   }
   if (l.num_machines < 1) throw UsageError(path + ": num_machines must be at least 1");
   if (l.num_processes < 1 || l.num_processes % l.num_machines != 0)
-    throw UsageError(path + ": num_processes=" + std::to_string(l.num_processes) +
-                     " (over all machines) must be a positive multiple of num_machines=" +
-                     std::to_string(l.num_machines));
+    throw UsageError(
+        path + ": num_processes=" + std::to_string(l.num_processes) +
+        " (over all machines) must be a positive multiple of num_machines=" + std::to_string(l.num_machines));
   if (const auto rdzv = get("rdzv_backend"); !rdzv.empty() && rdzv != "static")
     l.notes.push_back(path + ": rdzv_backend=" + rdzv +
                       " has no effect (scaletrain launch always meets at main_process_ip:main_process_port, "

@@ -53,6 +53,24 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+std::string join_problems(const std::vector<std::string>& problems) {
+  if (problems.size() == 1) return problems[0];
+  std::string all = std::to_string(problems.size()) + " problems in the config: ";
+  for (size_t i = 0; i < problems.size(); ++i) all += (i ? "; " : "") + problems[i];
+  return all;
+}
+
+YAML::Node read_yaml_file(const std::string& path) {
+  std::ifstream probe(path);
+  if (!probe) throw UsageError("config file " + path + " cannot be read");
+  try {
+    return YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    throw UsageError("config file " + path + " is not valid YAML (line " + std::to_string(e.mark.line + 1) +
+                     ", column " + std::to_string(e.mark.column + 1) + "): " + e.msg);
+  }
+}
+
 namespace {
 
 // One key of the table: how to set it from text and how to show its value.
@@ -290,20 +308,12 @@ void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::
 
 // Reads the YAML file into `c`; returns the keys it set and Accelerate's settings.
 struct Loaded {
-  std::set<std::string> given;     // "section.key" set explicitly
+  std::set<std::string> given;    // "section.key" set explicitly
   AccelerateSettings accelerate;  // Note [Accelerate keys] (accelerate_config.cpp)
 };
 
 void load_file(Config& c, const std::string& path, Loaded& loaded) {
-  std::ifstream probe(path);
-  if (!probe) throw UsageError("config file " + path + " cannot be read");
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::Exception& e) {
-    throw UsageError("config file " + path + " is not valid YAML (line " + std::to_string(e.mark.line + 1) +
-                     ", column " + std::to_string(e.mark.column + 1) + "): " + e.msg);
-  }
+  const YAML::Node root = read_yaml_file(path);
   if (!root || root.IsNull()) return;
   if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
   std::vector<std::string> problems;  // every problem of the file, in one error
@@ -322,10 +332,7 @@ void load_file(Config& c, const std::string& path, Loaded& loaded) {
       problems.push_back(e.what());
     }
   }
-  if (problems.empty()) return;
-  std::string all;
-  for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
-  throw UsageError("config file " + path + ": " + all);
+  if (!problems.empty()) throw UsageError("config file " + path + ": " + join_problems(problems));
 }
 
 }  // namespace
@@ -373,12 +380,7 @@ void validate_config(const Config& c) {
   if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");
   if (c.checkpoint.keep < 0) fail("checkpoint.keep must be 0 (keep all) or positive");
   if (c.checkpoint.resume.empty()) fail("checkpoint.resume must be auto, never or a checkpoint path");
-  if (problems.size() == 1) throw UsageError(problems[0]);
-  if (problems.size() > 1) {
-    std::string all = std::to_string(problems.size()) + " problems in the config: ";
-    for (size_t i = 0; i < problems.size(); ++i) all += (i ? "; " : "") + problems[i];
-    throw UsageError(all);
-  }
+  if (!problems.empty()) throw UsageError(join_problems(problems));
 }
 
 std::string config_value(const Config& config, const std::string& key) {

@@ -7,6 +7,7 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/train/config_values.h"
 #include "scaletrain/train/model_config.h"
 #include "scaletrain/util/error.h"
 
@@ -28,11 +29,7 @@ class Problems {
   }
   void add(std::string problem) { list_.push_back(std::move(problem)); }
   void raise() const {
-    if (list_.empty()) return;
-    if (list_.size() == 1) throw UsageError(list_[0]);
-    std::string all = std::to_string(list_.size()) + " problems in the config: ";
-    for (size_t i = 0; i < list_.size(); ++i) all += (i ? "; " : "") + list_[i];
-    throw UsageError(all);
+    if (!list_.empty()) throw UsageError(join_problems(list_));
   }
 
  private:

@@ -295,7 +295,7 @@ TEST(Launch, WorkerIgnoringSigtermIsKilledAfterGrace) {
       "if [ $RANK = 1 ]; then while [ ! -e " + d + "/pid0 ]; do sleep 0.02; done; exit 2; fi; exec sleep 30";
   const auto t0 = Clock::now();
   const int rc = scaletrain::launch::run(c.opts, sh(script));
-  EXPECT_EQ(rc, 1);
+  EXPECT_EQ(rc, 2) << "a rank's usage error (exit 2) is the job's";
   EXPECT_LT(seconds_since(t0), 5.0);
   EXPECT_NE(slurp(dir / "launcher.err").find("rank 1 exited with code 2"), std::string::npos);
   EXPECT_TRUE(gone(read_pid(dir / "pid0")));

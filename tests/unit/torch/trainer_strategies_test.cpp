@@ -246,8 +246,8 @@ TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
 // same curve as zero2, which builds the whole model eagerly and converts it.
 TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
   const std::string bf16 = "--precision.mode=bf16 --precision.param_dtype=bf16 --train.sample_tokens=0 ";
-  const auto eager = train(2, "zero2_bf16", bf16 + "--parallel.strategy=zero2", 29992);
-  const auto deferred = train(2, "zero3_bf16", bf16 + "--parallel.strategy=zero3", 29993);
+  const auto eager = train(2, "zero2_bf16", bf16 + "--parallel.strategy=zero2", 30300);
+  const auto deferred = train(2, "zero3_bf16", bf16 + "--parallel.strategy=zero3", 30301);
   ASSERT_EQ(eager.size(), 6u);
   // Same initial weights, same bf16 arithmetic: the first loss is bit for bit
   // the same; later steps differ only by the order of fp32 sums.
@@ -265,15 +265,15 @@ TEST(TrainerStrategies, DeferredInitializationLoadsInitFromOneTensorAtATime) {
   fs::remove_all(ckpt);
   ASSERT_EQ(train(2, "init_from_source", "--parallel.strategy=ddp --train.sample_tokens=0 --checkpoint.dir=" +
                                              ckpt.string(),
-                  29994)
+                  30302)
                 .size(),
             6u);
   ASSERT_EQ(run("checkpoint consolidate " + (ckpt / "step-000006").string() + " -o " + hf.string()).code, 0);
   const std::string from = "--train.sample_tokens=0 --model.init_from=" + hf.string() + " ";
-  const auto eager = train(2, "init_from_zero2", from + "--parallel.strategy=zero2", 29995);
-  const auto zero3 = train(2, "init_from_zero3", from + "--parallel.strategy=zero3", 29996);
+  const auto eager = train(2, "init_from_zero2", from + "--parallel.strategy=zero2", 30303);
+  const auto zero3 = train(2, "init_from_zero3", from + "--parallel.strategy=zero3", 30304);
   const auto fsdp = train(2, "init_from_fsdp",
-                          from + "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true", 29997);
+                          from + "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true", 30305);
   ASSERT_EQ(eager.size(), 6u);
   EXPECT_EQ(zero3.at(0), eager[0]);
   EXPECT_EQ(fsdp.at(0), eager[0]);
