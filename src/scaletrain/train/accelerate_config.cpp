@@ -246,11 +246,7 @@ void read_deepspeed_section(Config& c, AccelerateSettings& out, const YAML::Node
       problems.push_back(e.what());
     }
   }
-  if (!problems.empty()) {
-    std::string all;
-    for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
-    throw UsageError(all);
-  }
+  if (!problems.empty()) throw UsageError(join_problems(problems));
   if (!ds_file.empty()) {
     if (!plugin_keys.empty()) {
       std::string list;
@@ -324,11 +320,7 @@ void read_accelerate_key(Config& c, AccelerateSettings& out, const std::string& 
           problems.push_back(e.what());
         }
       }
-      if (!problems.empty()) {
-        std::string all;
-        for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
-        throw UsageError(all);
-      }
+      if (!problems.empty()) throw UsageError(join_problems(problems));
       if (out.strategy == "ddp") throw UsageError("the fsdp_config section disagrees with " + out.implied_by);
       out.strategy = "fsdp", out.implied_by = "fsdp_config";
     }

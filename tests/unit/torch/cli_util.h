@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
 
@@ -62,6 +65,19 @@ inline fs::path tokens() {
     return out;
   }();
   return tok;
+}
+
+// The message of the UsageError `f` throws ("" if none); it must be one line.
+inline std::string usage_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    std::string m = e.what();
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    return m;
+  }
+  ADD_FAILURE() << "no UsageError";
+  return "";
 }
 
 inline void expect_usage_error(const Run& r, const std::string& needle) {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "cli_util.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/deepspeed_config.h"
@@ -18,6 +19,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using train::Config;
+using test::usage_error;
 
 fs::path write(const std::string& name, const std::string& text) {
   static fs::path dir = [] {
@@ -30,18 +32,6 @@ fs::path write(const std::string& name, const std::string& text) {
   return p;
 }
 
-// The message of the UsageError `f` throws ("" if none); it must be one line.
-std::string usage_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    std::string m = e.what();
-    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-    return m;
-  }
-  ADD_FAILURE() << "no UsageError";
-  return "";
-}
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 

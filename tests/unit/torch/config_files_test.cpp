@@ -24,6 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 using test::scratch;
 using train::Config;
+using test::usage_error;
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 #define EXPECT_LACKS(haystack, needle) EXPECT_EQ((haystack).find(needle), std::string::npos) << (haystack)
@@ -52,17 +53,6 @@ int count_notices(const Config& c, const std::string& needle) {
   return n;
 }
 
-std::string usage_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    std::string m = e.what();
-    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-    return m;
-  }
-  ADD_FAILURE() << "no UsageError";
-  return "";
-}
 
 // The YAML the DeepSpeed fixtures are applied over: model width 32.
 Config base(const std::string& precision = "fp32") {
