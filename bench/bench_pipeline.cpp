@@ -20,6 +20,7 @@
 #include "scaletrain/comm/env.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
+#include "scaletrain/models/gpt.h"
 #include "scaletrain/parallel/pipeline/pipeline.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 
@@ -88,7 +89,7 @@ void run_pp(st::comm::World& world, const Args& a) {
       po.microbatches = m;
       po.virtual_stages = v;
       po.micro_batch = a.micro;
-      pl::Pipeline pipe(gpt, g, nullptr, po);
+      pl::Pipeline pipe(gpt.ptr(), g, nullptr, po);
       std::vector<double> step, compute;
       int64_t peak = 0;
       const auto xs = tokens(m, a, 2), ys = tokens(m, a, 3);

@@ -85,6 +85,9 @@ int inspect(const std::string& arg) {
 int consolidate(const std::string& arg, const std::string& out) {
   const std::string dir = resolve(arg);
   const checkpoint::Index x = checkpoint::read_index(dir);
+  if (x.model.family != "gpt2")
+    throw UsageError("checkpoint consolidate writes GPT-2 files; " + dir + " holds a model of family " +
+                     x.model.family);
   models::GPTConfig c;
   c.vocab_size = x.model.vocab_size;
   c.block_size = x.model.block_size;

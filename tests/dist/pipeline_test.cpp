@@ -98,7 +98,7 @@ void run_case(const Case& c0) {
   po.microbatches = c.m;
   po.virtual_stages = c.v;
   po.micro_batch = kMicro;
-  pl::Pipeline pipe(gpt, mesh.pp(), &mesh.dp(), po, world().group().get());
+  pl::Pipeline pipe(gpt.ptr(), mesh.pp(), &mesh.dp(), po, world().group().get());
 
   std::vector<std::shared_ptr<pl::ShardedRunner>> sharded;
   if (c.mode == Dp::Ddp) {
@@ -212,7 +212,7 @@ TEST(Pipeline, StagesThatDisagreeFailTogether) {
   pl::PipelineOptions po;
   po.microbatches = 2;
   po.micro_batch = mesh.coord().pp == 1 ? 3 : kMicro;  // one stage expects another shape
-  pl::Pipeline pipe(gpt, mesh.pp(), nullptr, po);
+  pl::Pipeline pipe(gpt.ptr(), mesh.pp(), nullptr, po);
   std::vector<at::Tensor> xs(2, torch::zeros({po.micro_batch, kSeq}, torch::kLong)), ys = xs;
   try {
     pipe.step(xs, ys);
@@ -229,7 +229,7 @@ TEST(Pipeline, TooFewMicroBatchesForInterleaved) {
   po.schedule = pl::Schedule::Interleaved;
   po.virtual_stages = 2;
   po.microbatches = world().size() + 1;
-  EXPECT_THROW(pl::Pipeline(gpt, mesh.pp(), nullptr, po), UsageError);
+  EXPECT_THROW(pl::Pipeline(gpt.ptr(), mesh.pp(), nullptr, po), UsageError);
 }
 
 }  // namespace

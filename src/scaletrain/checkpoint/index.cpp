@@ -80,7 +80,8 @@ std::string index_to_json(const Index& x) {
   j["strategy"] = x.strategy;
   j["mesh"] = x.mesh;
   j["model"] = {{"vocab_size", x.model.vocab_size}, {"block_size", x.model.block_size}, {"n_layer", x.model.n_layer},
-                {"n_head", x.model.n_head},         {"n_embd", x.model.n_embd},         {"bias", x.model.bias}};
+                {"n_head", x.model.n_head},         {"n_embd", x.model.n_embd},         {"bias", x.model.bias},
+                {"family", x.model.family}};
   j["state"] = {{"step", x.state.step},
                 {"optimizer_steps", x.state.optimizer_steps},
                 {"loss_scaler", x.state.loss_scaler},
@@ -115,7 +116,8 @@ Index index_from_json(const std::string& text, const std::string& source) {
     x.mesh = j.at("mesh").get<std::string>();
     const json& m = j.at("model");
     x.model = {m.at("vocab_size").get<int64_t>(), m.at("block_size").get<int64_t>(), m.at("n_layer").get<int64_t>(),
-               m.at("n_head").get<int64_t>(),     m.at("n_embd").get<int64_t>(),     m.at("bias").get<bool>()};
+               m.at("n_head").get<int64_t>(),     m.at("n_embd").get<int64_t>(),     m.at("bias").get<bool>(),
+               m.value("family", std::string("gpt2"))};
     const json& s = j.at("state");
     x.state.step = s.at("step").get<int64_t>();
     x.state.optimizer_steps = s.at("optimizer_steps").get<int64_t>();

@@ -68,6 +68,7 @@ struct FileEntry {
 struct ModelShape {
   int64_t vocab_size = 0, block_size = 0, n_layer = 0, n_head = 0, n_embd = 0;
   bool bias = true;
+  std::string family = "gpt2";  // the model family (models::ModelConfig::family); absent in older indexes
 };
 
 // Non-tensor training state (saved by rank 0; the same on every rank).

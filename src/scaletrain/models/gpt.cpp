@@ -7,21 +7,6 @@
 
 namespace scaletrain::models {
 
-void GPTConfig::validate() const {
-  auto positive = [](int64_t v, const char* name) {
-    if (v <= 0) throw UsageError(std::string("model.") + name + " must be positive, got " + std::to_string(v));
-  };
-  positive(vocab_size, "vocab_size");
-  positive(block_size, "block_size");
-  positive(n_layer, "n_layer");
-  positive(n_head, "n_head");
-  positive(n_embd, "n_embd");
-  if (n_embd % n_head != 0)
-    throw UsageError("model.n_head=" + std::to_string(n_head) +
-                     " does not divide model.n_embd=" + std::to_string(n_embd));
-  if (dropout < 0 || dropout >= 1) throw UsageError("model.dropout must be in [0, 1)");
-}
-
 namespace {
 const std::map<std::string, GPTConfig>& presets() {
   static const std::map<std::string, GPTConfig> p = [] {
@@ -62,15 +47,6 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
 
 int64_t CausalSelfAttentionImpl::local_heads() const { return c_attn->weight.size(0) / (3 * (n_embd_ / n_head_)); }
 
-namespace {
-// c_proj as a row-parallel linear: the partial products of every rank are
-// reduced by the hook, and the (replicated) bias is added once, after it.
-torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp) {
-  auto out = tp.row_output(torch::linear(y, proj->weight));
-  return proj->bias.defined() ? out + proj->bias : out;
-}
-}  // namespace
-
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   // Under tensor parallelism c_attn holds this rank's heads only (their q, k
   // and v rows), so the width below is n_embd / tp.
@@ -91,8 +67,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
 }
 
 MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout) {
-  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 4 * c.n_embd).bias(c.bias)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c.n_embd, c.n_embd).bias(c.bias)));
+  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.mlp_width()).bias(c.bias)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.mlp_width(), c.n_embd).bias(c.bias)));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
@@ -107,7 +83,7 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
 
 BlockImpl::BlockImpl(const GPTConfig& c) {
   auto ln = [&] {
-    return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).elementwise_affine(true).eps(1e-5));
+    return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).elementwise_affine(true).eps(c.norm_eps));
   };
   ln_1 = register_module("ln_1", ln());
   attn = register_module("attn", CausalSelfAttention(c));
@@ -120,34 +96,17 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
   return x + mlp(ln_2(x));
 }
 
-GPTImpl::GPTImpl(const GPTConfig& c, bool materialize) : config_(c) {
+GPTImpl::GPTImpl(const GPTConfig& c, bool materialize) : CausalLM(c) {
   c.validate();
-  // Without materialization each module's bytes go as soon as it is built
-  // (its constructor's own random draws still happen, so the generator is
-  // where an eager build leaves it): the peak is one block, not the model.
-  auto settle = [&](torch::nn::Module& m) {
-    if (!materialize) free_parameters(m);
-  };
-  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
-  settle(*wte);
-  wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
-  settle(*wpe);
+  wte = register_module("wte", settle(torch::nn::Embedding(c.vocab_size, c.n_embd), materialize));
+  wpe = register_module("wpe", settle(torch::nn::Embedding(c.block_size, c.n_embd), materialize));
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) {
-    Block block(c);
-    settle(*block);
-    h->push_back(block);
-  }
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-  settle(*ln_f);
+  for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(settle(Block(c), materialize));
+  ln_f = register_module("ln_f", settle(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.norm_eps)), materialize));
   drop_ = register_module("drop", torch::nn::Dropout(c.dropout));
-  if (!materialize) return;
-  torch::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) init_parameter(item.key(), item.value());
+  finish_construction(materialize);
 }
 
-// GPT-2 initialisation: N(0, 0.02), zero biases, LayerNorm 1 / 0, and the
-// projections that write into the residual stream scaled by 1/sqrt(2 * n_layer).
 void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
   torch::NoGradGuard no_grad;
   const bool bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
@@ -156,71 +115,59 @@ void GPTImpl::init_parameter(const std::string& name, at::Tensor& p) const {
   } else if (bias) {
     p.zero_();
   } else if (name.find("c_proj.weight") != std::string::npos) {
-    p.normal_(0.0, 0.02 / std::sqrt(2.0 * config_.n_layer));
+    p.normal_(0.0, 0.02 / std::sqrt(2.0 * config().n_layer));
   } else {
     p.normal_(0.0, 0.02);
   }
 }
 
 torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
-  const int64_t T = idx.size(1);
-  if (T > config_.block_size)
-    throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
-                                std::to_string(config_.block_size));
-  torch::Tensor x;
-  if (tp_) {
-    x = tp_->embed(idx);
-  } else {
-    auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
-    x = wte(idx) + wpe(pos);
-  }
-  return drop_(x);
+  check_length(idx.size(1));
+  torch::Tensor tok = tp_ ? tp_->embed_tokens(idx, wte->weight) : wte(idx);
+  // Under sequence parallelism tok is this rank's chunk: add its positions.
+  const int64_t n = tok.size(1), first = tp_ ? tp_->sequence_offset(n) : 0;
+  return drop_(tok + wpe(torch::arange(first, first + n, idx.options().dtype(torch::kLong))));
 }
 
-BlockBody GPTImpl::block_body(int64_t i) {
-  auto* block = (*h)[i]->as<Block>();
-  BlockBody body = [block](const torch::Tensor& in) { return block->forward(in); };
-  if (checkpointing_ != ActivationCheckpointing::Full) return body;
-  CheckpointOptions ckpt;
-  ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
-  return [block, plain = std::move(body), ckpt](const torch::Tensor& in) {
-    return checkpoint(plain, in, block->parameters(), ckpt);
-  };
-}
+torch::Tensor GPTImpl::run_block(int64_t i, const torch::Tensor& x) { return h[i]->as<Block>()->forward(x); }
 
-torch::Tensor GPTImpl::hidden(const torch::Tensor& idx) {
-  torch::Tensor x = embed(idx);
-  for (int64_t i = 0; i < static_cast<int64_t>(h->size()); ++i) {
-    const BlockBody body = block_body(i);
-    x = runner_ ? runner_(i, body, x) : body(x);
-  }
-  return ln_f(x);
-}
-
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
-  auto x = hidden(idx);
-  if (tp_) return tp_->logits(x);
-  return torch::matmul(x, wte->weight.t());  // head tied to the token embedding
-}
-
-namespace {
-torch::Tensor cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {
-  // 16-bit logits (autocast) are upcast: the softmax over the vocabulary needs fp32.
-  if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
-    logits = logits.to(torch::kFloat);
-  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
-}
-}  // namespace
-
-torch::Tensor GPTImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  if (tp_) return tp_->loss(hidden(idx), targets);
-  return cross_entropy(forward(idx), targets);
+torch::Tensor GPTImpl::head_logits(const torch::Tensor& x) {
+  auto y = ln_f(x);
+  if (tp_) return tp_->logits(y, wte->weight);
+  return torch::matmul(y, wte->weight.t());  // head tied to the token embedding
 }
 
 torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
   auto y = ln_f(x);
-  if (tp_) return tp_->loss(y, targets);
-  return cross_entropy(torch::matmul(y, wte->weight.t()), targets);
+  if (tp_) return tp_->loss(y, wte->weight, targets);
+  return causal_lm_cross_entropy(torch::matmul(y, wte->weight.t()), targets);
+}
+
+namespace {
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+TensorParallelSplit GPTImpl::tensor_parallel_split(const std::string& name) const {
+  if (name == "wte.weight") return {0, 1};  // vocabulary rows
+  // c_attn's rows are q, then k, then v: each rank keeps its heads' rows of each.
+  if (ends_with(name, "attn.c_attn.weight") || ends_with(name, "attn.c_attn.bias")) return {0, 3};
+  if (ends_with(name, "mlp.c_fc.weight") || ends_with(name, "mlp.c_fc.bias")) return {0, 1};  // column-parallel
+  if (ends_with(name, "c_proj.weight")) return {1, 1};  // row-parallel: input columns
+  return {};  // wpe, LayerNorms, row-parallel biases
+}
+
+std::vector<std::string> GPTImpl::tensor_parallel_problems(const ModelConfig& c, int tp) {
+  std::vector<std::string> out;
+  const std::string degree = "tensor parallel degree tp=" + std::to_string(tp);
+  if (c.n_head % tp != 0)
+    out.push_back(degree + " does not divide model.n_head=" + std::to_string(c.n_head) +
+                  " (attention heads are split across tp ranks)");
+  if (c.vocab_size % tp != 0)
+    out.push_back(degree + " does not divide model.vocab_size=" + std::to_string(c.vocab_size) +
+                  " (pad the vocabulary to a multiple of " + std::to_string(tp) + ")");
+  return out;
 }
 
 void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
@@ -232,44 +179,9 @@ void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
   }
 }
 
-torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {
-  torch::NoGradGuard no_grad;
-  // Tensor parallel: sample with the hooks meant for it, and put the training
-  // ones back however this returns.
-  struct Restore {
-    GPTImpl* model;
-    TensorParallelHooksPtr hooks;
-    ~Restore() {
-      if (hooks) model->set_tensor_parallel(hooks);
-    }
-  } restore{this, nullptr};
-  if (tp_ && tp_->sampling) {
-    restore.hooks = tp_;
-    set_tensor_parallel(tp_->sampling);
-  }
-  for (int64_t i = 0; i < max_new_tokens; ++i) {
-    auto ctx = idx.size(1) <= config_.block_size ? idx : idx.slice(1, idx.size(1) - config_.block_size);
-    auto logits = forward(ctx).select(1, ctx.size(1) - 1).to(torch::kFloat) / std::max(temperature, 1e-6);
-    if (top_k > 0 && top_k < logits.size(-1)) {
-      auto kth = std::get<0>(logits.topk(top_k, -1)).select(-1, top_k - 1).unsqueeze(-1);
-      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-    }
-    auto next = torch::multinomial(torch::softmax(logits, -1), 1);
-    if (tp_ && tp_->broadcast_tokens) next = tp_->broadcast_tokens(next);
-    idx = torch::cat({idx, next}, 1);
-  }
-  return idx;
-}
-
-int64_t GPTImpl::num_parameters() const {
-  int64_t n = 0;
-  for (const auto& p : parameters()) n += p.numel();
-  return n;
-}
-
 double GPTImpl::flops_per_token(int64_t seq_len) const {
   const double N = static_cast<double>(num_parameters() - wpe->weight.numel());
-  return 6.0 * N + 12.0 * config_.n_layer * config_.n_embd * seq_len;
+  return 6.0 * N + 12.0 * config().n_layer * config().n_embd * seq_len;
 }
 
 }  // namespace scaletrain::models

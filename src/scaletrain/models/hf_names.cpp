@@ -19,8 +19,11 @@ std::string trim(const std::string& s) {
 std::string block_class_from_hf(const std::string& key, const std::string& names) {
   // Transformers' class of one repeated layer, per family this build has.
   static const std::map<std::string, std::string> kBlocks = {
-      {"Block", "Block"},      // ours (models/gpt.h)
-      {"GPT2Block", "Block"},  // transformers GPT2LMHeadModel
+      {"Block", "Block"},                          // ours (models/gpt.h)
+      {"GPT2Block", "Block"},                      // transformers GPT2LMHeadModel
+      {"LlamaDecoderLayer", "LlamaDecoderLayer"},  // ours (models/llama.h) and LlamaForCausalLM
+      {"MistralDecoderLayer", "LlamaDecoderLayer"},
+      {"Qwen2DecoderLayer", "LlamaDecoderLayer"},
   };
   std::string found;
   std::stringstream list(names);
@@ -29,7 +32,7 @@ std::string block_class_from_hf(const std::string& key, const std::string& names
     if (name.empty()) continue;
     const auto it = kBlocks.find(name);
     if (it == kBlocks.end())
-      throw UsageError(key + ": '" + name + "' is not a layer class of this build's models (known: GPT2Block, Block)");
+      throw UsageError(key + ": '" + name + "' is not a layer class of this build's models (known: GPT2Block, Block, LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer)");
     if (!found.empty() && found != it->second)
       throw UsageError(key + ": '" + names + "' names layers of different models");
     found = it->second;

@@ -17,7 +17,7 @@ namespace scaletrain::optim {
 struct AdamWOptions {
   double lr = 3e-4;           // peak learning rate (a schedule may scale it per step)
   double beta1 = 0.9;         // decay of the first-moment average
-  double beta2 = 0.95;        // decay of the second-moment average (0.95 is GPT's choice)
+  double beta2 = 0.95;        // decay of the second-moment average (0.95: the usual choice for LLM pretraining)
   double eps = 1e-8;          // added to the denominator
   double weight_decay = 0.1;  // decoupled decay, applied to tensors marked decay=true
   // "" keeps the moment estimates in memory; a directory puts them in
@@ -28,7 +28,7 @@ struct AdamWOptions {
 class AdamW {
  public:
   // decay[i] says whether params[i] gets weight decay (matrices yes,
-  // biases/LayerNorm/1-D no, by the GPT convention).
+  // biases/norms/1-D no, the usual convention for transformers).
   AdamW(std::vector<at::Tensor> params, std::vector<bool> decay, AdamWOptions options = {});
   // Flat shards mix matrices and vectors: decay_numel[i] says how many leading
   // elements of params[i] get weight decay (sharded strategies lay out each

@@ -155,6 +155,8 @@ const std::map<std::string, Field>& fields() {
     ST_STR(model, preset)
     ST_INT(model, n_layer)
     ST_INT(model, n_head)
+    ST_INT(model, n_kv_head)
+    ST_INT(model, intermediate_size)
     ST_INT(model, n_embd)
     ST_INT(model, block_size)
     ST_INT(model, vocab_size)
@@ -361,8 +363,6 @@ void validate_config(const Config& c) {
   if (c.parallel.timeout_s <= 0) fail("parallel.timeout_s must be positive");
   const auto& f = c.parallel.fsdp;
   if (f.min_num_params < 1) fail("parallel.fsdp.min_num_params must be at least 1");
-  if (f.auto_wrap_policy == "transformer" && f.transformer_layer_cls.empty())
-    fail("parallel.fsdp.transformer_layer_cls is empty but auto_wrap_policy is transformer");
   const auto& z = c.parallel.zero;
   if (z.reduce_bucket_mb <= 0 || z.allgather_bucket_mb <= 0 || z.prefetch_bucket_mb <= 0)
     fail("parallel.zero.reduce_bucket_mb, allgather_bucket_mb and prefetch_bucket_mb must be positive");

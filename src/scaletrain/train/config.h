@@ -11,9 +11,13 @@
 namespace scaletrain::train {
 
 struct ModelOptions {
-  std::string preset = "tiny";  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
-  int64_t n_layer = 0;          // 0 keeps the preset's value (same for the next four)
+  // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-tiny | smollm2-135m | smollm2-360m |
+  // tinyllama-1.1b | llama-2-7b | llama-3-8b | llama-3.1-8b (models::model_preset_names())
+  std::string preset = "tiny";
+  int64_t n_layer = 0;  // 0 keeps the preset's value (same for the next six)
   int64_t n_head = 0;
+  int64_t n_kv_head = 0;          // key/value heads (llama family: grouped-query attention)
+  int64_t intermediate_size = 0;  // MLP width (llama family)
   int64_t n_embd = 0;
   int64_t block_size = 0;  // sequence length trained on
   int64_t vocab_size = 0;
@@ -53,7 +57,7 @@ struct TrainOptions {
 struct FsdpOptions {
   std::string sharding_strategy = "FULL_SHARD";    // FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD
   std::string auto_wrap_policy = "transformer";    // transformer | size | none: what becomes an FSDP unit
-  std::string transformer_layer_cls = "Block";     // module class wrapped by the transformer policy
+  std::string transformer_layer_cls;               // class wrapped by the transformer policy; "": the model's blocks
   int64_t min_num_params = 100000000;              // size policy: wrap a subtree once it has this many parameters
   std::string backward_prefetch = "BACKWARD_PRE";  // BACKWARD_PRE | BACKWARD_POST | NONE
   bool forward_prefetch = false;                   // all-gather the next unit's parameters during this unit's forward

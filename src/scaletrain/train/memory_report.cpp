@@ -86,21 +86,24 @@ bool reset_rss_peak() {
   return static_cast<bool>(out);
 }
 
-estimate::ModelSpec gpt_model_spec(const models::GPTConfig& m) {
+estimate::ModelSpec model_spec(const models::ModelConfig& m) {
   estimate::ModelSpec s;
-  s.name = "gpt " + std::to_string(m.n_layer) + "x" + std::to_string(m.n_embd);
-  s.arch = estimate::Arch::kGpt2;
+  s.name = m.family + " " + std::to_string(m.n_layer) + "x" + std::to_string(m.n_embd);
+  s.arch = m.family == "gpt2" ? estimate::Arch::kGpt2 : estimate::Arch::kLlama;
   s.vocab_size = m.vocab_size;
   s.hidden_size = m.n_embd;
   s.num_layers = m.n_layer;
-  s.num_heads = s.num_kv_heads = m.n_head;
-  s.intermediate_size = 4 * m.n_embd;
+  s.num_heads = m.n_head;
+  s.num_kv_heads = m.kv_heads();
+  s.intermediate_size = m.mlp_width();
   s.max_positions = m.block_size;
-  s.tie_word_embeddings = true;  // models/gpt.h: the head is wte
+  s.tie_word_embeddings = m.tie_word_embeddings;
+  s.attention_bias = m.attention_bias;
+  s.mlp_bias = m.mlp_bias;
   return s;
 }
 
-estimate::Layout run_layout(const Config& c, const models::GPTConfig& m, const precision::PrecisionPolicy& policy,
+estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const precision::PrecisionPolicy& policy,
                             int world_size, int dp_shard, int64_t micro_batch, int64_t microbatches, bool gloo) {
   using estimate::Sharding;
   const auto& p = c.parallel;
@@ -136,7 +139,7 @@ estimate::Layout run_layout(const Config& c, const models::GPTConfig& m, const p
       // prefetch_bucket_mb (the last may overshoot), and starts none that
       // would put more than max_live_parameters elements gathered at once,
       // the root's and the block in use included.
-      const estimate::ParamCounts n = estimate::count_params(gpt_model_spec(m));
+      const estimate::ParamCounts n = estimate::count_params(model_spec(m));
       const int64_t block = (n.per_layer - n.per_layer_tp_split) + n.per_layer_tp_split / p.tp;
       const int64_t root = n.embedding + n.final_norm + n.head;
       const double block_bytes = static_cast<double>(block) * c10::elementSize(policy.param);
@@ -225,7 +228,7 @@ nlohmann::json memory_record(const std::string& phase, const estimate::Layout& l
             {"heap_free_end", m.heap_free_mb}}}};
 }
 
-void report_memory(const std::string& phase, const models::GPTConfig& model, const estimate::Layout& layout,
+void report_memory(const std::string& phase, const models::ModelConfig& model, const estimate::Layout& layout,
                    const MeasuredMemory& local, comm::Group& all, bool lead, MetricsSink& sink) {
   auto t = torch::tensor({local.states, local.activations, local.tensors, local.tensor_peak, local.rss_baseline_mb,
                           local.rss_peak_mb, local.rss_file_growth_mb, local.heap_free_mb},
@@ -236,7 +239,7 @@ void report_memory(const std::string& phase, const models::GPTConfig& model, con
   const MeasuredMemory m{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
   estimate::RankEstimate e;
   try {
-    e = estimate::estimate_rank(gpt_model_spec(model), layout);
+    e = estimate::estimate_rank(model_spec(model), layout);
   } catch (const UsageError& err) {
     std::printf("scaletrain: memory %s: no estimate (%s)\n", phase.c_str(), err.what());
     std::fflush(stdout);

@@ -35,7 +35,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/estimate/memory_model.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/metrics.h"
@@ -68,15 +68,15 @@ double heap_free_mb();
 // false when the kernel does not allow it (then rss_peak_mb() is the lifetime peak).
 bool reset_rss_peak();
 
-// The estimator's description of this GPT (GPT-2 architecture, tied head).
-estimate::ModelSpec gpt_model_spec(const models::GPTConfig& model);
+// The estimator's description of a model of this config.
+estimate::ModelSpec model_spec(const models::ModelConfig& model);
 // The estimator's layout of this run: strategy, precision, world and degrees,
 // micro-batch, sequence length, recomputation, dropout, buckets, prefetch,
 // pipeline stages and schedule (the prediction is then the worst stage's).
 // `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
 // `microbatches` per step and rank (accumulation, or a pipeline's);
 // `gloo`: the collectives run on Gloo.
-estimate::Layout run_layout(const Config& config, const models::GPTConfig& model,
+estimate::Layout run_layout(const Config& config, const models::ModelConfig& model,
                             const precision::PrecisionPolicy& policy, int world_size, int dp_shard,
                             int64_t micro_batch, int64_t microbatches, bool gloo);
 
@@ -96,7 +96,7 @@ struct MeasuredMemory {
 // Takes the maximum of every rank's `local` figures over `all` (collective),
 // then on `lead` prints memory_line() and writes memory_record() to `sink`.
 // An estimator that cannot describe the layout prints why instead.
-void report_memory(const std::string& phase, const models::GPTConfig& model, const estimate::Layout& layout,
+void report_memory(const std::string& phase, const models::ModelConfig& model, const estimate::Layout& layout,
                    const MeasuredMemory& local, comm::Group& all, bool lead, MetricsSink& sink);
 
 // One log line ("memory after setup ..." / "memory at the end ...") comparing

@@ -16,11 +16,13 @@ void agree(const char* key, int64_t given, int64_t from_file, const std::string&
 
 }  // namespace
 
-models::GPTConfig resolve_model_config(const ModelOptions& m) {
-  models::GPTConfig c = models::gpt_preset(m.preset);
+models::ModelConfig resolve_model_config(const ModelOptions& m) {
+  models::ModelConfig c = models::model_preset(m.preset);
   if (m.init_from.empty()) {
     if (m.n_layer) c.n_layer = m.n_layer;
     if (m.n_head) c.n_head = m.n_head;
+    if (m.n_kv_head) c.n_kv_head = m.n_kv_head;
+    if (m.intermediate_size) c.intermediate_size = m.intermediate_size;
     if (m.n_embd) c.n_embd = m.n_embd;
     if (m.block_size) c.block_size = m.block_size;
     if (m.vocab_size) c.vocab_size = m.vocab_size;
@@ -28,7 +30,12 @@ models::GPTConfig resolve_model_config(const ModelOptions& m) {
     c.validate();
     return c;
   }
-  models::GPTConfig f;
+  if (c.family != "gpt2")
+    throw UsageError("model.init_from reads Hugging Face GPT-2 files; model.preset=" + m.preset + " is of family " +
+                     c.family + " (Hub directories of that family are not read by this build yet)");
+  if (m.n_kv_head || m.intermediate_size)
+    throw UsageError("model.n_kv_head / model.intermediate_size: GPT-2 files from model.init_from have neither");
+  models::ModelConfig f;
   try {
     f = checkpoint::hf_gpt2_file_config(m.init_from);
   } catch (const checkpoint::SafetensorsError& e) {  // a missing or malformed file: bad input, one line

@@ -1,4 +1,4 @@
-// The trainer's pipeline strategy (parallel.pp > 1): the GPT cut into stages
+// The trainer's pipeline strategy (parallel.pp > 1): the model cut into stages
 // (parallel/pipeline), with tensor parallelism inside each stage and DDP or
 // a sharded engine (ZeRO-1/2/3, FSDP) per chunk over the stage's
 // data-parallel group. The order of the recipe matters:
@@ -23,7 +23,7 @@ namespace pl = parallel::pipeline;
 
 class PipelineStrategy final : public DataParallel {
  public:
-  PipelineStrategy(const Config& c, models::GPT model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
+  PipelineStrategy(const Config& c, models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
       : model_(std::move(model)), mesh_(mesh) {
     const auto& p = c.parallel;
     if (p.tp > 1) {
@@ -124,7 +124,7 @@ class PipelineStrategy final : public DataParallel {
     if (!sharded_)
       for (auto& t : params_) b += t.nbytes() + (t.grad().defined() ? t.grad().nbytes() : 0);
     if (pipe_->holds_head_copy()) {  // Note [Tied head across stages]
-      const at::Tensor& w = model_->wte->weight;
+      const at::Tensor w = model_->tied_head().second;
       b += w.nbytes() + (w.grad().defined() ? w.grad().nbytes() : 0);
     }
     return b;
@@ -180,7 +180,7 @@ class PipelineStrategy final : public DataParallel {
     return false;
   }
 
-  models::GPT model_;
+  models::ModelPtr model_;
   comm::Mesh& mesh_;
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   std::unique_ptr<pl::Pipeline> pipe_;
@@ -198,7 +198,7 @@ class PipelineStrategy final : public DataParallel {
 Parallelized parallelize_pipeline(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   Parallelized out;
   torch::manual_seed(c.train.seed);
-  out.model = models::GPT(plan.model);
+  out.model = models::make_model(plan.model);
   out.model->to(plan.policy.param);
   init_from(out.model, c.model.init_from);
   try {

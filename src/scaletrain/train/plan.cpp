@@ -195,7 +195,7 @@ void check_strategy(const Config& c, bool cuda, Problems& problems) {
 }
 
 // Pipeline keys, and the schedule's shape.
-void check_pipeline(const Config& c, const models::GPTConfig& m, int dp, Problems& problems) {
+void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
   const auto& p = c.parallel;
   if (p.pp < 1) return problems.add("parallel.pp must be at least 1, got " + std::to_string(p.pp));
   if (p.pp == 1) return;

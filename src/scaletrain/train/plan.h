@@ -20,14 +20,14 @@
 #include <vector>
 
 #include "scaletrain/comm/mesh.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 
 namespace scaletrain::train {
 
 struct Plan {
-  models::GPTConfig model;             // dimensions after preset, overrides and model.init_from
+  models::ModelConfig model;             // dimensions after preset, overrides and model.init_from
   precision::PrecisionPolicy policy;   // dtypes of compute, parameters, reduction, buffers
   comm::MeshDims dims;                 // resolved for the world size
   bool cuda = false;                   // the run computes on CUDA devices

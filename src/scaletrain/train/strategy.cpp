@@ -35,10 +35,10 @@ class DDPStrategy final : public DataParallel {
  public:
   // `plan`: the model is tensor-parallel (clipping counts split and
   // replicated parameters over tp; see parallel/tensor).
-  DDPStrategy(models::GPT model, comm::Group& group, const ParallelOptions& p,
+  DDPStrategy(models::ModelPtr model, comm::Group& group, const ParallelOptions& p,
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_.ptr(), group, ddp_options(p));
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p));
     params_ = model_->parameters();
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
@@ -91,12 +91,12 @@ class DDPStrategy final : public DataParallel {
   // Parameters are identical on every data-parallel rank: rank 0 saves,
   // every rank loads.
   checkpoint::Layout checkpoint_layout() const override {
-    return in_full_coordinates(checkpoint::replicated_layout(*model_.ptr(), rank_ == 0), plan_);
+    return in_full_coordinates(checkpoint::replicated_layout(*model_, rank_ == 0), plan_);
   }
   void after_load() override {}
 
  private:
-  models::GPT model_;
+  models::ModelPtr model_;
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   int rank_;
   bool find_unused_;
@@ -108,10 +108,10 @@ class ShardedStrategy final : public DataParallel {
  public:
   // `plan`: the model is tensor-parallel; the engine shards each rank's part
   // (Note [Sharding tensor-parallel parameters] in parallel/fsdp).
-  ShardedStrategy(models::GPT model, comm::World& world, comm::Group& shard, comm::Group* replicate,
+  ShardedStrategy(models::ModelPtr model, comm::World& world, comm::Group& shard, comm::Group* replicate,
                   const fsdp::ShardedOptions& o, bool no_sync, std::string label, TensorPlan plan)
       : model_(std::move(model)), shard_(shard), no_sync_(no_sync), label_(std::move(label)), plan_(std::move(plan)) {
-    engine_ = std::make_unique<fsdp::ShardedDataParallel>(model_.ptr(), *model_, world, shard, replicate, o);
+    engine_ = std::make_unique<fsdp::ShardedDataParallel>(model_, *model_, world, shard, replicate, o);
     if (plan_) {
       split_.group = plan_->tp;
       std::set<std::string> split;
@@ -177,7 +177,7 @@ class ShardedStrategy final : public DataParallel {
   void after_load() override { engine_->after_step(); }
 
  private:
-  models::GPT model_;
+  models::ModelPtr model_;
   comm::Group& shard_;
   bool no_sync_;
   std::string label_;
@@ -202,11 +202,22 @@ parallel::DDPOptions ddp_options(const ParallelOptions& p) {
   return o;
 }
 
+namespace {
+// model.init_from reads Hugging Face GPT-2 files (make_plan refuses it for
+// other families).
+models::GPT as_gpt2(const models::ModelPtr& model) {
+  auto gpt = std::dynamic_pointer_cast<models::GPTImpl>(model);
+  if (!gpt) throw UsageError("model.init_from reads GPT-2 checkpoints only in this build");
+  return models::GPT(gpt);
+}
+}  // namespace
+
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
-void init_from(models::GPT& model, const std::string& path) {
+void init_from(models::ModelPtr& model, const std::string& path) {
   if (path.empty()) return;
   try {
-    checkpoint::import_hf_gpt2(model, path);
+    models::GPT gpt = as_gpt2(model);
+    checkpoint::import_hf_gpt2(gpt, path);
   } catch (const checkpoint::SafetensorsError& e) {
     throw UsageError("model.init_from: " + std::string(e.what()));
   }
@@ -214,9 +225,9 @@ void init_from(models::GPT& model, const std::string& path) {
 
 namespace {
 
-models::InitFn hf_init(const models::GPT& model, const std::string& path) {
+models::InitFn hf_init(const models::ModelPtr& model, const std::string& path) {
   try {
-    return checkpoint::hf_gpt2_init(model, path);
+    return checkpoint::hf_gpt2_init(as_gpt2(model), path);
   } catch (const checkpoint::SafetensorsError& e) {
     throw UsageError("model.init_from: " + std::string(e.what()));
   }
@@ -227,7 +238,7 @@ models::InitFn hf_init(const models::GPT& model, const std::string& path) {
 // rank now holds). A deferred model is split in shape only, and its init
 // function wrapped to draw each full tensor and keep this rank's part (Note
 // [Deferred tensor-parallel init] in parallel/tensor).
-TensorPlan apply_tensor_parallel(models::GPT& model, comm::Mesh& mesh, const ParallelOptions& p,
+TensorPlan apply_tensor_parallel(models::ModelPtr& model, comm::Mesh& mesh, const ParallelOptions& p,
                                  models::InitFn* deferred_init) {
   if (p.tp <= 1) return std::nullopt;
   parallel::tensor::TensorParallelOptions to;
@@ -287,14 +298,14 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
 
 Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   const auto& p = c.parallel;
-  const models::GPTConfig& mcfg = plan.model;
+  const models::ModelConfig& mcfg = plan.model;
   const at::ScalarType param_dtype = plan.policy.param;
   Parallelized out;
   if (p.pp > 1) return parallelize_pipeline(c, plan, world, mesh);
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
-    out.model = models::GPT(mcfg);
+    out.model = models::make_model(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
@@ -310,7 +321,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   // initialized one tensor at a time (drawn in fp32, or read from
   // model.init_from); the engine keeps each rank's shard.
   if (setup.deferred) {
-    out.model = models::GPT(mcfg, /*materialize=*/false);
+    out.model = models::make_model(mcfg, /*materialize=*/false);
     models::set_deferred_dtype(*out.model, param_dtype);
     if (c.model.init_from.empty())
       o.deferred_init = models::init_through(
@@ -319,7 +330,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
     else
       o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
   } else {
-    out.model = models::GPT(mcfg);
+    out.model = models::make_model(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
   }

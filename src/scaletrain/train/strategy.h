@@ -11,7 +11,7 @@
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
@@ -67,7 +67,7 @@ class DataParallel {
 // config asks for. Throws UsageError, one line,
 // for combinations this build cannot run.
 struct Parallelized {
-  models::GPT model{nullptr};
+  models::ModelPtr model;
   std::unique_ptr<DataParallel> dp;
 };
 Parallelized parallelize(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
@@ -85,7 +85,7 @@ ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& m
 // DDP's options from the parallel section (bucket caps, unused parameters, comm dtype).
 parallel::DDPOptions ddp_options(const ParallelOptions& p);
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
-void init_from(models::GPT& model, const std::string& path);
+void init_from(models::ModelPtr& model, const std::string& path);
 // parallel.pp > 1 (train/pipeline_strategy.cpp).
 Parallelized parallelize_pipeline(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 

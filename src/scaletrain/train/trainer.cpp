@@ -17,7 +17,7 @@
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/data/tokenizer.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
@@ -67,8 +67,8 @@ std::string resume_path(const CheckpointingOptions& c) {
   throw UsageError("checkpoint.resume=" + c.resume + " is not a complete checkpoint nor a directory holding one");
 }
 
-checkpoint::ModelShape model_shape(const models::GPTConfig& m) {
-  return {m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias};
+checkpoint::ModelShape model_shape(const models::ModelConfig& m) {
+  return {m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.family};
 }
 
 // Everything a run holds between setup and the end, so each phase below is a
@@ -98,7 +98,7 @@ struct Run {
   double lifetime_rss_peak_mb = 0;
 
   DataParallel& dp() { return *par.dp; }
-  models::GPTImpl& model() { return *par.model; }
+  models::CausalLM& model() { return *par.model; }
 };
 
 // Joins the job and builds the mesh, the model, its strategy and the optimizer.

@@ -46,6 +46,8 @@ const std::map<std::string, Check>& table() {
     {"model.preset", {"gpt2", What::Line, "parameters", {"model.n_embd=16"}}},
     {"model.n_layer", {"2", What::Line, "parameters"}},
     {"model.n_head", {"4", What::Losses}},
+    {"model.n_kv_head", {"1", What::Line, "parameters", {"model.preset=llama-tiny"}}},
+    {"model.intermediate_size", {"64", What::Line, "parameters", {"model.preset=llama-tiny"}}},
     {"model.n_embd", {"32", What::Line, "parameters"}},
     {"model.block_size", {"8", What::Line, "samples of"}},
     {"model.vocab_size", {"300", What::Line, "parameters"}},

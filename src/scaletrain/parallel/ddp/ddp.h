@@ -27,9 +27,9 @@
 //
 // Note [Bucket rebuild]: registration order is only a guess at the order of
 // backward. A parameter used in two places is ready only when both
-// contributions are in: GPT's token embedding wte is registered first, but it
-// is also the output head, and its gradient is complete only at the very end
-// of backward, after the embedding lookup's backward. Any other parameter that
+// contributions are in: a token embedding tied to the output head is
+// registered first, but its gradient is complete only at the very end of
+// backward, after the embedding lookup's backward. Any other parameter that
 // shares a bucket with a late gradient waits for it, so a bucket's all-reduce
 // should start as soon as its *last* gradient is ready. As PyTorch's DDP does
 // (Reducer::rebuild_buckets), the first backward with sync on records the
@@ -42,9 +42,10 @@
 // becomes a view of them, so the optimizer step that follows, and gradient
 // accumulation under no_sync in later steps, see no difference. Optimizers
 // keep references to parameters, not to .grad, so nothing else changes.
-// Measured on our GPT (libtorch 1.13, CPU): the observed order is reverse
-// registration up to swapped pairs (LayerNorm weight/bias, wte just before
-// wpe), so there the rebuild barely moves anything. wte is ready last
+// Measured on a tied-head model with a position table (libtorch 1.13, CPU):
+// the observed order is reverse registration up to swapped pairs (a norm's
+// weight/bias, the token embedding just before the position embedding), so
+// there the rebuild barely moves anything. The tied embedding is ready last
 // whatever the layout; the bucket holding it starts at the end of backward,
 // and only the caps decide how many earlier gradients wait with it.
 //

@@ -58,7 +58,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/comm/world.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/parallel/fsdp/wrap.h"
 
@@ -130,7 +130,7 @@ BackwardPrefetch parse_backward_prefetch(const std::string& s);  // BACKWARD_PRE
 
 class ShardedDataParallel {
  public:
-  // `module` is also `blocks` (e.g. a GPT). Parameters are sharded over
+  // `module` is also `blocks` (e.g. a model). Parameters are sharded over
   // `shard`; HybridShard also needs `replicate` (the other data-parallel
   // dimension). `world` creates the engine's second group (Note [Unit order]).
   ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks, comm::World& world,

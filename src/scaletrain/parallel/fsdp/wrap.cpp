@@ -76,7 +76,7 @@ std::vector<UnitPlan> plan_units(const models::Blockwise& model, const std::vect
     case WrapPolicy::None:
       return units;
     case WrapPolicy::Transformer:
-      if (options.layer_cls != model.block_class())
+      if (!options.layer_cls.empty() && options.layer_cls != model.block_class())
         throw std::invalid_argument("wrap policy: the model has no layer class '" + options.layer_cls +
                                     "' (its blocks are '" + model.block_class() + "')");
       for (int64_t i = 0; i < n; ++i) units.push_back({name_of(i, i), i, i});

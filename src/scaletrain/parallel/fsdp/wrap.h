@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -27,7 +27,7 @@ enum class WrapPolicy {
 struct WrapOptions {
   WrapPolicy policy = WrapPolicy::Transformer;
   // Transformer policy: the block class to wrap (the model's block_class()).
-  std::string layer_cls = "Block";
+  std::string layer_cls;  // "": the model's own block class (Blockwise::block_class)
   // Size policy: a unit closes as soon as it holds at least this many
   // parameters; blocks left over at the end stay in the root unit.
   // Buckets policy: the cap of a unit (it closes once it holds this many).

@@ -51,16 +51,17 @@ std::string shape_string(const std::vector<int64_t>& s) {
 
 }  // namespace
 
-Pipeline::Pipeline(models::GPT gpt, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone)
-    : gpt_(std::move(gpt)), pp_(pp), dp_(dp), options_(options) {
+Pipeline::Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone)
+    : model_(std::move(model)), pp_(pp), dp_(dp), options_(options) {
   const int p = pp_.size(), v = options_.virtual_stages, s = pp_.rank();
   shape_ = {options_.schedule, p, options_.microbatches, v};
   check_schedule(shape_);
-  if (options_.seq_len == 0) options_.seq_len = gpt_->config().block_size;
+  if (options_.seq_len == 0) options_.seq_len = model_->config().block_size;
+  act_options_ = model_->parameters().front().options().requires_grad(false);
 
   // 1. Cut the blocks into p*v chunks; every rank must cut the same way.
-  BlockCosts costs = options_.balance == Balance::Time ? measured_costs(*gpt_, options_.micro_batch)
-                                                       : parameter_costs(*gpt_);
+  BlockCosts costs = options_.balance == Balance::Time ? measured_costs(*model_, options_.micro_batch)
+                                                       : parameter_costs(*model_);
   if (options_.balance == Balance::Time) {
     std::vector<double> flat = costs.blocks;
     flat.push_back(costs.first_extra);
@@ -78,15 +79,17 @@ Pipeline::Pipeline(models::GPT gpt, comm::Group& pp, comm::Group* dp, PipelineOp
   // 2. This stage's chunks; the rest of the model gives its bytes back.
   std::set<const void*> kept;
   for (int j = 0; j < v; ++j) {
-    chunks_.push_back(Chunk(gpt_, specs_[static_cast<size_t>(j * p + s)]));
+    chunks_.push_back(Chunk(model_, specs_[static_cast<size_t>(j * p + s)]));
     for (const auto& t : chunks_.back()->parameters()) kept.insert(t.unsafeGetTensorImpl());
     auto r = std::make_shared<ChunkRunner>();
     r->module = chunks_.back().get();
     runners_.push_back(r);
   }
-  head_copy_ = p > 1 && s == p - 1;  // the last chunk is on stage p-1, the first on stage 0
-  if (head_copy_) kept.insert(gpt_->wte->weight.unsafeGetTensorImpl());
-  for (const auto& t : gpt_->parameters())
+  std::tie(head_name_, head_) = model_->tied_head();
+  // The last chunk is on stage p-1, the first on stage 0.
+  head_copy_ = head_.defined() && p > 1 && s == p - 1;
+  if (head_copy_) kept.insert(head_.unsafeGetTensorImpl());
+  for (const auto& t : model_->parameters())
     if (!kept.count(t.unsafeGetTensorImpl())) models::free_storage(t);
   actions_ = stage_actions(shape_, s);
 }
@@ -105,10 +108,10 @@ void Pipeline::check_shapes() {
   shapes_checked_ = true;
   const int p = pp_.size();
   if (p == 1) return;
-  const auto& c = gpt_->config();
+  const auto& c = model_->config();
   const int64_t seq = options_.sequence_parallel_tp ? options_.seq_len / options_.tp_size : options_.seq_len;
   const std::vector<int64_t> mine{options_.micro_batch, seq, c.n_embd,
-                                  static_cast<int64_t>(gpt_->wte->weight.scalar_type())};
+                                  static_cast<int64_t>(c10::typeMetaToScalarType(act_options_.dtype()))};
   std::vector<comm::Work> sends;
   std::vector<at::Tensor> bufs;
   for (const Chunk& ch : chunks_)
@@ -159,9 +162,9 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   const int64_t heap0 = heap_in_use();
   if (!shapes_checked_) check_shapes();
 
-  const auto& c = gpt_->config();
+  const auto& c = model_->config();
   const int64_t seq = options_.sequence_parallel_tp ? options_.seq_len / options_.tp_size : options_.seq_len;
-  const at::Tensor act_like = at::empty({options_.micro_batch, seq, c.n_embd}, gpt_->wte->weight.options().requires_grad(false));
+  const at::Tensor act_like = at::empty({options_.micro_batch, seq, c.n_embd}, act_options_);
 
   struct Live {
     at::Tensor input, output;  // output: the chunk's output, or its scaled loss
@@ -197,21 +200,21 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
         in.requires_grad_(true);
       }
       if (head_copy_ && spec.last() && !head_received) {
-        // Note [Tied head across stages]: this step's weights of wte.
-        at::Tensor w = at::empty_like(gpt_->wte->weight, at::MemoryFormat::Contiguous).detach();
+        // Note [Tied head across stages]: this step's weights of the embedding.
+        at::Tensor w = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
         const auto t0 = Clock::now();
         pp_.recv(w, 0, kHeadWeight).wait();
         stats_.wait_ms += ms_since(t0);
         torch::NoGradGuard no_grad;
-        gpt_->wte->weight.copy_(w);
+        head_.copy_(w);
         head_received = true;
       }
       const auto t0 = Clock::now();
       at::Tensor tgt = spec.last() ? targets[static_cast<size_t>(a.microbatch)] : at::Tensor();
       auto body = [&] {
         at::Tensor out = chunk->forward(in, tgt);
-        if (spec.first() && p > 1 && !head_sent) {  // wte is whole here, even under ZeRO-3
-          send(gpt_->wte->weight.detach().clone(), last_stage, kHeadWeight);
+        if (head_.defined() && spec.first() && p > 1 && !head_sent) {  // whole here, even under ZeRO-3
+          send(head_.detach().clone(), last_stage, kHeadWeight);
           head_sent = true;
         }
         return out;
@@ -263,18 +266,19 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   }
   for (auto& r : runners_) r->end_step();
 
-  // The head's share of wte's gradient, averaged like every other gradient.
+  // The head's share of the tied embedding's gradient, averaged like every
+  // other gradient.
   if (head_copy_) {
-    at::Tensor g = gpt_->wte->weight.grad().contiguous();
+    at::Tensor g = head_.grad().contiguous();
     if (dp_ && dp_->size() > 1) dp_->all_reduce(g, comm::ReduceOp::Avg).wait();
     pp_.send(g, 0, kHeadGrad).wait();
-    gpt_->wte->weight.mutable_grad().reset();
-  } else if (p > 1 && chunks_.front()->spec().first()) {
-    at::Tensor g = at::empty_like(gpt_->wte->weight, at::MemoryFormat::Contiguous).detach();
+    head_.mutable_grad().reset();
+  } else if (head_.defined() && p > 1 && chunks_.front()->spec().first()) {
+    at::Tensor g = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
     const auto t0 = Clock::now();
     pp_.recv(g, last_stage, kHeadGrad).wait();
     stats_.wait_ms += ms_since(t0);
-    runners_.front()->add_to_grad("wte.weight", g);
+    runners_.front()->add_to_grad(head_name_, g);
   }
   // The loss is computed once, on the last stage; every stage reports it.
   at::Tensor l = torch::full({1}, loss_sum / m, torch::kDouble);
@@ -307,7 +311,7 @@ double clip_grad_norm(const std::vector<at::Tensor>& counted, const std::vector<
 }
 
 void Pipeline::zero_grad() {
-  if (head_copy_) gpt_->wte->weight.mutable_grad().reset();
+  if (head_copy_) head_.mutable_grad().reset();
 }
 
 }  // namespace scaletrain::parallel::pipeline

@@ -1,5 +1,5 @@
 #pragma once
-// Pipeline parallelism: the GPT cut into p*v chunks over the p ranks of the
+// Pipeline parallelism: the model cut into p*v chunks over the p ranks of the
 // pp group (stage s holds chunks s, s+p, ...), fed with m micro-batches per
 // step in the order a schedule (schedule.h) gives.
 //
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "scaletrain/comm/group.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/pipeline/stage.h"
 
@@ -58,7 +58,7 @@ class ChunkRunner {
   virtual void backward(const std::function<void()>& fn, bool last) { fn(); }
   // After every action of the step (and before the tied head's gradient is added).
   virtual void end_step() {}
-  // Adds the averaged gradient of the tied head to wte's gradient (first chunk).
+  // Adds the averaged gradient of the tied head to the embedding's (first chunk).
   virtual void add_to_grad(const std::string& name, const at::Tensor& grad);
   torch::nn::Module* module = nullptr;  // the chunk (set by the pipeline)
 };
@@ -73,14 +73,14 @@ struct StepStats {
 
 class Pipeline {
  public:
-  // Cuts `gpt` (whole, initialized, and identical on every rank of `pp`:
+  // Cuts `model` (whole, initialized, and identical on every rank of `pp`:
   // build it from the same seed) into chunks and keeps this stage's; the
   // other blocks' parameter bytes are released. `dp`: the group the tied
   // head's gradient is averaged over (data parallelism), or null. Throws
   // UsageError for shapes the schedule cannot run (check_schedule).
   // `everyone`: the group that must agree on measured cuts (Balance::Time;
   // the world when several pipelines run side by side), or null for pp.
-  Pipeline(models::GPT gpt, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone = nullptr);
+  Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone = nullptr);
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<ChunkSpec>& all_chunks() const { return specs_; }
@@ -109,7 +109,10 @@ class Pipeline {
   at::Tensor recv_activation(int mb, int chunk, bool grad, const at::Tensor& like);
   void check_shapes();
 
-  models::GPT gpt_;
+  models::ModelPtr model_;
+  at::TensorOptions act_options_;  // dtype of the activations between chunks
+  std::string head_name_;          // a tied head (Note [Tied head across stages]), or ""
+  at::Tensor head_;
   comm::Group& pp_;
   comm::Group* dp_;
   PipelineOptions options_;

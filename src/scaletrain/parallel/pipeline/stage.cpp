@@ -8,26 +8,44 @@
 
 namespace scaletrain::parallel::pipeline {
 
-ChunkImpl::ChunkImpl(models::GPT gpt, ChunkSpec spec) : gpt_(std::move(gpt)), spec_(spec) {
-  if (spec_.begin >= spec_.end || spec_.end > gpt_->num_blocks())
-    throw std::invalid_argument("pipeline chunk " + std::to_string(spec_.index) + " has no blocks");
-  if (spec_.first()) {
-    register_module("wte", gpt_->wte);
-    register_module("wpe", gpt_->wpe);
+namespace {
+// Registers `module` under its dotted path in the model ("model.layers.3"),
+// making the intermediate modules, so the chunk's names are the model's.
+void register_path(torch::nn::Module& root, const std::string& path, std::shared_ptr<torch::nn::Module> module) {
+  torch::nn::Module* parent = &root;
+  size_t from = 0;
+  for (size_t dot; (dot = path.find('.', from)) != std::string::npos; from = dot + 1) {
+    const std::string name = path.substr(from, dot - from);
+    std::shared_ptr<torch::nn::Module> child;
+    for (const auto& item : parent->named_children())
+      if (item.key() == name) child = item.value();
+    if (!child) child = parent->register_module(name, std::make_shared<torch::nn::Module>());
+    parent = child.get();
   }
-  // Blocks under "h", named by their index in the whole model.
-  auto h = register_module("h", std::make_shared<torch::nn::Module>());
-  for (int64_t i = spec_.begin; i < spec_.end; ++i) h->register_module(std::to_string(i), gpt_->h[i]);
-  if (spec_.last()) register_module("ln_f", gpt_->ln_f);
+  parent->register_module(path.substr(from), std::move(module));
+}
+}  // namespace
+
+ChunkImpl::ChunkImpl(models::ModelPtr model, ChunkSpec spec) : model_(std::move(model)), spec_(spec) {
+  if (spec_.begin >= spec_.end || spec_.end > model_->num_blocks())
+    throw std::invalid_argument("pipeline chunk " + std::to_string(spec_.index) + " has no blocks");
+  if (spec_.first())
+    for (auto& [path, m] : model_->first_pieces()) register_path(*this, path, m);
+  for (int64_t i = spec_.begin; i < spec_.end; ++i) {
+    auto [path, m] = model_->block_module(i);
+    register_path(*this, path, m);
+  }
+  if (spec_.last())
+    for (auto& [path, m] : model_->last_pieces()) register_path(*this, path, m);
 }
 
 at::Tensor ChunkImpl::forward(const at::Tensor& input, const at::Tensor& targets) {
-  at::Tensor x = spec_.first() ? gpt_->embed(input) : input;
+  at::Tensor x = spec_.first() ? model_->embed(input) : input;
   for (int64_t i = spec_.begin; i < spec_.end; ++i) {
-    const models::BlockBody body = gpt_->block_body(i);  // checkpointed if the model says so
+    const models::BlockBody body = model_->block_body(i);  // checkpointed if the model says so
     x = runner_ ? runner_(i - spec_.begin, body, x) : body(x);
   }
-  return spec_.last() ? gpt_->head_loss(x, targets) : x;
+  return spec_.last() ? model_->head_loss(x, targets) : x;
 }
 
 std::vector<std::pair<int64_t, int64_t>> balance_blocks(const std::vector<double>& costs, double first_extra,
@@ -75,19 +93,22 @@ double numel(const torch::nn::Module& m) {
 }
 }  // namespace
 
-BlockCosts parameter_costs(models::GPTImpl& gpt) {
+BlockCosts parameter_costs(models::CausalLM& model) {
   BlockCosts c;
-  for (int64_t i = 0; i < gpt.num_blocks(); ++i) c.blocks.push_back(numel(*gpt.h[i]));
-  c.first_extra = numel(*gpt.wte) + numel(*gpt.wpe);
-  c.last_extra = numel(*gpt.ln_f) + numel(*gpt.wte);  // the head's copy of wte
+  for (int64_t i = 0; i < model.num_blocks(); ++i) c.blocks.push_back(numel(*model.block_module(i).second));
+  for (auto& piece : model.first_pieces()) c.first_extra += numel(*piece.second);
+  for (auto& piece : model.last_pieces()) c.last_extra += numel(*piece.second);
+  auto tied = model.tied_head().second;
+  if (tied.defined()) c.last_extra += static_cast<double>(tied.numel());  // the head's copy of the embedding
   return c;
 }
 
-BlockCosts measured_costs(models::GPTImpl& gpt, int64_t batch, int repeats) {
-  const auto& cfg = gpt.config();
+BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats) {
+  const auto& cfg = model.config();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
   const at::Tensor idx = torch::randint(cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong);
-  const at::Tensor x0 = torch::randn({batch, cfg.block_size, cfg.n_embd}, gen).to(gpt.wte->weight.scalar_type());
+  const at::Tensor x0 =
+      torch::randn({batch, cfg.block_size, cfg.n_embd}, gen).to(model.parameters().front().scalar_type());
   auto time = [&](const std::function<at::Tensor()>& fn) {
     std::vector<double> ms;
     for (int r = 0; r < repeats; ++r) {
@@ -99,13 +120,11 @@ BlockCosts measured_costs(models::GPTImpl& gpt, int64_t batch, int repeats) {
     return ms[ms.size() / 2];
   };
   BlockCosts c;
-  for (int64_t i = 0; i < gpt.num_blocks(); ++i) {
-    auto* block = gpt.h[i]->as<models::Block>();
-    c.blocks.push_back(time([&] { return block->forward(x0.detach().requires_grad_(true)); }));
-  }
-  c.first_extra = time([&] { return gpt.embed(idx); });
-  c.last_extra = time([&] { return gpt.head_loss(x0.detach().requires_grad_(true), idx); });
-  gpt.zero_grad();
+  for (int64_t i = 0; i < model.num_blocks(); ++i)
+    c.blocks.push_back(time([&] { return model.run_block(i, x0.detach().requires_grad_(true)); }));
+  c.first_extra = time([&] { return model.embed(idx); });
+  c.last_extra = time([&] { return model.head_loss(x0.detach().requires_grad_(true), idx); });
+  model.zero_grad();
   return c;
 }
 

@@ -1,22 +1,24 @@
 #pragma once
-// One model chunk of a pipeline: a module that owns (shares, with the GPT
-// it was cut from) a consecutive run of transformer blocks, plus the token
-// and position embeddings on the first chunk and ln_f on the last. Its
-// parameter names are the GPT's own ("h.5.attn.c_attn.weight"), so the
+// One model chunk of a pipeline: a module that owns (shares, with the model
+// it was cut from) a consecutive run of transformer blocks, plus the model's
+// first pieces (embeddings) on the first chunk and its last pieces (final
+// norm, an untied head) on the last. Its parameter names are the model's own
+// ("h.5.attn.c_attn.weight", "model.layers.5.mlp.up_proj.weight"), so the
 // optimizer, checkpoints and the parity tests see the single-process names.
 //
 // A chunk is Blockwise: the sharded engine (parallel/fsdp) wraps its blocks
-// the same way it wraps a whole GPT, which is how ZeRO/FSDP runs inside a
+// the same way it wraps a whole model, which is how ZeRO/FSDP runs inside a
 // pipeline stage.
 //
-// Note [Tied head across stages]: GPT-2's head is the token embedding wte,
-// used by the first chunk (lookup) and the last (logits). When they are on
-// different stages, wte stays a parameter of the first chunk only (one copy
-// in the optimizer, in checkpoints and in the gradient norm). The last stage
-// computes its logits with its own GPT's wte tensor, which is not a chunk
-// parameter: a copy that the first stage refreshes every step (it sends the
-// weight when its first forward has it whole), and whose gradient the last
-// stage averages over data parallelism and sends back to be added to wte's.
+// Note [Tied head across stages]: a head tied to the token embedding is used
+// by the first chunk (lookup) and the last (logits). When they are on
+// different stages, the embedding stays a parameter of the first chunk only
+// (one copy in the optimizer, in checkpoints and in the gradient norm). The
+// last stage computes its logits with its own model's embedding tensor, which
+// is not a chunk parameter: a copy that the first stage refreshes every step
+// (it sends the weight when its first forward has it whole), and whose
+// gradient the last stage averages over data parallelism and sends back to be
+// added to the embedding's. An untied head is simply a last-chunk parameter.
 // Megatron keeps two parameters and all-reduces their gradients across an
 // embedding group instead; with one parameter nothing can drift apart.
 #include <torch/torch.h>
@@ -25,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::parallel::pipeline {
 
@@ -40,22 +42,22 @@ struct ChunkSpec {
 
 class ChunkImpl : public torch::nn::Module, public models::Blockwise {
  public:
-  ChunkImpl(models::GPT gpt, ChunkSpec spec);
+  ChunkImpl(models::ModelPtr model, ChunkSpec spec);
 
   // First chunk: token ids [B, T] -> hidden [B, T, C]; others: hidden ->
   // hidden; the last chunk returns the mean cross-entropy against `targets`.
   at::Tensor forward(const at::Tensor& input, const at::Tensor& targets);
 
   const ChunkSpec& spec() const { return spec_; }
-  const models::GPT& gpt() const { return gpt_; }
+  const models::ModelPtr& model() const { return model_; }
 
   int64_t num_blocks() const override { return spec_.end - spec_.begin; }
-  std::string block_prefix(int64_t i) const override { return gpt_->block_prefix(spec_.begin + i); }
-  std::string block_class() const override { return gpt_->block_class(); }
+  std::string block_prefix(int64_t i) const override { return model_->block_prefix(spec_.begin + i); }
+  std::string block_class() const override { return model_->block_class(); }
   void set_block_runner(models::BlockRunner runner) override { runner_ = std::move(runner); }
 
  private:
-  models::GPT gpt_;
+  models::ModelPtr model_;
   ChunkSpec spec_;
   models::BlockRunner runner_;
 };
@@ -73,10 +75,10 @@ struct BlockCosts {
   std::vector<double> blocks;
   double first_extra = 0, last_extra = 0;
 };
-BlockCosts parameter_costs(models::GPTImpl& gpt);
+BlockCosts parameter_costs(models::CausalLM& model);
 // The same by measured time: forward + backward of one micro-batch of
 // `batch` sequences through each block, the embedding and the head (median of
 // `repeats`). Every rank must use the same costs: measure on one, broadcast.
-BlockCosts measured_costs(models::GPTImpl& gpt, int64_t batch, int repeats = 3);
+BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats = 3);
 
 }  // namespace scaletrain::parallel::pipeline

@@ -14,39 +14,30 @@ namespace scaletrain::parallel::tensor {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-// The Megatron role of each GPT parameter, by name (see the table in the header).
-ParamLayout layout_of(const std::string& name, const at::Tensor& p, bool sequence_parallel) {
+// Each parameter's split, as the model's plan says (Note [Fused qkv split]).
+ParamLayout layout_of(const models::CausalLM& model, const std::string& name, const at::Tensor& p,
+                      bool sequence_parallel) {
   ParamLayout l;
   l.name = name;
   l.full_shape = p.sizes().vec();
-  if (name == "wte.weight") {
-    l.dim = 0;  // vocabulary rows
-  } else if (ends_with(name, "attn.c_attn.weight") || ends_with(name, "attn.c_attn.bias")) {
-    l.dim = 0;  // see Note [Fused qkv split]
-    l.blocks = 3;
-  } else if (ends_with(name, "mlp.c_fc.weight") || ends_with(name, "mlp.c_fc.bias")) {
-    l.dim = 0;  // column-parallel: output rows
-  } else if (ends_with(name, "c_proj.weight")) {
-    l.dim = 1;  // row-parallel: input columns
-  } else {
-    // wpe, LayerNorms, row-parallel biases: replicated, and under sequence
-    // parallelism fed by this rank's tokens only (Note [Sequence-parallel gradients]).
-    l.partial_grad = sequence_parallel;
-  }
+  const models::TensorParallelSplit split = model.tensor_parallel_split(name);
+  l.dim = split.dim;
+  l.blocks = split.blocks;
+  // Replicated parameters (norms, position embeddings, row-parallel biases)
+  // see this rank's tokens only under sequence parallelism (Note
+  // [Sequence-parallel gradients]).
+  if (!l.sharded()) l.partial_grad = sequence_parallel;
   return l;
 }
 
-// Note [Fused qkv split]: c_attn's weight is [3C, C], the rows of q, then k,
-// then v, each C = n_head x head_size rows in head order. Splitting its rows
-// into tp contiguous chunks would give rank 0 all of q and part of k. Each
-// rank must keep the rows of *its* heads in each of q, k and v: the row
-// dimension is viewed as [3, tp, C/tp] and rank r keeps [:, r, :], so its
-// local weight is [q_r; k_r; v_r] ([3C/tp, C]) and the attention, which splits
-// c_attn's output in three equal parts, computes heads [r H/tp, (r+1) H/tp).
+// Note [Fused qkv split]: a fused q|k|v weight is [3C, C],
+// the rows of q, then k, then v, each C = n_head x head_size rows in head
+// order. Splitting its rows into tp contiguous chunks would give rank 0 all of
+// q and part of k. Each rank must keep the rows of *its* heads in each of q, k
+// and v: the model's plan says blocks = 3, the row dimension is viewed as
+// [3, tp, C/tp] and rank r keeps [:, r, :], so its local weight is [q_r; k_r;
+// v_r] ([3C/tp, C]) and the attention, which splits the output in three
+// equal parts, computes heads [r H/tp, (r+1) H/tp).
 std::vector<int64_t> blocked_sizes(std::vector<int64_t> sizes, const ParamLayout& l, int size) {
   const int64_t n = sizes[l.dim] / (l.blocks * size);
   sizes[l.dim] = n;
@@ -55,9 +46,8 @@ std::vector<int64_t> blocked_sizes(std::vector<int64_t> sizes, const ParamLayout
   return sizes;  // [..., blocks, size, n, ...]
 }
 
-// Builds the hooks through which the GPT's own modules run tensor-parallel.
-// `model` is captured raw: it owns the hooks, so it outlives them.
-models::TensorParallelHooksPtr make_hooks(models::GPTImpl* model, comm::Group* g, bool sp) {
+// Builds the hooks through which the model's own modules run tensor-parallel.
+models::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
   auto hooks = std::make_shared<models::TensorParallelHooks>();
   auto column_input = [g, sp](const torch::Tensor& x) {
     return sp ? gather_from_sequence(x, *g, kSequenceDim) : copy_to_tp_region(x, *g);
@@ -66,20 +56,20 @@ models::TensorParallelHooksPtr make_hooks(models::GPTImpl* model, comm::Group* g
   hooks->row_output = [g, sp](const torch::Tensor& x) {
     return sp ? reduce_scatter_to_sequence(x, *g, kSequenceDim) : reduce_from_tp_region(x, *g);
   };
-  hooks->embed = [model, g, sp](const torch::Tensor& idx) {
-    auto tok = vocab_parallel_embedding(idx, model->wte->weight, *g, sp);
-    // Under SP tok is this rank's sequence chunk: add that chunk's positions.
-    const int64_t n = tok.size(kSequenceDim), first = sp ? g->rank() * n : 0;
-    return tok + model->wpe(torch::arange(first, first + n, idx.options().dtype(torch::kLong)));
+  hooks->embed_tokens = [g, sp](const torch::Tensor& idx, const torch::Tensor& weight) {
+    return vocab_parallel_embedding(idx, weight, *g, sp);
   };
-  // The head is a column-parallel linear over the vocabulary with the
-  // (vocab-split) token embedding as its weight.
-  auto local_logits = [model, column_input](const torch::Tensor& x) {
-    return torch::matmul(column_input(x), model->wte->weight.t());
+  hooks->sequence_offset = [g, sp](int64_t n) -> int64_t { return sp ? g->rank() * n : 0; };
+  // The head is a column-parallel linear over the vocabulary: this rank's
+  // rows of the head (or of the tied embedding) as its weight.
+  auto local_logits = [column_input](const torch::Tensor& x, const torch::Tensor& head) {
+    return torch::matmul(column_input(x), head.t());
   };
-  hooks->logits = [g, local_logits](const torch::Tensor& x) { return gather_from_tp_region(local_logits(x), *g, -1); };
-  hooks->loss = [g, local_logits](const torch::Tensor& x, const torch::Tensor& targets) {
-    auto logits = local_logits(x);
+  hooks->logits = [g, local_logits](const torch::Tensor& x, const torch::Tensor& head) {
+    return gather_from_tp_region(local_logits(x, head), *g, -1);
+  };
+  hooks->loss = [g, local_logits](const torch::Tensor& x, const torch::Tensor& head, const torch::Tensor& targets) {
+    auto logits = local_logits(x, head);
     // As the single-process loss: 16-bit logits are upcast for the softmax.
     if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
       logits = logits.to(torch::kFloat);
@@ -93,21 +83,18 @@ models::TensorParallelHooksPtr make_hooks(models::GPTImpl* model, comm::Group* g
     if (g->size() > 1) g->broadcast(out, 0).wait();
     return out;
   };
-  if (sp) hooks->sampling = make_hooks(model, g, false);
+  if (sp) hooks->sampling = make_hooks(g, false);
   return hooks;
 }
 
 }  // namespace
 
-void check_tensor_parallel(const models::GPTConfig& config, int tp) {
-  const std::string degree = "tensor parallel degree tp=" + std::to_string(tp);
-  if (tp < 1) throw UsageError(degree + " must be at least 1");
-  if (config.n_head % tp != 0)
-    throw UsageError(degree + " does not divide model.n_head=" + std::to_string(config.n_head) +
-                     " (attention heads are split across tp ranks)");
-  if (config.vocab_size % tp != 0)
-    throw UsageError(degree + " does not divide model.vocab_size=" + std::to_string(config.vocab_size) +
-                     " (pad the vocabulary to a multiple of " + std::to_string(tp) + ")");
+void check_tensor_parallel(const models::ModelConfig& config, int tp) {
+  const auto problems = models::tensor_parallel_problems(config, tp);
+  if (problems.empty()) return;
+  std::string line;
+  for (const auto& p : problems) line += (line.empty() ? "" : "; ") + p;
+  throw UsageError(line);
 }
 
 at::Tensor split_parameter(const at::Tensor& full, const ParamLayout& l, int rank, int size) {
@@ -134,7 +121,7 @@ at::Tensor gather_parameter(const at::Tensor& shard, const ParamLayout& l, comm:
   return all.view(sizes).movedim(0, l.dim + 1).reshape(l.full_shape);
 }
 
-TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, TensorParallelOptions options) {
+TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, TensorParallelOptions options) {
   check_tensor_parallel(model.config(), tp.size());
   if (model.tensor_parallel()) throw UsageError("parallelize_tensor: the model is already tensor-parallel");
   TensorParallelPlan plan;
@@ -148,7 +135,7 @@ TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, T
       throw UsageError(std::string("parallelize_tensor: '") + item.key() + "' " +
                        (empty ? "has no data (set TensorParallelOptions::deferred for a deferred model)"
                               : "has data but the options say the model is deferred"));
-    ParamLayout l = layout_of(item.key(), p, options.sequence_parallel);
+    ParamLayout l = layout_of(model, item.key(), p, options.sequence_parallel);
     if (options.deferred) {
       // Shape only (Note [Deferred tensor-parallel init]).
       if (l.sharded()) {
@@ -174,7 +161,7 @@ TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, T
     }
     plan.params.push_back(std::move(l));
   }
-  model.set_tensor_parallel(make_hooks(&model, &tp, options.sequence_parallel));
+  model.set_tensor_parallel(make_hooks(&tp, options.sequence_parallel));
   return plan;
 }
 

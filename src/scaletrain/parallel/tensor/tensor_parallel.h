@@ -1,18 +1,18 @@
 #pragma once
-// Tensor parallelism (Megatron-LM style) applied to the GPT in place:
-// parallelize_tensor() splits the weights of the full, initialized model and
+// Tensor parallelism (Megatron-LM style) applied to a model in place:
+// parallelize_tensor() splits the weights of the full, initialized model as
+// the model's plan says (models::CausalLM::tensor_parallel_split) and
 // installs models::TensorParallelHooks, so the same module tree computes
 // with 1/tp of the weights and of the attention heads per rank.
 //
-//   module            split                       Megatron role
-//   wte (and head)    rows: V/tp per rank         vocab-parallel embedding,
-//                                                 vocab-parallel cross-entropy
-//   attn.c_attn       this rank's heads' q, k, v  column-parallel
-//                     rows (Note [Fused qkv split])
-//   attn.c_proj       input columns               row-parallel (bias replicated)
-//   mlp.c_fc          output rows                 column-parallel
-//   mlp.c_proj        input columns               row-parallel (bias replicated)
-//   wpe, ln_*         replicated
+//   split                          Megatron role
+//   vocabulary rows (dim 0)        vocab-parallel embedding and head,
+//                                  vocab-parallel cross-entropy
+//   output rows (dim 0)            column-parallel (q, k, v, MLP input);
+//                                  a fused q|k|v in blocks (Note [Fused qkv split])
+//   input columns (dim 1)          row-parallel (attention output, MLP output;
+//                                  bias replicated)
+//   none                           replicated (norms, position embeddings)
 //
 // Composition: parallelize_tensor() comes first; DDP or the sharded engine
 // (ZeRO/FSDP: Note [Sharding tensor-parallel parameters] in parallel/fsdp)
@@ -44,7 +44,7 @@
 // valid dropout per element, but correlated across ranks. Megatron keeps a
 // separate generator per tp rank for those regions; we do not yet.
 //
-// The vocabulary and the heads must divide by tp: parallelize_tensor throws a
+// Every dimension the plan splits must divide by tp: parallelize_tensor throws a
 // one-line UsageError naming the degree and the dimension. We do not pad the
 // vocabulary: padding changes the model (its shape, its checkpoints and its
 // softmax), which would break parity with the single-process reference.
@@ -55,7 +55,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/models/deferred.h"
-#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::parallel::tensor {
 
@@ -100,16 +100,16 @@ struct TensorParallelPlan {
   const ParamLayout& layout(const std::string& name) const;
 };
 
-// Throws a one-line UsageError if tp does not divide the heads or the
-// vocabulary; callable before any model is built.
-void check_tensor_parallel(const models::GPTConfig& config, int tp);
+// Throws a one-line UsageError naming every dimension tp does not divide
+// (models::tensor_parallel_problems); callable before any model is built.
+void check_tensor_parallel(const models::ModelConfig& config, int tp);
 
 // Splits the weights of `model` (full and initialized, the same on every
 // rank: build it with the same seed everywhere) and installs the hooks. Call
 // it before creating the optimizer or wrapping the model (DDP over another
 // group): parameters keep their identity but change shape. `tp` must outlive
 // the model.
-TensorParallelPlan parallelize_tensor(models::GPTImpl& model, comm::Group& tp, TensorParallelOptions options = {});
+TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, TensorParallelOptions options = {});
 
 // Rank `rank`'s part of a full tensor laid out as `layout`, and the inverse
 // (an all-gather over tp; every rank gets the full tensor).

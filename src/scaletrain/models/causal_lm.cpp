@@ -1,0 +1,97 @@
+#include "scaletrain/models/causal_lm.h"
+
+#include <limits>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::models {
+
+torch::Tensor CausalLM::forward(const torch::Tensor& idx) {
+  torch::Tensor x = embed(idx);
+  for (int64_t i = 0; i < num_blocks(); ++i) {
+    const BlockBody body = block_body(i);
+    x = runner_ ? runner_(i, body, x) : body(x);
+  }
+  return head_logits(x);
+}
+
+torch::Tensor CausalLM::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  torch::Tensor x = embed(idx);
+  for (int64_t i = 0; i < num_blocks(); ++i) {
+    const BlockBody body = block_body(i);
+    x = runner_ ? runner_(i, body, x) : body(x);
+  }
+  return head_loss(x, targets);
+}
+
+BlockBody CausalLM::block_body(int64_t i) {
+  BlockBody body = [this, i](const torch::Tensor& in) { return run_block(i, in); };
+  if (checkpointing_ != ActivationCheckpointing::Full) return body;
+  CheckpointOptions ckpt;
+  ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
+  std::vector<at::Tensor> params = block_module(i).second->parameters();
+  return [plain = std::move(body), params, ckpt](const torch::Tensor& in) {
+    return checkpoint(plain, in, params, ckpt);
+  };
+}
+
+torch::Tensor CausalLM::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {
+  torch::NoGradGuard no_grad;
+  // Tensor parallel: sample with the hooks meant for it, and put the training
+  // ones back however this returns.
+  struct Restore {
+    CausalLM* model;
+    TensorParallelHooksPtr hooks;
+    ~Restore() {
+      if (hooks) model->set_tensor_parallel(hooks);
+    }
+  } restore{this, nullptr};
+  if (tp_ && tp_->sampling) {
+    restore.hooks = tp_;
+    set_tensor_parallel(tp_->sampling);
+  }
+  const int64_t window = config_.block_size;
+  for (int64_t i = 0; i < max_new_tokens; ++i) {
+    auto ctx = idx.size(1) <= window ? idx : idx.slice(1, idx.size(1) - window);
+    auto logits = forward(ctx).select(1, ctx.size(1) - 1).to(torch::kFloat) / std::max(temperature, 1e-6);
+    if (top_k > 0 && top_k < logits.size(-1)) {
+      auto kth = std::get<0>(logits.topk(top_k, -1)).select(-1, top_k - 1).unsqueeze(-1);
+      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+    }
+    auto next = torch::multinomial(torch::softmax(logits, -1), 1);
+    if (tp_ && tp_->broadcast_tokens) next = tp_->broadcast_tokens(next);
+    idx = torch::cat({idx, next}, 1);
+  }
+  return idx;
+}
+
+int64_t CausalLM::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+void CausalLM::finish_construction(bool materialize) {
+  if (!materialize) return;  // each module gave its bytes back as it was built
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) init_parameter(item.key(), item.value());
+}
+
+void CausalLM::check_length(int64_t T) const {
+  if (T > config_.block_size)
+    throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
+                                std::to_string(config_.block_size));
+}
+
+torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {
+  if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
+    logits = logits.to(torch::kFloat);
+  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp) {
+  auto out = tp.row_output(torch::linear(y, proj->weight));
+  return proj->bias.defined() ? out + proj->bias : out;
+}
+
+}  // namespace scaletrain::models

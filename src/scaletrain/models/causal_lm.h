@@ -1,0 +1,245 @@
+#pragma once
+// The one interface the engines use: a decoder-only causal language model
+// made of an embedding, a list of repeated blocks, and a head with its loss.
+// Model families (models/gpt.h, models/llama.h, ...) implement it; the
+// engines (parallel/, checkpoint/, estimate/) see only this, so adding a
+// family touches models/ and nothing else.
+//
+// What a family says about itself, and who asks:
+//   embed / block i / head_loss       pipeline chunks run the pieces separately
+//   block_prefix, block_class         wrap policies cut units at blocks
+//   set_block_runner                  ZeRO-3/FSDP gather a unit around its blocks
+//   tensor_parallel_split(name)       parallel/tensor splits each parameter
+//   TensorParallelHooks               the model calls them at the boundaries
+//   pipeline_pieces, tied_head        pipeline chunks own the right modules
+//   init_parameter                    deferred init draws one tensor at a time
+//   flops_per_token                   MFU
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/models/checkpoint.h"
+#include "scaletrain/models/deferred.h"
+
+namespace scaletrain::models {
+
+// Llama 3.1's frequency-dependent stretch of the rotary embedding (Hugging
+// Face's rope_scaling {"rope_type": "llama3", ...}); type "" is none.
+struct RopeScaling {
+  std::string type;                  // "" or "llama3"
+  double factor = 8.0;               // how much longer the context became
+  double low_freq_factor = 1.0;      // wavelengths above orig / low are stretched by `factor`
+  double high_freq_factor = 4.0;     // wavelengths below orig / high are kept
+  int64_t original_max_positions = 8192;
+};
+
+// Dimensions of a model of any family; the family decides which fields it
+// reads, and validate() refuses a field set that the family does not read.
+// The first seven fields keep GPTConfig's order, so {vocab, block, layers,
+// heads, width} still initializes a GPT.
+struct ModelConfig {
+  int64_t vocab_size = 256;  // token ids are in [0, vocab_size)
+  int64_t block_size = 128;  // longest sequence (position table or rope cache)
+  int64_t n_layer = 4;       // transformer blocks
+  int64_t n_head = 4;        // attention (query) heads; must divide n_embd
+  int64_t n_embd = 128;      // model width
+  double dropout = 0.0;      // gpt2: on attention, residual and embedding outputs
+  bool bias = true;          // gpt2: biases in Linear and LayerNorm
+  std::string family = "gpt2";    // "gpt2", "llama", "qwen2" (models/registry.cpp)
+  int64_t n_kv_head = 0;          // key/value heads (grouped-query attention); 0: n_head
+  int64_t intermediate_size = 0;  // MLP width; 0: 4 * n_embd
+  double norm_eps = 1e-5;         // LayerNorm / RMSNorm epsilon
+  double rope_theta = 10000.0;    // rotary base (llama family)
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = true;  // the head is the token embedding (gpt2: always)
+  bool attention_bias = false;      // llama: biases on q, k, v and o
+  bool mlp_bias = false;            // llama: biases on gate, up and down
+  bool qkv_bias = false;            // llama: biases on q, k and v only (Qwen2)
+
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t mlp_width() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
+  int64_t head_dim() const { return n_embd / n_head; }
+  // Throws UsageError naming the bad field (and the family that refuses it).
+  void validate() const;
+};
+using GPTConfig = ModelConfig;  // the name the GPT-only code had
+
+// How a layer-splitting strategy (tensor parallelism, parallel/tensor) takes
+// part in the forward without a second model class. The model stays free of
+// communication: the strategy fills these in and the modules call them at the
+// boundaries of Megatron's column-parallel / row-parallel pairs. No hooks
+// (null) is the plain single-process model.
+using TensorFn = std::function<torch::Tensor(const torch::Tensor&)>;
+struct TensorParallelHooks {
+  // Input of a column-parallel linear: the f operator (identity forward,
+  // all-reduce backward) or, under sequence parallelism, the all-gather
+  // along the sequence.
+  TensorFn column_input;
+  // Output of a row-parallel linear before its bias: the g operator
+  // (all-reduce) or, under sequence parallelism, the reduce-scatter.
+  TensorFn row_output;
+  // Token ids [B, T] and this rank's rows of the embedding -> the token
+  // embedding [B, T, C] (or its sequence shard [B, T/tp, C]).
+  std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& weight)> embed_tokens;
+  // First position of this rank's part of a sequence whose local length is
+  // `n` (0 unless sequence parallel): what a position embedding adds.
+  std::function<int64_t(int64_t n)> sequence_offset;
+  // Final hidden states and this rank's vocabulary rows of the head -> full
+  // logits [B, T, V] (gathered; for forward() and generate(), not the loss).
+  std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& head)> logits;
+  // Final hidden states, head rows and targets -> mean next-token
+  // cross-entropy, with logits that stay sharded over the vocabulary.
+  std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& head, const torch::Tensor& targets)> loss;
+  // Token ids sampled by generate() [B, 1] -> the ids every rank continues
+  // with (tp rank 0's): the ranks of a split model must feed the same tokens.
+  TensorFn broadcast_tokens;
+  // The hooks generate() runs with instead of these; null: these. Sequence
+  // parallelism cannot split a sampled context of any length, and without
+  // autograd it saves nothing, so its hooks name plain tensor-parallel ones.
+  std::shared_ptr<const TensorParallelHooks> sampling;
+};
+using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
+
+// How a parameter is cut across a tensor-parallel group. dim -1: replicated.
+// The split dimension holds `blocks` equal parts split separately (a fused
+// q|k|v weight: 3), so each rank keeps part r of every block.
+struct TensorParallelSplit {
+  int64_t dim = -1;
+  int64_t blocks = 1;
+};
+
+// How a parallel strategy takes part in a model's forward: the model calls the
+// runner for each transformer block instead of the block itself, and the
+// runner calls `body` (the block's forward) between whatever it must do before
+// and after (gather a sharded unit, register a pre-backward hook, recompute in
+// backward). No runner: blocks run directly.
+using BlockBody = std::function<torch::Tensor(const torch::Tensor&)>;
+using BlockRunner = std::function<torch::Tensor(int64_t index, const BlockBody& body, const torch::Tensor& x)>;
+
+// What a strategy needs to know about a module built of repeated blocks.
+class Blockwise {
+ public:
+  virtual ~Blockwise() = default;
+  virtual int64_t num_blocks() const = 0;
+  // Parameter-name prefix of block i ("h.3."), as in named_parameters().
+  virtual std::string block_prefix(int64_t i) const = 0;
+  // Class name of the blocks, for transformer-based wrap policies.
+  virtual std::string block_class() const = 0;
+  virtual void set_block_runner(BlockRunner runner) = 0;
+};
+
+// A module a pipeline chunk takes over, under its dotted path in the model
+// ("model.embed_tokens"), so the chunk's parameter names are the model's.
+using NamedModule = std::pair<std::string, std::shared_ptr<torch::nn::Module>>;
+
+class CausalLM : public torch::nn::Module, public Blockwise {
+ public:
+  explicit CausalLM(ModelConfig config) : config_(std::move(config)) {}
+  const ModelConfig& config() const { return config_; }
+
+  // The pieces, as a pipeline stage runs them separately:
+  // token ids [B, T] -> hidden [B, T, C] (embedding, dropout);
+  virtual torch::Tensor embed(const torch::Tensor& idx) = 0;
+  // block i, hidden -> hidden (what block_body() wraps);
+  virtual torch::Tensor run_block(int64_t i, const torch::Tensor& x) = 0;
+  // last hidden states -> final norm, head -> logits [B, T, V], or the mean
+  // next-token cross-entropy against `targets` (vocabulary-parallel under
+  // tensor parallelism: the full logits are never formed).
+  virtual torch::Tensor head_logits(const torch::Tensor& x) = 0;
+  virtual torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets) = 0;
+
+  // The whole model: idx [B, T] int64 -> logits [B, T, vocab]; the loss.
+  torch::Tensor forward(const torch::Tensor& idx);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // Appends `max_new_tokens` sampled tokens (temperature, top-k) to `idx` [1, T].
+  // Tensor-parallel: a collective over tp; every rank returns the same ids.
+  torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k);
+
+  // Block i's forward as a body for a BlockRunner, checkpointed when asked
+  // (what forward() runs; pipeline chunks run their blocks through it too).
+  BlockBody block_body(int64_t i);
+  void set_block_runner(BlockRunner runner) override { runner_ = std::move(runner); }
+  int64_t num_blocks() const override { return config_.n_layer; }
+  // Full: each block keeps only its input for backward and is recomputed
+  // there (models/checkpoint.h).
+  void set_activation_checkpointing(ActivationCheckpointing c) { checkpointing_ = c; }
+  ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+
+  // Tensor parallelism: how each parameter (by name) is split, and
+  // installing (nullptr: removing) the hooks in every module. What a degree
+  // cannot split is tensor_parallel_problems() below.
+  virtual TensorParallelSplit tensor_parallel_split(const std::string& name) const = 0;
+  virtual void set_tensor_parallel(TensorParallelHooksPtr hooks) = 0;
+  const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
+
+  // Pipelines: the modules the first chunk owns besides its blocks (the
+  // embeddings), those the last owns (final norm, an untied head), and block
+  // i's module.
+  virtual std::vector<NamedModule> first_pieces() = 0;
+  virtual std::vector<NamedModule> last_pieces() = 0;
+  virtual NamedModule block_module(int64_t i) = 0;
+  // A head tied to the token embedding: its parameter name and tensor (used
+  // by the first chunk and the last, Note [Tied head across stages]); an
+  // undefined tensor when the head is its own parameter.
+  virtual std::pair<std::string, at::Tensor> tied_head() = 0;
+
+  // Initialization of parameter `name` into `p` (shaped like it); a model
+  // built with materialize=false gets its values through this, in
+  // registration order (models/deferred.h).
+  virtual void init_parameter(const std::string& name, at::Tensor& p) const = 0;
+
+  int64_t num_parameters() const;
+  // Training FLOPs per token at sequence length `seq_len` (6N + attention).
+  virtual double flops_per_token(int64_t seq_len) const = 0;
+
+ protected:
+  // Without materialization each module's bytes go as soon as it is built
+  // (its constructor's own random draws still happen, so the generator is
+  // where an eager build leaves it): the peak is one block, not the model.
+  // After construction, finish_construction() initializes every parameter
+  // through init_parameter() (materialize) or does nothing.
+  template <typename M>
+  M settle(M module, bool materialize) {
+    if (!materialize) free_parameters(*module);
+    return module;
+  }
+  void finish_construction(bool materialize);
+  // The sequence must fit the model's position table / rope cache.
+  void check_length(int64_t T) const;
+  TensorParallelHooksPtr tp_;
+
+ private:
+  ModelConfig config_;
+  BlockRunner runner_;
+  ActivationCheckpointing checkpointing_ = ActivationCheckpointing::None;
+};
+using ModelPtr = std::shared_ptr<CausalLM>;
+
+// Mean cross-entropy of logits [.., V] against targets; 16-bit logits are
+// upcast first (the softmax over the vocabulary needs fp32).
+torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets);
+
+// A row-parallel linear's output: the partial products of every rank are
+// reduced by the hook, and the (replicated) bias is added once, after it.
+torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp);
+
+// The family's model for `config` (models/registry.cpp). materialize=false
+// builds it without parameter bytes (models/deferred.h).
+ModelPtr make_model(const ModelConfig& config, bool materialize = true);
+
+// What tensor parallelism of degree `tp` cannot split in a model of this
+// config, one line each ("tp=4 does not divide the 2 key/value heads");
+// empty: it can. Callable before any model is built.
+std::vector<std::string> tensor_parallel_problems(const ModelConfig& config, int tp);
+
+// Presets of every family: "tiny", "gpt2", ..., "llama-tiny", "smollm2-135m", ...
+ModelConfig model_preset(const std::string& name);
+std::vector<std::string> model_preset_names();
+// Families this build has ("gpt2", "llama", "qwen2").
+std::vector<std::string> model_families();
+
+}  // namespace scaletrain::models

@@ -1,0 +1,129 @@
+// The families this build has, their presets, and the checks of a config
+// against the family that reads it. Adding a family is a row here, its
+// presets, and its model class.
+#include <map>
+
+#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/llama.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::models {
+namespace {
+
+struct Family {
+  const char* name;
+  bool llama_like;  // reads n_kv_head, rope, untied heads and the llama biases
+  std::function<ModelPtr(const ModelConfig&, bool)> make;
+  std::function<std::vector<std::string>(const ModelConfig&, int)> tensor_parallel_problems;
+};
+
+const std::vector<Family>& families() {
+  static const std::vector<Family> f = {
+      {"gpt2", false, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
+       GPTImpl::tensor_parallel_problems},
+      {"llama", true, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+       LlamaImpl::tensor_parallel_problems},
+      // Qwen2 is Llama with biases on q, k and v (qkv_bias).
+      {"qwen2", true, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+       LlamaImpl::tensor_parallel_problems},
+  };
+  return f;
+}
+
+const Family& family_of(const std::string& name) {
+  for (const auto& f : families())
+    if (name == f.name) return f;
+  std::string known;
+  for (const auto& f : families()) known += (known.empty() ? "" : ", ") + std::string(f.name);
+  throw UsageError("unknown model family '" + name + "' (known: " + known + ")");
+}
+
+const std::map<std::string, ModelConfig>& presets() {
+  static const std::map<std::string, ModelConfig> p = [] {
+    std::map<std::string, ModelConfig> m;
+    for (const auto& name : gpt_preset_names()) m[name] = gpt_preset(name);
+    for (const auto& [name, c] : llama_presets()) m[name] = c;
+    return m;
+  }();
+  return p;
+}
+
+}  // namespace
+
+void ModelConfig::validate() const {
+  const Family& fam = family_of(family);
+  auto positive = [](int64_t v, const char* name) {
+    if (v <= 0) throw UsageError(std::string("model.") + name + " must be positive, got " + std::to_string(v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(block_size, "block_size");
+  positive(n_layer, "n_layer");
+  positive(n_head, "n_head");
+  positive(n_embd, "n_embd");
+  if (n_kv_head < 0) throw UsageError("model.n_kv_head must not be negative");
+  if (intermediate_size < 0) throw UsageError("model.intermediate_size must not be negative");
+  if (n_embd % n_head != 0)
+    throw UsageError("model.n_head=" + std::to_string(n_head) + " does not divide model.n_embd=" + std::to_string(n_embd));
+  if (n_head % kv_heads() != 0)
+    throw UsageError("model.n_kv_head=" + std::to_string(kv_heads()) + " does not divide model.n_head=" +
+                     std::to_string(n_head) + " (each kv head serves a whole group of query heads)");
+  if (dropout < 0 || dropout >= 1) throw UsageError("model.dropout must be in [0, 1)");
+  if (!(norm_eps > 0)) throw UsageError("model.norm_eps must be positive");
+  const std::string who = std::string(" (model family ") + fam.name + ")";
+  if (!fam.llama_like) {
+    // Fields only the llama family reads: refused, never ignored.
+    if (kv_heads() != n_head) throw UsageError("model.n_kv_head is not read by GPT-2's attention" + who);
+    if (!rope_scaling.type.empty() || rope_theta != 10000.0)
+      throw UsageError("model.rope_theta / rope_scaling: GPT-2 has no rotary embedding" + who);
+    if (!tie_word_embeddings) throw UsageError("model.tie_word_embeddings=false: GPT-2's head is the embedding" + who);
+    if (attention_bias || mlp_bias || qkv_bias)
+      throw UsageError("model.attention_bias / mlp_bias / qkv_bias: GPT-2 uses model.bias" + who);
+  } else {
+    if (dropout > 0) throw UsageError("model.dropout is not supported by this build's llama family" + who);
+    if (head_dim() % 2 != 0) throw UsageError("the head width n_embd / n_head must be even for the rotary embedding" + who);
+    if (!(rope_theta > 0)) throw UsageError("model.rope_theta must be positive" + who);
+    if (!rope_scaling.type.empty()) {
+      if (rope_scaling.type != "llama3")
+        throw UsageError("rope_scaling type '" + rope_scaling.type + "' is not supported (llama3 is)" + who);
+      if (!(rope_scaling.factor > 0) || !(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor) ||
+          !(rope_scaling.low_freq_factor > 0) || rope_scaling.original_max_positions <= 0)
+        throw UsageError("rope_scaling llama3 needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                         "original_max_position_embeddings > 0" + who);
+    }
+  }
+}
+
+ModelPtr make_model(const ModelConfig& config, bool materialize) {
+  config.validate();
+  return family_of(config.family).make(config, materialize);
+}
+
+std::vector<std::string> tensor_parallel_problems(const ModelConfig& config, int tp) {
+  if (tp < 1) return {"tensor parallel degree tp=" + std::to_string(tp) + " must be at least 1"};
+  return family_of(config.family).tensor_parallel_problems(config, tp);
+}
+
+ModelConfig model_preset(const std::string& name) {
+  auto it = presets().find(name);
+  if (it == presets().end()) {
+    std::string known;
+    for (auto& n : model_preset_names()) known += (known.empty() ? "" : ", ") + n;
+    throw UsageError("unknown model preset '" + name + "' (known: " + known + ")");
+  }
+  return it->second;
+}
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  for (auto& [k, v] : presets()) names.push_back(k);
+  return names;
+}
+
+std::vector<std::string> model_families() {
+  std::vector<std::string> out;
+  for (const auto& f : families()) out.emplace_back(f.name);
+  return out;
+}
+
+}  // namespace scaletrain::models
