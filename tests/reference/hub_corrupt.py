@@ -6,15 +6,21 @@
     --index-names-missing-file     repoints the last shard's tensors in weight_map to
                                    model-99999-of-0000N.safetensors (does not exist);
                                    the real file stays on disk
-    --header-lies [past-end|shape] past-end (default): the last tensor of the last file
+    --header-lies [past-end|shape|length]
+                                   past-end (default): the last tensor of the last file
                                    claims one more row (shape and data_offsets agree with
                                    each other) so its bytes run past the end of the file;
                                    shape: a tensor's shape says more elements than its
-                                   data_offsets span
+                                   data_offsets span; length: the 8-byte header length
+                                   says more bytes than the file has
     --extra-tensor NAME            adds NAME ([4], the file's dtype) to the last file + index
     --missing-tensor NAME          removes NAME from its file and from the index
     --wrong-shape NAME             rewrites NAME with its last dimension one shorter
                                    (a well-formed file whose shape disagrees with config.json)
+    --add-inv-freq                 NOT a corruption: adds the non-parameter entries old Llama
+                                   files carry, model.layers.N.self_attn.rotary_emb.inv_freq
+                                   ([head_dim/2], the file's dtype, next to layer N's q_proj);
+                                   a loader must ignore them
 Every other byte and file of the directory stays as it was; the file rewritten keeps
 metadata and the reference writer's layout. Prints one line saying what was done.
 """
@@ -34,10 +40,11 @@ def add_parser(sub):
     k = c.add_mutually_exclusive_group(required=True)
     k.add_argument("--missing-shard", action="store_true")
     k.add_argument("--index-names-missing-file", action="store_true")
-    k.add_argument("--header-lies", nargs="?", const="past-end", choices=["past-end", "shape"])
+    k.add_argument("--header-lies", nargs="?", const="past-end", choices=["past-end", "shape", "length"])
     k.add_argument("--extra-tensor", metavar="NAME")
     k.add_argument("--missing-tensor", metavar="NAME")
     k.add_argument("--wrong-shape", metavar="NAME")
+    k.add_argument("--add-inv-freq", action="store_true")
 
 
 def _index_path(d):
@@ -112,6 +119,10 @@ def run(a):
         fn = _files(d, index)[-1]
         path = os.path.join(d, fn)
         header, meta, _, data = _read_raw(path)
+        if a.header_lies == "length":
+            with open(path, "r+b") as f:
+                f.write((os.path.getsize(path) + 8).to_bytes(8, "little"))
+            return "header length of %s now exceeds the file" % path
         last = max(header, key=lambda n: header[n]["data_offsets"][1])
         info = header[last]
         row = st.nbytes(info["dtype"], info["shape"][1:])
@@ -126,6 +137,8 @@ def run(a):
         with open(path, "wb") as f:
             f.write(st.encode_header(header, meta) + data)
         return what
+    if getattr(a, "add_inv_freq", False):
+        return _add_inv_freq(d, index)
     name = a.extra_tensor or a.missing_tensor or a.wrong_shape
     fn = _files(d, index)[-1] if a.extra_tensor else _file_of(d, index, name)
     path = os.path.join(d, fn)
@@ -162,3 +175,30 @@ def run(a):
         index["metadata"]["total_size"] += delta
         _save_index(d, index)
     return what
+
+
+def _add_inv_freq(d, index):
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    theta = float(cfg.get("rope_theta", 10000.0))
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    by_file = {}
+    for i in range(cfg["num_hidden_layers"]):
+        q = "model.layers.%d.self_attn.q_proj.weight" % i
+        by_file.setdefault(_file_of(d, index, q), []).append("model.layers.%d.self_attn.rotary_emb.inv_freq" % i)
+    for fn, names in by_file.items():
+        path = os.path.join(d, fn)
+        header, meta, raw, _ = _read_raw(path)
+        dt = next(iter(header.values()))["dtype"]
+        specs = [(n, i["dtype"], i["shape"]) for n, i in header.items()]
+        for n in names:
+            specs.append((n, dt, [hd // 2]))
+            raw[n] = st.tensor_bytes(inv.to(st.ST_TO_TORCH[dt]))
+            if index:
+                index["weight_map"][n] = fn
+                index["metadata"]["total_size"] += len(raw[n])
+        _rewrite(path, specs, raw, meta)
+    if index:
+        _save_index(d, index)
+    return "added rotary_emb.inv_freq to %d layers" % cfg["num_hidden_layers"]
