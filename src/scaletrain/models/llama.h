@@ -115,5 +115,8 @@ TORCH_MODULE(Llama);
 // a Hugging Face config.json of model_type llama / mistral / qwen2.
 std::vector<std::pair<std::string, ModelConfig>> llama_presets();
 ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& file);
+// The config.json transformers writes for a model of this config
+// (LlamaForCausalLM, or Qwen2ForCausalLM for family qwen2).
+nlohmann::json llama_config_to_hf(const ModelConfig& c);
 
 }  // namespace scaletrain::models

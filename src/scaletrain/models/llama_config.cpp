@@ -86,4 +86,36 @@ ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& fil
   return c;
 }
 
+nlohmann::json llama_config_to_hf(const ModelConfig& c) {
+  const bool qwen = c.family == "qwen2";
+  nlohmann::json j = {
+      {"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", qwen ? "qwen2" : "llama"},
+      {"vocab_size", c.vocab_size},
+      {"max_position_embeddings", c.block_size},
+      {"hidden_size", c.n_embd},
+      {"intermediate_size", c.mlp_width()},
+      {"num_hidden_layers", c.n_layer},
+      {"num_attention_heads", c.n_head},
+      {"num_key_value_heads", c.kv_heads()},
+      {"hidden_act", "silu"},
+      {"rms_norm_eps", c.norm_eps},
+      {"rope_theta", c.rope_theta},
+      {"rope_scaling", nullptr},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"torch_dtype", "float32"},
+  };
+  if (!qwen) {
+    j["attention_bias"] = c.attention_bias;
+    j["mlp_bias"] = c.mlp_bias;
+  }
+  if (c.rope_scaling.type == "llama3")
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_max_positions}};
+  return j;
+}
+
 }  // namespace scaletrain::models

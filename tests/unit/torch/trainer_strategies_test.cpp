@@ -241,6 +241,49 @@ TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
   EXPECT_NE(r.err.find("multiple of pp micro-batches"), std::string::npos) << r.err;
 }
 
+// The llama family (grouped-query attention: 4 heads, 2 kv heads; an untied
+// head; rotary positions) under every strategy, against its own DDP curve.
+const std::string kLlama = " --model.preset=llama-tiny --model.n_head=4 --model.n_kv_head=2 --train.sample_tokens=0";
+
+TEST(TrainerStrategies, LlamaDataParallelStrategiesFollowTheDdpLossCurve) {
+  const auto ref = train(2, "llama_ddp", "--parallel.strategy=ddp" + kLlama, 30400);
+  ASSERT_EQ(ref.size(), 6u);
+  EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
+  const std::vector<std::pair<std::string, std::string>> runs{
+      {"llama_zero1", "--parallel.strategy=zero1"},
+      {"llama_zero2", "--parallel.strategy=zero2"},
+      {"llama_zero3", "--parallel.strategy=zero3"},
+      {"llama_full_shard", "--parallel.strategy=fsdp --parallel.fsdp.forward_prefetch=true"},
+      {"llama_shard_grad_op", "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
+      {"llama_zero3_ckpt", "--parallel.strategy=zero3 --model.activation_checkpointing=full"},
+  };
+  int port = 30401;
+  for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags + kLlama, port++), ref, name);
+  EXPECT_LE(port, 30409) << "ports 30400-30409 belong to this test";
+}
+
+TEST(TrainerStrategies, LlamaTensorAndPipelineParallelFollowTheDdpLossCurve) {
+  const std::string model = kLlama + " --model.n_layer=4";
+  const auto ref = train(2, "llama_ddp4", "--parallel.strategy=ddp" + model, 30410);
+  const std::vector<std::tuple<int, std::string, std::string>> runs{
+      {2, "llama_tp2", "--parallel.tp=2"},
+      {2, "llama_tp2_sp", "--parallel.tp=2 --parallel.sequence_parallel=true"},
+      {2, "llama_pp2_1f1b", "--parallel.pp=2"},
+      {2, "llama_pp2_interleaved", "--parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2"},
+      {4, "llama_dp2_tp2_zero3", "--parallel.tp=2 --parallel.strategy=zero3"},
+      {4, "llama_tp2_pp2", "--parallel.pp=2 --parallel.tp=2"},
+  };
+  int port = 30411;
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model, port++), ref, name);
+  EXPECT_LE(port, 30419) << "ports 30410-30419 belong to this test";
+  // tp larger than the kv heads: every rank stops with the reason.
+  const auto r = run("launch --nproc-per-node 4 --threads 1 --timeout 60 --master-port 30419 -- " +
+                     std::string(SCALETRAIN_BIN) + " train " + strategy_config().string() + model +
+                     " --parallel.tp=4");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("does not divide the 2 key/value heads"), std::string::npos) << r.err;
+}
+
 // zero3 initializes 16-bit parameters deferred too (models::set_deferred_dtype,
 // init drawn in fp32 and rounded, as an eager model converted by to()): the
 // same curve as zero2, which builds the whole model eagerly and converts it.
