@@ -1,6 +1,8 @@
 #include "scaletrain/train/model_config.h"
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/models/llama.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
 
@@ -30,9 +32,27 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
     c.validate();
     return c;
   }
+  // A Hub directory of the llama family: its config.json says everything.
+  if (const auto hub = checkpoint::read_hub_config(m.init_from);
+      hub && hub->value("model_type", std::string()) != "gpt2") {
+    models::ModelConfig f = models::llama_config_from_hf(*hub, m.init_from + "/config.json");
+    agree("n_layer", m.n_layer, f.n_layer, m.init_from);
+    agree("n_head", m.n_head, f.n_head, m.init_from);
+    agree("n_kv_head", m.n_kv_head, f.kv_heads(), m.init_from);
+    agree("intermediate_size", m.intermediate_size, f.mlp_width(), m.init_from);
+    agree("n_embd", m.n_embd, f.n_embd, m.init_from);
+    agree("vocab_size", m.vocab_size, f.vocab_size, m.init_from);
+    if (m.block_size > f.block_size)
+      throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than model.init_from " +
+                       m.init_from + "'s max_position_embeddings (" + std::to_string(f.block_size) + ")");
+    if (m.block_size) f.block_size = m.block_size;
+    if (m.dropout > 0) throw UsageError("model.dropout is not supported by this build's llama family");
+    f.validate();
+    return f;
+  }
   if (c.family != "gpt2")
-    throw UsageError("model.init_from reads Hugging Face GPT-2 files; model.preset=" + m.preset + " is of family " +
-                     c.family + " (Hub directories of that family are not read by this build yet)");
+    throw UsageError("model.init_from " + m.init_from + " has no config.json of the " + c.family +
+                     " family beside it (model.preset=" + m.preset + ")");
   if (m.n_kv_head || m.intermediate_size)
     throw UsageError("model.n_kv_head / model.intermediate_size: GPT-2 files from model.init_from have neither");
   models::ModelConfig f;

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/train/hub_load.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/models/deferred.h"
 #include "scaletrain/optim/adamw.h"
@@ -212,9 +213,11 @@ models::GPT as_gpt2(const models::ModelPtr& model) {
 }
 }  // namespace
 
-// model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
+// model.init_from: an HF GPT-2 file or a Hub directory into the whole, not
+// yet wrapped model.
 void init_from(models::ModelPtr& model, const std::string& path) {
   if (path.empty()) return;
+  if (model->config().family != "gpt2") return load_hub_weights(*model, path);
   try {
     models::GPT gpt = as_gpt2(model);
     checkpoint::import_hf_gpt2(gpt, path);
@@ -226,6 +229,7 @@ void init_from(models::ModelPtr& model, const std::string& path) {
 namespace {
 
 models::InitFn hf_init(const models::ModelPtr& model, const std::string& path) {
+  if (model->config().family != "gpt2") return hub_init(*model, path);
   try {
     return checkpoint::hf_gpt2_init(as_gpt2(model), path);
   } catch (const checkpoint::SafetensorsError& e) {

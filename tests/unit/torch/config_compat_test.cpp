@@ -40,7 +40,7 @@ TEST(ConfigCompat, Defaults) {
   EXPECT_EQ(c.parallel.strategy, "ddp");
   EXPECT_EQ(c.parallel.fsdp.sharding_strategy, "FULL_SHARD");
   EXPECT_EQ(c.parallel.fsdp.auto_wrap_policy, "transformer");
-  EXPECT_EQ(c.parallel.fsdp.transformer_layer_cls, "Block");
+  EXPECT_EQ(c.parallel.fsdp.transformer_layer_cls, "");  // the model's own block class
   EXPECT_EQ(c.parallel.fsdp.min_num_params, 100000000);
   EXPECT_EQ(c.parallel.fsdp.backward_prefetch, "BACKWARD_PRE");
   EXPECT_FALSE(c.parallel.fsdp.forward_prefetch);
@@ -222,7 +222,6 @@ TEST(ConfigCompat, RangeChecks) {
   check("precision.loss_scale_window=0", "precision.loss_scale_window");
   check("precision.min_loss_scale=0", "precision.min_loss_scale");
   check("precision.loss_scale=-1", "precision.loss_scale");
-  check("parallel.fsdp.transformer_layer_cls=", "transformer_layer_cls is empty");
   check("train.eps=0", "train.eps");
   check("parallel.last_bucket_mb=-1", "parallel.last_bucket_mb must be >= 0");
 }

@@ -14,6 +14,7 @@
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
+#include "scaletrain/train/hub_load.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/estimate/model_spec.h"
 #include "scaletrain/util/error.h"
@@ -203,6 +204,99 @@ TEST(Llama, EnginesNameNoModelFamily) {
     }
   }
   EXPECT_GT(files, 10);
+}
+
+}  // namespace
+}  // namespace scaletrain::test
+
+namespace scaletrain::test {
+namespace {
+
+std::string python(const std::string& args) {
+  return std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/" + args;
+}
+
+// A random llama in the Hub layout, written by the independent Python tool
+// (bf16, sharded into several files with an index).
+fs::path write_hub(const std::string& name, const std::string& extra = "") {
+  const fs::path dir = scratch_dir(name);
+  const std::string cmd = python("hub_checkpoint.py write " + (dir / "hub").string() +
+                                 " --arch llama --dtype bfloat16 --max-shard-size 60000 --seed 3 " + extra +
+                                 " > /dev/null");
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  return dir / "hub";
+}
+
+models::ModelConfig hub_config(const fs::path& dir) {
+  std::ifstream in(dir / "config.json");
+  return models::llama_config_from_hf(nlohmann::json::parse(in), (dir / "config.json").string());
+}
+
+std::string load_error(const fs::path& dir, const models::ModelConfig& c) {
+  auto model = models::make_model(c);
+  try {
+    train::load_hub_weights(*model, dir.string());
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+TEST(LlamaHub, ShardedBf16DirectoryLoadsAndGivesTheReferenceLoss) {
+  const fs::path dir = write_hub("hub_load");
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  const models::ModelConfig c = hub_config(dir);
+  auto model = models::make_model(c);
+  train::load_hub_weights(*model, dir.string());
+  torch::manual_seed(1);
+  const at::Tensor ids = torch::randint(0, c.vocab_size, {2, 20}, torch::kLong);
+  nlohmann::json rows = nlohmann::json::array();
+  for (int64_t b = 0; b < 2; ++b) {
+    nlohmann::json row = nlohmann::json::array();
+    for (int64_t t = 0; t < 20; ++t) row.push_back(ids[b][t].item<int64_t>());
+    rows.push_back(row);
+  }
+  std::ofstream(dir.parent_path() / "ids.json") << rows.dump();
+  const std::string cmd = python("hf_causal_lm.py loss " + dir.string() + " " + (dir.parent_path() / "ids.json").string() +
+                                 " " + (dir.parent_path() / "out.json").string());
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(dir.parent_path() / "out.json");
+  const double ref = nlohmann::json::parse(in).at("loss").get<double>();
+  EXPECT_NEAR(our_loss(*model, ids), ref, 1e-5 * ref);
+}
+
+TEST(LlamaHub, BrokenDirectoriesAreOneLineErrorsNamingTheProblem) {
+  const fs::path good = write_hub("hub_bad");
+  const models::ModelConfig c = hub_config(good);
+  EXPECT_EQ(load_error(good, c), "(loaded)");
+  struct Case {
+    std::string flag, needle;
+  };
+  const std::vector<Case> cases{
+      {"--missing-shard", "does not exist"},
+      {"--index-names-missing-file", "does not exist"},
+      {"--header-lies past-end", "safetensors"},
+      {"--missing-tensor model.layers.1.mlp.up_proj.weight", "missing tensor 'model.layers.1.mlp.up_proj.weight'"},
+      {"--extra-tensor model.layers.9.mlp.up_proj.weight", "unexpected tensor 'model.layers.9.mlp.up_proj.weight'"},
+      {"--wrong-shape model.norm.weight", "tensor 'model.norm.weight' has shape"},
+  };
+  int i = 0;
+  for (const auto& k : cases) {
+    const fs::path copy = good.parent_path() / ("bad" + std::to_string(i++));
+    const std::string cmd =
+        python("hub_checkpoint.py corrupt " + good.string() + " --out " + copy.string() + " " + k.flag + " > /dev/null");
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const std::string msg = load_error(copy, c);
+    EXPECT_NE(msg.find(k.needle), std::string::npos) << k.flag << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // Old files' rotary_emb.inv_freq entries are not parameters: ignored.
+  const fs::path inv = good.parent_path() / "inv_freq";
+  ASSERT_EQ(std::system(python("hub_checkpoint.py corrupt " + good.string() + " --out " + inv.string() +
+                               " --add-inv-freq > /dev/null")
+                            .c_str()),
+            0);
+  EXPECT_EQ(load_error(inv, c), "(loaded)");
 }
 
 }  // namespace

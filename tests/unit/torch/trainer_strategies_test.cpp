@@ -284,6 +284,28 @@ TEST(TrainerStrategies, LlamaTensorAndPipelineParallelFollowTheDdpLossCurve) {
   EXPECT_NE(r.err.find("does not divide the 2 key/value heads"), std::string::npos) << r.err;
 }
 
+// model.init_from a Hub directory of the llama family (config.json, bf16
+// shards and an index, written by tests/reference/hub_checkpoint.py): the
+// dimensions come from config.json; DDP loads the whole model, ZeRO-3 one
+// tensor at a time; both start from the file's weights, not a random init.
+TEST(TrainerStrategies, LlamaHubDirectoryInitializesEveryStrategy) {
+  const fs::path hub = scratch() / "llama_hub";
+  fs::remove_all(hub);
+  const std::string write = std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR +
+                            "/tests/reference/hub_checkpoint.py write " + hub.string() +
+                            " --arch llama --dtype bfloat16 --max-shard-size 60000 --seed 5 > /dev/null";
+  ASSERT_EQ(std::system(write.c_str()), 0) << write;
+  const std::string from = " --model.n_layer=0 --model.n_embd=0 --model.n_head=0 --train.sample_tokens=0"
+                           " --model.init_from=" + hub.string();
+  const auto ddp = train(2, "hub_ddp", "--parallel.strategy=ddp" + from, 30420);
+  const auto zero3 = train(2, "hub_zero3", "--parallel.strategy=zero3" + from, 30421);
+  const auto random = train(2, "hub_random", "--parallel.strategy=ddp" + kLlama, 30422);
+  expect_same_curve(zero3, ddp, "zero3 from the hub directory");
+  ASSERT_FALSE(ddp.empty());
+  ASSERT_FALSE(random.empty());
+  EXPECT_GT(std::abs(ddp[0] - random[0]), 1e-2) << "the first loss did not come from the file's weights";
+}
+
 // zero3 initializes 16-bit parameters deferred too (models::set_deferred_dtype,
 // init drawn in fp32 and rounded, as an eager model converted by to()): the
 // same curve as zero2, which builds the whole model eagerly and converts it.

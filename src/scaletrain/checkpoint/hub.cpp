@@ -1,0 +1,122 @@
+#include "scaletrain/checkpoint/hub.h"
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::checkpoint {
+namespace fs = std::filesystem;
+
+namespace {
+
+nlohmann::json parse_file(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw UsageError(p.string() + ": cannot be read");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError(p.string() + ": not valid JSON (" + std::string(e.what()) + ")");
+  }
+}
+
+}  // namespace
+
+HubWeights::HubWeights(const std::string& path) : source_(path) {
+  const fs::path p(path);
+  std::vector<fs::path> shards;
+  std::map<std::string, std::string> weight_map;  // from the index
+  if (fs::is_directory(p)) {
+    const fs::path index = p / "model.safetensors.index.json";
+    if (fs::exists(index)) {
+      const nlohmann::json j = parse_file(index);
+      if (!j.contains("weight_map") || !j["weight_map"].is_object())
+        throw UsageError(index.string() + ": no \"weight_map\" object");
+      std::set<std::string> files;
+      for (const auto& [name, file] : j["weight_map"].items()) {
+        if (!file.is_string()) throw UsageError(index.string() + ": weight_map entry '" + name + "' is not a file name");
+        weight_map[name] = file.get<std::string>();
+        files.insert(file.get<std::string>());
+      }
+      for (const auto& f : files) {
+        if (f.find('/') != std::string::npos) throw UsageError(index.string() + ": file '" + f + "' is not in the directory");
+        if (!fs::exists(p / f)) throw UsageError(index.string() + " names " + f + ", which does not exist");
+        shards.push_back(p / f);
+      }
+    } else if (fs::exists(p / "model.safetensors")) {
+      shards.push_back(p / "model.safetensors");
+    } else {
+      throw UsageError(path + ": neither model.safetensors nor model.safetensors.index.json is there");
+    }
+  } else if (fs::exists(p)) {
+    shards.push_back(p);
+  } else {
+    throw UsageError(path + ": no such file or directory");
+  }
+  for (const auto& s : shards) {
+    try {
+      files_.push_back(std::make_unique<SafetensorsFile>(s.string()));
+    } catch (const SafetensorsError& e) {
+      throw UsageError(std::string(e.what()));  // names the file and what its header gets wrong
+    }
+    const std::string file = s.filename().string();
+    for (const TensorView& t : files_.back()->tensors()) {
+      if (!weight_map.empty()) {
+        auto it = weight_map.find(t.name);
+        if (it == weight_map.end() || it->second != file) continue;  // the index decides which copy counts
+      }
+      if (!where_.emplace(t.name, &t).second) throw UsageError(path + ": tensor '" + t.name + "' is in two files");
+    }
+  }
+  for (const auto& [name, file] : weight_map)
+    if (!where_.count(name))
+      throw UsageError(path + ": the index places '" + name + "' in " + file + ", which does not hold it");
+}
+
+HubWeights::~HubWeights() = default;
+HubWeights::HubWeights(HubWeights&&) noexcept = default;
+HubWeights& HubWeights::operator=(HubWeights&&) noexcept = default;
+
+std::vector<std::string> HubWeights::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, v] : where_) out.push_back(name);
+  return out;
+}
+
+const TensorView& HubWeights::view(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) throw UsageError(source_ + ": no tensor '" + name + "'");
+  return *it->second;
+}
+
+at::Tensor HubWeights::read(const std::string& name, at::ScalarType dtype) const {
+  const TensorView& v = view(name);
+  if (v.dtype != Dtype::F32 && v.dtype != Dtype::F16 && v.dtype != Dtype::BF16 && v.dtype != Dtype::F64)
+    throw UsageError(source_ + ": tensor '" + name + "' is " + dtype_name(v.dtype) + ", not a floating-point weight");
+  return tensor_from_view(v, source_).to(dtype);
+}
+
+at::Tensor HubWeights::read_slice(const std::string& name, int64_t dim, int64_t begin, int64_t count,
+                                  at::ScalarType dtype) const {
+  const TensorView& v = view(name);
+  if (dim < 0 || dim >= static_cast<int64_t>(v.shape.size()) || begin < 0 || count < 0 ||
+      begin + count > v.shape[static_cast<size_t>(dim)])
+    throw UsageError(source_ + ": tensor '" + name + "' has no slice [" + std::to_string(begin) + ", " +
+                     std::to_string(begin + count) + ") of dimension " + std::to_string(dim));
+  at::ScalarType stored = torch_dtype(v.dtype, name);
+  // A view of the mapped bytes (never written), narrowed, then copied.
+  at::Tensor mapped = at::from_blob(const_cast<unsigned char*>(v.data), v.shape, at::TensorOptions().dtype(stored));
+  return mapped.narrow(dim, begin, count).to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+}
+
+std::optional<nlohmann::json> read_hub_config(const std::string& path) {
+  fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  const fs::path cfg = dir / "config.json";
+  if (!fs::exists(cfg)) return std::nullopt;
+  return parse_file(cfg);
+}
+
+}  // namespace scaletrain::checkpoint

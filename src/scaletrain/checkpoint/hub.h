@@ -1,0 +1,59 @@
+#pragma once
+// Hugging Face Hub model directories, read: `config.json` beside either one
+// `model.safetensors` or shards named by `model.safetensors.index.json`
+// ({"metadata": {"total_size": N}, "weight_map": {tensor: file}}).
+//
+// Every file is memory-mapped; a tensor is copied out (and converted to the
+// run's dtype) only when asked for, so a loader that asks for one tensor at a
+// time holds one tensor, and a rank that asks for a slice copies the slice.
+// Names are the file's; mapping them onto a model's parameters is the model
+// family's business (models/), not this file's.
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "scaletrain/checkpoint/safetensors.h"
+
+namespace scaletrain::checkpoint {
+
+class HubWeights {
+ public:
+  // `path`: a directory (index + shards, or model.safetensors) or one
+  // safetensors file. Throws UsageError naming the file and the problem: no
+  // weights, an index that is not JSON or names a missing file, a shard whose
+  // header is malformed or lies about sizes, a tensor the index places in a
+  // shard that lacks it, a tensor in two shards.
+  explicit HubWeights(const std::string& path);
+  ~HubWeights();
+  HubWeights(HubWeights&&) noexcept;
+  HubWeights& operator=(HubWeights&&) noexcept;
+
+  const std::string& source() const { return source_; }
+  std::vector<std::string> names() const;
+  bool has(const std::string& name) const { return where_.count(name) > 0; }
+  // Throws UsageError naming the tensor when it is absent.
+  const TensorView& view(const std::string& name) const;
+  // A copy of the tensor in `dtype` (F32, F16, BF16 and F64 files).
+  at::Tensor read(const std::string& name, at::ScalarType dtype) const;
+  // Rows [begin, begin + count) of dimension `dim` only (the rest of the
+  // file is not touched).
+  at::Tensor read_slice(const std::string& name, int64_t dim, int64_t begin, int64_t count, at::ScalarType dtype) const;
+
+ private:
+  std::string source_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> where_;
+};
+
+// The config.json of a Hub directory (or of the directory holding a
+// safetensors file), parsed; nullopt when there is none. UsageError when it
+// is not JSON.
+std::optional<nlohmann::json> read_hub_config(const std::string& path);
+
+}  // namespace scaletrain::checkpoint

@@ -1,0 +1,54 @@
+#include "scaletrain/train/hub_load.h"
+
+#include <set>
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Entries older transformers versions saved that are not parameters.
+bool not_a_parameter(const std::string& name) { return ends_with(name, "rotary_emb.inv_freq"); }
+
+}  // namespace
+
+void check_hub_weights(const models::CausalLM& model, const checkpoint::HubWeights& hub) {
+  const std::string src = "model.init_from " + hub.source();
+  std::set<std::string> ours;
+  for (const auto& item : model.named_parameters()) {
+    const std::string& name = item.key();
+    ours.insert(name);
+    if (!hub.has(name)) throw UsageError(src + ": missing tensor '" + name + "'");
+    const auto& shape = hub.view(name).shape;
+    const auto want = item.value().sizes().vec();
+    if (shape != want)
+      throw UsageError(src + ": tensor '" + name + "' has shape " + c10::str(c10::IntArrayRef(shape)) +
+                       ", the model's is " + c10::str(c10::IntArrayRef(want)));
+  }
+  for (const auto& name : hub.names())
+    if (!ours.count(name) && !not_a_parameter(name))
+      throw UsageError(src + ": unexpected tensor '" + name + "' (not a parameter of this " + model.config().family +
+                       " model)");
+}
+
+void load_hub_weights(models::CausalLM& model, const std::string& path) {
+  const checkpoint::HubWeights hub(path);
+  check_hub_weights(model, hub);
+  torch::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) item.value().copy_(hub.read(item.key(), item.value().scalar_type()));
+}
+
+models::InitFn hub_init(const models::CausalLM& model, const std::string& path) {
+  auto hub = std::make_shared<checkpoint::HubWeights>(path);
+  check_hub_weights(model, *hub);
+  return [hub](const std::string& name, at::Tensor& out) {
+    torch::NoGradGuard no_grad;
+    out.copy_(hub->read(name, out.scalar_type()));
+  };
+}
+
+}  // namespace scaletrain::train

@@ -1,0 +1,26 @@
+#pragma once
+// model.init_from for families whose parameter names are Hugging Face's
+// (the llama family): a Hub directory (or one safetensors file) into a
+// model, whole or one tensor at a time. GPT-2 files keep their own mapping
+// (checkpoint/hf_gpt2.h: Conv1D transposes, prefixes, mask buffers).
+#include <memory>
+#include <string>
+
+#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/models/causal_lm.h"
+
+namespace scaletrain::train {
+
+// Checks the file against the model before anything is written: every
+// parameter present with its shape, nothing else but entries that are not
+// parameters (rotary_emb.inv_freq). Throws UsageError naming the tensor.
+void check_hub_weights(const models::CausalLM& model, const checkpoint::HubWeights& hub);
+
+// Loads every parameter, converted to its dtype, in place.
+void load_hub_weights(models::CausalLM& model, const std::string& path);
+
+// The same as an initialization function for deferred models: checked now,
+// each parameter read from the mapped files when the strategy asks for it.
+models::InitFn hub_init(const models::CausalLM& model, const std::string& path);
+
+}  // namespace scaletrain::train
