@@ -178,8 +178,9 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
                      " data bytes follow");
     }
     if (data_bytes != count * width) {
-      fail(path, "size mismatch: header says " + std::to_string(count) + " tokens (" + std::to_string(count * width) +
-                     " bytes) but " + std::to_string(data_bytes) + " data bytes follow");
+      fail(path, "size mismatch: header says " + std::to_string(count) + " tokens (" +
+                     std::to_string(count * width) + " bytes) but " + std::to_string(data_bytes) +
+                     " data bytes follow");
     }
     count_ = static_cast<std::size_t>(count);
     vocab_ = vocab;

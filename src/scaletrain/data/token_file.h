@@ -47,12 +47,16 @@ inline uint32_t dtype_for_vocab(uint32_t vocab) { return vocab <= kMaxUint16Voca
 // file is removed and `path` is untouched. Throws UsageError if vocab is 0 (or
 // above kMaxUint16Vocab for the u16 overloads), if a token is >= vocab, or if
 // the file cannot be written (message names the path and the OS error).
-void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count, uint32_t vocab);
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab);
+void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count,
+                      uint32_t vocab);
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens,
+                      uint32_t vocab);
 // 32-bit ids: stored as u16 when vocab <= kMaxUint16Vocab, else as u32
 // (dtype_for_vocab).
-void write_token_file(const std::string& path, const uint32_t* tokens, std::size_t count, uint32_t vocab);
-void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab);
+void write_token_file(const std::string& path, const uint32_t* tokens, std::size_t count,
+                      uint32_t vocab);
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens,
+                      uint32_t vocab);
 
 // A validated, read-only, memory-mapped token file. Opening checks the header
 // and that the file size matches the stored count exactly; any problem throws
@@ -80,12 +84,17 @@ class TokenFile {
   // The tokens of a u16 file (host byte order; only little-endian hosts are
   // supported); null for a u32 file. Never null for an open u16 file, even
   // when size() == 0.
-  const uint16_t* data() const { return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_) : nullptr; }
+  const uint16_t* data() const {
+    return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_) : nullptr;
+  }
   // The tokens of a u32 file; null for a u16 file.
-  const uint32_t* data32() const { return dtype_ == kDtypeUint32 ? static_cast<const uint32_t*>(tokens_) : nullptr; }
+  const uint32_t* data32() const {
+    return dtype_ == kDtypeUint32 ? static_cast<const uint32_t*>(tokens_) : nullptr;
+  }
   // Token i of either dtype (no bounds check).
   uint32_t at(std::size_t i) const {
-    return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_)[i] : static_cast<const uint32_t*>(tokens_)[i];
+    return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_)[i]
+                                  : static_cast<const uint32_t*>(tokens_)[i];
   }
   // Vocabulary size recorded by the writer.
   uint32_t vocab() const { return vocab_; }
@@ -96,9 +105,9 @@ class TokenFile {
   void unmap() noexcept;
 
   std::string path_;
-  void* map_ = nullptr;           // start of the mapping (the header), or null
-  std::size_t map_bytes_ = 0;     // length passed to mmap, for munmap
-  const void* tokens_ = nullptr;  // u16 or u32 data inside the mapping
+  void* map_ = nullptr;            // start of the mapping (the header), or null
+  std::size_t map_bytes_ = 0;      // length passed to mmap, for munmap
+  const void* tokens_ = nullptr;   // u16 or u32 data inside the mapping
   std::size_t count_ = 0;
   uint32_t vocab_ = 0;
   uint32_t dtype_ = kDtypeUint16;

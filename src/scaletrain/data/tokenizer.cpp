@@ -19,7 +19,9 @@ void ByteTokenizer::encode_append(std::string_view text, std::vector<uint16_t>& 
   }
 }
 
-std::string ByteTokenizer::decode(const std::vector<uint16_t>& ids) const { return decode(ids.data(), ids.size()); }
+std::string ByteTokenizer::decode(const std::vector<uint16_t>& ids) const {
+  return decode(ids.data(), ids.size());
+}
 
 std::string ByteTokenizer::decode(const uint16_t* ids, std::size_t count) const {
   std::string out;
