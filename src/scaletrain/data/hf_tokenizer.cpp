@@ -60,6 +60,17 @@ bool is_file(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+// Ids above this are refused: real vocabularies stay under 2^18, and a
+// corrupt id must not turn into a multi-gigabyte table.
+constexpr uint32_t kMaxTokenId = (1u << 24) - 1;
+
+uint32_t checked_id(const json& j, const std::string& source, const std::string& what) {
+  if (!j.is_number_unsigned() || j.get<uint64_t>() > kMaxTokenId)
+    throw UsageError(source + ": " + what + " has id " + j.dump() + ", not an integer in [0, " +
+                     std::to_string(kMaxTokenId) + "]");
+  return j.get<uint32_t>();
+}
+
 // Leftmost-longest search for a set of strings (the added tokens), a byte trie.
 class Matcher {
  public:
@@ -223,7 +234,7 @@ static std::unique_ptr<BpeModel> build_model(const json& m, bool byte_level, con
   vocab.reserve(m["vocab"].size());
   std::string raw;
   for (const auto& [spelling, id_json] : m["vocab"].items()) {
-    const auto id = id_json.get<uint32_t>();
+    const uint32_t id = checked_id(id_json, source, "token '" + spelling + "'");
     if (tokens.size() <= id) tokens.resize(static_cast<std::size_t>(id) + 1);
     tokens[id] = spelling;
     // A byte-level token outside the alphabet can never be produced by
@@ -314,7 +325,7 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
 
     for (const json& a : j.value("added_tokens", json::array())) {
       AddedToken tok;
-      tok.id = a.at("id").get<uint32_t>();
+      tok.id = checked_id(a.at("id"), source, "an added token");
       tok.content = a.at("content").get<std::string>();
       tok.special = a.value("special", false);
       tok.lstrip = a.value("lstrip", false);
@@ -359,7 +370,12 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
           const json& specials = p.at("special_tokens");
           if (!specials.contains(name))
             throw UsageError(source + ": post_processor names special token '" + name + "' it does not define");
-          it.ids = specials[name].at("ids").get<std::vector<uint32_t>>();
+          for (const json& id : specials[name].at("ids")) {
+            it.ids.push_back(checked_id(id, source, "post_processor token '" + name + "'"));
+            if (it.ids.back() >= t->tokens_.size() || t->tokens_[it.ids.back()].empty())
+              throw UsageError(source + ": post_processor token '" + name + "' has id " +
+                               std::to_string(it.ids.back()) + ", which is not in the vocabulary");
+          }
         } else if (item.contains("Sequence") && item["Sequence"].value("id", "A") == "A") {
           it.is_sequence = true;
         } else {

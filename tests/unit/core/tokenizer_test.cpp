@@ -423,8 +423,21 @@ TEST(BadInput, EveryProblemIsOneLineNamingTheFile) {
   refused("regex.json", j, "regular expression does not compile");
   j = good;
   j["model"]["vocab"]["a"] = "not a number";
-  refused("type.json", j, "malformed");
+  refused("type.json", j, "token 'a' has id \"not a number\"");
+  j = good;
+  j["model"]["merges"] = json::parse("[[1, 2]]");
+  refused("merge_type.json", j, "malformed");
   refused("empty_object.json", json::object(), "no \"model\"");
+  j = good;
+  j["model"]["vocab"]["huge"] = 4000000000u;
+  refused("huge_id.json", j, "token 'huge' has id 4000000000");
+  j = good;
+  j["model"]["vocab"]["negative"] = -1;
+  refused("negative_id.json", j, "token 'negative' has id -1");
+  j = good;
+  j["post_processor"] = json::parse(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>"}}],
+                                        "special_tokens": {"<x>": {"ids": [9999]}}})");
+  refused("template_id.json", j, "post_processor token '<x>' has id 9999, which is not in the vocabulary");
 
   const std::string broken = d.write("broken.json", "{\"model\": {\"type\": \"BPE\", ");
   std::string m = usage_error([&] { HfTokenizer::load(broken); });
