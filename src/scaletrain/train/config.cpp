@@ -165,6 +165,7 @@ const std::map<std::string, Field>& fields() {
     ST_ENUM(model, activation_checkpointing)
     // data
     ST_STR(data, path)
+    ST_STR(data, tokenizer)
     // train
     ST_INT(train, steps)
     ST_INT(train, global_batch)

@@ -30,6 +30,9 @@ struct ModelOptions {
 
 struct DataOptions {
   std::string path;  // token file written by `scaletrain prepare` (required)
+  // Tokenizer that prepared `path` (`prepare --tokenizer`): a tokenizer.json, or a
+  // directory with one; the text sample encodes and decodes with it ("" = bytes).
+  std::string tokenizer;
 };
 
 struct TrainOptions {

@@ -299,19 +299,18 @@ void save_checkpoint(Run& r, int64_t done) {
 
 // Collective: sharded strategies gather every unit; data-parallel rank 0
 // samples (with its tensor-parallel peers, which compute with it), rank 0 prints.
-void print_sample(Run& r) {
+void print_sample(Run& r, data::Tokenizer& tok) {
   const Config& cfg = r.cfg;
   r.dp().with_full_parameters([&] {
     if (r.mesh->coord().dp(r.dims) != 0 || r.mesh->coord().pp != 0) return;
     r.model().eval();
-    data::ByteTokenizer tok;
     auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
     std::vector<int64_t> ids64(ids.begin(), ids.end());
     auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1});
     torch::manual_seed(cfg.train.seed);
     at::Tensor out = r.model().generate(prompt, cfg.train.sample_tokens, 0.8, 40);
-    std::vector<uint16_t> gen;
-    for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint16_t>(out[0][i].item<int64_t>()));
+    std::vector<uint32_t> gen;
+    for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint32_t>(out[0][i].item<int64_t>()));
     if (!r.lead) return;
     std::printf("sample: %s\n", tok.decode(gen).c_str());
     std::fflush(stdout);
@@ -331,6 +330,12 @@ TrainResult run_training(const Config& cfg) {
   if (dataset.vocab() > static_cast<uint32_t>(plan.model.vocab_size))
     throw UsageError("token file " + cfg.data.path + " has vocabulary " + std::to_string(dataset.vocab()) +
                      " but the model's is " + std::to_string(plan.model.vocab_size));
+  // The sample's tokenizer must be the one that wrote the token file.
+  data::Tokenizer tokenizer(cfg.data.tokenizer);
+  if (!cfg.data.tokenizer.empty() && tokenizer.vocab_size() != dataset.vocab())
+    throw UsageError("data.tokenizer " + cfg.data.tokenizer + " has vocabulary " +
+                     std::to_string(tokenizer.vocab_size()) + " but token file " + cfg.data.path + " has " +
+                     std::to_string(dataset.vocab()) + " (prepare it with --tokenizer " + cfg.data.tokenizer + ")");
 
   Run r{cfg, plan, dataset, plan.dims};
   setup(r, info);
@@ -378,7 +383,7 @@ TrainResult run_training(const Config& cfg) {
     std::sort(throughput.begin(), throughput.end());
     result.tokens_per_s = throughput[throughput.size() / 2];
   }
-  if (cfg.train.sample_tokens > 0) print_sample(r);
+  if (cfg.train.sample_tokens > 0) print_sample(r, tokenizer);
   r.world->group()->barrier().wait();
   return result;
 }

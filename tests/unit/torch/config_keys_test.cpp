@@ -11,6 +11,7 @@
 #include <set>
 
 #include "cli_util.h"
+#include "scaletrain/data/text_pipeline.h"
 #include "scaletrain/train/config.h"
 
 namespace scaletrain::test {
@@ -55,6 +56,7 @@ const std::map<std::string, Check>& table() {
     {"model.init_from", {"@HF@", What::Losses}},
     {"model.activation_checkpointing", {"full", What::Memory, "activations"}},
     {"data.path", {"@TOKENS2@", What::Losses}},
+    {"data.tokenizer", {"@TOKJSON@", What::Line, "sample:", {"train.sample_tokens=8"}}},
     {"train.steps", {"4", What::Steps}},
     {"train.global_batch", {"8", What::Line, "global batch"}},
     {"train.micro_batch", {"1", What::Line, "global batch"}},
@@ -173,6 +175,17 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     const auto out = scratch() / "other.tok";
     EXPECT_EQ(run("prepare " + write("other.txt", text).string() + " -o " + out.string()).code, 0);
     put("@TOKENS2@", out.string());
+  }
+  if (s.find("@TOKJSON@") != std::string::npos) {
+    // A byte-level tokenizer.json of 256 ids numbered backwards (byte b is id
+    // 255 - b): the token file fits it, training is unchanged, and only the
+    // text sample (prompt in, text out) can show that the key was read.
+    nlohmann::json vocab = nlohmann::json::object();
+    for (unsigned b = 0; b < 256; ++b) vocab[data::byte_level_char(static_cast<unsigned char>(b))] = 255 - b;
+    const nlohmann::json j = {{"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+                              {"decoder", {{"type", "ByteLevel"}}},
+                              {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+    put("@TOKJSON@", write("reversed_tokenizer.json", j.dump()).string());
   }
   if (s.find("@DONE@") != std::string::npos) {  // a finished run's checkpoints (resume has something to take)
     const auto done = scratch() / "done_ckpt";
