@@ -12,9 +12,16 @@ QUIET_MAX_S=${QUIET_MAX_S:-1800}
 BUSY_PATTERN='^(cc1plus|cc1|ld|ld.gold|ld.bfd|lto1|ctest|st_unit|st_unit_core|st_dist)$'
 BUSY_ARGS_PATTERN='(^|[ /])build/scaletrain( |$)'
 
+# The benchmark's own runs (its binary, $ST when the caller set it) are not
+# disturbances: with --build build they would match BUSY_ARGS_PATTERN and
+# every run would be repeated as disturbed.
 compiler_running() {
   ps -eo comm= | grep -Eq "$BUSY_PATTERN" && return 0
-  ps -eo args= | grep -Eq "$BUSY_ARGS_PATTERN"
+  if [[ -n ${ST:-} ]]; then
+    ps -eo args= | grep -vF "$ST " | grep -Eq "$BUSY_ARGS_PATTERN"
+  else
+    ps -eo args= | grep -Eq "$BUSY_ARGS_PATTERN"
+  fi
 }
 
 wait_quiet() {
