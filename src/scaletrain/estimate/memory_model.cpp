@@ -10,8 +10,11 @@
 //
 // Note [Pipeline split]
 // ---------------------
-// Layers are split as evenly as possible, the first L % pp stages taking one
-// more. Stage 0 also holds the embeddings, the last stage the final norm, the
+// Layers are cut as scaletrain's pipeline cuts them by default: consecutive
+// runs minimizing the largest stage's parameters, counting the embeddings on
+// the first stage and the final norm and head on the last (so a small model's
+// first stage takes fewer layers); the interleaved schedule splits them
+// evenly. Stage 0 also holds the embeddings, the last stage the final norm, the
 // pooler and the LM head; with tied embeddings and pp > 1 the last stage keeps
 // its own copy of the word embedding (Megatron does the same and all-reduces
 // the two gradients). We report the stage with the largest total.
@@ -34,7 +37,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <sstream>
+#include <vector>
 
 #include "scaletrain/estimate/peak.h"
 #include "scaletrain/util/error.h"
@@ -103,8 +108,35 @@ Widths widths(Precision p) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int64_t layers_on_stage(int64_t layers, int64_t pp, int64_t stage) {
-  return layers / pp + (stage < layers % pp ? 1 : 0);
+// Layers per pipeline stage, cut as scaletrain's pipeline cuts them by
+// default (parallel.pp_balance: params): consecutive runs that minimize the
+// largest run's parameters, the embedding counted on the first stage and the
+// final norm and head on the last. Ties go to the earliest cut, as there.
+std::vector<int64_t> layers_per_stage(int64_t layers, int64_t pp, double layer, double first_extra,
+                                      double last_extra) {
+  const double inf = std::numeric_limits<double>::infinity();
+  auto cost = [&](int64_t b, int64_t e, int64_t part) {
+    return static_cast<double>(e - b) * layer + (part == 0 ? first_extra : 0) + (part == pp - 1 ? last_extra : 0);
+  };
+  // best[k][e]: the smallest largest-run cost of layers [0, e) in k runs.
+  std::vector<std::vector<double>> best(pp + 1, std::vector<double>(layers + 1, inf));
+  std::vector<std::vector<int64_t>> cut(pp + 1, std::vector<int64_t>(layers + 1, 0));
+  best[0][0] = 0;
+  for (int64_t k = 1; k <= pp; ++k)
+    for (int64_t e = k; e <= layers; ++e)
+      for (int64_t b = k - 1; b < e; ++b) {
+        const double c = std::max(best[k - 1][b], cost(b, e, k - 1));
+        if (c < best[k][e]) {
+          best[k][e] = c;
+          cut[k][e] = b;
+        }
+      }
+  std::vector<int64_t> out(pp, 0);
+  for (int64_t k = pp, e = layers; k > 0; --k) {
+    out[k - 1] = e - cut[k][e];
+    e = cut[k][e];
+  }
+  return out;
 }
 
 // Ring collectives: bytes each rank sends.
@@ -237,12 +269,21 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
   const double m = static_cast<double>(l.microbatches);
 
   best.total = -1;
+  std::vector<int64_t> stage_layers(pp, 0);
+  if (!raw) {
+    const int64_t head = c.head > 0 ? c.head : (spec.tie_word_embeddings && pp > 1 ? c.embedding_tp_split : 0);
+    if (pp > 1 && l.schedule != Schedule::kInterleaved)
+      stage_layers = layers_per_stage(spec.num_layers, pp, static_cast<double>(c.per_layer),
+                                      static_cast<double>(c.embedding), static_cast<double>(c.final_norm + head));
+    else
+      for (int64_t s = 0; s < pp; ++s) stage_layers[s] = spec.num_layers / pp + (s < spec.num_layers % pp ? 1 : 0);
+  }
   for (int64_t stage = 0; stage < pp; ++stage) {
     RankEstimate e = best;
     e.worst_stage = stage;
     e.seq_len = raw ? 0 : seq;
     const bool first = stage == 0, last = stage == pp - 1;
-    const int64_t nl = raw ? 0 : layers_on_stage(spec.num_layers, pp, stage);
+    const int64_t nl = raw ? 0 : stage_layers[stage];
     // Parameters of this stage's TP slice.
     const int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
     const int64_t emb_tp = ceil_div(c.embedding_tp_split, t) + (c.embedding - c.embedding_tp_split);

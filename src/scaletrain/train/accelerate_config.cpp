@@ -168,6 +168,18 @@ void set_fsdp_key(Config& c, const std::string& name, const std::string& v, cons
         map_value(key, v, {{"FULL_STATE_DICT", "FULL_STATE_DICT"}, {"SHARDED_STATE_DICT", "SHARDED_STATE_DICT"}});
   else if (name == "fsdp_activation_checkpointing") {
     if (to_bool(key, v)) c.model.activation_checkpointing = "full";
+  } else if (name == "fsdp_version") {
+    // FSDP2 shards per parameter (DTensor) where FSDP1 shards flat buffers;
+    // what is sharded, gathered and reduced is the same, so both run on this
+    // build's flat-buffer engine.
+    const int64_t version = to_int(key, v);
+    if (version != 1 && version != 2) throw UsageError(key + " must be 1 or 2, got " + v);
+    if (version == 2)
+      c.notices.push_back(file + ": " + key +
+                          "=2 runs on this build's flat-parameter FSDP (same sharding, gathers and reduce-scatters)");
+  } else if (name == "fsdp_reshard_after_forward") {
+    // FSDP2's spelling of the choice between FULL_SHARD and SHARD_GRAD_OP.
+    f.sharding_strategy = to_bool(key, v) ? "FULL_SHARD" : "SHARD_GRAD_OP";
   } else if (name == "fsdp_use_orig_params") {
     if (!to_bool(key, v))
       c.notices.push_back(file + ": " + key +
@@ -179,7 +191,7 @@ void set_fsdp_key(Config& c, const std::string& name, const std::string& v, cons
                      "fsdp_transformer_layer_cls_to_wrap, fsdp_min_num_params, fsdp_backward_prefetch, "
                      "fsdp_forward_prefetch, fsdp_offload_params, fsdp_sync_module_states, "
                      "fsdp_cpu_ram_efficient_loading, fsdp_state_dict_type, fsdp_activation_checkpointing, "
-                     "fsdp_use_orig_params)");
+                     "fsdp_use_orig_params, fsdp_version, fsdp_reshard_after_forward)");
 }
 
 // A YAML scalar as JSON: numbers stay numbers (gradient_clipping: 1.0).

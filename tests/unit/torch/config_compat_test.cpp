@@ -226,6 +226,31 @@ TEST(ConfigCompat, RangeChecks) {
   check("parallel.last_bucket_mb=-1", "parallel.last_bucket_mb must be >= 0");
 }
 
+// What `accelerate config` writes for FSDP2: fsdp_version and
+// fsdp_reshard_after_forward instead of fsdp_sharding_strategy.
+TEST(AccelerateConfig, Fsdp2Keys) {
+  auto v2 = write("acc_fsdp2.yaml",
+                  "distributed_type: FSDP\n"
+                  "fsdp_config:\n"
+                  "  fsdp_version: 2\n"
+                  "  fsdp_reshard_after_forward: false\n"
+                  "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                  "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+                  "  fsdp_state_dict_type: SHARDED_STATE_DICT\n");
+  auto c = train::load_config(v2.string());
+  EXPECT_EQ(c.parallel.strategy, "fsdp");
+  EXPECT_EQ(c.parallel.fsdp.sharding_strategy, "SHARD_GRAD_OP");
+  EXPECT_EQ(c.parallel.fsdp.transformer_layer_cls, "LlamaDecoderLayer");
+  ASSERT_EQ(c.notices.size(), 1u);
+  EXPECT_NE(c.notices[0].find("fsdp_version=2"), std::string::npos) << c.notices[0];
+  auto v1 = write("acc_fsdp1.yaml", "fsdp_config:\n  fsdp_version: 1\n  fsdp_reshard_after_forward: true\n");
+  auto c1 = train::load_config(v1.string());
+  EXPECT_EQ(c1.parallel.fsdp.sharding_strategy, "FULL_SHARD");
+  EXPECT_TRUE(c1.notices.empty());
+  auto v3 = write("acc_fsdp3.yaml", "fsdp_config:\n  fsdp_version: 3\n");
+  EXPECT_NE(usage_error([&] { train::load_config(v3.string()); }).find("fsdp_version must be 1 or 2"), std::string::npos);
+}
+
 TEST(AccelerateConfig, FsdpConfigAndMixedPrecision) {
   auto cfg = write("accelerate.yaml",
                    "mixed_precision: bf16\n"

@@ -123,11 +123,9 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_full_shard_ckpt", 2,
        "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=FULL_SHARD --model.activation_checkpointing=full"},
       {"oos_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2"},
-      // NOT within the 10% target: a 1F1B stage is over-predicted by 39%
-      // (predicted 11.49 MiB, measured 8.27 MiB, 2026-11-22). Reported to be
-      // fixed in estimate/; asserted at the 45% that is met, so it cannot get worse
-      // unnoticed.
-      {"oos_pp2", 2, "--parallel.strategy=ddp --parallel.pp=2 --train.micro_batch=2", 0.45},
+      // Was 39% over while the estimator split layers evenly (2 + 1) and the
+      // pipeline cut them by parameters (1 + 2: the embedding weighs on stage 0).
+      {"oos_pp2", 2, "--parallel.strategy=ddp --parallel.pp=2 --train.micro_batch=2"},
       {"oos_zero3_bf16_params", 2, "--parallel.strategy=zero3 --precision.mode=bf16 --precision.param_dtype=bf16"},
       {"oos_ddp_bf16_autocast", 1, "--parallel.strategy=ddp --precision.mode=bf16"},
   };
