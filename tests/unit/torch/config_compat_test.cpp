@@ -298,7 +298,7 @@ TEST(AccelerateConfig, Errors) {
     auto p = write(name, text);
     return usage_error([&] { train::load_config(p.string()); });
   };
-  EXPECT_HAS(err("a1.yaml", "fsdp_config:\n  fsdp_version: 2\n"), "unknown config key 'fsdp_config.fsdp_version'");
+  EXPECT_HAS(err("a1.yaml", "fsdp_config:\n  fsdp_bogus: 2\n"), "unknown config key 'fsdp_config.fsdp_bogus'");
   EXPECT_HAS(err("a2.yaml", "fsdp_config:\n  fsdp_sharding_strategy: 5\n"),
              "fsdp_config.fsdp_sharding_strategy must be one of");
   EXPECT_HAS(err("a3.yaml", "fsdp_config:\n  fsdp_auto_wrap_policy: transformer\n"),

@@ -210,10 +210,10 @@ TEST(ConfigFiles, EveryUnknownKeyInOneError) {
   const std::string yaml_err = usage_error([] {
     train::load_config(test::write("many_unknown.yaml",
                                    "train:\n  stpes: 3\n  lr: 1e-3\nmodel:\n  nlayer: 2\nfsdp_config:\n"
-                                   "  fsdp_version: 2\nwandb: {}\n")
+                                   "  fsdp_bogus: 2\nwandb: {}\n")
                            .string());
   });
-  for (const char* k : {"'train.stpes'", "'model.nlayer'", "'fsdp_config.fsdp_version'", "'wandb'"})
+  for (const char* k : {"'train.stpes'", "'model.nlayer'", "'fsdp_config.fsdp_bogus'", "'wandb'"})
     EXPECT_HAS(yaml_err, k);
 }
 
