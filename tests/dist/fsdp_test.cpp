@@ -8,6 +8,7 @@
 #include <map>
 
 #include "dist_env.h"
+#include "parity.h"
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
@@ -51,41 +52,22 @@ models::GPT make_model(const std::vector<std::string>& frozen = {}) {
   return m;
 }
 
-std::vector<at::Tensor> trainable(const models::GPT& m) {
-  std::vector<at::Tensor> out;
-  for (auto& p : m->parameters())
-    if (p.requires_grad()) out.push_back(p);
-  return out;
-}
+std::vector<at::Tensor> trainable(const models::GPT& m) { return trainable_parameters(*m); }
 
 // One process, the whole global batch per step. `norms` gets each step's
 // gradient norm before clipping.
 std::vector<at::Tensor> train_reference(const std::vector<Batch>& data, const std::vector<std::string>& frozen = {},
                                         std::vector<double>* norms = nullptr) {
-  auto model = make_model(frozen);
-  auto params = trainable(model);
-  optim::AdamW opt(params, optim::decay_matrices(params), {});
-  for (auto& b : data) {
-    model->loss(b.x, b.y).backward();
-    const double norm = optim::clip_grad_norm(params, kClip);
-    if (norms) norms->push_back(norm);
-    opt.step(g_prec.lr);
-    opt.zero_grad();
-  }
-  return model->parameters();
+  Trained t = train_one_process(make_model(frozen).ptr(), data, kClip, g_prec.lr);
+  if (norms) *norms = t.norms;
+  return t.params;
 }
 
-struct RunSpec {
-  ShardedOptions options;
-  int accum = 1;
-  bool no_sync = true;  // accumulate locally, reduce once per step
+// The engine's loop is parity.h's train_sharded (llama_parity_test.cpp runs
+// it on the Llama family); the spec adds how the GPT is built.
+struct RunSpec : ShardedRun {
   std::vector<std::string> frozen;
-  comm::Mesh* hybrid = nullptr;  // HYBRID_SHARD over this mesh's shard x replicate
-  bool deferred = false;         // build the model without bytes, initialize per tensor
-  // Filled in: model-state bytes per rank at the end of a step, and the
-  // engine's gradient norm before clipping, per step.
-  int64_t state_bytes = 0, grad_bytes = 0;
-  std::vector<double> norms;
+  bool deferred = false;  // build the model without bytes, initialize per tensor
 };
 
 models::GPT make_deferred_model(ShardedOptions& options) {
@@ -96,38 +78,8 @@ models::GPT make_deferred_model(ShardedOptions& options) {
 }
 
 std::vector<at::Tensor> train_sharded(const std::vector<Batch>& data, RunSpec& run) {
-  run.norms.clear();  // a RunSpec may be run again with other options
   auto model = run.deferred ? make_deferred_model(run.options) : make_model(run.frozen);
-  comm::Group& shard = run.hybrid ? run.hybrid->dp_shard() : *world().group();
-  comm::Group* replicate = run.hybrid ? &run.hybrid->dp_replicate() : nullptr;
-  ShardedDataParallel engine(model.ptr(), *model, world(), shard, replicate, run.options);
-  optim::AdamW opt(engine.shards(), engine.shard_decay_numel(), {});
-  const int dp = world().size();
-  const int dp_rank = run.hybrid ? run.hybrid->coord().dp(run.hybrid->dims()) : world().rank();
-  const int64_t local = kGlobalBatch / dp, micro = local / run.accum;
-  for (auto& b : data) {
-    for (int k = 0; k < run.accum; ++k) {
-      const int64_t start = dp_rank * local + k * micro;
-      auto x = b.x.narrow(0, start, micro), y = b.y.narrow(0, start, micro);
-      auto loss = engine.forward([&] { return model->loss(x, y); }) / run.accum;
-      if (k + 1 < run.accum && run.no_sync) {
-        auto guard = engine.no_sync();
-        loss.backward();
-      } else {
-        loss.backward();
-      }
-    }
-    run.norms.push_back(engine.clip_grad_norm(kClip));
-    opt.step(g_prec.lr);
-    engine.after_step();
-    engine.zero_grad();
-  }
-  int64_t opt_bytes = 0;
-  for (size_t i = 0; i < opt.exp_avg().size(); ++i)
-    opt_bytes += opt.exp_avg()[i].nbytes() + opt.exp_avg_sq()[i].nbytes();
-  run.grad_bytes = engine.grad_bytes();
-  run.state_bytes = engine.param_bytes() + run.grad_bytes + opt_bytes;
-  return engine.full_parameters();
+  return test::train_sharded(model.ptr(), data, run, kClip, g_prec.lr);
 }
 
 double max_relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, bool per_tensor) {

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "dist_env.h"
+#include "parity.h"
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/gpt.h"
@@ -222,36 +223,10 @@ TEST(TensorParallelGPT, OutputsAndGradientsMatchSingleProcess) {
 constexpr int kSteps = 5;
 constexpr double kLr = 1e-2, kMaxNorm = 0.5;
 
-struct Trained {
-  std::vector<at::Tensor> params;  // full, in named_parameters() order
-  std::vector<double> norms;       // gradient norm before clipping, per step
-};
-
-// 5 AdamW steps with clipping in fp64. tp == nullptr: one process, full batch.
-// dp: data parallelism over the batch (DDP), composed with tp.
+// 5 AdamW steps with clipping in fp64 (parity.h). tp == nullptr: one
+// process, full batch. dp: data parallelism over the batch (DDP), composed with tp.
 Trained train(const std::vector<Batch>& data, comm::Group* tpg, comm::Group* dp, bool sp) {
-  auto model = make_model(at::kDouble);
-  tp::TensorParallelPlan plan;
-  if (tpg) {
-    tp::TensorParallelOptions o;
-    o.sequence_parallel = sp;
-    plan = tp::parallelize_tensor(*model, *tpg, o);
-  }
-  std::unique_ptr<parallel::DistributedDataParallel> ddp;
-  if (dp) ddp = std::make_unique<parallel::DistributedDataParallel>(model.ptr(), *dp);
-  auto params = model->parameters();
-  optim::AdamW opt(params, optim::decay_matrices(params), {});
-  Trained out;
-  for (auto& b : data) {
-    const int64_t n = dp ? kBatch / dp->size() : kBatch, start = dp ? dp->rank() * n : 0;
-    model->loss(b.x.narrow(0, start, n), b.y.narrow(0, start, n)).backward();
-    out.norms.push_back(tpg ? tp::clip_grad_norm(tp::grad_norm_params(*model, plan), kMaxNorm, *tpg)
-                            : optim::clip_grad_norm(params, kMaxNorm));
-    opt.step(kLr);
-    opt.zero_grad();
-  }
-  out.params = tpg ? tp::gather_full_parameters(*model, plan) : params;
-  return out;
+  return train_tensor_parallel(make_model(at::kDouble).ptr(), data, tpg, dp, sp, kMaxNorm, kLr);
 }
 
 void expect_same_training(const Trained& got, const Trained& ref, const std::string& what) {
