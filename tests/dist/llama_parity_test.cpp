@@ -136,7 +136,11 @@ TEST_P(LlamaShard, MatchesSingleProcessAfterFiveSteps) {
 INSTANTIATE_TEST_SUITE_P(StrategyAccumulation, LlamaShard,
                          ::testing::Combine(::testing::Values(Sharding::Zero1, Sharding::Zero2, Sharding::Zero3,
                                                               Sharding::FullShard, Sharding::ShardGradOp),
-                                            ::testing::Values(1, 2)));
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<LlamaShard::ParamType>& info) {
+                           return parallel::fsdp::to_string(std::get<0>(info.param)) + "_accumulation" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 // The tied head: the embedding's gradient sums its use as a lookup and as the
 // head, inside one flat buffer.
