@@ -14,6 +14,7 @@
 #include "commands.h"
 #include "scaletrain/estimate/planner.h"
 #include "scaletrain/estimate/request.h"
+#include "scaletrain/models/spec_catalog.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -124,7 +125,9 @@ void add_estimate_memory(CLI::App& app, Runner& run) {
   sub->add_flag("--json", flags->json, "JSON instead of tables");
   sub->callback([flags, &run] {
     run = [flags] {
-      const auto result = scaletrain::estimate::run(to_request(*flags));
+      const auto request = to_request(*flags);
+      const auto result =
+          scaletrain::estimate::run(request, scaletrain::models::resolve_estimator_model(request.model));
       if (flags->json) std::printf("%s\n", result.json.dump(2).c_str());
       else std::fputs(result.text.c_str(), stdout);
       return 0;

@@ -91,24 +91,28 @@ const TensorView& HubWeights::view(const std::string& name) const {
   return *it->second;
 }
 
-at::Tensor HubWeights::read(const std::string& name, at::ScalarType dtype) const {
+const TensorView& HubWeights::weight(const std::string& name) const {
   const TensorView& v = view(name);
   if (v.dtype != Dtype::F32 && v.dtype != Dtype::F16 && v.dtype != Dtype::BF16 && v.dtype != Dtype::F64)
     throw UsageError(source_ + ": tensor '" + name + "' is " + dtype_name(v.dtype) + ", not a floating-point weight");
-  return tensor_from_view(v, source_).to(dtype);
+  return v;
 }
 
-at::Tensor HubWeights::read_slice(const std::string& name, int64_t dim, int64_t begin, int64_t count,
-                                  at::ScalarType dtype) const {
-  const TensorView& v = view(name);
-  if (dim < 0 || dim >= static_cast<int64_t>(v.shape.size()) || begin < 0 || count < 0 ||
-      begin + count > v.shape[static_cast<size_t>(dim)])
-    throw UsageError(source_ + ": tensor '" + name + "' has no slice [" + std::to_string(begin) + ", " +
-                     std::to_string(begin + count) + ") of dimension " + std::to_string(dim));
-  at::ScalarType stored = torch_dtype(v.dtype, name);
-  // A view of the mapped bytes (never written), narrowed, then copied.
-  at::Tensor mapped = at::from_blob(const_cast<unsigned char*>(v.data), v.shape, at::TensorOptions().dtype(stored));
-  return mapped.narrow(dim, begin, count).to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+at::Tensor HubWeights::read(const std::string& name, at::ScalarType dtype) const {
+  return tensor_from_view(weight(name), source_).to(dtype);
+}
+
+void HubWeights::read_range(const std::string& name, int64_t begin, int64_t count, at::Tensor& out) const {
+  const TensorView& v = weight(name);
+  if (begin < 0 || count < 0 || begin + count > v.numel() || out.dim() != 1 || out.numel() != count)
+    throw UsageError(source_ + ": tensor '" + name + "' has no elements [" + std::to_string(begin) + ", " +
+                     std::to_string(begin + count) + ") to fill a tensor of " + std::to_string(out.numel()));
+  // Only the pages of the range are touched: the mapped bytes (never
+  // written) viewed flat, narrowed, converted into `out`.
+  const at::Tensor mapped = at::from_blob(const_cast<unsigned char*>(v.data), {v.numel()},
+                                          at::TensorOptions().dtype(torch_dtype(v.dtype, name)));
+  torch::NoGradGuard no_grad;
+  out.copy_(mapped.narrow(0, begin, count));
 }
 
 std::optional<nlohmann::json> read_hub_config(const std::string& path) {

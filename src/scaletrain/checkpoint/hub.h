@@ -41,11 +41,14 @@ class HubWeights {
   const TensorView& view(const std::string& name) const;
   // A copy of the tensor in `dtype` (F32, F16, BF16 and F64 files).
   at::Tensor read(const std::string& name, at::ScalarType dtype) const;
-  // Rows [begin, begin + count) of dimension `dim` only (the rest of the
-  // file is not touched).
-  at::Tensor read_slice(const std::string& name, int64_t dim, int64_t begin, int64_t count, at::ScalarType dtype) const;
+  // Elements [begin, begin + count) of the flattened tensor, converted into
+  // the 1-D `out` (count elements, any floating dtype); the rest of the file
+  // is not touched.
+  void read_range(const std::string& name, int64_t begin, int64_t count, at::Tensor& out) const;
 
  private:
+  const TensorView& weight(const std::string& name) const;  // view(), floating point or UsageError
+
   std::string source_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*> where_;

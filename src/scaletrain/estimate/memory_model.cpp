@@ -22,16 +22,34 @@
 // Note [Activations of a run]
 // ---------------------------
 // Checked against what autograd really keeps (the trainer's tensor-byte
-// counter, bench/RESULTS.md section 7): for scaletrain's GPT in fp32 with
-// dropout 0 one forward keeps exactly L*(64sbh + 4as^2b) + 8sbh + 4sbV bytes,
-// which is Korthikanti's count without dropout (activation_bytes_per_layer)
-// at 4 bytes per element, plus the head's part the paper also lists: the final
-// norm's input and output (the output is the head's input) and the fp32
-// log-softmax of the loss (the logits themselves are not kept: the head's
-// matmul saves its inputs, the log-softmax its output). The paper's 1-byte
-// embedding dropout mask exists only with dropout. The peak comes later, in
-// backward, when gradients are in flight on top of nearly all of those:
-// RankEstimate::workspace (peak.cpp, Note [The worst moment]).
+// counter, bench/RESULTS.md section 7): for scaletrain's first model (a
+// LayerNorm block with a 4h GELU MLP) in fp32 with dropout 0 one forward keeps
+// exactly L*(64sbh + 4as^2b) + 8sbh + 4sbV bytes, which is Korthikanti's count
+// without dropout (activation_bytes_per_layer) at 4 bytes per element, plus
+// the head's part the paper also lists: the final norm's input and output
+// (the output is the head's input) and the fp32 log-softmax of the loss (the
+// logits themselves are not kept: the head's matmul saves its inputs, the
+// log-softmax its output). The paper's 1-byte embedding dropout mask exists
+// only with dropout. The peak comes later, in backward, when gradients are in
+// flight on top of nearly all of those: RankEstimate::workspace (peak.cpp,
+// Note [The worst moment]).
+//
+// Note [Activations of a block]
+// -----------------------------
+// Counted in 16-bit bytes per s*b*h (what each op's backward saves; tensors
+// shared by two ops count once):
+//   attention: its input (one tensor feeds q, k and v) 2; q and k for the
+//     scores 4 (k after grouped heads are repeated, so GQA keeps as much as
+//     MHA); v 2; the output projection's input 2; the softmax output 2as/h.
+//     Rotary tables are per position, not per token: nothing per s*b*h.
+//   MLP: its input 2; two linears keep the activation's input and the second
+//     linear's input, 2 x 2I/h; a gated MLP keeps gate, act(gate), up and
+//     their product, 4 x 2I/h.
+//   norms: LayerNorm keeps its input (2 each); RMSNorm computed in fp32 keeps
+//     its input and the normalized tensor the weight multiplies (4 each).
+// Replicated under TP: norms, attention and MLP inputs; split: the rest. For
+// LayerNorm and I = 4h this is Korthikanti's 8 + 24/t; measured for the
+// RMSNorm/SwiGLU block by the trainer's counter (bench/RESULTS.md section 7).
 #include "scaletrain/estimate/memory_model.h"
 
 #include <algorithm>
@@ -143,25 +161,28 @@ std::vector<int64_t> layers_per_stage(int64_t layers, int64_t pp, double layer, 
 double all_reduce(double bytes, int64_t n) { return n > 1 ? 2.0 * (n - 1) / n * bytes : 0.0; }
 double gather_or_scatter(double bytes, int64_t n) { return n > 1 ? 1.0 * (n - 1) / n * bytes : 0.0; }
 
-// LoRA adapter parameters of one block: r * (in + out) for each targeted linear.
+// LoRA adapter parameters of one block: r * (in + out) for each targeted
+// linear. A fused q/k/v projection is one target (PEFT's default for it); so
+// "q,v" means that projection alone, and the MLP's linears count only for
+// all-linear.
 int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets) {
   const int64_t h = s.hidden_size, I = s.intermediate_size;
   const int64_t hd = s.head_dim > 0 ? s.head_dim : h / s.num_heads;
   const int64_t q_out = s.num_heads * hd, kv_out = (s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads) * hd;
   int64_t sum = 0;
   auto lin = [&](int64_t in, int64_t out) { sum += r * (in + out); };
-  if (s.arch == Arch::kGpt2) {
-    lin(h, 3 * h);  // c_attn is the fused qkv projection: PEFT's default target for GPT-2
-    if (targets != LoraTargets::kQv) lin(h, h);
-    if (targets == LoraTargets::kAllLinear) { lin(h, I); lin(I, h); }
-    return sum;
+  if (s.fused_qkv) {
+    lin(h, q_out + 2 * kv_out);
+    if (targets != LoraTargets::kQv) lin(q_out, h);  // o
+  } else {
+    lin(h, q_out);   // q
+    lin(h, kv_out);  // v
+    if (targets != LoraTargets::kQv) { lin(h, kv_out); lin(q_out, h); }  // k, o
   }
-  lin(h, q_out);   // q
-  lin(h, kv_out);  // v
-  if (targets != LoraTargets::kQv) { lin(h, kv_out); lin(q_out, h); }  // k, o
   if (targets == LoraTargets::kAllLinear) {
-    if (s.arch == Arch::kBert) { lin(h, I); lin(I, h); }
-    else { lin(h, I); lin(h, I); lin(I, h); }  // gate, up, down
+    lin(h, I);
+    if (s.gated_mlp) lin(h, I);
+    lin(I, h);
   }
   return sum;
 }
@@ -185,7 +206,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
     fail("world size " + std::to_string(l.world_size) + " is not divisible by tp*pp = " + std::to_string(l.tp * l.pp));
   if (l.gpus_per_node > 0 && l.world_size % l.gpus_per_node != 0)
     fail("world size is not a whole number of nodes of " + std::to_string(l.gpus_per_node) + " GPUs");
-  if (s.arch == Arch::kRaw) {
+  if (s.shapeless()) {
     if (l.tp > 1 || l.pp > 1) fail("tensor/pipeline parallelism needs the model's shapes (give a preset or config.json)");
     if (l.lora_rank > 0) fail("LoRA needs the model's shapes (give a preset or config.json)");
   } else {
@@ -210,20 +231,25 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   }
 }
 
-double activation_bytes_per_layer(int64_t s_, int64_t b_, int64_t h_, int64_t a_, int64_t t_, bool sp,
+double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec, int64_t t_, bool sp,
                                   Recompute recompute, bool dropout) {
-  const double s = s_, b = b_, h = h_, a = a_, t = t_;
+  const double s = s_, b = b_, h = spec.hidden_size, a = spec.num_heads, t = t_;
   const double sbh = s * b * h;
   const bool split = sp && t_ > 1;
-  // Replicated part (norm inputs, the two first linears' inputs, and the
-  // residual dropout masks) and the attention scores' factor.
-  const double rep = dropout ? 10 : 8, att = dropout ? 5 : 2;
+  // Replicated part (Note [Activations of a block]): what the two norms keep,
+  // the inputs of attention and MLP, and the residual dropout masks. Split
+  // part: q, k, v, the output projection's input, and the MLP's hidden
+  // tensors. And the attention scores' factor.
+  const double norm = spec.norm == Norm::kLayerNorm ? 1 : 2;
+  const double rep = 4 * norm + 4 + (dropout ? 2 : 0);
+  const double hidden = (spec.gated_mlp ? 8 : 4) * static_cast<double>(spec.intermediate_size) / h;
+  const double tp = 8 + hidden, att = dropout ? 5 : 2;
   switch (recompute) {
     case Recompute::kNone:
-      if (t_ == 1) return sbh * (rep + 24 + att * a * s / h);
-      return split ? sbh * (rep + 24 + att * a * s / h) / t : sbh * (rep + 24 / t + att * a * s / (h * t));
+      if (t_ == 1) return sbh * (rep + tp + att * a * s / h);
+      return split ? sbh * (rep + tp + att * a * s / h) / t : sbh * (rep + tp / t + att * a * s / (h * t));
     case Recompute::kSelective:
-      return split ? sbh * (rep + 24) / t : sbh * (rep + 24 / t);
+      return split ? sbh * (rep + tp) / t : sbh * (rep + tp / t);
     case Recompute::kFull:
       return split ? 2 * sbh / t : 2 * sbh;
   }
@@ -247,7 +273,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
   validate_layout(spec, l);
   const ParamCounts c = count_params(spec);
   const Widths w = widths(l.precision);
-  const bool raw = spec.arch == Arch::kRaw;
+  const bool raw = spec.shapeless();
   const int64_t t = l.tp, pp = l.pp, dp = l.world_size / (t * pp);
   const int64_t gpn = l.gpus_per_node;
 
@@ -328,7 +354,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     if (!raw) {
       shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
       auto layer = [&](Recompute r) {
-        return act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec.hidden_size, spec.num_heads, t,
+        return act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t,
                                                       l.sequence_parallel, r, l.dropout);
       };
       shape.act_layer = layer(l.recompute);
@@ -338,8 +364,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
       if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
       if (last) {
-        shape.act_last = 2 * sbh * act_scale / sp_div;  // final norm input
-        if (spec.arch != Arch::kBert)  // head input (the final norm's output) + the loss's fp32 log-softmax
+        const double norm_kept = spec.norm == Norm::kLayerNorm ? 1 : 2;  // tensors a norm keeps
+        shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;    // the final norm
+        if (!spec.encoder)  // head input (the final norm's output) + the loss's fp32 log-softmax
           shape.act_last += 2 * sbh * act_scale / sp_div + 4 * sbv / t;
       }
       // Backward of one layer: the residual gradient, the gradient of the
@@ -348,7 +375,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       // Backward of the loss: two more fp32 log-softmax-sized tensors.
       const double I = static_cast<double>(spec.intermediate_size);
       shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
-      if (last && spec.arch != Arch::kBert) shape.ws_last = 8 * sbv / t;
+      if (last && !spec.encoder) shape.ws_last = 8 * sbv / t;
     }
     StageWidths sw;
     sw.weight = w.weight;

@@ -124,18 +124,22 @@ void validate_layout(const ModelSpec& spec, const Layout& layout);
 // gets model states only; tp/pp > 1 need shapes.
 RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
 
-// Korthikanti et al. 2022, activation bytes of one transformer layer for
-// sequence s, micro-batch b, hidden h, heads a, TP degree t (16-bit activations):
+// Activation bytes of one transformer layer for sequence s, micro-batch b,
+// TP degree t (16-bit activations), after Korthikanti et al. 2022, whose
+// block (LayerNorm, a 4h MLP of two linears) keeps
 //   no TP:            s*b*h*(34 + 5*a*s/h)
 //   TP:               s*b*h*(10 + 24/t + 5*a*s/(h*t))
 //   TP + SP:          s*b*h*(34 + 5*a*s/h)/t
 //   selective:        s*b*h*(10 + 24/t)      (TP + SP: s*b*h*34/t)
 //   full recompute:   2*s*b*h                (TP + SP: 2*s*b*h/t)
-// Without dropout (p = 0, as Llama and scaletrain's default GPT train) the two
-// 1-byte residual masks (sbh each) and the attention mask and dropout output
-// (3as^2b) are not stored: 34 -> 32, 10 -> 8 and 5as/h -> 2as/h above (the
-// attention-times-V product saves the softmax output itself).
-double activation_bytes_per_layer(int64_t s, int64_t b, int64_t h, int64_t a, int64_t t, bool sequence_parallel,
+// Without dropout (p = 0, scaletrain's default) the two 1-byte residual masks
+// (sbh each) and the attention mask and dropout output (3as^2b) are not
+// stored: 34 -> 32, 10 -> 8 and 5as/h -> 2as/h above (the attention-times-V
+// product saves the softmax output itself). Other blocks change the two
+// constants as Note [Activations of a block] (memory_model.cpp) derives: an
+// MLP of width I keeps 4I/h (8I/h gated) in place of 16, an RMSNorm keeps two
+// tensors where a LayerNorm keeps one.
+double activation_bytes_per_layer(int64_t s, int64_t b, const ModelSpec& spec, int64_t t, bool sequence_parallel,
                                   Recompute recompute, bool dropout = true);
 
 // Micro-batches whose activations stage `stage` holds at its peak.

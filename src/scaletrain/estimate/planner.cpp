@@ -35,10 +35,10 @@ std::vector<PlanRow> plan(const ModelSpec& spec, const PlanOptions& o) {
     probe.sharding = Sharding::kNone;
     probe.sequence_parallel = false;
     probe.offload_params = false;
-    probe.lora_rank = spec.arch == Arch::kRaw ? 0 : probe.lora_rank;
+    probe.lora_rank = spec.shapeless() ? 0 : probe.lora_rank;
     validate_layout(spec, probe);
   }
-  const bool raw = spec.arch == Arch::kRaw;
+  const bool raw = spec.shapeless();
   const int64_t world = o.base.world_size, gpn = o.base.gpus_per_node;
   const int64_t nodes = gpn > 0 ? world / gpn : 1;
   const int64_t max_tp = o.max_tp > 0 ? o.max_tp : (gpn > 0 ? gpn : world);

@@ -208,12 +208,12 @@ std::string render_rank(const ModelSpec& spec, const ParamCounts& counts, const 
   std::ostringstream title;
   title << "`" << spec.name << "` (" << human_count(static_cast<double>(counts.total)) << " params), "
         << describe(l, e);
-  if (spec.arch != Arch::kRaw) title << ", seq " << e.seq_len << " x micro-batch " << l.micro_batch;
+  if (!spec.shapeless()) title << ", seq " << e.seq_len << " x micro-batch " << l.micro_batch;
   std::ostringstream out;
   out << title.str() << "\n" << box_table({"per rank", "bytes"}, rows, "");
   out << "stage " << e.worst_stage << " of " << l.pp << " holds " << human_count(static_cast<double>(e.stage_params))
       << " params (" << human_count(static_cast<double>(e.trainable_params)) << " trainable)";
-  if (spec.arch == Arch::kRaw) out << "; activations need the model's shapes (use a preset or config.json)";
+  if (spec.shapeless()) out << "; activations need the model's shapes (use a preset or config.json)";
   out << "\n";
   return out.str();
 }
@@ -260,7 +260,7 @@ nlohmann::json rank_json(const RankEstimate& e) {
 
 nlohmann::json counts_json(const ModelSpec& spec, const ParamCounts& c) {
   return {{"name", spec.name},
-          {"arch", arch_name(spec.arch)},
+          {"arch", spec.family},
           {"total_params", c.total},
           {"base_model_params", c.base_model},
           {"embedding_params", c.embedding},

@@ -83,8 +83,7 @@ Layout resolve_layout(const Request& r) {
   return l;
 }
 
-Result run(const Request& r) {
-  const ModelSpec spec = resolve_model(r.model);
+Result run(const Request& r, const ModelSpec& spec) {
   const ParamCounts counts = count_params(spec);
   const Layout layout = resolve_layout(r);
   Result out;
@@ -108,7 +107,7 @@ Result run(const Request& r) {
     docs.push_back(scaletrain_json(spec, counts, layout, est));
   }
   if (r.method == Method::kAccelerate || all) {
-    if (spec.arch == Arch::kRaw)
+    if (spec.shapeless())
       throw UsageError("the accelerate method needs the model's shapes (a preset or config.json), not a raw count");
     const auto rows = accelerate_rows(counts, r.dtypes);
     if (!out.text.empty()) out.text += "\n";

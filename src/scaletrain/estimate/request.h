@@ -32,7 +32,7 @@ Sharding parse_fsdp(const std::string& s);
 Sharding sharding_from_zero_stage(int64_t stage);
 
 struct Request {
-  std::string model;                  // preset, config.json path, or count ("7.5B")
+  std::string model;                  // preset, config.json path, or count ("7.5B"): the CLI resolves it
   Method method = Method::kScaletrain;  // estimator(s) to run
   std::vector<AccelDtype> dtypes = {AccelDtype::kFloat32, AccelDtype::kFloat16, AccelDtype::kInt8,
                                     AccelDtype::kInt4};  // Accelerate columns
@@ -55,7 +55,8 @@ struct Result {
 // Resolves world/nodes/gpus into the layout (UsageError when inconsistent).
 Layout resolve_layout(const Request& request);
 
-// Runs the request. UsageError for bad models, layouts or options.
-Result run(const Request& request);
+// Runs the request for `spec` (the model `request.model` names, resolved by
+// models::resolve_estimator_model). UsageError for bad layouts or options.
+Result run(const Request& request, const ModelSpec& spec);
 
 }  // namespace scaletrain::estimate

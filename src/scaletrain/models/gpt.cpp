@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 
+#include "scaletrain/models/hf_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::models {
@@ -182,6 +183,38 @@ void GPTImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
 double GPTImpl::flops_per_token(int64_t seq_len) const {
   const double N = static_cast<double>(num_parameters() - wpe->weight.numel());
   return 6.0 * N + 12.0 * config().n_layer * config().n_embd * seq_len;
+}
+
+}  // namespace scaletrain::models
+
+namespace scaletrain::models {
+
+ModelConfig gpt2_config_from_hf(const nlohmann::json& j, const std::string& source) {
+  auto fail = [&](const std::string& what) { throw UsageError(source + ": " + what); };
+  if (j.value("model_type", "") != "gpt2") fail("model_type is not gpt2");
+  auto get = [&](const char* key) -> int64_t {
+    if (!j.contains(key) || !j[key].is_number_integer()) fail(std::string("missing integer '") + key + "'");
+    return j[key].get<int64_t>();
+  };
+  ModelConfig c;  // family gpt2, biases on
+  c.vocab_size = get("vocab_size");
+  c.block_size = get("n_positions");
+  c.n_embd = get("n_embd");
+  c.n_layer = get("n_layer");
+  c.n_head = get("n_head");
+  if (j.contains("layer_norm_epsilon") && std::fabs(j.value("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12)
+    fail("layer_norm_epsilon=" + j["layer_norm_epsilon"].dump() + " is not supported (this GPT-2 uses 1e-5)");
+  const std::string act = j.value("activation_function", "gelu_new");
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+    fail("activation_function '" + act + "' is not supported (this GPT-2 uses the tanh GELU, gelu_new)");
+  if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * c.n_embd)
+    fail("n_inner=" + j["n_inner"].dump() + " is not supported (this GPT-2 uses 4 x n_embd)");
+  if (!j.value("tie_word_embeddings", true)) fail("tie_word_embeddings=false is not supported (GPT-2's head is the embedding)");
+  if (!j.value("scale_attn_weights", true)) fail("scale_attn_weights=false is not supported");
+  for (const char* key : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"})
+    if (j.value(key, false)) fail(std::string(key) + "=true is not supported");
+  c.validate();
+  return c;
 }
 
 }  // namespace scaletrain::models

@@ -1,11 +1,15 @@
 // The families this build has, their presets, and the checks of a config
 // against the family that reads it. Adding a family is a row here, its
 // presets, and its model class.
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/llama.h"
+#include "scaletrain/models/spec_catalog.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::models {
@@ -14,18 +18,20 @@ namespace {
 struct Family {
   const char* name;
   bool llama_like;  // reads n_kv_head, rope, untied heads and the llama biases
+  std::vector<std::string> model_types;  // the config.json model_types it reads
+  std::function<ModelConfig(const nlohmann::json&, const std::string&)> from_hf;
   std::function<ModelPtr(const ModelConfig&, bool)> make;
   std::function<std::vector<std::string>(const ModelConfig&, int)> tensor_parallel_problems;
 };
 
 const std::vector<Family>& families() {
   static const std::vector<Family> f = {
-      {"gpt2", false, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
+      {"gpt2", false, {"gpt2"}, gpt2_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
        GPTImpl::tensor_parallel_problems},
-      {"llama", true, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+      {"llama", true, {"llama", "mistral"}, llama_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
        LlamaImpl::tensor_parallel_problems},
       // Qwen2 is Llama with biases on q, k and v (qkv_bias).
-      {"qwen2", true, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+      {"qwen2", true, {"qwen2"}, llama_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
        LlamaImpl::tensor_parallel_problems},
   };
   return f;
@@ -118,6 +124,54 @@ std::vector<std::string> model_preset_names() {
   std::vector<std::string> names;
   for (auto& [k, v] : presets()) names.push_back(k);
   return names;
+}
+
+estimate::ModelSpec estimator_spec(const ModelConfig& c) {
+  const Family& fam = family_of(c.family);
+  estimate::ModelSpec s = estimator_structure(fam.name);
+  s.name = c.family + " " + std::to_string(c.n_layer) + "x" + std::to_string(c.n_embd);
+  s.vocab_size = c.vocab_size;
+  s.hidden_size = c.n_embd;
+  s.num_layers = c.n_layer;
+  s.num_heads = c.n_head;
+  s.num_kv_heads = c.kv_heads();
+  s.intermediate_size = c.mlp_width();
+  s.max_positions = c.block_size;
+  s.tie_word_embeddings = c.tie_word_embeddings;
+  if (fam.llama_like) {
+    s.qkv_bias = c.attention_bias || c.qkv_bias;
+    s.o_bias = c.attention_bias;
+    s.mlp_bias = c.mlp_bias;
+  } else if (!c.bias) {
+    s.qkv_bias = s.o_bias = s.mlp_bias = false;  // (its LayerNorms lose a bias too: h per norm, not counted)
+  }
+  return s;
+}
+
+ModelConfig config_from_hf(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) throw UsageError(source + ": not a JSON object");
+  const std::string type = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "";
+  std::string known;
+  for (const auto& f : families())
+    for (const auto& t : f.model_types) {
+      if (t == type) return f.from_hf(j, source);
+      known += (known.empty() ? "" : ", ") + t;
+    }
+  throw UsageError(source + ": model_type '" + type + "' is not supported (known: " + known + ")");
+}
+
+ModelConfig read_hf_config(const std::string& path) {
+  std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  std::ifstream in(p);
+  if (!in) throw UsageError("cannot read model config " + p.string());
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception&) {
+    throw UsageError(p.string() + " is not valid JSON");
+  }
+  return config_from_hf(j, p.string());
 }
 
 std::vector<std::string> model_families() {

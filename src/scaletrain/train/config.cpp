@@ -153,6 +153,7 @@ const std::map<std::string, Field>& fields() {
 #define ST_ENUM(section, name) ST_FIELD(section, name, checked_choice(#section "." #name, v), show_str)
     // model
     ST_STR(model, preset)
+    ST_STR(model, config)
     ST_INT(model, n_layer)
     ST_INT(model, n_head)
     ST_INT(model, n_kv_head)

@@ -14,6 +14,11 @@ struct ModelOptions {
   // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-tiny | smollm2-135m | smollm2-360m |
   // tinyllama-1.1b | llama-2-7b | llama-3-8b | llama-3.1-8b (models::model_preset_names())
   std::string preset = "tiny";
+  // A Hugging Face config.json (or a directory holding one) of model_type
+  // gpt2, llama, mistral or qwen2: the architecture instead of the preset
+  // ("" = the preset). The n_* keys below may only repeat its values;
+  // block_size may shorten the sequence.
+  std::string config;
   int64_t n_layer = 0;  // 0 keeps the preset's value (same for the next six)
   int64_t n_head = 0;
   int64_t n_kv_head = 0;          // key/value heads (llama family: grouped-query attention)

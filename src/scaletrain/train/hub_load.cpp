@@ -51,4 +51,12 @@ models::InitFn hub_init(const models::CausalLM& model, const std::string& path) 
   };
 }
 
+SliceInitFn hub_slice_init(const models::CausalLM& model, const std::string& path) {
+  auto hub = std::make_shared<checkpoint::HubWeights>(path);
+  check_hub_weights(model, *hub);
+  return [hub](const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
+    hub->read_range(name, begin, count, out);
+  };
+}
+
 }  // namespace scaletrain::train

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <mutex>
 
+#include "scaletrain/models/spec_catalog.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -86,22 +87,7 @@ bool reset_rss_peak() {
   return static_cast<bool>(out);
 }
 
-estimate::ModelSpec model_spec(const models::ModelConfig& m) {
-  estimate::ModelSpec s;
-  s.name = m.family + " " + std::to_string(m.n_layer) + "x" + std::to_string(m.n_embd);
-  s.arch = m.family == "gpt2" ? estimate::Arch::kGpt2 : estimate::Arch::kLlama;
-  s.vocab_size = m.vocab_size;
-  s.hidden_size = m.n_embd;
-  s.num_layers = m.n_layer;
-  s.num_heads = m.n_head;
-  s.num_kv_heads = m.kv_heads();
-  s.intermediate_size = m.mlp_width();
-  s.max_positions = m.block_size;
-  s.tie_word_embeddings = m.tie_word_embeddings;
-  s.attention_bias = m.attention_bias;
-  s.mlp_bias = m.mlp_bias;
-  return s;
-}
+estimate::ModelSpec model_spec(const models::ModelConfig& m) { return models::estimator_spec(m); }
 
 estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const precision::PrecisionPolicy& policy,
                             int world_size, int dp_shard, int64_t micro_batch, int64_t microbatches, bool gloo) {

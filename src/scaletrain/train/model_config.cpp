@@ -2,23 +2,47 @@
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
-#include "scaletrain/models/llama.h"
+#include "scaletrain/models/hf_config.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
 namespace {
 
-// An explicit model.<key> must be the file's value.
-void agree(const char* key, int64_t given, int64_t from_file, const std::string& path) {
+// An explicit model.<key> must be the file's value (`what`: "model.init_from PATH").
+void agree(const char* key, int64_t given, int64_t from_file, const std::string& what) {
   if (given != 0 && given != from_file)
-    throw UsageError(std::string("model.") + key + "=" + std::to_string(given) + " disagrees with model.init_from " +
-                     path + " (" + std::to_string(from_file) + ")");
+    throw UsageError(std::string("model.") + key + "=" + std::to_string(given) + " disagrees with " + what + " (" +
+                     std::to_string(from_file) + ")");
+}
+
+// A config.json's model with the run's keys on top: the dimensions may only
+// repeat the file's, block_size may shorten the sequence.
+models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, const std::string& what) {
+  agree("n_layer", m.n_layer, f.n_layer, what);
+  agree("n_head", m.n_head, f.n_head, what);
+  agree("n_kv_head", m.n_kv_head, f.kv_heads(), what);
+  agree("intermediate_size", m.intermediate_size, f.mlp_width(), what);
+  agree("n_embd", m.n_embd, f.n_embd, what);
+  agree("vocab_size", m.vocab_size, f.vocab_size, what);
+  if (m.block_size > f.block_size)
+    throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than " + what +
+                     " allows (" + std::to_string(f.block_size) + " positions)");
+  if (m.block_size) f.block_size = m.block_size;
+  f.dropout = m.dropout;
+  f.validate();
+  return f;
 }
 
 }  // namespace
 
 models::ModelConfig resolve_model_config(const ModelOptions& m) {
+  if (!m.config.empty()) {
+    if (!m.init_from.empty())
+      throw UsageError("model.config and model.init_from both describe the model: give one (init_from reads the "
+                       "config.json beside its weights)");
+    return with_keys(models::read_hf_config(m.config), m, "model.config " + m.config);
+  }
   models::ModelConfig c = models::model_preset(m.preset);
   if (m.init_from.empty()) {
     if (m.n_layer) c.n_layer = m.n_layer;
@@ -35,20 +59,7 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
   // A Hub directory of the llama family: its config.json says everything.
   if (const auto hub = checkpoint::read_hub_config(m.init_from);
       hub && hub->value("model_type", std::string()) != "gpt2") {
-    models::ModelConfig f = models::llama_config_from_hf(*hub, m.init_from + "/config.json");
-    agree("n_layer", m.n_layer, f.n_layer, m.init_from);
-    agree("n_head", m.n_head, f.n_head, m.init_from);
-    agree("n_kv_head", m.n_kv_head, f.kv_heads(), m.init_from);
-    agree("intermediate_size", m.intermediate_size, f.mlp_width(), m.init_from);
-    agree("n_embd", m.n_embd, f.n_embd, m.init_from);
-    agree("vocab_size", m.vocab_size, f.vocab_size, m.init_from);
-    if (m.block_size > f.block_size)
-      throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than model.init_from " +
-                       m.init_from + "'s max_position_embeddings (" + std::to_string(f.block_size) + ")");
-    if (m.block_size) f.block_size = m.block_size;
-    if (m.dropout > 0) throw UsageError("model.dropout is not supported by this build's llama family");
-    f.validate();
-    return f;
+    return with_keys(models::config_from_hf(*hub, m.init_from + "/config.json"), m, "model.init_from " + m.init_from);
   }
   if (c.family != "gpt2")
     throw UsageError("model.init_from " + m.init_from + " has no config.json of the " + c.family +
@@ -61,11 +72,12 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
   } catch (const checkpoint::SafetensorsError& e) {  // a missing or malformed file: bad input, one line
     throw UsageError("model.init_from: " + std::string(e.what()));
   }
-  agree("n_layer", m.n_layer, f.n_layer, m.init_from);
-  agree("n_embd", m.n_embd, f.n_embd, m.init_from);
-  agree("vocab_size", m.vocab_size, f.vocab_size, m.init_from);
+  const std::string what = "model.init_from " + m.init_from;
+  agree("n_layer", m.n_layer, f.n_layer, what);
+  agree("n_embd", m.n_embd, f.n_embd, what);
+  agree("vocab_size", m.vocab_size, f.vocab_size, what);
   if (f.n_head > 0) {
-    agree("n_head", m.n_head, f.n_head, m.init_from);
+    agree("n_head", m.n_head, f.n_head, what);
   } else if (m.n_head) {
     f.n_head = m.n_head;
   } else if (c.n_embd == f.n_embd) {

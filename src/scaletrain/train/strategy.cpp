@@ -162,8 +162,11 @@ class ShardedStrategy final : public DataParallel {
     if (o.max_live_numel > 0) s += ", at most " + std::to_string(o.max_live_numel) + " elements live";
     if (o.allgather_bucket_numel > 0)
       s += ", gathers of at most " + std::to_string(o.allgather_bucket_numel) + " elements";
-    s += o.deferred_init ? ", initialized shard by shard" : ", built whole then sharded";
-    s += o.sync_module_states ? " from rank 0's weights" : " on every rank";
+    if (o.deferred_slice_init)
+      s += ", each rank reading its shards from model.init_from";
+    else
+      s += std::string(o.deferred_init ? ", initialized shard by shard" : ", built whole then sharded") +
+           (o.sync_module_states ? " from rank 0's weights" : " on every rank");
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
@@ -331,6 +334,8 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
       o.deferred_init = models::init_through(
           at::kFloat,
           [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
+    else if (p.tp == 1 && out.model->config().family != "gpt2")
+      o.deferred_slice_init = hub_slice_init(*out.model, c.model.init_from);  // each rank reads its part
     else
       o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
   } else {

@@ -14,9 +14,11 @@
 #include "scaletrain/estimate/reference_methods.h"
 #include "scaletrain/estimate/report.h"
 #include "scaletrain/estimate/request.h"
+#include "scaletrain/models/spec_catalog.h"
 #include "scaletrain/util/error.h"
 
 namespace est = scaletrain::estimate;
+namespace cat = scaletrain::models;  // the families as the estimator sees them
 
 namespace {
 
@@ -44,36 +46,36 @@ bool contains(const std::string& haystack, const std::string& needle) {
 // ---- parameter counts ---------------------------------------------------------
 
 TEST(EstimateParams, PresetsMatchReferenceArchitectures) {
-  EXPECT_EQ(est::count_params(est::preset("gpt2")).total, 124439808);  // tied head
-  EXPECT_EQ(est::count_params(est::preset("llama-2-7b")).total, 6738415616);
-  EXPECT_EQ(est::count_params(est::preset("meta-llama/Meta-Llama-3-8B")).total, 8030261248);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("gpt2")).total, 124439808);  // tied head
+  EXPECT_EQ(est::count_params(cat::estimator_preset("llama-2-7b")).total, 6738415616);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("meta-llama/Meta-Llama-3-8B")).total, 8030261248);
   // Further published figures (transformers num_parameters()).
-  EXPECT_EQ(est::count_params(est::preset("gpt2-medium")).total, 354823168);
-  EXPECT_EQ(est::count_params(est::preset("gpt2-large")).total, 774030080);
-  EXPECT_EQ(est::count_params(est::preset("gpt2-xl")).total, 1557611200);
-  EXPECT_EQ(est::count_params(est::preset("meta-llama/Llama-2-13b-hf")).total, 13015864320);
-  EXPECT_EQ(est::count_params(est::preset("llama-2-70b")).total, 68976648192);
-  EXPECT_EQ(est::count_params(est::preset("llama-3-70b")).total, 70553706496);
-  EXPECT_EQ(est::count_params(est::preset("llama-3.2-1b")).total, 1235814400);  // tied
-  EXPECT_EQ(est::count_params(est::preset("mistral-7b")).total, 7241732096);
-  EXPECT_EQ(est::count_params(est::preset("bert-base-uncased")).total, 109482240);  // with pooler
-  EXPECT_EQ(est::count_params(est::preset("bert-large-uncased")).total, 335141888);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("gpt2-medium")).total, 354823168);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("gpt2-large")).total, 774030080);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("gpt2-xl")).total, 1557611200);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("meta-llama/Llama-2-13b-hf")).total, 13015864320);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("llama-2-70b")).total, 68976648192);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("llama-3-70b")).total, 70553706496);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("llama-3.2-1b")).total, 1235814400);  // tied
+  EXPECT_EQ(est::count_params(cat::estimator_preset("mistral-7b")).total, 7241732096);
+  EXPECT_EQ(est::count_params(cat::estimator_preset("bert-base-uncased")).total, 109482240);  // with pooler
+  EXPECT_EQ(est::count_params(cat::estimator_preset("bert-large-uncased")).total, 335141888);
 }
 
 TEST(EstimateParams, BaseModelDropsUntiedHeadOnly) {
-  const auto llama = est::count_params(est::preset("llama-2-7b"));
+  const auto llama = est::count_params(cat::estimator_preset("llama-2-7b"));
   EXPECT_EQ(llama.head, 32000LL * 4096);
   EXPECT_EQ(llama.base_model, 6738415616LL - 32000LL * 4096);
-  const auto gpt2 = est::count_params(est::preset("gpt2"));
+  const auto gpt2 = est::count_params(cat::estimator_preset("gpt2"));
   EXPECT_EQ(gpt2.base_model, gpt2.total);
 }
 
 TEST(EstimateParams, HfConfigsGiveSameCountsAsPresets) {
-  EXPECT_EQ(est::count_params(est::load_hf_config(data_path("gpt2_config.json"))).total, 124439808);
-  EXPECT_EQ(est::count_params(est::load_hf_config(data_path("llama3_8b_config.json"))).total, 8030261248);
-  EXPECT_EQ(est::count_params(est::load_hf_config(data_path("bert_base_uncased_config.json"))).total, 109482240);
+  EXPECT_EQ(est::count_params(cat::load_estimator_config(data_path("gpt2_config.json"))).total, 124439808);
+  EXPECT_EQ(est::count_params(cat::load_estimator_config(data_path("llama3_8b_config.json"))).total, 8030261248);
+  EXPECT_EQ(est::count_params(cat::load_estimator_config(data_path("bert_base_uncased_config.json"))).total, 109482240);
   // resolve_model takes the path too (or its directory).
-  EXPECT_EQ(est::resolve_model(data_path("gpt2_config.json")).arch, est::Arch::kGpt2);
+  EXPECT_EQ(cat::resolve_estimator_model(data_path("gpt2_config.json")).family, "gpt2");
 }
 
 TEST(EstimateParams, RawCounts) {
@@ -82,8 +84,8 @@ TEST(EstimateParams, RawCounts) {
   EXPECT_EQ(est::parse_param_count("1.2e9"), 1200000000LL);
   EXPECT_EQ(est::parse_param_count("7_000_000"), 7000000LL);
   EXPECT_EQ(est::parse_param_count("gpt5"), -1);
-  const auto raw = est::resolve_model("7.5B");
-  EXPECT_EQ(raw.arch, est::Arch::kRaw);
+  const auto raw = cat::resolve_estimator_model("7.5B");
+  EXPECT_TRUE(raw.shapeless());
   EXPECT_EQ(est::count_params(raw).total, 7500000000LL);
 }
 
@@ -92,7 +94,7 @@ TEST(EstimateParams, LoraTrainableCountMatchesPeft) {
   // = 4,194,304 trainable parameters.
   est::Layout l;
   l.lora_rank = 8;
-  const auto e = est::estimate_rank(est::preset("llama-2-7b"), l);
+  const auto e = est::estimate_rank(cat::estimator_preset("llama-2-7b"), l);
   EXPECT_EQ(e.trainable_params, 4194304);
   EXPECT_EQ(e.frozen_params, 6738415616);
   // Frozen base: 16-bit weights only; adapters carry grads + master + Adam.
@@ -112,7 +114,7 @@ TEST(EstimateAccelerate, Gpt2TableByHand) {
   //   wte/2 -> 73.62 MB, /4 -> 36.81 MB, /8 = 19,298,688 -> 18.4 MB
   // Training (from T): float32 step 4T = 1,997,328,576 = 1.8602 GiB -> "1.86 GB";
   //   float16: gradients T + T//2 = 748,998,216 -> 714.3 MB, highest 2T -> 952.4 MB.
-  const auto counts = est::count_params(est::preset("gpt2"));
+  const auto counts = est::count_params(cat::estimator_preset("gpt2"));
   EXPECT_DOUBLE_EQ(4.0 * counts.base_model + counts.buffer_bytes, 499332144.0);
   const auto rows = est::accelerate_rows(counts, {est::AccelDtype::kFloat32, est::AccelDtype::kFloat16,
                                                   est::AccelDtype::kInt8, est::AccelDtype::kInt4});
@@ -139,7 +141,7 @@ TEST(EstimateAccelerate, BertBaseCasedMatchesAccelerateDocs) {
   // Accelerate's model_size_estimator guide prints for bert-base-cased:
   // Total Size 413.18 MB, float16 206.59 MB, int8 103.29 MB, int4 51.65 MB,
   // Training using Adam 1.61 GB (float32) and 826.36 MB (float16).
-  const auto rows = est::accelerate_rows(est::count_params(est::preset("bert-base-cased")),
+  const auto rows = est::accelerate_rows(est::count_params(cat::estimator_preset("bert-base-cased")),
                                          {est::AccelDtype::kFloat32, est::AccelDtype::kFloat16,
                                           est::AccelDtype::kInt8, est::AccelDtype::kInt4});
   EXPECT_EQ(est::convert_bytes(rows[0].total_bytes), "413.18 MB");
@@ -179,14 +181,14 @@ TEST(EstimateDeepSpeed, Zero2Gpt2OneGpuByHand) {
   EXPECT_TRUE(contains(text, "    2.78GB |   0.23GB | offload_optimizer=cpu \n"));
   EXPECT_TRUE(contains(text, "    0.70GB |   2.32GB | offload_optimizer=none\n"));
   EXPECT_TRUE(contains(text, "SW: Model with 124M total params, 38M largest layer params."));
-  EXPECT_EQ(est::count_params(est::preset("gpt2")).largest_module, 38597376);  // wte
+  EXPECT_EQ(est::count_params(cat::estimator_preset("gpt2")).largest_module, 38597376);  // wte
 }
 
 TEST(EstimateDeepSpeed, Llama2TwoNodesByHand) {
   // P = 6,738,415,616, Lp = 131,072,000 (embed_tokens / lm_head), 2 nodes x 8 GPUs:
   // G = 16, gpus_factor = 1/2, factor 1.5.
   const int64_t P = 6738415616, Lp = 131072000;
-  const auto c = est::count_params(est::preset("llama-2-7b"));
+  const auto c = est::count_params(cat::estimator_preset("llama-2-7b"));
   EXPECT_EQ(c.total, P);
   EXPECT_EQ(c.largest_module, Lp);
   est::DeepSpeedOptions o;
@@ -225,7 +227,7 @@ TEST(EstimateModel, ZeroPaperExample) {
   //   P_os     4 Psi + K Psi / N        = 30e9 + 1.40625e9  = 31.40625e9
   //   P_os+g   2 Psi + (2 + K) Psi / N  = 15e9 + 1.640625e9 = 16.640625e9
   //   P_os+g+p (2 + 2 + K) Psi / N      = 1.875e9
-  const auto spec = est::resolve_model("7.5B");
+  const auto spec = cat::resolve_estimator_model("7.5B");
   est::Layout l;
   l.world_size = 64;
   l.precision = est::Precision::kMixed16;
@@ -241,20 +243,30 @@ TEST(EstimateModel, ZeroPaperExample) {
   }
 }
 
+// The block Korthikanti et al. count: LayerNorm, fused attention, a 4h MLP.
+est::ModelSpec korthikanti_block(int64_t h, int64_t a) {
+  est::ModelSpec k = cat::estimator_structure("gpt2");
+  k.hidden_size = h;
+  k.num_heads = k.num_kv_heads = a;
+  k.intermediate_size = 4 * h;
+  return k;
+}
+
 TEST(EstimateModel, KorthikantiActivationVariants) {
   // s = 2048, b = 1, h = 4096, a = 32, t = 8: sbh = 8,388,608, 5as/h = 80.
   const int64_t s = 2048, b = 1, h = 4096, a = 32, t = 8;
+  const est::ModelSpec k = korthikanti_block(h, a);
   const double sbh = 8388608.0;
   using R = est::Recompute;
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, 1, false, R::kNone), sbh * (34 + 80));
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, false, R::kNone), sbh * (10 + 3 + 10));
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, true, R::kNone), sbh * 114 / 8);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, false, R::kSelective), sbh * 13);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, true, R::kSelective), sbh * 34 / 8);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, 1, false, R::kFull), 2 * sbh);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, true, R::kFull), 2 * sbh / 8);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kNone), sbh * (34 + 80));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, false, R::kNone), sbh * (10 + 3 + 10));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, true, R::kNone), sbh * 114 / 8);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, false, R::kSelective), sbh * 13);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, true, R::kSelective), sbh * 34 / 8);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kFull), 2 * sbh);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, true, R::kFull), 2 * sbh / 8);
   // Without TP every variant reduces to the t = 1 formula: 10 + 24 = 34.
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, 1, false, R::kSelective), sbh * 34);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kSelective), sbh * 34);
 }
 
 TEST(EstimateModel, KorthikantiWithoutDropout) {
@@ -262,22 +274,43 @@ TEST(EstimateModel, KorthikantiWithoutDropout) {
   // MLP, as^2b on the scores) and no separate dropout output of the scores,
   // so 34 -> 32, 10 -> 8 and 5as/h -> 2as/h (= 32 here).
   const int64_t s = 2048, b = 1, h = 4096, a = 32, t = 8;
+  const est::ModelSpec k = korthikanti_block(h, a);
   const double sbh = 8388608.0;
   using R = est::Recompute;
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, 1, false, R::kNone, false), sbh * (32 + 32));
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, false, R::kNone, false), sbh * (8 + 3 + 4));
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, true, R::kNone, false), sbh * 64 / 8);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, t, false, R::kSelective, false), sbh * 11);
-  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, h, a, 1, false, R::kFull, false), 2 * sbh);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kNone, false), sbh * (32 + 32));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, false, R::kNone, false), sbh * (8 + 3 + 4));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, true, R::kNone, false), sbh * 64 / 8);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, false, R::kSelective, false), sbh * 11);
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kFull, false), 2 * sbh);
+}
+
+// Note [Activations of a block] for an RMSNorm / SwiGLU block (Llama-2-7B:
+// h 4096, I 11008, 32 heads), no dropout, per s*b*h in 16-bit bytes:
+// replicated 2 norms x 4 + attention and MLP inputs 4 = 12; split q, k, v,
+// o-input 8 + four gated tensors 8 x 11008/4096 = 21.5; scores 2as/h = 32.
+TEST(EstimateModel, GatedRmsNormBlock) {
+  const int64_t s = 2048, b = 1, t = 8;
+  const est::ModelSpec k = cat::estimator_preset("llama-2-7b");
+  const double sbh = 8388608.0;
+  using R = est::Recompute;
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, 1, false, R::kNone, false), sbh * (12 + 29.5 + 32));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, false, R::kNone, false),
+                   sbh * (12 + 29.5 / 8 + 32.0 / 8));
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, k, t, true, R::kSelective, false), sbh * 41.5 / 8);
+  // Grouped-query attention keeps what full attention keeps (k and v are
+  // repeated before the scores): Llama-3-8B's 8 kv heads change nothing here.
+  est::ModelSpec gqa = k;
+  gqa.num_kv_heads = 8;
+  EXPECT_DOUBLE_EQ(est::activation_bytes_per_layer(s, b, gqa, 1, false, R::kNone, false),
+                   est::activation_bytes_per_layer(s, b, k, 1, false, R::kNone, false));
 }
 
 // scaletrain's GPT of bench/RESULTS.md section 7 as the trainer describes it
 // to the estimator (train/memory_report.cpp): 8 layers x 512, 8 heads, 256
 // tokens, a byte vocabulary, tied head; fp32, dropout 0, micro-batch 4, Gloo.
 est::ModelSpec bench_gpt() {
-  est::ModelSpec s;
+  est::ModelSpec s = cat::estimator_structure("gpt2");
   s.name = "gpt 8x512";
-  s.arch = est::Arch::kGpt2;
   s.vocab_size = 256;
   s.hidden_size = 512;
   s.num_layers = 8;
@@ -374,9 +407,9 @@ TEST(EstimateModel, PipelineSchedulesInFlight) {
   l.microbatches = 16;
   l.seq_len = 1024;
   l.schedule = S::k1F1B;
-  const auto one = est::estimate_rank(est::preset("gpt2"), l);
+  const auto one = est::estimate_rank(cat::estimator_preset("gpt2"), l);
   l.schedule = S::kGPipe;
-  const auto gpipe = est::estimate_rank(est::preset("gpt2"), l);
+  const auto gpipe = est::estimate_rank(cat::estimator_preset("gpt2"), l);
   EXPECT_GT(gpipe.activations, 3.5 * one.activations);
 }
 
@@ -384,7 +417,7 @@ TEST(EstimateModel, TensorParallelSplitsTheMatrices) {
   est::Layout l;
   l.world_size = 8;
   l.tp = 8;
-  const auto spec = est::preset("llama-2-7b");
+  const auto spec = cat::estimator_preset("llama-2-7b");
   const auto c = est::count_params(spec);
   const auto e = est::estimate_rank(spec, l);
   // Matrices and embedding / head split 8 ways; RMSNorm weights replicated.
@@ -402,7 +435,7 @@ TEST(EstimatePlanner, ListsFittingLayoutsCheapestFirst) {
   o.base.gpus_per_node = 8;
   o.base.seq_len = 4096;
   o.base.microbatches = 8;
-  const auto spec = est::preset("llama-2-7b");
+  const auto spec = cat::estimator_preset("llama-2-7b");
   const auto rows = est::plan(spec, o);
   ASSERT_FALSE(rows.empty());
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -430,7 +463,7 @@ TEST(EstimateOutput, AccelerateJsonCarriesEveryFigure) {
   est::Request r;
   r.model = "gpt2";
   r.method = est::Method::kAccelerate;
-  const auto res = est::run(r);
+  const auto res = est::run(r, cat::resolve_estimator_model(r.model));
   const auto j = nlohmann::json::parse(res.json.dump());
   ASSERT_EQ(j["rows"].size(), 4u);
   for (const auto& row : j["rows"]) {
@@ -451,7 +484,7 @@ TEST(EstimateOutput, ScaletrainAndPlanJsonCarryEveryFigure) {
   r.layout.recompute = est::Recompute::kSelective;
   r.layout.sequence_parallel = true;
   r.layout.seq_len = 8192;
-  auto res = est::run(r);
+  auto res = est::run(r, cat::resolve_estimator_model(r.model));
   auto j = nlohmann::json::parse(res.json.dump());
   EXPECT_EQ(j["method"], "scaletrain");
   EXPECT_EQ(j["model"]["total_params"], 8030261248LL);
@@ -470,18 +503,19 @@ TEST(EstimateOutput, ScaletrainAndPlanJsonCarryEveryFigure) {
 
   r.fit_bytes = 80e9;
   r.layout.microbatches = 4;
-  res = est::run(r);
+  res = est::run(r, cat::resolve_estimator_model(r.model));
   j = nlohmann::json::parse(res.json.dump());
   EXPECT_EQ(j["method"], "plan");
   ASSERT_FALSE(j["rows"].empty());
   for (const auto& row : j["rows"]) {
-    for (const auto& cell : row["text"])  // every cell is in the table EXPECT_TRUE(contains(res.text, cell.get<std::string>()));
+    for (const auto& cell : row["text"])  // every cell is in the table
+      EXPECT_TRUE(contains(res.text, cell.get<std::string>())) << cell;
     EXPECT_LE(row["per_rank"]["total"].get<double>(), 80e9);
   }
 
   r.fit_bytes = 0;
   r.method = est::Method::kAll;
-  j = est::run(r).json;
+  j = est::run(r, cat::resolve_estimator_model(r.model)).json;
   ASSERT_TRUE(j.is_array());
   EXPECT_EQ(j.size(), 3u);
   EXPECT_EQ(j[2]["method"], "deepspeed");
@@ -491,19 +525,19 @@ TEST(EstimateOutput, ScaletrainAndPlanJsonCarryEveryFigure) {
 // ---- errors -------------------------------------------------------------------
 
 TEST(EstimateErrors, UnknownArchitectureIsOneLineListingKnownOnes) {
-  auto msg = usage_error([] { est::load_hf_config(data_path("t5_config.json")); });
+  auto msg = usage_error([] { cat::load_estimator_config(data_path("t5_config.json")); });
   EXPECT_TRUE(contains(msg, "unknown architecture 't5'")) << msg;
-  EXPECT_TRUE(contains(msg, "gpt2, llama, mistral, bert")) << msg;
+  EXPECT_TRUE(contains(msg, "gpt2, llama, mistral, qwen2, bert")) << msg;
   EXPECT_FALSE(contains(msg, "\n"));
-  msg = usage_error([] { est::resolve_model("not-a-model"); });
+  msg = usage_error([] { cat::resolve_estimator_model("not-a-model"); });
   EXPECT_TRUE(contains(msg, "known: ")) << msg;
   EXPECT_TRUE(contains(msg, "llama-2-7b")) << msg;
   EXPECT_FALSE(contains(msg, "\n"));
-  EXPECT_FALSE(usage_error([] { est::resolve_model(data_path("missing.json")); }).empty());
+  EXPECT_FALSE(usage_error([] { cat::resolve_estimator_model(data_path("missing.json")); }).empty());
 }
 
 TEST(EstimateErrors, ImpossibleLayoutsNameTheDegrees) {
-  const auto llama2 = est::preset("llama-2-7b"), llama3 = est::preset("llama-3-8b");
+  const auto llama2 = cat::estimator_preset("llama-2-7b"), llama3 = cat::estimator_preset("llama-3-8b");
   est::Layout l;
   l.world_size = 6;
   l.tp = 3;  // 32 heads
@@ -529,11 +563,11 @@ TEST(EstimateErrors, ImpossibleLayoutsNameTheDegrees) {
   l = est::Layout{};
   l.world_size = 2;
   l.tp = 2;
-  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(est::resolve_model("7B"), l); }), "shapes"));
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(cat::resolve_estimator_model("7B"), l); }), "shapes"));
   est::Request r;
   r.model = "gpt2";
   r.world_size = 12;
   r.nodes = 5;
-  EXPECT_TRUE(contains(usage_error([&] { est::run(r); }), "not divisible by nodes=5"));
+  EXPECT_TRUE(contains(usage_error([&] { est::run(r, cat::resolve_estimator_model(r.model)); }), "not divisible by nodes=5"));
   EXPECT_TRUE(contains(usage_error([] { est::parse_recompute("some"); }), "none, selective, full"));
 }

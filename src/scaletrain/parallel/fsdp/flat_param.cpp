@@ -87,6 +87,25 @@ void FlatParam::load_param(size_t i, const at::Tensor& value) {
   if (lo < hi) shard_.narrow(0, lo - begin, hi - lo).copy_(flat.narrow(0, lo - offsets_[i], hi - lo));
 }
 
+void FlatParam::load_param_slice(size_t i, const SliceFill& fill) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor& p = params_[i];
+  if (options_.replicated_params) {
+    at::Tensor whole = at::empty({p.numel()}, p.options().requires_grad(false));
+    fill(names_[i], 0, p.numel(), whole);
+    return load_param(i, whole);
+  }
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  const int64_t lo = std::max(offsets_[i], begin), hi = std::min(offsets_[i] + p.numel(), begin + k_);
+  if (lo >= hi) return;
+  at::Tensor part = shard_.narrow(0, lo - begin, hi - lo);
+  if (part.scalar_type() == p.scalar_type()) return fill(names_[i], lo - offsets_[i], hi - lo, part);
+  // Through the parameter's dtype, as load_param rounds a whole value.
+  at::Tensor tmp = at::empty({hi - lo}, p.options().requires_grad(false));
+  fill(names_[i], lo - offsets_[i], hi - lo, tmp);
+  part.copy_(tmp);
+}
+
 std::vector<ShardPiece> FlatParam::pieces() const {
   std::vector<ShardPiece> out;
   const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;

@@ -25,6 +25,7 @@
 // chunk lands in `grad_shard`, which is the shard's .grad.
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,14 @@ class FlatParam {
   // Deferred initialization: stores the value of params()[i] (whole, any
   // layout) — only the part in this rank's shard when parameters are sharded.
   void load_param(size_t i, const at::Tensor& value);
+
+  // Deferred initialization from a source that can produce any part of a
+  // parameter (a memory-mapped file): `fill(name, begin, count, out)` writes
+  // elements [begin, begin + count) of the flattened params()[i] into the 1-D
+  // `out` (the parameter's dtype). Only this rank's part is asked for when
+  // parameters are sharded; the whole parameter when they are replicated.
+  using SliceFill = std::function<void(const std::string& name, int64_t begin, int64_t count, at::Tensor& out)>;
+  void load_param_slice(size_t i, const SliceFill& fill);
 
   // Starts gathering `full` from every rank's shard (allocates it first).
   // A replicated buffer is always unsharded: nothing to do.

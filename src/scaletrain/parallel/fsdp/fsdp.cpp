@@ -350,7 +350,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
 
   // 1. Rank 0's weights everywhere (over the shard group, then across replicas).
   auto named = module_->named_parameters();
-  const bool deferred = static_cast<bool>(options_.deferred_init);
+  const bool deferred = static_cast<bool>(options_.deferred_init) || static_cast<bool>(options_.deferred_slice_init);
   if (options_.sync_module_states && !deferred) {
     std::vector<at::Tensor> all;
     for (auto& item : named) all.push_back(item.value());
@@ -426,7 +426,11 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     }
   }
   if (s.slots.empty()) throw std::invalid_argument("sharded data parallel: the module has no trainable parameters");
-  if (deferred) {
+  if (options_.deferred_slice_init) {
+    // Each rank reads its own part of each parameter: the peak is the shards.
+    for (size_t i = 0; i < named.size(); ++i)
+      s.units[where[i].unit].flats[where[i].flat]->load_param_slice(where[i].index, options_.deferred_slice_init);
+  } else if (deferred) {
     // One parameter at a time: the peak is the shards plus one tensor.
     const bool source = shard.rank() == 0 && (s.replicate == nullptr || s.replicate->rank() == 0);
     for (size_t i = 0; i < named.size(); ++i) {

@@ -91,6 +91,11 @@ struct ShardedOptions {
   // into a temporary, one at a time in registration order (on rank 0 only and
   // broadcast, with sync_module_states), and only this rank's part is kept.
   models::InitFn deferred_init;
+  // Instead of deferred_init, from a source that can produce any part of a
+  // parameter (model files): every rank fills only the part it keeps, straight
+  // from the source, so no rank holds a whole tensor and nothing is broadcast
+  // (FlatParam::load_param_slice).
+  FlatParam::SliceFill deferred_slice_init;
   // Keep the root unit gathered after a backward, until reshard_all(): a
   // pipeline schedule runs several forwards before their backwards, and each
   // of those graphs saved views of the root's parameters (ln_f, the head).
