@@ -194,10 +194,10 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     EXPECT_EQ(run("train " + base_config().string() + " --checkpoint.dir=" + done.string()).code, 0);
     put("@DONE@", done.string());
   }
-  if (s.find("@CONFIGJSON@") != std::string::npos) {  // a Hugging Face config.json of a small llama
+  if (s.find("@CONFIGJSON@") != std::string::npos) {  // a small llama with the base config's dimensions
     const nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 256}, {"max_position_embeddings", 128},
-                              {"hidden_size", 32}, {"intermediate_size", 88}, {"num_hidden_layers", 2},
-                              {"num_attention_heads", 4}, {"num_key_value_heads", 2}};
+                              {"hidden_size", 16}, {"intermediate_size", 40}, {"num_hidden_layers", 1},
+                              {"num_attention_heads", 2}, {"num_key_value_heads", 1}};
     put("@CONFIGJSON@", write("small_llama_config.json", j.dump()).string());
   }
   if (s.find("@HF@") != std::string::npos) {  // a Hugging Face GPT-2 file of a trained model
