@@ -69,6 +69,10 @@ struct ModelShape {
   int64_t vocab_size = 0, block_size = 0, n_layer = 0, n_head = 0, n_embd = 0;
   bool bias = true;
   std::string family = "gpt2";  // the model family (models::ModelConfig::family); absent in older indexes
+  // The model's Hugging Face config.json (models::model_config_to_hf), as
+  // compact JSON text: every dimension of any family, so `checkpoint export`
+  // needs no run config. Empty in indexes written before it was recorded.
+  std::string hf_config;
 };
 
 // Non-tensor training state (saved by rank 0; the same on every rank).

@@ -88,7 +88,20 @@ struct CheckpointOptions {
   // one tensor at a time (Note [Full state dict]); false: each rank writes
   // what it owns. Both load under any layout. Not with async.
   bool full = false;
+  // Files copied by rank 0 into every step directory when it commits, as
+  // (name inside the step directory, source path): the run's tokenizer
+  // files, so a checkpoint is self-contained (Note [Checkpoint assets]).
+  std::vector<std::pair<std::string, std::string>> assets;
 };
+
+// Note [Checkpoint assets]
+// A run's files that are not tensors (its tokenizer: tokenizer.json and the
+// tokenizer_config.json / special_tokens_map.json beside it) are copied into
+// the step directory under "tokenizer/" by rank 0 at commit, before
+// index.json, and listed in the index's files (rank 0, size, CRC-32) like
+// the rank files: verify_files checks them, and `checkpoint export` writes
+// them beside the weights. A copy, not a path: the checkpoint stays whole
+// when the run's files move or change, and costs a few MB at most.
 
 // Non-tensor state passed through save and load.
 struct SaveState {
