@@ -275,7 +275,7 @@ TEST(HubExport, TokenizerFilesOfTheRunTravelWithTheCheckpoint) {
       " --model.vocab_size=32000 --data.path=" + toks.string() + " --data.tokenizer=" + (models_dir / "tokenizer.json").string(),
       30502);
   ASSERT_FALSE(ckpt.empty());
-  EXPECT_EQ(slurp(ckpt / "tokenizer" / "tokenizer.json"), slurp(models_dir / "tokenizer.json"));
+  EXPECT_TRUE(slurp(ckpt / "tokenizer" / "tokenizer.json") == slurp(models_dir / "tokenizer.json"));
   // The copies are checksummed files of the checkpoint.
   const checkpoint::Index x = checkpoint::read_index(ckpt.string());
   EXPECT_TRUE(checkpoint::verify_files(ckpt.string(), x).empty());
@@ -283,7 +283,7 @@ TEST(HubExport, TokenizerFilesOfTheRunTravelWithTheCheckpoint) {
   fs::remove_all(out);
   const auto r = export_cmd(ckpt, out);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_EQ(slurp(out / "tokenizer.json"), slurp(models_dir / "tokenizer.json"));
+  EXPECT_TRUE(slurp(out / "tokenizer.json") == slurp(models_dir / "tokenizer.json"));  // (a 1.8 MB file: no diff printed)
   EXPECT_EQ(slurp(out / "tokenizer_config.json"), slurp(models_dir / "tokenizer_config.json"));
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
   EXPECT_EQ(read_json(out / "config.json").at("vocab_size"), 32000);
