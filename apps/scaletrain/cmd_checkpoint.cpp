@@ -1,4 +1,4 @@
-// `scaletrain checkpoint inspect|consolidate`.
+// `scaletrain checkpoint inspect|consolidate|export`.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -9,6 +9,8 @@
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/models/hf_config.h"
+#include "scaletrain/train/hub_export.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -85,7 +87,7 @@ int inspect(const std::string& arg) {
 int consolidate(const std::string& arg, const std::string& out) {
   const std::string dir = resolve(arg);
   const checkpoint::Index x = checkpoint::read_index(dir);
-  if (x.model.family != "gpt2")
+  if (models::recorded_family(x.model.family) != "gpt2")
     throw UsageError("checkpoint consolidate writes GPT-2 files; " + dir + " holds a model of family " +
                      x.model.family);
   models::GPTConfig c;
@@ -106,10 +108,25 @@ int consolidate(const std::string& arg, const std::string& out) {
   return 0;
 }
 
+int export_dir(const std::string& arg, const std::string& out, const std::string& max_shard_size,
+               const std::string& dtype) {
+  train::HubExportOptions o;
+  o.max_shard_bytes = checkpoint::parse_shard_size(max_shard_size);  // a bad size before anything is read
+  o.dtype = dtype;
+  const std::string dir = resolve(arg);
+  const train::HubExportResult r = train::export_hub(dir, out, o);
+  std::string files;
+  for (const auto& f : r.files) files += (files.empty() ? "" : ", ") + f;
+  std::printf("wrote %s: %lld tensors, %s in %s (Hugging Face Hub layout): %s\n", out.c_str(),
+              static_cast<long long>(r.tensors), human(static_cast<double>(r.total_bytes)).c_str(), r.dtype.c_str(),
+              files.c_str());
+  return 0;
+}
+
 }  // namespace
 
 void add_checkpoint(CLI::App& app, Runner& run) {
-  auto* cmd = app.add_subcommand("checkpoint", "inspect or consolidate sharded checkpoints");
+  auto* cmd = app.add_subcommand("checkpoint", "inspect, consolidate or export sharded checkpoints");
   cmd->require_subcommand(1);
   auto dir = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
@@ -120,6 +137,17 @@ void add_checkpoint(CLI::App& app, Runner& run) {
   con->add_option("dir", *dir, "step directory (or a checkpoint root: its newest complete checkpoint)")->required();
   con->add_option("-o,--output", *out, "output file (model.safetensors)")->required();
   con->callback([&run, dir, out] { run = [dir, out] { return consolidate(*dir, *out); }; });
+  auto size = std::make_shared<std::string>("5GB");
+  auto dtype = std::make_shared<std::string>();
+  auto* exp = cmd->add_subcommand("export", "write the model as a Hugging Face Hub directory (config.json, "
+                                            "safetensors shards, tokenizer files)");
+  exp->add_option("dir", *dir, "step directory (or a checkpoint root: its newest complete checkpoint)")->required();
+  exp->add_option("-o,--output", *out, "output directory (must not exist, or be empty)")->required();
+  exp->add_option("--max-shard-size", *size, "largest shard: 5GB (default), 500MB, 2GiB, or bytes");
+  exp->add_option("--dtype", *dtype, "fp32 | bf16 | fp16 (default: the checkpoint's parameter dtype)");
+  exp->callback([&run, dir, out, size, dtype] {
+    run = [dir, out, size, dtype] { return export_dir(*dir, *out, *size, *dtype); };
+  });
 }
 
 }  // namespace scaletrain::cli

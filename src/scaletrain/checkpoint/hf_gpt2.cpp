@@ -10,6 +10,7 @@
 #include <set>
 #include <vector>
 
+#include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
@@ -68,9 +69,10 @@ struct HfTensors {
   const TensorView* lm_head = nullptr;
 };
 
-HfTensors index_file(const SafetensorsFile& file) {
+HfTensors index_file(const HubWeights& file) {
   HfTensors out;
-  for (const TensorView& t : file.tensors()) {
+  for (const std::string& key : file.names()) {
+    const TensorView& t = file.view(key);
     const std::string name = bare(t.name);
     if (is_mask_buffer(name)) continue;
     if (name == "lm_head.weight") {
@@ -78,7 +80,7 @@ HfTensors index_file(const SafetensorsFile& file) {
       continue;
     }
     if (!out.by_name.emplace(name, &t).second) {
-      fail(file.path(), "tensor '" + t.name + "' appears twice (with and without the \"transformer.\" prefix)");
+      fail(file.source(), "tensor '" + t.name + "' appears twice (with and without the \"transformer.\" prefix)");
     }
   }
   return out;
@@ -86,16 +88,22 @@ HfTensors index_file(const SafetensorsFile& file) {
 
 }  // namespace
 
+std::string hf_gpt2_name(const std::string& name) { return kPrefix + name; }
+
+at::Tensor hf_gpt2_tensor(const std::string& name, const at::Tensor& value) {
+  return is_conv1d_weight(name) ? value.detach().t() : value.detach();
+}
+
+void check_hf_gpt2_exportable(const models::ModelConfig& config, const std::string& path) {
+  if (!config.bias) fail(path, "HF GPT-2 has biases in every layer; a model with bias=false cannot be exported");
+}
+
 void export_hf_gpt2(const models::GPT& model, const std::string& path) {
-  if (!model->config().bias)
-    fail(path, "HF GPT-2 has biases in every layer; a model with bias=false cannot be exported");
+  check_hf_gpt2_exportable(model->config(), path);
   torch::NoGradGuard no_grad;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& item : model->named_parameters()) {
-    const at::Tensor& p = item.value();
-    at::Tensor t = is_conv1d_weight(item.key()) ? p.detach().t() : p.detach();
-    tensors.emplace_back(kPrefix + item.key(), t.to(at::kFloat));
-  }
+  for (const auto& item : model->named_parameters())
+    tensors.emplace_back(hf_gpt2_name(item.key()), hf_gpt2_tensor(item.key(), item.value()).to(at::kFloat));
   save_safetensors(path, tensors, {{"format", "pt"}});
 }
 
@@ -157,7 +165,7 @@ at::Tensor read_param(const HfTensors& hf, const std::string& name, int64_t rows
 }  // namespace
 
 void import_hf_gpt2(models::GPT& model, const std::string& path) {
-  const SafetensorsFile file(path);
+  const HubWeights file(path);
   const HfTensors hf = index_file(file);
   check_file(model, hf, path);
   torch::NoGradGuard no_grad;
@@ -168,7 +176,7 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
 }
 
 models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path) {
-  auto file = std::make_shared<const SafetensorsFile>(path);
+  auto file = std::make_shared<const HubWeights>(path);
   auto hf = std::make_shared<const HfTensors>(index_file(*file));
   check_file(model, *hf, path);
   return [file, hf, path](const std::string& name, at::Tensor& out) {
@@ -178,7 +186,7 @@ models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path) {
 }
 
 models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {
-  const SafetensorsFile file(path);
+  const HubWeights file(path);
   const HfTensors hf = index_file(file);
   auto shape_of = [&](const std::string& name) -> const std::vector<int64_t>& {
     const auto it = hf.by_name.find(name);
@@ -222,7 +230,7 @@ models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {
 
 models::GPTConfig hf_gpt2_file_config(const std::string& path) {
   namespace fs = std::filesystem;
-  const fs::path json_path = fs::path(path).parent_path() / "config.json";
+  const fs::path json_path = (fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path()) / "config.json";
   if (!fs::exists(json_path)) return hf_gpt2_config(path, 0);
   const std::string where = "hf gpt2 " + json_path.string() + ": ";
   nlohmann::json j;

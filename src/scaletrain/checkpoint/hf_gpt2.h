@@ -27,12 +27,27 @@
 
 namespace scaletrain::checkpoint {
 
+// The Hugging Face name of our GPT parameter `name` ("transformer." + name),
+// and its value as that file stores it (Conv1D weights transposed: a view,
+// not a copy). Both the one-file export below and `checkpoint export`'s Hub
+// directories (checkpoint/hub_export.h) write through these.
+std::string hf_gpt2_name(const std::string& name);
+at::Tensor hf_gpt2_tensor(const std::string& name, const at::Tensor& value);
+
+// Throws UsageError ("hf gpt2 PATH: ...") for a config HF GPT-2 cannot hold
+// (bias=false).
+void check_hf_gpt2_exportable(const models::ModelConfig& config, const std::string& path);
+
 // Writes `model`'s parameters to `path` as an HF GPT2LMHeadModel safetensors
 // file (Note [HF GPT-2 names]). Throws UsageError if the model has
 // config().bias == false (HF GPT-2 has biases everywhere); SafetensorsError on
 // write failure.
 void export_hf_gpt2(const models::GPT& model, const std::string& path);
 
+// `path` in the readers below: one safetensors file, or a Hub directory
+// (model.safetensors, or shards with model.safetensors.index.json;
+// checkpoint/hub.h).
+//
 // Loads an HF GPT-2 safetensors file into `model`, in place, on the model's
 // device and dtype. A position table (wpe.weight) longer than the model's
 // block_size is allowed: its first block_size rows are loaded. Every tensor is checked before any parameter is written:

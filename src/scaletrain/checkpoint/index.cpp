@@ -82,6 +82,7 @@ std::string index_to_json(const Index& x) {
   j["model"] = {{"vocab_size", x.model.vocab_size}, {"block_size", x.model.block_size}, {"n_layer", x.model.n_layer},
                 {"n_head", x.model.n_head},         {"n_embd", x.model.n_embd},         {"bias", x.model.bias},
                 {"family", x.model.family}};
+  if (!x.model.hf_config.empty()) j["model"]["hf_config"] = json::parse(x.model.hf_config);
   j["state"] = {{"step", x.state.step},
                 {"optimizer_steps", x.state.optimizer_steps},
                 {"loss_scaler", x.state.loss_scaler},
@@ -117,7 +118,11 @@ Index index_from_json(const std::string& text, const std::string& source) {
     const json& m = j.at("model");
     x.model = {m.at("vocab_size").get<int64_t>(), m.at("block_size").get<int64_t>(), m.at("n_layer").get<int64_t>(),
                m.at("n_head").get<int64_t>(),     m.at("n_embd").get<int64_t>(),     m.at("bias").get<bool>(),
-               m.value("family", std::string("gpt2"))};
+               m.value("family", std::string())};
+    if (m.contains("hf_config")) {
+      if (!m["hf_config"].is_object()) fail(source, "model.hf_config is not a JSON object");
+      x.model.hf_config = m["hf_config"].dump();
+    }
     const json& s = j.at("state");
     x.state.step = s.at("step").get<int64_t>();
     x.state.optimizer_steps = s.at("optimizer_steps").get<int64_t>();

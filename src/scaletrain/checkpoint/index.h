@@ -68,7 +68,11 @@ struct FileEntry {
 struct ModelShape {
   int64_t vocab_size = 0, block_size = 0, n_layer = 0, n_head = 0, n_embd = 0;
   bool bias = true;
-  std::string family = "gpt2";  // the model family (models::ModelConfig::family); absent in older indexes
+  std::string family;  // models::ModelConfig::family; empty in indexes from before it was recorded (models::recorded_family)
+  // The model's Hugging Face config.json (models::config_to_hf), as
+  // compact JSON text: every dimension of any family, so `checkpoint export`
+  // needs no run config. Empty in indexes written before it was recorded.
+  std::string hf_config;
 };
 
 // Non-tensor training state (saved by rank 0; the same on every rank).
@@ -88,7 +92,7 @@ struct Index {
   ModelShape model;
   RunState state;
   std::vector<FileEntry> files;
-  std::map<std::string, TensorEntry> tensors;  // "model/h.0.attn.c_attn.weight", "exp_avg/...", "exp_avg_sq/..."
+  std::map<std::string, TensorEntry> tensors;  // "model/NAME", "exp_avg/NAME", "exp_avg_sq/NAME" by parameter name
 };
 
 // JSON text of an index, and back. Parsing checks the version, that every

@@ -92,7 +92,7 @@ void write_part(const std::string& dir, int rank, const std::vector<OutPiece>& p
 
 // Rank 0, after every part is durable: the index from the parts.
 Index build_index(const std::string& dir, int world_size, const std::string& strategy, const std::string& mesh,
-                  const SaveState& state) {
+                  const SaveState& state, const std::vector<std::pair<std::string, std::string>>& assets) {
   Index x;
   x.step = state.run.step;
   x.world_size = world_size;
@@ -116,8 +116,29 @@ Index build_index(const std::string& dir, int world_size, const std::string& str
                           p.at("numel").get<int64_t>(), p.at("crc32").get<uint32_t>()});
     }
   }
+  for (const auto& [name, source] : assets) {  // Note [Checkpoint assets]
+    int64_t bytes = 0;
+    const uint32_t crc = crc32_file((fs::path(dir) / name).string(), &bytes);
+    x.files.push_back({name, 0, bytes, crc});
+  }
   // Round trip through the parser: checks that the pieces tile every tensor.
   return index_from_json(index_to_json(x), (fs::path(dir) / "index.json").string());
+}
+
+// Rank 0, before the index: the run's files into the step directory
+// (Note [Checkpoint assets]), durably.
+void copy_assets(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& assets) {
+  for (const auto& [name, source] : assets) {
+    std::ifstream in(source, std::ios::binary);
+    if (!in) throw UsageError("checkpoint: cannot read " + source + " to copy it into " + dir);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const fs::path to = fs::path(dir) / name;
+    std::error_code ec;
+    fs::create_directories(to.parent_path(), ec);
+    if (ec) throw UsageError("checkpoint: cannot create " + to.parent_path().string() + ": " + ec.message());
+    write_file_durably(to.string(), ss.str());
+  }
 }
 
 // Lazily opened, memory-mapped files of one checkpoint, with checked pieces.
@@ -221,7 +242,8 @@ void Checkpointer::commit_pending() {
   if (p->error) std::rethrow_exception(p->error);
   group_.barrier().wait();  // every rank's part is durable
   if (group_.rank() == 0) {
-    write_index(p->dir, build_index(p->dir, group_.size(), p->strategy, p->mesh, p->state));
+    copy_assets(p->dir, options_.assets);
+    write_index(p->dir, build_index(p->dir, group_.size(), p->strategy, p->mesh, p->state, options_.assets));
     prune_checkpoints(options_.root, options_.keep);
   }
 }

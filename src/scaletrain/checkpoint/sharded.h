@@ -48,7 +48,7 @@ namespace scaletrain::checkpoint {
 
 // Part of one parameter held in a slot's tensor.
 struct SlotPiece {
-  std::string name;            // parameter name ("h.0.attn.c_attn.weight")
+  std::string name;            // the model's parameter name
   std::vector<int64_t> shape;  // the parameter's whole shape
   int64_t param_offset = 0;    // first flattened element of the parameter held
   int64_t local_offset = 0;    // where it sits in the slot's flattened tensor
@@ -88,7 +88,20 @@ struct CheckpointOptions {
   // one tensor at a time (Note [Full state dict]); false: each rank writes
   // what it owns. Both load under any layout. Not with async.
   bool full = false;
+  // Files copied by rank 0 into every step directory when it commits, as
+  // (name inside the step directory, source path): the run's tokenizer
+  // files, so a checkpoint is self-contained (Note [Checkpoint assets]).
+  std::vector<std::pair<std::string, std::string>> assets;
 };
+
+// Note [Checkpoint assets]
+// A run's files that are not tensors (its tokenizer: tokenizer.json and the
+// tokenizer_config.json / special_tokens_map.json beside it) are copied into
+// the step directory under "tokenizer/" by rank 0 at commit, before
+// index.json, and listed in the index's files (rank 0, size, CRC-32) like
+// the rank files: verify_files checks them, and `checkpoint export` writes
+// them beside the weights. A copy, not a path: the checkpoint stays whole
+// when the run's files move or change, and costs a few MB at most.
 
 // Non-tensor state passed through save and load.
 struct SaveState {
@@ -131,7 +144,7 @@ class Checkpointer {
 // strategies must call after_step() afterwards. Returns the index.
 Index load_checkpoint(const std::string& step_dir, const Layout& layout, optim::AdamW* opt);
 
-// Reads whole tensors of a checkpoint ("model/wte.weight") into the given
+// Reads whole tensors of a checkpoint ("model/" + parameter name) into the given
 // tensors (numel must match; any dtype), one at a time; verifies checksums.
 void read_tensors(const std::string& step_dir, const Index& index,
                   const std::vector<std::pair<std::string, at::Tensor>>& outs);

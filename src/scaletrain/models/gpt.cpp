@@ -217,4 +217,31 @@ ModelConfig gpt2_config_from_hf(const nlohmann::json& j, const std::string& sour
   return c;
 }
 
+// GPT2Config's keys as transformers writes them; GPT-2 has no other choices
+// this build makes differently (tanh GELU, LayerNorm eps 1e-5, MLP width
+// 4 x n_embd, a tied head).
+nlohmann::json gpt2_config_to_hf(const ModelConfig& c) {
+  return {
+      {"architectures", {"GPT2LMHeadModel"}},
+      {"model_type", "gpt2"},
+      {"vocab_size", c.vocab_size},
+      {"n_positions", c.block_size},
+      {"n_ctx", c.block_size},
+      {"n_embd", c.n_embd},
+      {"n_layer", c.n_layer},
+      {"n_head", c.n_head},
+      {"n_inner", nullptr},
+      {"activation_function", "gelu_new"},
+      {"layer_norm_epsilon", c.norm_eps},
+      {"resid_pdrop", c.dropout},
+      {"embd_pdrop", c.dropout},
+      {"attn_pdrop", c.dropout},
+      {"initializer_range", 0.02},
+      {"scale_attn_weights", true},
+      {"tie_word_embeddings", true},
+      {"use_cache", true},
+      {"torch_dtype", "float32"},
+  };
+}
+
 }  // namespace scaletrain::models

@@ -20,18 +20,19 @@ struct Family {
   bool llama_like;  // reads n_kv_head, rope, untied heads and the llama biases
   std::vector<std::string> model_types;  // the config.json model_types it reads
   std::function<ModelConfig(const nlohmann::json&, const std::string&)> from_hf;
+  std::function<nlohmann::json(const ModelConfig&)> to_hf;
   std::function<ModelPtr(const ModelConfig&, bool)> make;
   std::function<std::vector<std::string>(const ModelConfig&, int)> tensor_parallel_problems;
 };
 
 const std::vector<Family>& families() {
   static const std::vector<Family> f = {
-      {"gpt2", false, {"gpt2"}, gpt2_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
+      {"gpt2", false, {"gpt2"}, gpt2_config_from_hf, gpt2_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
        GPTImpl::tensor_parallel_problems},
-      {"llama", true, {"llama", "mistral"}, llama_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+      {"llama", true, {"llama", "mistral"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
        LlamaImpl::tensor_parallel_problems},
       // Qwen2 is Llama with biases on q, k and v (qkv_bias).
-      {"qwen2", true, {"qwen2"}, llama_config_from_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+      {"qwen2", true, {"qwen2"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
        LlamaImpl::tensor_parallel_problems},
   };
   return f;
@@ -159,6 +160,10 @@ ModelConfig config_from_hf(const nlohmann::json& j, const std::string& source) {
     }
   throw UsageError(source + ": model_type '" + type + "' is not supported (known: " + known + ")");
 }
+
+std::string recorded_family(const std::string& recorded) { return recorded.empty() ? "gpt2" : recorded; }
+
+nlohmann::json config_to_hf(const ModelConfig& c) { return family_of(c.family).to_hf(c); }
 
 ModelConfig read_hf_config(const std::string& path) {
   std::filesystem::path p(path);

@@ -17,6 +17,7 @@
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/data/tokenizer.h"
+#include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/loss_scaler.h"
@@ -68,7 +69,36 @@ std::string resume_path(const CheckpointingOptions& c) {
 }
 
 checkpoint::ModelShape model_shape(const models::ModelConfig& m) {
-  return {m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.family};
+  return {m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.family,
+          models::config_to_hf(m).dump()};
+}
+
+// The files of data.tokenizer a checkpoint keeps a copy of (Note [Checkpoint
+// assets] in checkpoint/sharded.h), as (name in the step directory, source):
+// the tokenizer.json (data.tokenizer itself, or the one in that directory),
+// and the tokenizer_config.json / special_tokens_map.json beside it; a
+// directory of GPT-2's vocab.json + merges.txt gives those two.
+std::vector<std::pair<std::string, std::string>> tokenizer_assets(const std::string& tokenizer) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<std::string, std::string>> out;
+  if (tokenizer.empty()) return out;
+  const fs::path path(tokenizer);
+  const fs::path dir = fs::is_directory(path) ? path : path.parent_path();
+  auto add = [&](const std::string& name, const fs::path& from) {
+    if (fs::is_regular_file(from)) out.emplace_back("tokenizer/" + name, from.string());
+  };
+  if (fs::is_directory(path)) {
+    add("tokenizer.json", dir / "tokenizer.json");
+    if (out.empty()) {
+      add("vocab.json", dir / "vocab.json");
+      add("merges.txt", dir / "merges.txt");
+    }
+  } else {
+    add("tokenizer.json", path);
+  }
+  add("tokenizer_config.json", dir / "tokenizer_config.json");
+  add("special_tokens_map.json", dir / "special_tokens_map.json");
+  return out;
 }
 
 // Everything a run holds between setup and the end, so each phase below is a
@@ -189,8 +219,9 @@ int64_t resume(Run& r) {
   }
   if (!cfg.checkpoint.dir.empty())
     r.ckpt = std::make_unique<checkpoint::Checkpointer>(
-        *r.world->group(), checkpoint::CheckpointOptions{cfg.checkpoint.dir, static_cast<int>(cfg.checkpoint.keep),
-                                                         cfg.checkpoint.async, r.plan.full_state_dict});
+        *r.world->group(),
+        checkpoint::CheckpointOptions{cfg.checkpoint.dir, static_cast<int>(cfg.checkpoint.keep), cfg.checkpoint.async,
+                                      r.plan.full_state_dict, tokenizer_assets(cfg.data.tokenizer)});
   if (from.empty()) return 0;
   const auto t_load = std::chrono::steady_clock::now();
   const checkpoint::Index index = checkpoint::load_checkpoint(from, r.layout, r.opt.get());

@@ -237,10 +237,12 @@ TEST(Llama, ModelConfigKeyReadsPublishedConfigs) {
 TEST(Llama, EnginesNameNoModelFamily) {
   const fs::path src = fs::path(SCALETRAIN_SOURCE_DIR) / "src/scaletrain";
   const std::vector<std::string> words{"gpt", "llama", "qwen", "mistral", "bert", "wte"};
-  for (const char* dir : {"parallel", "estimate"}) {
+  for (const char* dir : {"parallel", "estimate", "checkpoint"}) {
     int files = 0;
     for (const auto& e : fs::recursive_directory_iterator(src / dir)) {
       if (!e.is_regular_file()) continue;
+      // The per-family name maps are the one exception the design allows.
+      if (e.path().filename().string().rfind("hf_gpt2.", 0) == 0) continue;
       ++files;
       std::ifstream in(e.path());
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
