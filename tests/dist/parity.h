@@ -81,6 +81,7 @@ struct ShardedRun {
   // engine's gradient norm before clipping, per step.
   int64_t state_bytes = 0, grad_bytes = 0;
   std::vector<double> norms;
+  int64_t grad_bytes_reduced = 0;  // over all steps: gradient bytes handed to reduce-scatter
 };
 
 // The full parameters after training `model` (built on every rank alike).
@@ -117,6 +118,7 @@ inline std::vector<at::Tensor> train_sharded(const models::ModelPtr& model, cons
   for (size_t i = 0; i < opt.exp_avg().size(); ++i)
     opt_bytes += opt.exp_avg()[i].nbytes() + opt.exp_avg_sq()[i].nbytes();
   run.grad_bytes = engine.grad_bytes();
+  run.grad_bytes_reduced = engine.stats().grad_bytes_reduced;
   run.state_bytes = engine.param_bytes() + run.grad_bytes + opt_bytes;
   return engine.full_parameters();
 }

@@ -1,5 +1,7 @@
 #include "scaletrain/models/causal_lm.h"
 
+#include "scaletrain/models/linear.h"
+
 #include <limits>
 
 #include "scaletrain/util/error.h"
@@ -89,9 +91,10 @@ torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor&
   return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
-torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp) {
-  auto out = tp.row_output(torch::linear(y, proj->weight));
-  return proj->bias.defined() ? out + proj->bias : out;
+torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp) {
+  auto out = tp.row_output(torch::linear(y, proj.weight));
+  if (proj.has_adapter()) out = out + proj.adapter(y, tp.row_output);
+  return proj.bias.defined() ? out + proj.bias : out;
 }
 
 }  // namespace scaletrain::models

@@ -225,7 +225,9 @@ torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor&
 
 // A row-parallel linear's output: the partial products of every rank are
 // reduced by the hook, and the (replicated) bias is added once, after it.
-torch::Tensor row_parallel(const torch::Tensor& y, torch::nn::Linear& proj, const TensorParallelHooks& tp);
+// An adapter's low-rank product is reduced the same way before its B.
+class LinearImpl;
+torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp);
 
 // The family's model for `config` (models/registry.cpp). materialize=false
 // builds it without parameter bytes (models/deferred.h).
@@ -241,5 +243,8 @@ ModelConfig model_preset(const std::string& name);
 std::vector<std::string> model_preset_names();
 // Families this build has ("gpt2", "llama", "qwen2").
 std::vector<std::string> model_families();
+// The layers a LoRA adapts when none are named: PEFT's defaults for the
+// family (gpt2: c_attn; the llama family: q_proj, v_proj).
+std::vector<std::string> default_lora_targets(const std::string& family);
 
 }  // namespace scaletrain::models

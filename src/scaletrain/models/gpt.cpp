@@ -41,8 +41,8 @@ GPTConfig gpt_preset(const std::string& name) {
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
     : n_head_(c.n_head), n_embd_(c.n_embd), dropout_(c.dropout) {
-  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, 3 * c.n_embd).bias(c.bias)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.n_embd).bias(c.bias)));
+  c_attn = register_module("c_attn", Linear(c.n_embd, 3 * c.n_embd, c.bias));
+  c_proj = register_module("c_proj", Linear(c.n_embd, c.n_embd, c.bias));
   mask_ = torch::ones({c.block_size, c.block_size}, torch::kBool).tril();
 }
 
@@ -62,20 +62,20 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   att = torch::softmax(att, -1);
   if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
   auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, width});
-  y = tp ? row_parallel(y, c_proj, *tp) : c_proj(y);
+  y = tp ? row_parallel(y, *c_proj, *tp) : c_proj(y);
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;
 }
 
 MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout) {
-  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c.n_embd, c.mlp_width()).bias(c.bias)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c.mlp_width(), c.n_embd).bias(c.bias)));
+  c_fc = register_module("c_fc", Linear(c.n_embd, c.mlp_width(), c.bias));
+  c_proj = register_module("c_proj", Linear(c.mlp_width(), c.n_embd, c.bias));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   torch::Tensor y;
   if (tp)  // c_fc column-parallel, c_proj row-parallel: one reduction per MLP
-    y = row_parallel(torch::gelu(c_fc(tp->column_input(x)), "tanh"), c_proj, *tp);
+    y = row_parallel(torch::gelu(c_fc(tp->column_input(x)), "tanh"), *c_proj, *tp);
   else
     y = c_proj(torch::gelu(c_fc(x), "tanh"));  // GPT-2's tanh approximation
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());

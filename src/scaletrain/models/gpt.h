@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/linear.h"
 
 #include <memory>
 #include <string>
@@ -26,7 +27,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   // Heads this module computes: n_head, or n_head / tp once c_attn holds
   // only this rank's heads (derived from c_attn's weight shape).
   int64_t local_heads() const;
-  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  Linear c_attn{nullptr}, c_proj{nullptr};
   TensorParallelHooksPtr tp;  // null: single process
 
  private:
@@ -40,7 +41,7 @@ class MLPImpl : public torch::nn::Module {
  public:
   explicit MLPImpl(const GPTConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  Linear c_fc{nullptr}, c_proj{nullptr};
   TensorParallelHooksPtr tp;  // null: single process
 
  private:

@@ -55,8 +55,8 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
   return torch::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
 }
 
-torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+torch::nn::Linear head(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
 }  // namespace
@@ -64,10 +64,10 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
 LlamaAttentionImpl::LlamaAttentionImpl(const ModelConfig& c) : c_(c) {
   const int64_t hd = c.head_dim();
   const bool qkv_bias = c.attention_bias || c.qkv_bias;
-  q_proj = register_module("q_proj", linear(c.n_embd, c.n_head * hd, qkv_bias));
-  k_proj = register_module("k_proj", linear(c.n_embd, c.kv_heads() * hd, qkv_bias));
-  v_proj = register_module("v_proj", linear(c.n_embd, c.kv_heads() * hd, qkv_bias));
-  o_proj = register_module("o_proj", linear(c.n_head * hd, c.n_embd, c.attention_bias));
+  q_proj = register_module("q_proj", Linear(c.n_embd, c.n_head * hd, qkv_bias));
+  k_proj = register_module("k_proj", Linear(c.n_embd, c.kv_heads() * hd, qkv_bias));
+  v_proj = register_module("v_proj", Linear(c.n_embd, c.kv_heads() * hd, qkv_bias));
+  o_proj = register_module("o_proj", Linear(c.n_head * hd, c.n_embd, c.attention_bias));
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
@@ -91,19 +91,19 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   const auto wide = att.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
   att = torch::softmax(att, -1, wide).to(q.scalar_type());
   auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, nh * hd});
-  return tp ? row_parallel(y, o_proj, *tp) : o_proj(y);
+  return tp ? row_parallel(y, *o_proj, *tp) : o_proj(y);
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const ModelConfig& c) {
-  gate_proj = register_module("gate_proj", linear(c.n_embd, c.mlp_width(), c.mlp_bias));
-  up_proj = register_module("up_proj", linear(c.n_embd, c.mlp_width(), c.mlp_bias));
-  down_proj = register_module("down_proj", linear(c.mlp_width(), c.n_embd, c.mlp_bias));
+  gate_proj = register_module("gate_proj", Linear(c.n_embd, c.mlp_width(), c.mlp_bias));
+  up_proj = register_module("up_proj", Linear(c.n_embd, c.mlp_width(), c.mlp_bias));
+  down_proj = register_module("down_proj", Linear(c.mlp_width(), c.n_embd, c.mlp_bias));
 }
 
 torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& input) {
   const torch::Tensor x = tp ? tp->column_input(input) : input;
   auto y = torch::silu(gate_proj(x)) * up_proj(x);
-  return tp ? row_parallel(y, down_proj, *tp) : down_proj(y);
+  return tp ? row_parallel(y, *down_proj, *tp) : down_proj(y);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const ModelConfig& c) {
@@ -126,7 +126,7 @@ LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
   layers = trunk->register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(settle(LlamaDecoderLayer(c), materialize));
   norm = trunk->register_module("norm", settle(RMSNorm(c.n_embd, c.norm_eps), materialize));
-  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", settle(linear(c.n_embd, c.vocab_size, false), materialize));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", settle(head(c.n_embd, c.vocab_size), materialize));
   finish_construction(materialize);
 }
 

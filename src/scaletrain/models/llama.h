@@ -21,6 +21,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/linear.h"
 
 namespace scaletrain::models {
 
@@ -43,7 +44,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const ModelConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   TensorParallelHooksPtr tp;  // null: single process
 
  private:
@@ -55,7 +56,7 @@ class LlamaMLPImpl : public torch::nn::Module {
  public:
   explicit LlamaMLPImpl(const ModelConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   TensorParallelHooksPtr tp;
 };
 TORCH_MODULE(LlamaMLP);
@@ -104,7 +105,7 @@ class LlamaImpl : public CausalLM {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // null when tied
+  torch::nn::Linear lm_head{nullptr};  // null when tied; never adapted (not a models::Linear)
 
  private:
   const torch::Tensor& head_weight() const;

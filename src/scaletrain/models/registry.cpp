@@ -23,17 +23,18 @@ struct Family {
   std::function<nlohmann::json(const ModelConfig&)> to_hf;
   std::function<ModelPtr(const ModelConfig&, bool)> make;
   std::function<std::vector<std::string>(const ModelConfig&, int)> tensor_parallel_problems;
+  std::vector<std::string> lora_targets;  // PEFT's default target_modules
 };
 
 const std::vector<Family>& families() {
   static const std::vector<Family> f = {
       {"gpt2", false, {"gpt2"}, gpt2_config_from_hf, gpt2_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<GPTImpl>(c, m); },
-       GPTImpl::tensor_parallel_problems},
+       GPTImpl::tensor_parallel_problems, {"c_attn"}},
       {"llama", true, {"llama", "mistral"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
-       LlamaImpl::tensor_parallel_problems},
+       LlamaImpl::tensor_parallel_problems, {"q_proj", "v_proj"}},
       // Qwen2 is Llama with biases on q, k and v (qkv_bias).
       {"qwen2", true, {"qwen2"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
-       LlamaImpl::tensor_parallel_problems},
+       LlamaImpl::tensor_parallel_problems, {"q_proj", "v_proj"}},
   };
   return f;
 }
@@ -160,6 +161,8 @@ ModelConfig config_from_hf(const nlohmann::json& j, const std::string& source) {
     }
   throw UsageError(source + ": model_type '" + type + "' is not supported (known: " + known + ")");
 }
+
+std::vector<std::string> default_lora_targets(const std::string& family) { return family_of(family).lora_targets; }
 
 std::string recorded_family(const std::string& recorded) { return recorded.empty() ? "gpt2" : recorded; }
 

@@ -111,6 +111,9 @@ const std::map<std::string, Choice>& choices() {
     ST_CHOICE(precision, param_dtype, dtypes)
     ST_CHOICE(precision, reduce_dtype, dtype_or_same)
     ST_CHOICE(precision, buffer_dtype, dtype_or_same)
+    ST_CHOICE(finetune, method, {"full", "lora", "qlora"})
+    ST_CHOICE(finetune, init, {"kaiming", "gaussian"})
+    ST_CHOICE(finetune, bias, {"none"})
 #undef ST_CHOICE
     // clang-format on
     return t;
@@ -251,6 +254,15 @@ const std::map<std::string, Field>& fields() {
     ST_INT(checkpoint, keep)
     ST_STR(checkpoint, resume)
     ST_BOOL(checkpoint, async)
+    // finetune
+    ST_ENUM(finetune, method)
+    ST_INT(finetune, r)
+    ST_DBL(finetune, alpha)
+    ST_BOOL(finetune, rslora)
+    ST_DBL(finetune, dropout)
+    ST_STR(finetune, target_modules)
+    ST_ENUM(finetune, init)
+    ST_ENUM(finetune, bias)
 #undef ST_FIELD
 #undef ST_INT
 #undef ST_DBL
@@ -264,7 +276,8 @@ const std::map<std::string, Field>& fields() {
 }
 
 const char* const kSections =
-    "(known: model, data, train, parallel, metrics, precision, checkpoint, and the keys of Accelerate config files)";
+    "(known: model, data, train, parallel, metrics, precision, checkpoint, finetune, and the keys of Accelerate config "
+    "files)";
 
 // True when some key starts with "prefix." (a section or sub-section).
 bool is_section(const std::string& prefix) {
@@ -298,6 +311,16 @@ void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::
     try {
       if (kv.second.IsMap() && is_section(key)) {
         load_map(c, kv.second, key, given, problems);
+        continue;
+      }
+      if (kv.second.IsSequence() && key == "finetune.target_modules") {  // the one list-valued key
+        std::string joined;
+        for (const auto& item : kv.second) {
+          if (!item.IsScalar()) throw UsageError(key + " must be a list of layer names");
+          joined += (joined.empty() ? "" : ",") + item.Scalar();
+        }
+        set_key(c, key, joined);
+        given.insert(key);
         continue;
       }
       if (!kv.second.IsScalar() && (fields().count(key) || !kv.second.IsMap()))
@@ -382,6 +405,9 @@ void validate_config(const Config& c) {
   if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");
   if (c.checkpoint.keep < 0) fail("checkpoint.keep must be 0 (keep all) or positive");
   if (c.checkpoint.resume.empty()) fail("checkpoint.resume must be auto, never or a checkpoint path");
+  if (c.finetune.r < 1) fail("finetune.r must be at least 1");
+  if (!(c.finetune.alpha > 0) || !std::isfinite(c.finetune.alpha)) fail("finetune.alpha must be a positive number");
+  if (!(c.finetune.dropout >= 0 && c.finetune.dropout < 1)) fail("finetune.dropout must be in [0, 1)");
   if (!problems.empty()) throw UsageError(join_problems(problems));
 }
 

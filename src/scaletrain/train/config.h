@@ -132,6 +132,21 @@ struct CheckpointingOptions {
   bool async = false;           // write in a background thread after a host copy
 };
 
+// What trains: the whole model, or low-rank adapters (LoRA, models/lora.h)
+// on chosen linear layers with everything else frozen, as PEFT does it.
+struct FinetuneOptions {
+  std::string method = "full";  // full | lora | qlora
+  int64_t r = 8;                // adapter rank
+  double alpha = 8;             // the adapter's output is scaled by alpha / r (alpha / sqrt(r) with rslora)
+  bool rslora = false;          // rank-stabilized scaling alpha / sqrt(r)
+  double dropout = 0;           // dropout on the adapter's input, in training
+  // Layer names ("q_proj,v_proj", or a YAML list), or all-linear (every
+  // linear layer but the output head); "": the family's default, PEFT's.
+  std::string target_modules;
+  std::string init = "kaiming";  // kaiming | gaussian: A's initialization (B starts at zero)
+  std::string bias = "none";     // none: biases stay frozen (the only choice)
+};
+
 struct Config {
   ModelOptions model;
   DataOptions data;
@@ -140,6 +155,7 @@ struct Config {
   MetricsOptions metrics;
   PrecisionOptions precision;
   CheckpointingOptions checkpoint;
+  FinetuneOptions finetune;
   // Not a key: "accepted, no effect on this build" lines that the config-file
   // readers (DeepSpeed JSON, Accelerate YAML) append, one per key, and that
   // rank 0 prints once at start ("scaletrain: note: ...").

@@ -70,6 +70,9 @@ const std::vector<ApplyRule>& apply_rules() {
       {{"parallel.fsdp.min_num_params"},
        [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "size"; },
        [](const Config& c) { return "it is read by auto_wrap_policy size, not " + c.parallel.fsdp.auto_wrap_policy; }},
+      {{"finetune."},
+       [](const Config& c) { return c.finetune.method != "full"; },
+       [](const Config&) { return std::string("finetune.method=full trains every parameter, without adapters"); }},
       {{"parallel.zero."},
        [](const Config& c) { return is_zero(c.parallel.strategy); },
        [](const Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
@@ -152,6 +155,19 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
     problems.add("precision.scale_bf16=true would have no effect: nothing computes or is stored in bf16");
 }
 
+// What this build can fine-tune with adapters.
+void check_finetune(const Config& c, Problems& problems) {
+  const auto& f = c.finetune;
+  if (f.method == "qlora")
+    problems.add("finetune.method=qlora is not available yet: NF4 base weights are still being built; use lora");
+  if (f.method == "full") return;
+  if (c.parallel.tp > 1)
+    problems.add("finetune.method=" + f.method + " with parallel.tp > 1 is not available yet (adapters are not split "
+                 "across tensor-parallel ranks); use a data-parallel strategy");
+  if (c.parallel.pp > 1)
+    problems.add("finetune.method=" + f.method + " with parallel.pp > 1 is not available yet");
+}
+
 // What this build can run of the parallel section (no peers needed).
 void check_strategy(const Config& c, bool cuda, Problems& problems) {
   const auto& p = c.parallel;
@@ -226,6 +242,7 @@ Plan make_plan(const Config& c, int world_size) {
   // strategy: DDP's buckets and the sharded engine's reduce-scatters.
   if (policy_ok && p.comm_dtype == "bf16") plan.policy.reduce = at::kBFloat16;
   check_strategy(c, plan.cuda, problems);
+  check_finetune(c, problems);
   check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
   if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))
     problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +

@@ -1,5 +1,6 @@
 #include "scaletrain/train/strategy.h"
 
+#include <map>
 #include <unistd.h>
 
 #include <optional>
@@ -10,6 +11,7 @@
 #include "scaletrain/train/hub_load.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/models/deferred.h"
+#include "scaletrain/models/lora.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -40,7 +42,8 @@ class DDPStrategy final : public DataParallel {
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p));
-    params_ = model_->parameters();
+    for (auto& p : model_->parameters())
+      if (p.requires_grad()) params_.push_back(p);  // frozen ones (finetune) neither train nor count
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
     at::Tensor loss = fn();
@@ -258,6 +261,48 @@ TensorPlan apply_tensor_parallel(models::ModelPtr& model, comm::Mesh& mesh, cons
 
 }  // namespace
 
+// finetune.method lora: the adapters to add (models/lora.h); none for full.
+std::optional<models::LoraOptions> lora_options(const Config& c, const models::ModelConfig& m) {
+  const FinetuneOptions& f = c.finetune;
+  if (f.method == "full") return std::nullopt;
+  models::LoraOptions o;
+  o.r = f.r;
+  o.alpha = f.alpha;
+  o.rslora = f.rslora;
+  o.dropout = f.dropout;
+  o.gaussian_init = f.init == "gaussian";
+  o.seed = c.train.seed;
+  std::stringstream names(f.target_modules);
+  for (std::string name; std::getline(names, name, ',');) {
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) o.target_modules.push_back(name);
+  }
+  if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
+  return o;
+}
+
+namespace {
+
+// A deferred slice source that also draws adapters (they are not in the
+// files): the whole adapter is drawn and this rank's elements kept.
+fsdp::FlatParam::SliceFill with_adapter_slices(fsdp::FlatParam::SliceFill base, const models::CausalLM& model,
+                                                const models::LoraOptions& lora) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& item : model.named_parameters())
+    if (models::is_adapter_parameter(item.key())) shapes[item.key()] = item.value().sizes().vec();
+  return [base = std::move(base), shapes = std::move(shapes), lora](const std::string& name, int64_t begin,
+                                                                     int64_t count, at::Tensor& out) {
+    auto it = shapes.find(name);
+    if (it == shapes.end()) return base(name, begin, count, out);
+    at::Tensor whole = at::empty(it->second, out.options());
+    models::init_adapter(name, whole, lora);
+    out.copy_(whole.view(-1).narrow(0, begin, count));
+  };
+}
+
+}  // namespace
+
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
 ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) {
   const auto& p = c.parallel;
@@ -315,6 +360,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
     out.model = models::make_model(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
+    if (auto lora = lora_options(c, mcfg)) models::apply_lora(*out.model, *lora);
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
@@ -338,10 +384,16 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
       o.deferred_slice_init = hub_slice_init(*out.model, c.model.init_from);  // each rank reads its part
     else
       o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
+    if (auto lora = lora_options(c, mcfg)) {  // deferred adapters, drawn when the engine asks
+      models::apply_lora(*out.model, *lora);
+      if (o.deferred_init) o.deferred_init = models::with_adapter_init(o.deferred_init, *lora);
+      if (o.deferred_slice_init) o.deferred_slice_init = with_adapter_slices(o.deferred_slice_init, *out.model, *lora);
+    }
   } else {
     out.model = models::make_model(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
+    if (auto lora = lora_options(c, mcfg)) models::apply_lora(*out.model, *lora);
   }
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {

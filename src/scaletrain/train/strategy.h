@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/lora.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
@@ -71,6 +73,10 @@ struct Parallelized {
   std::unique_ptr<DataParallel> dp;
 };
 Parallelized parallelize(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
+
+// finetune.method lora: the adapters parallelize() adds (target_modules ""
+// gives the family's defaults); none for full.
+std::optional<models::LoraOptions> lora_options(const Config& config, const models::ModelConfig& model);
 
 // Pieces parallelize() shares with the pipeline strategy.
 struct ShardedSetup {

@@ -187,6 +187,18 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s\n", cfg.model.preset.c_str(),
               static_cast<long long>(r.model().num_parameters()), r.world->size(), info.source.c_str(),
               r.dims.describe().c_str(), r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo");
+  if (auto lora = lora_options(cfg, r.plan.model)) {
+    int64_t trainable = 0, layers = 0;
+    for (const auto& item : r.model().named_parameters()) {
+      if (item.value().requires_grad()) trainable += item.value().numel();
+      if (models::is_adapter_parameter(item.key())) ++layers;
+    }
+    std::string targets;
+    for (const auto& t : lora->target_modules) targets += (targets.empty() ? "" : ",") + t;
+    std::printf("scaletrain: finetune %s r=%lld scaling %.6g on %lld layers (%s): %lld trainable parameters\n",
+                cfg.finetune.method.c_str(), static_cast<long long>(lora->r), lora->scaling(),
+                static_cast<long long>(layers / 2), targets.c_str(), static_cast<long long>(trainable));
+  }
   std::printf(
       "scaletrain: %lld samples of %lld tokens; global batch %lld = micro %lld x accumulation %lld x dp %d; "
       "%d threads/rank; peak %.1f GFLOP/s/rank\n",
@@ -240,6 +252,12 @@ int64_t resume(Run& r) {
 void report_memory_now(Run& r, const char* phase) {
   r.mem.states = static_cast<double>(r.dp().model_state_bytes() + r.opt_bytes);
   r.mem.tensors = static_cast<double>(TensorBytes::current());
+  if (r.cfg.finetune.method != "full") {  // the estimator counts every parameter as trained
+    if (r.lead)
+      std::printf("scaletrain: memory %s: no estimate (finetune.method=%s: adapters are not modelled by the "
+                  "estimator yet)\n", phase, r.cfg.finetune.method.c_str());
+    return;
+  }
   report_memory(phase, r.plan.model, r.mem_layout, r.mem, *r.world->group(), r.lead, *r.sink);
 }
 

@@ -137,6 +137,14 @@ const std::map<std::string, Check>& table() {
     {"checkpoint.keep", {"1", What::Files, "", {"checkpoint.dir=" + kDir, "checkpoint.every=1"}}},
     {"checkpoint.resume", {"never", What::Steps, "", {"checkpoint.dir=@DONE@"}}},
     {"checkpoint.async", {"true", What::Line, "checkpoint started", {"checkpoint.dir=" + kDir}}},
+    {"finetune.method", {"lora", What::Line, "finetune"}},
+    {"finetune.r", {"2", What::Line, "finetune", {"finetune.method=lora"}}},
+    {"finetune.alpha", {"32", What::Losses, "", {"finetune.method=lora"}}},
+    {"finetune.rslora", {"true", What::Losses, "", {"finetune.method=lora", "finetune.r=4"}}},
+    {"finetune.dropout", {"0.5", What::Losses, "", {"finetune.method=lora"}}},
+    {"finetune.target_modules", {"c_fc", What::Line, "finetune", {"finetune.method=lora"}}},
+    {"finetune.init", {"gaussian", What::Losses, "", {"finetune.method=lora"}}},
+    {"finetune.bias", {"all", What::Refused, "finetune.bias must be one of none"}},
   };
   return t;
 }

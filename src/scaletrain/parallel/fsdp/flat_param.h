@@ -113,6 +113,8 @@ class FlatParam {
   // reduce() adds the result to the gradient shard and releases grad_full
   // unless keep_full_grads.
   [[nodiscard]] comm::Work start_reduce(comm::Group* replicate);
+  // Bytes of the gradient buffer the reduce in flight sends (padded, in the reduce dtype).
+  int64_t reduce_bytes() const { return reduce_in_.defined() ? static_cast<int64_t>(reduce_in_.nbytes()) : 0; }
   void finish_reduce();
   // Sets gradients to zero: the shard's and, if kept, the full buffer.
   void zero_grad();

@@ -75,6 +75,7 @@ struct Unit {
   int trainable = 0;  // parameters with gradients
   int pending = 0;    // of those, not yet accumulated in this backward
   bool reduced = false;
+  bool hold_frozen = false;  // frozen flats stay gathered until the unit's input gradient (Note [Frozen parameters in backward])
 
   bool unsharded() const {
     for (auto& f : flats)
@@ -119,6 +120,9 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   void start_unshard(size_t u);
   void unshard(size_t u);
   void reshard(size_t u);
+  // Reshards the unit's flats that train (true) or the frozen ones (false).
+  void reshard_flats(size_t u, bool trainable);
+  void release_frozen(size_t u);
   void wait_gathers();
   // Starts gathering units from `u` on in direction `dir` (+1 forward, -1
   // backward) within the prefetch budget.
@@ -187,6 +191,30 @@ void ShardedDataParallel::State::reshard(size_t u) {
   for (auto& f : unit.flats) f->reshard();
 }
 
+void ShardedDataParallel::State::reshard_flats(size_t u, bool trainable) {
+  Unit& unit = units[u];
+  if (unit.gathering) unshard(u);
+  for (auto& f : unit.flats)
+    if (f->trainable() == trainable) f->reshard();
+}
+
+// Note [Frozen parameters in backward]: a unit's backward is over for its
+// trainable parameters once each has its gradient, but not for frozen ones:
+// the backward of x W with W frozen (a LoRA base layer) still reads W to
+// pass the gradient on to x, and may run after the last adapter gradient
+// arrived. So when the unit's input needs a gradient, its frozen flats are
+// kept until that gradient is complete (a hook on the input): every node of
+// the unit lies between its output and its input, so all have run by then.
+// When the input needs none (the first block after a frozen embedding), no
+// node reads a frozen weight in backward at all.
+void ShardedDataParallel::State::release_frozen(size_t u) {
+  std::lock_guard<std::recursive_mutex> lock(mu);
+  Unit& unit = units[u];
+  if (!unit.hold_frozen) return;
+  unit.hold_frozen = false;
+  if (unit.pending == 0) reshard_flats(u, /*trainable=*/false);
+}
+
 // Whether unit `u` may be gathered ahead of use: limit_all_gathers holds at
 // most two block units at once, max_live_numel bounds the gathered elements.
 // Decided from state every rank shares, so all ranks gather in one order.
@@ -229,6 +257,15 @@ at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockB
     if (unit.gathering) ++stats.prefetched;
     unshard(u);
     if (options.forward_prefetch || replicated()) prefetch(u + 1, +1);
+    const bool frozen = std::any_of(unit.flats.begin(), unit.flats.end(), [](const auto& f) { return !f->trainable(); });
+    if (frozen && torch::GradMode::is_enabled() && x.requires_grad()) {
+      unit.hold_frozen = true;
+      std::weak_ptr<State> weak = weak_from_this();
+      x.register_hook([weak, u](const at::Tensor& g) {
+        if (auto st = weak.lock()) st->release_frozen(u);
+        return g;
+      });
+    }
   }
   at::Tensor y = body(x);
   if (i != unit.last_block) return y;
@@ -267,9 +304,13 @@ void ShardedDataParallel::State::on_grad_ready(size_t s) {
   Unit& unit = units[slot.unit];
   unit.flats[slot.flat]->on_grad_ready(slot.index);
   if (--unit.pending > 0) return;
-  // The unit's backward is over: its parameters can go, its gradients travel.
+  // The unit's trainable parameters are done: they can go, their gradients
+  // travel; frozen ones may still be read (Note [Frozen parameters in backward]).
   if (slot.unit != 0) {
-    reshard(slot.unit);
+    if (unit.hold_frozen)
+      reshard_flats(slot.unit, /*trainable=*/true);
+    else
+      reshard(slot.unit);
     if (options.backward_prefetch == BackwardPrefetch::Post) prefetch(slot.unit - 1, -1);
   }
   if (sync) issue_ready_reduces(/*flush=*/false);
@@ -289,7 +330,10 @@ void ShardedDataParallel::State::issue_ready_reduces(bool flush) {
     if (unit.pending > 0 && !flush) return;
     std::vector<comm::Work> works;
     for (auto& f : unit.flats)
-      if (f->trainable()) works.push_back(f->start_reduce(replicate));
+      if (f->trainable()) {
+        works.push_back(f->start_reduce(replicate));
+        stats.grad_bytes_reduced += f->reduce_bytes();
+      }
     unit.reduced = true;
     ++stats.reduces;
     if (!flush && std::any_of(units.begin(), units.end(), [](const Unit& v) { return v.pending > 0; }))
@@ -323,6 +367,7 @@ void ShardedDataParallel::State::finish_backward() {
   for (auto& unit : units) {
     unit.pending = unit.trainable;
     unit.reduced = false;
+    unit.hold_frozen = false;
   }
   next_reduce = 0;
   in_backward = false;

@@ -225,6 +225,7 @@ class ShardedDataParallel {
     int max_gathers_in_flight = 0;    // most units with a gather issued and not yet waited, at once
     int64_t prefetched = 0;           // block units whose gather was in flight before they needed it
     int64_t peak_gathered_numel = 0;  // most elements of sharded parameters gathered (or arriving) at once
+    int64_t grad_bytes_reduced = 0;   // bytes of gradient buffers handed to reduce-scatter (frozen ones have none)
   };
   Stats stats() const;
   void reset_stats();
