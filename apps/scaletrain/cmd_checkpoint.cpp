@@ -90,15 +90,7 @@ int consolidate(const std::string& arg, const std::string& out) {
   if (models::recorded_family(x.model.family) != "gpt2")
     throw UsageError("checkpoint consolidate writes GPT-2 files; " + dir + " holds a model of family " +
                      x.model.family);
-  models::GPTConfig c;
-  c.vocab_size = x.model.vocab_size;
-  c.block_size = x.model.block_size;
-  c.n_layer = x.model.n_layer;
-  c.n_head = x.model.n_head;
-  c.n_embd = x.model.n_embd;
-  c.bias = x.model.bias;
-  c.validate();
-  models::GPT model(c);  // fp32; every parameter is overwritten below
+  models::GPT model(train::recorded_model(x, dir));  // fp32; every parameter is overwritten below
   std::vector<std::pair<std::string, at::Tensor>> outs;
   for (auto& item : model->named_parameters()) outs.emplace_back("model/" + item.key(), item.value());
   checkpoint::read_tensors(dir, x, outs);

@@ -23,26 +23,6 @@ namespace {
 namespace fs = std::filesystem;
 using checkpoint::Dtype;
 
-// The model the index records (Note [Hub export]).
-models::ModelConfig recorded_model(const checkpoint::Index& x, const std::string& dir) {
-  const std::string source = (fs::path(dir) / "index.json").string() + " model.hf_config";
-  if (!x.model.hf_config.empty())
-    return models::config_from_hf(nlohmann::json::parse(x.model.hf_config), source);
-  const std::string family = models::recorded_family(x.model.family);
-  if (family != "gpt2")
-    throw UsageError("checkpoint " + dir + " does not record its " + family +
-                     " model's config (an index from before model.hf_config); it cannot be exported");
-  models::ModelConfig c;  // an older GPT-2 index: its dimensions are the whole model
-  c.vocab_size = x.model.vocab_size;
-  c.block_size = x.model.block_size;
-  c.n_layer = x.model.n_layer;
-  c.n_head = x.model.n_head;
-  c.n_embd = x.model.n_embd;
-  c.bias = x.model.bias;
-  c.validate();
-  return c;
-}
-
 Dtype asked_dtype(const std::string& s) {
   if (s == "fp32" || s == "float32") return Dtype::F32;
   if (s == "bf16" || s == "bfloat16") return Dtype::BF16;
@@ -139,6 +119,26 @@ HubExportResult write_export(const std::string& dir, const checkpoint::Index& x,
 }
 
 }  // namespace
+
+// The model the index records (Note [Hub export]).
+models::ModelConfig recorded_model(const checkpoint::Index& x, const std::string& dir) {
+  const std::string source = (fs::path(dir) / "index.json").string() + " model.hf_config";
+  if (!x.model.hf_config.empty())
+    return models::config_from_hf(nlohmann::json::parse(x.model.hf_config), source);
+  const std::string family = models::recorded_family(x.model.family);
+  if (family != "gpt2")
+    throw UsageError("checkpoint " + dir + " does not record its " + family +
+                     " model's config (an index from before model.hf_config); it cannot be exported");
+  models::ModelConfig c;  // an older GPT-2 index: its dimensions are the whole model
+  c.vocab_size = x.model.vocab_size;
+  c.block_size = x.model.block_size;
+  c.n_layer = x.model.n_layer;
+  c.n_head = x.model.n_head;
+  c.n_embd = x.model.n_embd;
+  c.bias = x.model.bias;
+  c.validate();
+  return c;
+}
 
 HubExportResult export_hub(const std::string& step_dir, const std::string& out_dir, const HubExportOptions& options) {
   fs::path out = fs::path(out_dir).lexically_normal();

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::train {
 
@@ -38,6 +40,11 @@ struct HubExportResult {
   int64_t total_bytes = 0;         // their bytes
   std::string dtype;               // safetensors name of the written dtype
 };
+
+// The model the index of checkpoint `dir` records: its Hugging Face config,
+// or for a GPT-2 index from before that was recorded, its dimensions.
+// UsageError for another family's index without a config.
+models::ModelConfig recorded_model(const checkpoint::Index& x, const std::string& dir);
 
 // Exports the step directory `step_dir` to `out_dir`, which must not exist or
 // be an empty directory (Note [Hub export]). Throws UsageError (one line) for
