@@ -178,6 +178,11 @@ def selftest():
         r = quantize([1.0, m, up], double_quant=False)
         check(r["codes"][1:] == [i, i + 1], "tie at midpoint %d (%r): %s" % (i, m, r["codes"]))
 
+    # Values are scaled by the fp32 reciprocal of absmax: 0.11937045 / 3 rounds
+    # to the midpoint of codes 7 and 8, 0.11937045 * fp32(1/3) one ulp above it.
+    r = quantize([3.0, 0.11937045305967331, -1.83189857006073], double_quant=False)
+    check(r["codes"] == [15, 8, 1], "reciprocal scaling: %s" % r["codes"])
+
     # Scaling: a block of absmax 4 maps 4 to 1, -2 to -0.5 (between -0.5251
     # and -0.3949, nearer the first: code 2), and dequantizes back exactly.
     r = quantize([4.0, -2.0, 0.0, 1.0], double_quant=False)
@@ -220,8 +225,8 @@ def selftest():
     check(abs(r["absmax_dequant"][0] - (2.5 - 1.5 * 0.99296875)) < 1e-6, "lowest code")
 
     # Short last block, odd count: absmax over the tail only; the pad nibble is 7.
-    r = quantize([0.5] * 64 + [-3.0, 1.5, 0.0], double_quant=False)
-    check(r["absmax"] == [0.5, 3.0], "short block absmax")
+    r = quantize([0.5] * 64 + [-0.3, 0.15, 0.0], double_quant=False)
+    check(r["absmax"] == [0.5, f32(0.3)], "short block absmax")
     check(r["codes"][64:] == [0, 12, 7], "short block codes %s" % r["codes"][64:])
     check(len(r["packed"]) == 34 and r["packed"][-1] & 0xF == NF4_ZERO and r["packed"][-1] >> 4 == 7, "pad nibble")
 

@@ -138,18 +138,30 @@ TEST(NF4Quantize, FirstValueInHighNibbleAndOddPadding) {
 }
 
 TEST(NF4Quantize, ShortLastBlockHasItsOwnAbsmax) {
+  // The tail's values are below 1 so that padding the block with anything but
+  // zeros would change its absmax.
   std::vector<float> v(67, 0.5f);
-  v[64] = -3, v[65] = 1.5f, v[66] = 0;
+  v[64] = -0.3f, v[65] = 0.15f, v[66] = 0;
   const NF4Weight w = nf4_quantize(f32(v), no_double_quant());
   EXPECT_EQ(w.n_blocks(), 2);
   EXPECT_EQ(w.packed.numel(), 34);
   ASSERT_EQ(w.absmax.numel(), 2);
   EXPECT_EQ(w.absmax[0].item<float>(), 0.5f);
-  EXPECT_EQ(w.absmax[1].item<float>(), 3.0f);
+  EXPECT_EQ(w.absmax[1].item<float>(), 0.3f);
   const auto codes = codes_of(w);
   EXPECT_EQ(codes[63], 15);
   EXPECT_EQ((std::vector<int>(codes.begin() + 64, codes.end())), (std::vector<int>{0, 12, 7}));
   EXPECT_EQ(bytes_of(w).back(), 0x77);  // value 0 and the pad nibble
+}
+
+// Values are scaled by the fp32 reciprocal of absmax, as bitsandbytes'
+// kernels do: with absmax 3, 0.11937045f / 3 rounds to the midpoint between
+// codes 7 and 8 (-> 7) but 0.11937045f * fp32(1/3) lands one ulp above it
+// (-> 8); -1.8318986f likewise gives 1, not 2.
+TEST(NF4Quantize, ScalesByTheFp32Reciprocal) {
+  const auto codes = codes_of(nf4_quantize(f32({3.0f, 0.11937045305967331f, -1.83189857006073f}), no_double_quant()));
+  EXPECT_EQ(codes[1], 8);
+  EXPECT_EQ(codes[2], 1);
 }
 
 TEST(NF4Quantize, ZeroBlockStoresZeroCodes) {
