@@ -11,6 +11,7 @@
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/train/hub_export.h"
+#include "scaletrain/train/peft_adapter.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -66,6 +67,7 @@ int inspect(const std::string& arg) {
     std::printf("    %-26s rank %-4d %10s  crc32 %08x  %s\n", f.name.c_str(), f.rank,
                 human(static_cast<double>(f.bytes)).c_str(), f.crc32, ok ? "ok" : "BAD");
   }
+  if (!x.model.finetune.empty()) std::printf("  adapters only: %s\n", x.model.finetune.c_str());
   std::printf("  tensors: %zu\n", x.tensors.size());
   for (const auto& [name, t] : x.tensors) {
     checkpoint::Dtype dt = checkpoint::Dtype::F32;
@@ -87,6 +89,9 @@ int inspect(const std::string& arg) {
 int consolidate(const std::string& arg, const std::string& out) {
   const std::string dir = resolve(arg);
   const checkpoint::Index x = checkpoint::read_index(dir);
+  if (!x.model.finetune.empty())
+    throw UsageError("checkpoint " + dir + " holds adapters only (a finetune run): export them with `checkpoint "
+                     "export --adapter`, or merge them into the base with `scaletrain lora merge`");
   if (models::recorded_family(x.model.family) != "gpt2")
     throw UsageError("checkpoint consolidate writes GPT-2 files; " + dir + " holds a model of family " +
                      x.model.family);
@@ -137,8 +142,20 @@ void add_checkpoint(CLI::App& app, Runner& run) {
   exp->add_option("-o,--output", *out, "output directory (must not exist, or be empty)")->required();
   exp->add_option("--max-shard-size", *size, "largest shard: 5GB (default), 500MB, 2GiB, or bytes");
   exp->add_option("--dtype", *dtype, "fp32 | bf16 | fp16 (default: the checkpoint's parameter dtype)");
-  exp->callback([&run, dir, out, size, dtype] {
-    run = [dir, out, size, dtype] { return export_dir(*dir, *out, *size, *dtype); };
+  auto adapter = std::make_shared<bool>(false);
+  exp->add_flag("--adapter", *adapter,
+                "a finetune checkpoint's adapters as a PEFT directory (adapter_config.json, "
+                "adapter_model.safetensors)");
+  exp->callback([&run, dir, out, size, dtype, adapter, exp] {
+    const bool sized = exp->count("--dtype") + exp->count("--max-shard-size") > 0;
+    run = [dir, out, size, dtype, adapter, sized] {
+      if (!*adapter) return export_dir(*dir, *out, *size, *dtype);
+      if (sized) throw UsageError("--adapter writes the adapters as stored, in one file: no --dtype or --max-shard-size");
+      const int64_t n = train::export_adapter(resolve(*dir), *out);
+      std::printf("wrote %s: %lld adapter tensors (PEFT layout): adapter_model.safetensors, adapter_config.json\n",
+                  out->c_str(), static_cast<long long>(n));
+      return 0;
+    };
   });
 }
 

@@ -38,6 +38,7 @@ struct EstimateFlags {
   bool sequence_parallel = false;
   int64_t lora_rank = 0;
   std::string lora_targets = "qv";
+  bool qlora = false;
   double bucket_mb = 25;
   double buffer_factor = 1.5;
   std::string fit;
@@ -80,6 +81,7 @@ estimate::Request to_request(const EstimateFlags& f) {
   l.sequence_parallel = f.sequence_parallel;
   l.lora_rank = f.lora_rank;
   l.lora_targets = est::parse_lora_targets(f.lora_targets);
+  l.qlora = f.qlora;
   l.bucket_bytes = static_cast<int64_t>(f.bucket_mb * (1 << 20));
   if (!f.fit.empty()) r.fit_bytes = est::parse_memory_size(f.fit);
   r.try_offload = f.try_offload;
@@ -115,7 +117,8 @@ void add_estimate_memory(CLI::App& app, Runner& run) {
   sub->add_option("--micro-batch", flags->micro_batch, "Samples per micro-batch (default 1)");
   sub->add_option("--recompute", flags->recompute, "Activation recompute: none | selective | full");
   sub->add_flag("--sequence-parallel", flags->sequence_parallel, "Megatron sequence parallelism (tp > 1)");
-  sub->add_option("--lora-rank", flags->lora_rank, "LoRA rank; > 0 freezes the base weights");
+  sub->add_option("--lora-rank,--lora-r", flags->lora_rank, "LoRA rank; > 0 freezes the base weights");
+  sub->add_flag("--qlora", flags->qlora, "QLoRA: the frozen linear weights in 4-bit NF4 (needs --lora-rank)");
   sub->add_option("--lora-targets", flags->lora_targets, "LoRA adapters on: qv (default) | attention | all-linear");
   sub->add_option("--bucket-mb", flags->bucket_mb, "Gradient bucket size in MiB (default 25)");
   sub->add_option("--buffer-factor", flags->buffer_factor, "DeepSpeed additional_buffer_factor (default 1.5)");

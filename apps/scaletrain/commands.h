@@ -19,5 +19,6 @@ void add_plot(CLI::App& app, Runner& run);            // cmd_data.cpp
 void add_estimate_memory(CLI::App& app, Runner& run); // cmd_estimate.cpp
 void add_checkpoint(CLI::App& app, Runner& run);      // cmd_checkpoint.cpp
 void add_config(CLI::App& app, Runner& run);          // cmd_config.cpp
+void add_lora(CLI::App& app, Runner& run);            // cmd_lora.cpp
 
 }  // namespace scaletrain::cli

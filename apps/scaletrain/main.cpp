@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   scaletrain::cli::add_estimate_memory(app, run);
   scaletrain::cli::add_checkpoint(app, run);
   scaletrain::cli::add_config(app, run);
+  scaletrain::cli::add_lora(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

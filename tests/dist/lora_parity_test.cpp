@@ -5,6 +5,10 @@
 // weights do not move; and the gradient bytes each strategy communicates
 // are the adapters' (frozen parameters have no gradient to send).
 //
+// QLoRA (the base in NF4, dequantized to fp64 layer by layer) is one of the
+// cases: its uint8 flats shard, gather and stay bit-identical like any
+// frozen parameter.
+//
 // Suites: LoraDdp, LoraShard (ZeRO-1/2/3, FULL_SHARD, SHARD_GRAD_OP, with
 // and without activation checkpointing), on 2 and 3 ranks.
 #include <gtest/gtest.h>
@@ -15,6 +19,7 @@
 #include "reference.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/lora.h"
+#include "scaletrain/models/qlora.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 
@@ -30,7 +35,10 @@ constexpr double kLr = 1e-2, kTol = 1e-5, kClip = 0.05;
 struct Case {
   std::string preset;
   std::vector<std::string> targets;
+  bool qlora = false;  // base weights in NF4 (models/qlora.h): uint8 flats shard beside the adapters
 };
+
+std::string label(const Case& c) { return c.preset + (c.qlora ? " qlora" : ""); }
 
 // Base weights from the model's seed, adapters from the LoRA seed; the
 // adapters' B is set away from zero so A trains from the first step.
@@ -43,6 +51,7 @@ ModelFactory factory(const Case& c) {
     torch::manual_seed(42);
     auto m = models::make_model(mc);
     m->to(at::kDouble);
+    if (c.qlora) models::quantize_base(*m, {});
     models::LoraOptions o;
     o.r = 4;
     o.alpha = 8;
@@ -87,7 +96,8 @@ void expect_same(const std::vector<at::Tensor>& got, const Trained& ref, const M
 }
 
 const std::vector<Case>& cases() {
-  static const std::vector<Case> c = {{"llama-tiny", {"all-linear"}}, {"tiny", {"c_attn", "c_fc"}}};
+  static const std::vector<Case> c = {
+      {"llama-tiny", {"all-linear"}}, {"tiny", {"c_attn", "c_fc"}}, {"llama-tiny", {"all-linear"}, true}};
   return c;
 }
 
@@ -106,12 +116,12 @@ TEST(LoraDdp, MatchesSingleProcessAndSendsOnlyAdapterGradients) {
     for (const auto& b : batches) {
       ddp.reset_stats();
       model->loss(b.x.narrow(0, start, n), b.y.narrow(0, start, n)).backward();
-      EXPECT_EQ(ddp.bytes_reduced(), adapter_bytes(*model)) << c.preset;
+      EXPECT_EQ(ddp.bytes_reduced(), adapter_bytes(*model)) << label(c);
       optim::clip_grad_norm(params, kClip);
       opt.step(kLr);
       opt.zero_grad();
     }
-    expect_same(model->parameters(), ref, make, "ddp " + c.preset);
+    expect_same(model->parameters(), ref, make, "ddp " + label(c));
   }
 }
 
@@ -131,7 +141,7 @@ TEST_P(LoraShard, MatchesSingleProcessAndReducesOnlyAdapterGradients) {
     run.accum = 2;
     const auto got = train_sharded(model, batches, run, kClip, kLr);
     const int64_t reduced = run.grad_bytes_reduced;
-    const std::string what = parallel::fsdp::to_string(sharding) + (checkpointing ? " checkpointing " : " ") + c.preset;
+    const std::string what = parallel::fsdp::to_string(sharding) + (checkpointing ? " checkpointing " : " ") + label(c);
     expect_same(got, ref, make, what);
     // One reduce per micro-batch at most (ZeRO-2/3 reduce each), in padded
     // flat buffers: the adapters' bytes, never the base's.

@@ -53,16 +53,21 @@ def read_ids(path):
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def model_loss(model_dir, ids, dtype=torch.float32):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    w = st.load_checkpoint_dir(model_dir, dtype)
+def weights_loss(cfg, w, ids, dtype=torch.float32):
+    """(logits, loss) of the model described by cfg with state dict w (tensors in dtype) on ids."""
     V = cfg["vocab_size"]
     bad = ids[(ids < 0) | (ids >= V)]
     if bad.numel():
         raise ValueError("token id %d outside the vocabulary (%d)" % (int(bad[0]), V))
     logits = hm.causal_lm_logits(cfg, w, ids, dtype)
-    return cfg, logits, hm.next_token_loss(logits, ids)
+    return logits, hm.next_token_loss(logits, ids)
+
+
+def model_loss(model_dir, ids, dtype=torch.float32):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    logits, loss = weights_loss(cfg, st.load_checkpoint_dir(model_dir, dtype), ids, dtype)
+    return cfg, logits, loss
 
 
 def cmd_loss(a):

@@ -83,6 +83,7 @@ std::string index_to_json(const Index& x) {
                 {"n_head", x.model.n_head},         {"n_embd", x.model.n_embd},         {"bias", x.model.bias},
                 {"family", x.model.family}};
   if (!x.model.hf_config.empty()) j["model"]["hf_config"] = json::parse(x.model.hf_config);
+  if (!x.model.finetune.empty()) j["model"]["finetune"] = json::parse(x.model.finetune);
   j["state"] = {{"step", x.state.step},
                 {"optimizer_steps", x.state.optimizer_steps},
                 {"loss_scaler", x.state.loss_scaler},
@@ -122,6 +123,10 @@ Index index_from_json(const std::string& text, const std::string& source) {
     if (m.contains("hf_config")) {
       if (!m["hf_config"].is_object()) fail(source, "model.hf_config is not a JSON object");
       x.model.hf_config = m["hf_config"].dump();
+    }
+    if (m.contains("finetune")) {
+      if (!m["finetune"].is_object()) fail(source, "model.finetune is not a JSON object");
+      x.model.finetune = m["finetune"].dump();
     }
     const json& s = j.at("state");
     x.state.step = s.at("step").get<int64_t>();

@@ -73,6 +73,11 @@ struct ModelShape {
   // compact JSON text: every dimension of any family, so `checkpoint export`
   // needs no run config. Empty in indexes written before it was recorded.
   std::string hf_config;
+  // A finetune run's adapters (train/peft_adapter.h): compact JSON of the
+  // method and the adapters' settings, and the base model they apply to.
+  // Such a checkpoint holds the adapters (and their optimizer state) only.
+  // Empty for a run that trains every parameter.
+  std::string finetune;
 };
 
 // Non-tensor training state (saved by rank 0; the same on every rank).

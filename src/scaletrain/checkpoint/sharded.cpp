@@ -215,7 +215,8 @@ Layout replicated_layout(const torch::nn::Module& model, bool writer) {
   for (auto& item : model.named_parameters()) {
     const at::Tensor& p = item.value();
     TORCH_CHECK(p.is_contiguous(), "checkpoint: parameter ", item.key(), " is not contiguous");
-    l.slots.push_back({p, i++, {{item.key(), p.sizes().vec(), 0, 0, p.numel()}}});
+    // Optimizer states follow the trainable parameters only (frozen: none).
+    l.slots.push_back({p, p.requires_grad() ? i++ : -1, {{item.key(), p.sizes().vec(), 0, 0, p.numel()}}});
   }
   return l;
 }

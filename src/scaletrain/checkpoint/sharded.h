@@ -73,8 +73,9 @@ struct Layout {
   std::string mesh;      // recorded in the index
 };
 
-// Whole parameters (DDP, one process): slot i is model->parameters()[i],
-// optimizer state i when `with_optimizer`. `writer`: this rank saves.
+// Whole parameters (DDP, one process): slot i is model->parameters()[i]; its
+// optimizer state is its position among the parameters that require grad
+// (frozen ones have none). `writer`: this rank saves.
 Layout replicated_layout(const torch::nn::Module& model, bool writer);
 // The engines describe what they hold with these types; the functions that
 // build a Layout from an engine live with the training glue

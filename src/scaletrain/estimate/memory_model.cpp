@@ -187,6 +187,14 @@ int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets
   return sum;
 }
 
+// Weights of one block's linear layers (what QLoRA quantizes).
+int64_t linear_params_per_layer(const ModelSpec& s) {
+  const int64_t h = s.hidden_size, I = s.intermediate_size;
+  const int64_t hd = s.head_dim > 0 ? s.head_dim : h / s.num_heads;
+  const int64_t q_out = s.num_heads * hd, kv_out = (s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads) * hd;
+  return h * (q_out + 2 * kv_out) + q_out * h + (s.gated_mlp ? 3 : 2) * h * I;
+}
+
 bool intra_node(int64_t stride, int64_t size, int64_t gpn) { return gpn <= 0 || stride * size <= gpn; }
 
 }  // namespace
@@ -222,6 +230,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   if (l.offload_params && l.sharding != Sharding::kZero3 && l.sharding != Sharding::kHybrid)
     fail("parameter offload needs ZeRO-3 / FSDP full or hybrid sharding");
   if (l.lora_rank < 0) fail("LoRA rank must be >= 0");
+  if (l.qlora && l.lora_rank < 1) fail("QLoRA needs a LoRA rank (--lora-rank > 0)");
   if (l.pp > 1 && l.schedule == Schedule::kInterleaved) {
     if (l.virtual_stages < 1) fail("interleaved schedule needs virtual stages >= 1");
     if (s.num_layers % (l.pp * l.virtual_stages) != 0)
@@ -324,7 +333,11 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       e.trainable_params = ceil_div(nl * lora_params_per_layer(spec, l.lora_rank, l.lora_targets), t);
       e.frozen_params = params;  // base weights stay, frozen
     }
-    const double P = static_cast<double>(params), Tr = static_cast<double>(e.trainable_params);
+    // QLoRA: the blocks' linear weights count as the weight-width parameters
+    // their NF4 bytes equal (Pq of them stand for Q weights).
+    const double Q = l.qlora ? static_cast<double>(ceil_div(nl * linear_params_per_layer(spec), t)) : 0.0;
+    const double Pq = Q * kNf4BytesPerParam / w.weight;
+    const double P = static_cast<double>(params) - Q + Pq, Tr = static_cast<double>(e.trainable_params);
 
     // Model states (ZeRO paper accounting; frozen LoRA bases have weights only).
     const double weight_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.weight;
@@ -346,7 +359,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     StageShape shape;
     shape.shapes = !raw;
     shape.layers = nl;
-    shape.layer_params = static_cast<double>(layer_tp);
+    shape.layer_params = static_cast<double>(layer_tp) - (nl > 0 ? (Q - Pq) / static_cast<double>(nl) : 0.0);
     shape.root_params = static_cast<double>((first ? emb_tp : 0) + (last ? c.final_norm + c.pooler + head_tp : 0));
     shape.params = P + (l.lora_rank > 0 ? Tr : 0);
     shape.trainable = Tr;
@@ -375,6 +388,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       // Backward of the loss: two more fp32 log-softmax-sized tensors.
       const double I = static_cast<double>(spec.intermediate_size);
       shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
+      if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
       if (last && !spec.encoder) shape.ws_last = 8 * sbv / t;
     }
     StageWidths sw;
@@ -442,7 +456,7 @@ std::string describe(const Layout& l, const RankEstimate& e) {
   if (l.pp > 1) o << " " << schedule_name(l.schedule) << " m=" << l.microbatches;
   if (l.recompute != Recompute::kNone) o << " recompute=" << recompute_name(l.recompute);
   if (l.sequence_parallel) o << " sp";
-  if (l.lora_rank > 0) o << " lora=" << l.lora_rank;
+  if (l.lora_rank > 0) o << (l.qlora ? " qlora=" : " lora=") << l.lora_rank;
   return o.str();
 }
 

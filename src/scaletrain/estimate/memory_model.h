@@ -75,6 +75,10 @@ struct Layout {
   bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
   int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
+  // QLoRA (needs lora_rank > 0): the blocks' frozen linear weights in NF4,
+  // 4 bits each plus a double-quantized absmax per 64 (kNf4BytesPerParam),
+  // each dequantized to the compute width for its own matmul only.
+  bool qlora = false;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)
@@ -82,6 +86,10 @@ struct Layout {
   double intra_node_gbps = 150;   // GB/s per rank inside a node (NVLink class), for comm time
   double inter_node_gbps = 25;    // GB/s per rank across nodes (200 Gb/s IB), for comm time
 };
+
+// Bytes per weight in NF4 with double quantization (precision/nf4.h): a
+// nibble, one 8-bit absmax code per 64 weights, one fp32 scale per 64 * 256.
+constexpr double kNf4BytesPerParam = 0.5 + 1.0 / 64 + 4.0 / (64 * 256);
 
 // Bytes per rank on the worst pipeline stage, and the step's communication.
 struct RankEstimate {

@@ -69,7 +69,12 @@ torch::Tensor CausalLM::generate(torch::Tensor idx, int64_t max_new_tokens, doub
 
 int64_t CausalLM::num_parameters() const {
   int64_t n = 0;
-  for (const auto& p : parameters()) n += p.numel();
+  for (const auto& item : named_modules()) {
+    const auto* lin = item.value()->as<LinearImpl>();
+    if (lin && lin->quantized()) n += lin->in_features() * lin->out_features();  // NF4: the weights, not their bytes
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false))
+      if (!(lin && lin->quantized() && p.value().scalar_type() == at::kByte)) n += p.value().numel();
+  }
   return n;
 }
 

@@ -46,7 +46,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
   mask_ = torch::ones({c.block_size, c.block_size}, torch::kBool).tril();
 }
 
-int64_t CausalSelfAttentionImpl::local_heads() const { return c_attn->weight.size(0) / (3 * (n_embd_ / n_head_)); }
+int64_t CausalSelfAttentionImpl::local_heads() const { return c_attn->out_features() / (3 * (n_embd_ / n_head_)); }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   // Under tensor parallelism c_attn holds this rank's heads only (their q, k

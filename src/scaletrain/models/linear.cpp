@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "scaletrain/models/deferred.h"
+
 namespace scaletrain::models {
 
 LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
@@ -18,7 +20,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = torch::linear(x, weight, bias);
+  torch::Tensor y = quantized() ? precision::nf4_linear(x, nf4_weight(), bias) : torch::linear(x, weight, bias);
   return has_adapter() ? y + adapter(x) : y;
 }
 
@@ -32,13 +34,98 @@ torch::Tensor LinearImpl::adapter(const torch::Tensor& x, const std::function<to
 
 void LinearImpl::add_adapter(int64_t r, double scaling, double dropout) {
   TORCH_CHECK(!has_adapter(), "scaletrain: a layer holds one adapter");
-  const auto options = weight.options().requires_grad(true);
+  // A quantized layer's adapter computes in the dtype its bias or input has;
+  // the trainer builds it in the parameter dtype (base_dtype).
+  const auto options = torch::TensorOptions().dtype(base_dtype()).requires_grad(true);
   auto a = register_module("lora_A", std::make_shared<torch::nn::Module>());
   auto b = register_module("lora_B", std::make_shared<torch::nn::Module>());
-  lora_A = a->register_parameter("weight", torch::zeros({r, weight.size(1)}, options));
-  lora_B = b->register_parameter("weight", torch::zeros({weight.size(0), r}, options));
+  lora_A = a->register_parameter("weight", torch::zeros({r, in_features()}, options));
+  lora_B = b->register_parameter("weight", torch::zeros({out_features(), r}, options));
   scaling_ = scaling;
   dropout_ = dropout;
+}
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Sizes of the four parameters of Note [NF4 parameters] for `numel` values.
+std::vector<int64_t> nf4_sizes(int64_t numel, const precision::NF4Options& o) {
+  const int64_t blocks = ceil_div(numel, o.block_size);
+  if (!o.double_quant) return {ceil_div(numel, 2), 4 * blocks, 0, 0};
+  return {ceil_div(numel, 2), blocks, 4 * ceil_div(blocks, o.absmax_block_size), 4};
+}
+
+at::Tensor fp32_bytes(const at::Tensor& t) { return t.to(at::kFloat).contiguous().view(at::kByte).clone(); }
+
+// The fp32 values of a byte parameter. Its storage offset inside a flat
+// buffer need not be a multiple of 4, so the (small) bytes are copied first.
+at::Tensor fp32_of(const at::Tensor& bytes) { return bytes.clone().view(at::kFloat); }
+
+}  // namespace
+
+const std::vector<std::string>& nf4_parameter_suffixes() {
+  static const std::vector<std::string> s = {"weight_nf4", "weight_absmax", "weight_absmax_scale",
+                                             "weight_absmax_offset"};
+  return s;
+}
+
+at::Tensor nf4_parameter_bytes(const precision::NF4Weight& w, const std::string& suffix) {
+  if (suffix == "weight_nf4") return w.packed;
+  if (suffix == "weight_absmax") return w.double_quant() ? w.absmax_q : fp32_bytes(w.absmax);
+  if (suffix == "weight_absmax_scale") return w.double_quant() ? fp32_bytes(w.absmax_scale) : at::empty({0}, at::kByte);
+  if (suffix == "weight_absmax_offset")
+    return w.double_quant() ? fp32_bytes(at::full({1}, w.absmax_offset, at::kFloat)) : at::empty({0}, at::kByte);
+  TORCH_CHECK(false, "scaletrain: '", suffix, "' is not an NF4 parameter");
+}
+
+void LinearImpl::quantize(const precision::NF4Options& o) {
+  TORCH_CHECK(!quantized(), "scaletrain: the layer is already quantized");
+  TORCH_CHECK(!has_adapter(), "scaletrain: quantize a layer before adding its adapter");
+  nf4_shape_ = weight.sizes().vec();
+  nf4_options_ = o;
+  base_dtype_ = weight.scalar_type();
+  const bool later = weight.numel() > 0 && weight.storage().nbytes() == 0;  // deferred (models/deferred.h)
+  std::vector<at::Tensor> values;
+  if (later) {
+    for (int64_t n : nf4_sizes(weight.numel(), o)) {
+      values.push_back(at::empty({n}, at::kByte));
+      free_storage(values.back());
+    }
+  } else {
+    const precision::NF4Weight w = precision::nf4_quantize(weight.detach(), o);
+    for (const auto& suffix : nf4_parameter_suffixes()) values.push_back(nf4_parameter_bytes(w, suffix).clone());
+  }
+  // The four take the weight's place in registration order, so a deferred
+  // model's initialization draws (models/deferred.h) keep their order.
+  auto before = parameters_;
+  parameters_.clear();
+  at::Tensor* slots[] = {&weight_nf4, &weight_absmax, &weight_absmax_scale, &weight_absmax_offset};
+  for (const auto& item : before) {
+    if (item.key() != "weight") {
+      parameters_.insert(item.key(), item.value());
+      continue;
+    }
+    for (size_t i = 0; i < 4; ++i)
+      *slots[i] = register_parameter(nf4_parameter_suffixes()[i], values[i], /*requires_grad=*/false);
+  }
+  weight = torch::Tensor();
+}
+
+precision::NF4Weight LinearImpl::nf4_weight() const {
+  precision::NF4Weight w;
+  w.shape = nf4_shape_;
+  w.block_size = nf4_options_.block_size;
+  w.absmax_block_size = nf4_options_.absmax_block_size;
+  w.packed = weight_nf4;
+  if (nf4_options_.double_quant) {
+    w.absmax_q = weight_absmax;
+    w.absmax_scale = fp32_of(weight_absmax_scale);
+    w.absmax_offset = fp32_of(weight_absmax_offset).item<float>();
+  } else {
+    w.absmax = fp32_of(weight_absmax);
+  }
+  return w;
 }
 
 }  // namespace scaletrain::models

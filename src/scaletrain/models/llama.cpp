@@ -73,7 +73,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const ModelConfig& c) : c_(c) {
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   // Under tensor parallelism the projections hold this rank's heads only.
   const int64_t hd = c_.head_dim();
-  const int64_t nh = q_proj->weight.size(0) / hd, nkv = k_proj->weight.size(0) / hd;
+  const int64_t nh = q_proj->out_features() / hd, nkv = k_proj->out_features() / hd;
   const torch::Tensor x = tp ? tp->column_input(input) : input;
   const int64_t B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };

@@ -96,7 +96,7 @@ std::vector<std::string> apply_lora(CausalLM& model, const LoraOptions& o) {
   for (auto& p : model.parameters()) p.requires_grad_(false);
   std::vector<std::string> out;
   for (auto& [path, lin] : layers) {
-    const bool later = deferred(lin->weight);
+    const bool later = deferred(lin->quantized() ? lin->weight_nf4 : lin->weight);
     lin->add_adapter(o.r, o.scaling(), o.dropout);
     for (const char* part : {".lora_A.weight", ".lora_B.weight"}) {
       at::Tensor& t = part[6] == 'A' ? lin->lora_A : lin->lora_B;

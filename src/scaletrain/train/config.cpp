@@ -263,6 +263,8 @@ const std::map<std::string, Field>& fields() {
     ST_STR(finetune, target_modules)
     ST_ENUM(finetune, init)
     ST_ENUM(finetune, bias)
+    ST_BOOL(finetune, double_quant)
+    ST_STR(finetune, adapter_from)
 #undef ST_FIELD
 #undef ST_INT
 #undef ST_DBL

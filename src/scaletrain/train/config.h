@@ -145,6 +145,13 @@ struct FinetuneOptions {
   std::string target_modules;
   std::string init = "kaiming";  // kaiming | gaussian: A's initialization (B starts at zero)
   std::string bias = "none";     // none: biases stay frozen (the only choice)
+  // qlora: the frozen base weights of every linear layer are kept in NF4
+  // (blocks of 64, precision/nf4.h); with double_quant their per-block
+  // scales are quantized to 8 bits too (bitsandbytes' bnb_4bit_use_double_quant).
+  bool double_quant = true;
+  // A PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
+  // to start the adapters from instead of their initialization.
+  std::string adapter_from;
 };
 
 struct Config {

@@ -140,19 +140,12 @@ models::ModelConfig recorded_model(const checkpoint::Index& x, const std::string
   return c;
 }
 
-HubExportResult export_hub(const std::string& step_dir, const std::string& out_dir, const HubExportOptions& options) {
+void write_directory(const std::string& out_dir, const std::string& what,
+                     const std::function<void(const std::string& tmp)>& fill) {
   fs::path out = fs::path(out_dir).lexically_normal();
   if (out.filename().empty()) out = out.parent_path();  // "out/" names "out"
-  if (out.empty()) throw UsageError("checkpoint export: no output directory given");
-  if (!options.dtype.empty()) asked_dtype(options.dtype);  // a bad flag before any reading
-  if (options.max_shard_bytes < 1) throw UsageError("--max-shard-size must be at least one byte");
-  const checkpoint::Index x = checkpoint::read_index(step_dir);
+  if (out.empty()) throw UsageError(what + ": no output directory given");
   check_out_dir(out);
-  const auto bad = checkpoint::verify_files(step_dir, x);
-  if (!bad.empty())
-    throw UsageError("corrupt checkpoint file " + bad.front() +
-                     (bad.size() > 1 ? " (and " + std::to_string(bad.size() - 1) + " more)" : ""));
-
   const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
   const fs::path tmp = parent / ("." + out.filename().string() + ".export-" + std::to_string(::getpid()));
   std::error_code ec;
@@ -161,10 +154,9 @@ HubExportResult export_hub(const std::string& step_dir, const std::string& out_d
   if (!fs::create_directory(tmp, ec) || ec)
     throw UsageError("cannot create " + tmp.string() + ": " + (ec ? ec.message() : "it exists"));
   try {
-    HubExportResult r = write_export(step_dir, x, tmp, options);
+    fill(tmp.string());
     if (fs::exists(out)) fs::remove(out);  // the empty directory check_out_dir allowed
     fs::rename(tmp, out);
-    return r;
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(tmp, ec);
     throw UsageError("cannot write " + out.string() + ": " + e.code().message());
@@ -172,6 +164,27 @@ HubExportResult export_hub(const std::string& step_dir, const std::string& out_d
     fs::remove_all(tmp, ec);
     throw;
   }
+}
+
+HubExportResult export_hub(const std::string& step_dir, const std::string& out_dir, const HubExportOptions& options) {
+  if (!options.dtype.empty()) asked_dtype(options.dtype);  // a bad flag before any reading
+  if (options.max_shard_bytes < 1) throw UsageError("--max-shard-size must be at least one byte");
+  const checkpoint::Index x = checkpoint::read_index(step_dir);
+  {
+    fs::path out = fs::path(out_dir).lexically_normal();
+    if (!out.empty()) check_out_dir(out.filename().empty() ? out.parent_path() : out);  // before reading the files
+  }
+  if (!x.model.finetune.empty())
+    throw UsageError("checkpoint " + step_dir +
+                     " holds adapters only (a finetune run): export them with --adapter, or merge them into "
+                     "the base with `scaletrain lora merge`");
+  const auto bad = checkpoint::verify_files(step_dir, x);
+  if (!bad.empty())
+    throw UsageError("corrupt checkpoint file " + bad.front() +
+                     (bad.size() > 1 ? " (and " + std::to_string(bad.size() - 1) + " more)" : ""));
+  HubExportResult r;
+  write_directory(out_dir, "checkpoint export", [&](const std::string& tmp) { r = write_export(step_dir, x, tmp, options); });
+  return r;
 }
 
 }  // namespace scaletrain::train

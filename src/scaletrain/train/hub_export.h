@@ -18,6 +18,7 @@
 // Everything is written into a temporary directory beside OUT_DIR and renamed
 // onto it at the end, so a failure leaves nothing at OUT_DIR.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,5 +53,12 @@ models::ModelConfig recorded_model(const checkpoint::Index& x, const std::string
 // cannot name in Hub terms, an existing non-empty out_dir, or a bad dtype;
 // nothing is left at out_dir then.
 HubExportResult export_hub(const std::string& step_dir, const std::string& out_dir, const HubExportOptions& options);
+
+// Writes a directory whole or not at all: `fill` writes into a fresh
+// temporary directory beside `out_dir`, which is then renamed onto it.
+// `out_dir` must not exist or be an empty directory (UsageError otherwise,
+// prefixed by `what`); when `fill` throws, nothing is left at out_dir.
+void write_directory(const std::string& out_dir, const std::string& what,
+                     const std::function<void(const std::string& tmp)>& fill);
 
 }  // namespace scaletrain::train

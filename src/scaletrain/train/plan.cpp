@@ -73,6 +73,9 @@ const std::vector<ApplyRule>& apply_rules() {
       {{"finetune."},
        [](const Config& c) { return c.finetune.method != "full"; },
        [](const Config&) { return std::string("finetune.method=full trains every parameter, without adapters"); }},
+      {{"finetune.double_quant"},
+       [](const Config& c) { return c.finetune.method == "qlora"; },
+       [](const Config& c) { return "it is read by finetune.method qlora, not " + c.finetune.method; }},
       {{"parallel.zero."},
        [](const Config& c) { return is_zero(c.parallel.strategy); },
        [](const Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
@@ -158,8 +161,6 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
 // What this build can fine-tune with adapters.
 void check_finetune(const Config& c, Problems& problems) {
   const auto& f = c.finetune;
-  if (f.method == "qlora")
-    problems.add("finetune.method=qlora is not available yet: NF4 base weights are still being built; use lora");
   if (f.method == "full") return;
   if (c.parallel.tp > 1)
     problems.add("finetune.method=" + f.method + " with parallel.tp > 1 is not available yet (adapters are not split "

@@ -1,5 +1,6 @@
 #include "scaletrain/train/strategy.h"
 
+#include <algorithm>
 #include <map>
 #include <unistd.h>
 
@@ -9,9 +10,11 @@
 
 #include "scaletrain/checkpoint/hf_gpt2.h"
 #include "scaletrain/train/hub_load.h"
+#include "scaletrain/train/peft_adapter.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/models/deferred.h"
 #include "scaletrain/models/lora.h"
+#include "scaletrain/models/qlora.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -279,26 +282,119 @@ std::optional<models::LoraOptions> lora_options(const Config& c, const models::M
     if (!name.empty()) o.target_modules.push_back(name);
   }
   if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
+  if (f.adapter_from.empty()) return o;
+  // An adapter to start from decides its rank, scaling and layers; the
+  // config may leave them out, or agree.
+  const Adapter a = read_adapter(f.adapter_from, m.family);
+  const Config defaults;
+  const std::string from = " (finetune.adapter_from " + f.adapter_from + ")";
+  auto agree = [&](const std::string& key, bool same, const std::string& theirs) {
+    if (!same && config_value(c, key) != config_value(defaults, key))
+      throw UsageError(key + "=" + config_value(c, key) + " differs from the adapter's " + theirs + from +
+                       "; leave it out or match it");
+  };
+  agree("finetune.r", f.r == a.settings.r, "r " + std::to_string(a.settings.r));
+  agree("finetune.alpha", f.alpha == a.settings.alpha, "lora_alpha " + c10::str(a.settings.alpha));
+  agree("finetune.rslora", f.rslora == a.settings.rslora, std::string("use_rslora ") + (a.settings.rslora ? "true" : "false"));
+  std::vector<std::string> mine = o.target_modules;
+  std::sort(mine.begin(), mine.end());
+  agree("finetune.target_modules", mine == a.settings.target_modules || mine == std::vector<std::string>{"all-linear"},
+        "layers " + c10::Join(",", a.settings.target_modules));
+  o.r = a.settings.r;
+  o.alpha = a.settings.alpha;
+  o.rslora = a.settings.rslora;
+  o.target_modules = a.settings.target_modules;
   return o;
 }
 
 namespace {
 
+// finetune.method qlora: the NF4 layout of the base weights.
+std::optional<precision::NF4Options> nf4_options(const Config& c) {
+  if (c.finetune.method != "qlora") return std::nullopt;
+  precision::NF4Options o;
+  o.double_quant = c.finetune.double_quant;
+  return o;
+}
+
+// The adapters' starting values, by parameter name: drawn (models/lora.h),
+// or those of finetune.adapter_from, checked against the adapted `model`.
+models::InitFn adapter_values(const Config& c, const models::LoraOptions& lora, const models::CausalLM& model) {
+  if (c.finetune.adapter_from.empty())
+    return [lora](const std::string& name, at::Tensor& out) { models::init_adapter(name, out, lora); };
+  auto a = std::make_shared<Adapter>(read_adapter(c.finetune.adapter_from, model.config().family));
+  check_adapter_fits(*a, model, c.finetune.adapter_from);
+  return [a](const std::string& name, at::Tensor& out) {
+    torch::NoGradGuard no_grad;
+    out.copy_(a->tensors.at(name));
+  };
+}
+
+// An eager model's adapters (lora; qlora models are built by whole_qlora_model).
+void adapt(models::CausalLM& model, const Config& c, const models::ModelConfig& m) {
+  auto lora = lora_options(c, m);
+  if (!lora) return;
+  models::apply_lora(model, *lora);
+  if (c.finetune.adapter_from.empty()) return;
+  const models::InitFn values = adapter_values(c, *lora, model);
+  for (auto& item : model.named_parameters())
+    if (models::is_adapter_parameter(item.key())) values(item.key(), item.value());
+}
+
+// A deferred slice source that fills NF4 parameters: each rank reads the
+// layer's whole weight (one layer at a time), quantizes it and keeps its part.
+fsdp::FlatParam::SliceFill with_nf4_slices(fsdp::FlatParam::SliceFill base, const models::CausalLM& model) {
+  auto source = std::make_shared<models::NF4Source>(model, [base](const std::string& name, at::Tensor& w) {
+    at::Tensor flat = w.view(-1);
+    base(name, 0, flat.numel(), flat);
+  });
+  return [base = std::move(base), source](const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
+    if (!source->owns(name)) return base(name, begin, count, out);
+    out.copy_(source->bytes(name).narrow(0, begin, count));
+  };
+}
+
 // A deferred slice source that also draws adapters (they are not in the
 // files): the whole adapter is drawn and this rank's elements kept.
 fsdp::FlatParam::SliceFill with_adapter_slices(fsdp::FlatParam::SliceFill base, const models::CausalLM& model,
-                                                const models::LoraOptions& lora) {
+                                                models::InitFn values) {
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& item : model.named_parameters())
     if (models::is_adapter_parameter(item.key())) shapes[item.key()] = item.value().sizes().vec();
-  return [base = std::move(base), shapes = std::move(shapes), lora](const std::string& name, int64_t begin,
-                                                                     int64_t count, at::Tensor& out) {
+  return [base = std::move(base), shapes = std::move(shapes), values = std::move(values)](
+             const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
     auto it = shapes.find(name);
     if (it == shapes.end()) return base(name, begin, count, out);
     at::Tensor whole = at::empty(it->second, out.options());
-    models::init_adapter(name, whole, lora);
+    values(name, whole);
     out.copy_(whole.view(-1).narrow(0, begin, count));
   };
+}
+
+// finetune.method qlora on a strategy that holds the whole model: built
+// without bytes, quantized in shape, then made whole one tensor at a time
+// (each layer's full-precision weight read or drawn, quantized and dropped),
+// so no rank ever holds the full-precision model.
+models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
+  models::ModelPtr model = models::make_model(mcfg, /*materialize=*/false);
+  models::set_deferred_dtype(*model, param_dtype);
+  models::InitFn init =
+      c.model.init_from.empty()
+          ? models::init_through(at::kFloat,
+                                 [raw = model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); })
+          : hf_init(model, c.model.init_from);  // checks the files against the unquantized model
+  const auto lora = lora_options(c, mcfg);
+  models::quantize_base(*model, *nf4_options(c));
+  models::apply_lora(*model, *lora);
+  init = models::with_nf4_init(init, *model);
+  const models::InitFn values = adapter_values(c, *lora, *model);
+  torch::NoGradGuard no_grad;
+  for (auto& item : model->named_parameters()) {
+    at::Tensor& p = item.value();
+    if (p.numel() > 0) models::alloc_storage(p);
+    (models::is_adapter_parameter(item.key()) ? values : init)(item.key(), p);
+  }
+  return model;
 }
 
 }  // namespace
@@ -357,10 +453,14 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
-    out.model = models::make_model(mcfg);
-    out.model->to(param_dtype);
-    init_from(out.model, c.model.init_from);
-    if (auto lora = lora_options(c, mcfg)) models::apply_lora(*out.model, *lora);
+    if (nf4_options(c)) {
+      out.model = whole_qlora_model(c, mcfg, param_dtype);
+    } else {
+      out.model = models::make_model(mcfg);
+      out.model->to(param_dtype);
+      init_from(out.model, c.model.init_from);
+      adapt(*out.model, c, mcfg);
+    }
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
@@ -384,16 +484,29 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
       o.deferred_slice_init = hub_slice_init(*out.model, c.model.init_from);  // each rank reads its part
     else
       o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
-    if (auto lora = lora_options(c, mcfg)) {  // deferred adapters, drawn when the engine asks
+    if (auto lora = lora_options(c, mcfg)) {  // deferred adapters (and NF4 bytes), made when the engine asks
+      const auto nf4 = nf4_options(c);
+      if (nf4) models::quantize_base(*out.model, *nf4);
       models::apply_lora(*out.model, *lora);
-      if (o.deferred_init) o.deferred_init = models::with_adapter_init(o.deferred_init, *lora);
-      if (o.deferred_slice_init) o.deferred_slice_init = with_adapter_slices(o.deferred_slice_init, *out.model, *lora);
+      const models::InitFn values = adapter_values(c, *lora, *out.model);
+      if (o.deferred_init) {
+        if (nf4) o.deferred_init = models::with_nf4_init(o.deferred_init, *out.model);
+        o.deferred_init = [base = o.deferred_init, values](const std::string& name, at::Tensor& t) {
+          (models::is_adapter_parameter(name) ? values : base)(name, t);
+        };
+      }
+      if (o.deferred_slice_init) {
+        if (nf4) o.deferred_slice_init = with_nf4_slices(o.deferred_slice_init, *out.model);
+        o.deferred_slice_init = with_adapter_slices(o.deferred_slice_init, *out.model, values);
+      }
     }
+  } else if (nf4_options(c)) {
+    out.model = whole_qlora_model(c, mcfg, param_dtype);
   } else {
     out.model = models::make_model(mcfg);
     out.model->to(param_dtype);
     init_from(out.model, c.model.init_from);
-    if (auto lora = lora_options(c, mcfg)) models::apply_lora(*out.model, *lora);
+    adapt(*out.model, c, mcfg);
   }
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {

@@ -24,6 +24,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/metrics.h"
+#include "scaletrain/train/peft_adapter.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
@@ -121,6 +122,7 @@ struct Run {
   double peak_flops = 0;
   double setup_peak_mb = 0, rss_before_setup = 0, rss_file_before_setup = 0;
   checkpoint::Layout layout;  // what this rank saves and loads
+  std::string finetune;       // checkpoint::ModelShape::finetune of this run ("" when every parameter trains)
   std::unique_ptr<checkpoint::Checkpointer> ckpt;
   std::unique_ptr<MetricsSink> sink;
   MeasuredMemory mem;
@@ -218,6 +220,49 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   std::fflush(stdout);
 }
 
+// A finetune run saves and loads its adapters only: every piece of a frozen
+// parameter is dropped (frozen flats are whole slots; adapters never share
+// a slot with frozen parameters).
+checkpoint::Layout adapters_only(checkpoint::Layout l) {
+  std::vector<checkpoint::Slot> kept;
+  for (auto& slot : l.slots) {
+    std::vector<checkpoint::SlotPiece> pieces;
+    for (auto& p : slot.pieces)
+      if (models::is_adapter_parameter(p.name)) pieces.push_back(std::move(p));
+    if (pieces.empty()) continue;
+    slot.pieces = std::move(pieces);
+    kept.push_back(std::move(slot));
+  }
+  l.slots = std::move(kept);
+  return l;
+}
+
+// A checkpoint resumes a run of the same kind: full into full, adapters into
+// adapters of the same settings on the same base.
+void check_resumable(const checkpoint::Index& x, const std::string& from, const Run& r) {
+  if (x.model.finetune.empty() == r.finetune.empty()) {
+    if (r.finetune.empty()) return;
+    const auto saved = settings_from_json(nlohmann::json::parse(x.model.finetune), from + "/index.json");
+    const auto now = settings_from_json(nlohmann::json::parse(r.finetune), "this run");
+    if (saved.base != now.base)
+      throw UsageError("checkpoint " + from + " holds adapters of base '" + saved.base +
+                       "', but model.init_from is '" + now.base + "' ('' = the seeded random init)");
+    if (saved.method != now.method || saved.r != now.r || saved.target_modules != now.target_modules ||
+        saved.double_quant != now.double_quant)
+      throw UsageError("checkpoint " + from + " holds " + saved.method + " adapters (r=" + std::to_string(saved.r) +
+                       ", layers " + c10::Join(",", saved.target_modules) + "), not those this run's finetune section " +
+                       "asks for (" + now.method + ", r=" + std::to_string(now.r) + ", layers " +
+                       c10::Join(",", now.target_modules) + ")");
+    return;
+  }
+  if (r.finetune.empty())
+    throw UsageError("checkpoint " + from + " holds adapters only (finetune.method " +
+                     nlohmann::json::parse(x.model.finetune).value("method", std::string("lora")) +
+                     "); resume it with the same finetune section");
+  throw UsageError("checkpoint " + from + " holds a whole model, not adapters: start the finetune run from an " +
+                   "exported Hub directory (model.init_from) instead");
+}
+
 // Resuming restores, besides the tensors, everything the next step depends
 // on: the step (which also positions the LR schedule and the sampler, both
 // pure functions of it), AdamW's step count, the loss scaler and the RNG.
@@ -228,6 +273,12 @@ int64_t resume(Run& r) {
   if (!cfg.checkpoint.dir.empty() || !from.empty()) {  // only runs that checkpoint need a layout
     r.layout = r.dp().checkpoint_layout();
     r.layout.mesh = r.dims.describe();
+    if (auto lora = lora_options(cfg, r.plan.model)) {  // adapters only (Note [PEFT adapter directories])
+      r.layout = adapters_only(std::move(r.layout));
+      r.finetune = settings_to_json(adapter_settings(r.model(), *lora, cfg.finetune.method, cfg.model.init_from,
+                                                     cfg.finetune.double_quant))
+                       .dump();
+    }
   }
   if (!cfg.checkpoint.dir.empty())
     r.ckpt = std::make_unique<checkpoint::Checkpointer>(
@@ -236,6 +287,7 @@ int64_t resume(Run& r) {
                                       r.plan.full_state_dict, tokenizer_assets(cfg.data.tokenizer)});
   if (from.empty()) return 0;
   const auto t_load = std::chrono::steady_clock::now();
+  check_resumable(checkpoint::read_index(from), from, r);
   const checkpoint::Index index = checkpoint::load_checkpoint(from, r.layout, r.opt.get());
   r.dp().after_load();
   if (r.scaler && !index.state.loss_scaler.empty())
@@ -339,6 +391,7 @@ void save_checkpoint(Run& r, int64_t done) {
       {done, r.opt->steps(), r.scaler ? r.scaler->state().to_map() : std::map<std::string, double>{},
        checkpoint::cpu_rng_state()},
       model_shape(r.plan.model)};
+  st.model.finetune = r.finetune;
   r.ckpt->save(r.layout, r.opt.get(), st);
   if (r.lead)
     std::printf("scaletrain: checkpoint %s %s (training stalled %.3f s)\n",

@@ -102,6 +102,44 @@ TEST(EstimateParams, LoraTrainableCountMatchesPeft) {
   EXPECT_DOUBLE_EQ(e.optimizer, 4194304.0 * 8);
 }
 
+TEST(EstimateParams, QloraKeepsTheBlocksLinearWeightsInNf4) {
+  // Llama-2-7B's linear weights per block: q, k, v, o 4 x 4096^2 = 67,108,864
+  // and gate, up, down 3 x 4096 x 11008 = 135,266,304: 202,375,168, x 32 =
+  // 6,476,005,376 in NF4 (4 bits + an 8-bit absmax per 64 + an fp32 scale per
+  // 16,384 = 0.515869140625 bytes each); the other 262,410,240 frozen weights
+  // (embeddings, norms) and the 4,194,304 adapters stay 16-bit.
+  EXPECT_DOUBLE_EQ(est::kNf4BytesPerParam, 0.515869140625);
+  est::Layout l;
+  l.lora_rank = 8;
+  l.qlora = true;
+  const auto e = est::estimate_rank(cat::estimator_preset("llama-2-7b"), l);
+  const double Q = 6476005376.0;
+  EXPECT_NEAR(e.params, (6738415616.0 - Q + 4194304.0) * 2 + Q * 0.515869140625, 1.0);
+  EXPECT_EQ(e.trainable_params, 4194304);
+  EXPECT_DOUBLE_EQ(e.gradients, 4194304.0 * 2);
+  // Llama-2-70B QLoRA under ZeRO-3: the NF4 base is sharded like any weight.
+  const auto spec = cat::estimator_preset("llama-2-70b");
+  double prev = 0;
+  for (int64_t n : {2, 4, 8}) {
+    est::Layout z;
+    z.world_size = n;
+    z.sharding = est::Sharding::kZero3;
+    z.lora_rank = 16;
+    z.lora_targets = est::LoraTargets::kAllLinear;
+    z.qlora = true;
+    const auto r = est::estimate_rank(spec, z);
+    z.qlora = false;
+    const auto full16 = est::estimate_rank(spec, z);
+    EXPECT_LT(r.params, 0.3 * full16.params) << n;  // 4.1 of 16 bits for nearly all weights
+    if (prev > 0) EXPECT_NEAR(r.params, prev / 2, 0.01 * prev) << n;
+    prev = r.params;
+  }
+  est::Layout bad;
+  bad.qlora = true;
+  EXPECT_NE(usage_error([&] { est::estimate_rank(cat::estimator_preset("llama-2-7b"), bad); }).find("QLoRA needs a LoRA rank"),
+            std::string::npos);
+}
+
 // ---- Accelerate ---------------------------------------------------------------
 
 TEST(EstimateAccelerate, Gpt2TableByHand) {

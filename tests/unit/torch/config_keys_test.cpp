@@ -145,6 +145,8 @@ const std::map<std::string, Check>& table() {
     {"finetune.target_modules", {"c_fc", What::Line, "finetune", {"finetune.method=lora"}}},
     {"finetune.init", {"gaussian", What::Losses, "", {"finetune.method=lora"}}},
     {"finetune.bias", {"all", What::Refused, "finetune.bias must be one of none"}},
+    {"finetune.double_quant", {"false", What::Losses, "", {"finetune.method=qlora"}}},
+    {"finetune.adapter_from", {"@ADAPTER@", What::Losses, "", {"finetune.method=lora"}}},
   };
   return t;
 }
@@ -201,6 +203,14 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     fs::remove_all(done);
     EXPECT_EQ(run("train " + base_config().string() + " --checkpoint.dir=" + done.string()).code, 0);
     put("@DONE@", done.string());
+  }
+  if (s.find("@ADAPTER@") != std::string::npos) {  // a trained LoRA adapter of the base config's model, PEFT layout
+    const auto ck = scratch() / "adapter_ckpt", out = scratch() / "adapter_dir";
+    fs::remove_all(ck);
+    fs::remove_all(out);
+    EXPECT_EQ(run("train " + base_config().string() + " --finetune.method=lora --checkpoint.dir=" + ck.string()).code, 0);
+    EXPECT_EQ(run("checkpoint export " + (ck / "step-000003").string() + " --adapter -o " + out.string()).code, 0);
+    put("@ADAPTER@", out.string());
   }
   if (s.find("@CONFIGJSON@") != std::string::npos) {  // a small llama with the base config's dimensions
     const nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 256}, {"max_position_embeddings", 128},

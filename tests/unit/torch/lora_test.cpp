@@ -1,7 +1,9 @@
 // LoRA adapters (models/lora.h) on both families, against what PEFT
 // defines: the adapted model starts equal to the base model, only A and B
 // train, the forward is base + scaling * B A x, and merging B A * scaling
-// into W gives the same model.
+// into W gives the same model. QLoRA (models/qlora.h): the base weights in
+// NF4 parameters, computed on their dequantization, deferred ones filled
+// with the eager bytes.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +13,8 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/linear.h"
 #include "scaletrain/models/lora.h"
+#include "scaletrain/models/qlora.h"
+#include "scaletrain/precision/nf4.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
@@ -214,6 +218,111 @@ TEST(Lora, BadTargetsAreRefusedByName) {
   EXPECT_THROW(models::apply_lora(*build("tiny"), lora({"lm_head"})), UsageError);  // heads are not adapted
   EXPECT_THROW(models::apply_lora(*build("tiny"), lora({"c_attn"}, 0)), UsageError);
   EXPECT_THROW(models::apply_lora(*build("tiny"), lora({"all-linear", "c_fc"})), UsageError);
+}
+
+// A quantized layer holds the four uint8 parameters in the weight's place and
+// computes x W'^T + b with W' the NF4 round trip of its weight.
+TEST(Qlora, QuantizedLayerComputesOnTheDequantizedWeight) {
+  torch::manual_seed(3);
+  models::Linear lin(96, 40, true);
+  lin->to(at::kDouble);
+  const at::Tensor w = lin->weight.detach().clone(), b = lin->bias.detach().clone();
+  lin->quantize({});
+  std::vector<std::string> names;
+  for (const auto& item : lin->named_parameters()) {
+    names.push_back(item.key());
+    if (item.key() != "bias") {
+      EXPECT_EQ(item.value().scalar_type(), at::kByte) << item.key();
+      EXPECT_FALSE(item.value().requires_grad()) << item.key();
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"weight_nf4", "weight_absmax", "weight_absmax_scale",
+                                             "weight_absmax_offset", "bias"}));
+  EXPECT_FALSE(lin->weight.defined());
+  EXPECT_EQ(lin->weight_nf4.numel(), 96 * 40 / 2);
+  EXPECT_EQ(lin->weight_absmax.numel(), 96 * 40 / 64);
+  EXPECT_EQ(lin->in_features(), 96);
+  EXPECT_EQ(lin->out_features(), 40);
+  const at::Tensor wq = precision::nf4_dequantize(precision::nf4_quantize(w), at::kDouble);
+  EXPECT_FALSE(torch::equal(wq, w));  // the layer really computes on 4 bits
+  auto x = torch::randn({3, 96}, torch::kDouble);
+  EXPECT_TRUE(torch::allclose(lin(x), torch::linear(x, wq, b), 1e-12, 1e-12));
+  // The adapter trains in the weight's dtype on top of it.
+  lin->add_adapter(4, 2.0, 0.0);
+  EXPECT_EQ(lin->lora_A.scalar_type(), at::kDouble);
+  EXPECT_EQ(lin->lora_B.sizes(), (std::vector<int64_t>{40, 4}));
+  {
+    torch::NoGradGuard g;
+    lin->lora_A.normal_();
+    lin->lora_B.normal_();
+  }
+  const auto want = torch::linear(x, wq, b) + 2.0 * torch::linear(torch::linear(x, lin->lora_A), lin->lora_B);
+  EXPECT_TRUE(torch::allclose(lin(x), want, 1e-12, 1e-12));
+  EXPECT_THROW(lin->quantize({}), c10::Error);
+}
+
+// Without double quantization the per-block absmax is kept as fp32 bytes.
+TEST(Qlora, WithoutDoubleQuantTheAbsmaxIsStoredInFp32) {
+  torch::manual_seed(4);
+  models::Linear lin(64, 8, false);
+  const at::Tensor w = lin->weight.detach().clone();
+  precision::NF4Options o;
+  o.double_quant = false;
+  lin->quantize(o);
+  EXPECT_EQ(lin->weight_absmax.numel(), 8 * 4);
+  EXPECT_EQ(lin->weight_absmax_scale.numel(), 0);
+  const auto q = precision::nf4_quantize(w, o);
+  EXPECT_TRUE(torch::equal(lin->weight_absmax.clone().view(at::kFloat), q.absmax));
+  auto x = torch::randn({2, 64});
+  EXPECT_TRUE(torch::allclose(lin(x), torch::linear(x, precision::nf4_dequantize(q)), 1e-6, 1e-6));
+}
+
+// QLoRA on a whole model: before the first step it computes what the
+// quantized base does; only the adapters have gradients.
+TEST_P(LoraFamilies, QuantizedBaseWithAdaptersStartsEqualToTheQuantizedBase) {
+  auto base = build(GetParam());
+  EXPECT_GT(models::quantize_base(*base, {}), 0);
+  auto adapted = build(GetParam());
+  models::quantize_base(*adapted, {});
+  models::apply_lora(*adapted, lora({"all-linear"}));
+  auto [x, y] = batch(base->config().vocab_size);
+  const auto l0 = base->loss(x, y), l1 = adapted->loss(x, y);
+  EXPECT_EQ(l0.item<double>(), l1.item<double>());
+  auto full = build(GetParam());
+  EXPECT_NE(full->loss(x, y).item<double>(), l0.item<double>());  // quantization changed the model
+  l1.backward();
+  for (const auto& item : adapted->named_parameters()) {
+    const bool adapter = models::is_adapter_parameter(item.key());
+    EXPECT_EQ(item.value().requires_grad(), adapter) << item.key();
+    if (models::is_nf4_parameter(item.key())) EXPECT_EQ(item.value().scalar_type(), at::kByte) << item.key();
+    if (item.key().find("lora_A") != std::string::npos)  // B = 0: A's gradient is zero
+      EXPECT_EQ(item.value().grad().abs().max().item<double>(), 0) << item.key();
+    if (item.key().find("lora_B") != std::string::npos) EXPECT_GT(item.value().grad().abs().max().item<double>(), 0);
+  }
+}
+
+// A deferred model's NF4 parameters, filled one at a time in registration
+// order from the weights the model would draw, hold the eager model's bytes.
+TEST(Qlora, DeferredNf4ParametersGetTheEagerBytes) {
+  auto eager = build("llama-tiny", at::kFloat);
+  models::quantize_base(*eager, {});
+  torch::manual_seed(5);
+  auto deferred = models::make_model(config("llama-tiny"), /*materialize=*/false);
+  models::quantize_base(*deferred, {});
+  auto* raw = deferred.get();
+  auto init = models::with_nf4_init(
+      models::init_through(at::kFloat, [raw](const std::string& n, at::Tensor& t) { raw->init_parameter(n, t); }),
+      *deferred);
+  auto e = eager->named_parameters();
+  int nf4 = 0;
+  for (const auto& item : deferred->named_parameters()) {
+    if (item.value().numel() > 0) EXPECT_EQ(item.value().storage().nbytes(), 0u) << item.key();
+    at::Tensor v = at::empty(item.value().sizes(), item.value().options());
+    init(item.key(), v);
+    EXPECT_TRUE(torch::equal(v, e[item.key()])) << item.key();
+    nf4 += models::is_nf4_parameter(item.key());
+  }
+  EXPECT_EQ(nf4, 2 * 7 * 4);  // 7 linear layers per block, 2 blocks, 4 parameters each
 }
 
 }  // namespace

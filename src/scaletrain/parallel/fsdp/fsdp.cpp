@@ -454,8 +454,11 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
         names.push_back(named[i].key());
         params.push_back(named[i].value());
       }
-      fo.master_dtype =
-          options_.master_dtype == at::ScalarType::Undefined ? params.front().scalar_type() : options_.master_dtype;
+      // Frozen flats are never updated: their shard stays in the parameter
+      // dtype (a uint8 NF4 flat must not become fp32, nor a bf16 one double).
+      fo.master_dtype = options_.master_dtype == at::ScalarType::Undefined || !key.second
+                            ? params.front().scalar_type()
+                            : options_.master_dtype;
       unit.flats.push_back(
           std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo, deferred));
       for (size_t j = 0; j < order.size(); ++j) where[order[j]] = {u, unit.flats.size() - 1, j};
