@@ -13,10 +13,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "scaletrain/checkpoint/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/lora.h"
 #include "scaletrain/train/hub_load.h"
@@ -97,7 +99,12 @@ at::Tensor ids_batch(int64_t vocab) {
 double our_loss(const fs::path& hub, const at::Tensor& ids, const fs::path& adapter = {}) {
   const models::ModelConfig c = models::read_hf_config(hub.string());
   auto m = models::make_model(c);
-  train::load_hub_weights(*m, hub.string());
+  if (c.family == "gpt2") {
+    models::GPT gpt(std::dynamic_pointer_cast<models::GPTImpl>(m));
+    checkpoint::import_hf_gpt2(gpt, hub.string());
+  } else {
+    train::load_hub_weights(*m, hub.string());
+  }
   if (!adapter.empty()) {
     const train::Adapter a = train::read_adapter(adapter.string(), c.family);
     models::apply_lora(*m, a.settings.lora_options(0));
@@ -256,6 +263,45 @@ TEST(PeftAdapter, QloraLearnsAndTwoZero3RanksMatchOne) {
                                           " --finetune.method=lora --finetune.target_modules=all-linear --train.steps=1");
   ASSERT_EQ(lora.size(), 1u);
   EXPECT_GT(std::abs(lora[0] - one[0]), 1e-5);
+}
+
+// Adapters written by the Python reference (PEFT's layout, random A and B)
+// merge as the reference merges them: a GPT-2 base (Conv1D weights stored
+// [in, out], the delta transposed) and a llama base with rsLoRA scaling.
+TEST(PeftAdapter, ReferenceAdaptersMergeAsTheReferenceMerges) {
+  const fs::path gpt2_root = scratch() / "gpt2_ckpt", gpt2_hub = scratch() / "gpt2_hub";
+  fs::remove_all(gpt2_root);
+  fs::remove_all(gpt2_hub);
+  train("gpt2_base", "--train.steps=1 --checkpoint.dir=" + gpt2_root.string());
+  ASSERT_EQ(run("checkpoint export " + checkpoint::newest_checkpoint(gpt2_root.string()).value_or("") + " -o " +
+                gpt2_hub.string())
+                .code,
+            0);
+  const std::string py = std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/peft_lora.py ";
+  struct Case {
+    fs::path base;
+    std::string make;
+  };
+  for (const Case& c : {Case{gpt2_hub, "--r 4 --alpha 8 --targets c_attn,c_fc --seed 3"},
+                        Case{base_dir(), "--r 4 --alpha 8 --rslora --targets q_proj,v_proj,down_proj --seed 4"}}) {
+    const std::string tag = c.base.filename().string();
+    const fs::path adapter = scratch() / (tag + "_ref_adapter"), ours = scratch() / (tag + "_merged_ours"),
+                   theirs = scratch() / (tag + "_merged_ref");
+    for (const auto& d : {adapter, ours, theirs}) fs::remove_all(d);
+    ASSERT_EQ(std::system((py + "make " + c.base.string() + " " + adapter.string() + " " + c.make).c_str()), 0) << tag;
+    ASSERT_EQ(std::system((py + "merge " + c.base.string() + " " + adapter.string() + " " + theirs.string()).c_str()), 0);
+    const auto r = run("lora merge " + c.base.string() + " " + adapter.string() + " -o " + ours.string());
+    ASSERT_EQ(r.code, 0) << r.err;
+    // Tensor by tensor: the same merged weights (both sum in fp64, store fp32).
+    checkpoint::HubWeights a(ours.string()), b(theirs.string());
+    ASSERT_EQ(a.names(), b.names()) << tag;
+    for (const auto& name : a.names())
+      EXPECT_TRUE(torch::equal(a.read(name, at::kFloat), b.read(name, at::kFloat))) << tag << " " << name;
+    const at::Tensor ids = ids_batch(models::read_hf_config(c.base.string()).vocab_size);
+    const double adapted = our_loss(c.base, ids, adapter), merged = our_loss(ours, ids);
+    EXPECT_NEAR(merged, adapted, 1e-5 * adapted) << tag;
+    EXPECT_GT(std::abs(adapted - our_loss(c.base, ids)), 1e-4) << tag << ": the adapter changed nothing";
+  }
 }
 
 TEST(PeftAdapter, BadInputIsOneLineAndWritesNothing) {
