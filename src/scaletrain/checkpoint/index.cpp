@@ -24,6 +24,21 @@ using nlohmann::json;
 
 namespace {
 
+// A file an index may name: a relative path of at most two plain components
+// ("rank-00000.safetensors", "tokenizer/tokenizer.json"), never one that
+// leaves the step directory ("..", an absolute path) or hides in it (".").
+bool plain_name(const std::string& name) {
+  if (name.empty() || name.front() == '/' || name.find('\\') != std::string::npos || name.find('\0') != std::string::npos)
+    return false;
+  int parts = 0;
+  std::stringstream ss(name);
+  for (std::string part; std::getline(ss, part, '/');) {
+    if (part.empty() || part == "." || part == "..") return false;
+    ++parts;
+  }
+  return parts >= 1 && parts <= 2 && name.back() != '/';
+}
+
 constexpr const char* kFormat = "scaletrain-checkpoint";
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kStepPrefix = "step-";
@@ -133,9 +148,12 @@ Index index_from_json(const std::string& text, const std::string& source) {
     x.state.optimizer_steps = s.at("optimizer_steps").get<int64_t>();
     x.state.loss_scaler = s.at("loss_scaler").get<std::map<std::string, double>>();
     x.state.rng_cpu = s.at("rng_cpu").get<std::string>();
-    for (const auto& f : j.at("files"))
-      x.files.push_back({f.at("name").get<std::string>(), f.at("rank").get<int>(), f.at("bytes").get<int64_t>(),
-                         f.at("crc32").get<uint32_t>()});
+    for (const auto& f : j.at("files")) {
+      const std::string name = f.at("name").get<std::string>();
+      if (!plain_name(name))
+        fail(source, "file name '" + name + "' is not a plain name inside the step directory");
+      x.files.push_back({name, f.at("rank").get<int>(), f.at("bytes").get<int64_t>(), f.at("crc32").get<uint32_t>()});
+    }
     for (const auto& [name, t] : j.at("tensors").items()) {
       TensorEntry e;
       e.shape = t.at("shape").get<std::vector<int64_t>>();

@@ -60,9 +60,34 @@ optim::ScheduleOptions schedule(const TrainOptions& t) {
 }
 
 // The checkpoint to resume from per checkpoint.resume, or "" for a fresh start.
-std::string resume_path(const CheckpointingOptions& c) {
+// Under auto, the newest complete checkpoint whose files pass their checksums:
+// a newer one that fails is skipped with a line naming the bad file (`lead`
+// prints it), and when every one fails the run stops rather than starting
+// over beside them.
+std::string resume_path(const CheckpointingOptions& c, bool lead) {
   if (c.resume == "never") return "";
-  if (c.resume == "auto") return c.dir.empty() ? "" : checkpoint::newest_checkpoint(c.dir).value_or("");
+  if (c.resume == "auto") {
+    if (c.dir.empty()) return "";
+    const std::vector<std::string> all = checkpoint::complete_checkpoints(c.dir);
+    std::string newest_bad;
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      std::string bad;
+      try {
+        const std::vector<std::string> problems = checkpoint::verify_files(*it, checkpoint::read_index(*it));
+        if (problems.empty()) return *it;
+        bad = "corrupt file " + problems.front();
+      } catch (const UsageError& e) {
+        bad = e.what();
+      }
+      if (lead) std::printf("scaletrain: checkpoint.resume=auto: skipping %s: %s\n", it->c_str(), bad.c_str());
+      if (newest_bad.empty()) newest_bad = bad;
+    }
+    if (!all.empty())
+      throw UsageError("checkpoint.resume=auto: none of the " + std::to_string(all.size()) + " checkpoints in " +
+                       c.dir + " is intact (the newest: " + newest_bad +
+                       "); remove them, or set checkpoint.resume=never to start over");
+    return "";
+  }
   namespace fs = std::filesystem;
   if (fs::exists(fs::path(c.resume) / "index.json")) return c.resume;         // a step directory
   if (auto newest = checkpoint::newest_checkpoint(c.resume)) return *newest;  // a root of step directories
@@ -269,7 +294,7 @@ void check_resumable(const checkpoint::Index& x, const std::string& from, const 
 // Returns the step to start from.
 int64_t resume(Run& r) {
   const Config& cfg = r.cfg;
-  const std::string from = resume_path(cfg.checkpoint);
+  const std::string from = resume_path(cfg.checkpoint, r.lead);
   if (!cfg.checkpoint.dir.empty() || !from.empty()) {  // only runs that checkpoint need a layout
     r.layout = r.dp().checkpoint_layout();
     r.layout.mesh = r.dims.describe();

@@ -269,6 +269,47 @@ TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
   EXPECT_NE(out.find("BAD"), std::string::npos) << out;
 }
 
+// checkpoint.resume=auto passes over a newest checkpoint whose file fails
+// its checksum, says so naming the file, and resumes the newest intact one.
+TEST(CheckpointCorrupt, AutoResumeSkipsToTheNewestIntact) {
+  const auto dir = fresh("corrupt_auto");
+  train(0, "corrupt_auto", "--train.steps=4 --checkpoint.every=2 --checkpoint.dir=" + dir.string(), 0);
+  const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 4)) / "rank-00000.safetensors";
+  ASSERT_TRUE(fs::exists(file));
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-5, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x20;
+    f.seekp(-5, std::ios::end);
+    f.write(&c, 1);
+  }
+  int code = 0;
+  const std::string out =
+      capture("train " + config().string() + " --train.steps=6 --checkpoint.dir=" + dir.string(), &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("skipping " + checkpoint::step_dir(dir.string(), 4) + ": corrupt file " + file.string()),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 2)), std::string::npos) << out;
+}
+
+// An index may only name files inside its step directory.
+TEST(CheckpointIndex, RejectsFileNamesOutsideTheStepDirectory) {
+  for (const std::string name : {"../../../etc/passwd", "/etc/passwd", "tokenizer/../../x", "./rank-00000.safetensors",
+                                 "a/b/c", ""}) {
+    Index x = small_index();
+    x.files[0].name = name;
+    const std::string msg =
+        usage_error([&] { checkpoint::index_from_json(checkpoint::index_to_json(x), "mem"); });
+    EXPECT_NE(msg.find("is not a plain name inside the step directory"), std::string::npos) << name << ": " << msg;
+  }
+  Index ok = small_index();
+  ok.files[1].name = "tokenizer/tokenizer.json";  // the run's tokenizer files (Note [Checkpoint assets])
+  EXPECT_EQ(checkpoint::index_from_json(checkpoint::index_to_json(ok), "mem").files[1].name, "tokenizer/tokenizer.json");
+}
+
 TEST(CheckpointInspect, ShowsLayoutTensorsAndChecksums) {
   const auto dir = fresh("inspect");
   train(2, "inspect", "--parallel.strategy=zero2 --train.steps=2 --checkpoint.dir=" + dir.string(), 29924);
