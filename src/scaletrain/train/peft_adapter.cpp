@@ -272,7 +272,8 @@ void check_adapter_fits(const Adapter& a, const models::CausalLM& model, const s
   }
   for (const auto& [name, t] : a.tensors)
     if (!seen.count(name))
-      throw UsageError("adapter " + dir + ": " + peft_tensor_name(family, name) + " names no layer of the model");
+      throw UsageError("adapter " + dir + ": " + peft_tensor_name(family, name) +
+                       " adapts a layer that this run does not (finetune.target_modules)");
 }
 
 int64_t export_adapter(const std::string& step_dir, const std::string& out_dir) {

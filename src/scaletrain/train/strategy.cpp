@@ -1,6 +1,5 @@
 #include "scaletrain/train/strategy.h"
 
-#include <algorithm>
 #include <map>
 #include <unistd.h>
 
@@ -296,14 +295,13 @@ std::optional<models::LoraOptions> lora_options(const Config& c, const models::M
   agree("finetune.r", f.r == a.settings.r, "r " + std::to_string(a.settings.r));
   agree("finetune.alpha", f.alpha == a.settings.alpha, "lora_alpha " + c10::str(a.settings.alpha));
   agree("finetune.rslora", f.rslora == a.settings.rslora, std::string("use_rslora ") + (a.settings.rslora ? "true" : "false"));
-  std::vector<std::string> mine = o.target_modules;
-  std::sort(mine.begin(), mine.end());
-  agree("finetune.target_modules", mine == a.settings.target_modules || mine == std::vector<std::string>{"all-linear"},
-        "layers " + c10::Join(",", a.settings.target_modules));
   o.r = a.settings.r;
   o.alpha = a.settings.alpha;
   o.rslora = a.settings.rslora;
-  o.target_modules = a.settings.target_modules;
+  // Layers named in the config stay (the adapter must then cover exactly
+  // them: check_adapter_fits, once they are adapted); else the adapter's.
+  if (config_value(c, "finetune.target_modules") == config_value(defaults, "finetune.target_modules"))
+    o.target_modules = a.settings.target_modules;
   return o;
 }
 

@@ -212,8 +212,10 @@ TEST(PeftAdapter, AdapterFromStartsWhereTheAdapterIs) {
   fs::remove_all(merged);
   ASSERT_EQ(run("lora merge " + base_dir().string() + " " + f.adapter.string() + " -o " + merged.string()).code, 0);
   const std::string common = kLlama + " --train.steps=1 --parallel.strategy=zero3 --finetune.method=lora";
+  // Naming the layers the adapter has (here all of them) is accepted.
   const auto from = train("from_adapter", common + " --model.init_from=" + base_dir().string() +
-                                              " --finetune.adapter_from=" + f.adapter.string(),
+                                              " --finetune.target_modules=all-linear --finetune.adapter_from=" +
+                                              f.adapter.string(),
                           2, 30631);
   const auto fresh = train("fresh_on_merged", common + " --model.init_from=" + merged.string() +
                                                   " --finetune.r=4 --finetune.target_modules=all-linear",
@@ -338,6 +340,10 @@ TEST(PeftAdapter, BadInputIsOneLineAndWritesNothing) {
   expect_usage_error(run("train " + small_train_config("bad_r.yaml", 0).string() + kLlama +
                          " --finetune.method=lora --finetune.r=2 --finetune.adapter_from=" + f.adapter.string()),
                      "finetune.r=2 differs from the adapter's r 4");
+  expect_usage_error(run("train " + small_train_config("bad_t_from.yaml", 0).string() + kLlama +
+                         " --finetune.method=lora --finetune.target_modules=q_proj,v_proj --finetune.adapter_from=" +
+                         f.adapter.string()),
+                     "adapts a layer that this run does not (finetune.target_modules)");
   // Exports of the wrong kind.
   expect_usage_error(run("checkpoint export " + f.ckpt.string() + " -o " + out.string()), "holds adapters only");
   expect_usage_error(run("checkpoint consolidate " + f.ckpt.string() + " -o " + (out / "x.safetensors").string()),
