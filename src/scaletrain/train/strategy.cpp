@@ -395,6 +395,17 @@ models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& m
   return model;
 }
 
+// The whole model on this rank, loaded from model.init_from, with its
+// adapters (QLoRA's built tensor by tensor, whole_qlora_model).
+models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
+  if (nf4_options(c)) return whole_qlora_model(c, mcfg, param_dtype);
+  models::ModelPtr model = models::make_model(mcfg);
+  model->to(param_dtype);
+  init_from(model, c.model.init_from);
+  adapt(*model, c, mcfg);
+  return model;
+}
+
 }  // namespace
 
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
@@ -451,14 +462,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
-    if (nf4_options(c)) {
-      out.model = whole_qlora_model(c, mcfg, param_dtype);
-    } else {
-      out.model = models::make_model(mcfg);
-      out.model->to(param_dtype);
-      init_from(out.model, c.model.init_from);
-      adapt(*out.model, c, mcfg);
-    }
+    out.model = whole_model(c, mcfg, param_dtype);
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
@@ -498,13 +502,8 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
         o.deferred_slice_init = with_adapter_slices(o.deferred_slice_init, *out.model, values);
       }
     }
-  } else if (nf4_options(c)) {
-    out.model = whole_qlora_model(c, mcfg, param_dtype);
   } else {
-    out.model = models::make_model(mcfg);
-    out.model->to(param_dtype);
-    init_from(out.model, c.model.init_from);
-    adapt(*out.model, c, mcfg);
+    out.model = whole_model(c, mcfg, param_dtype);
   }
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {
