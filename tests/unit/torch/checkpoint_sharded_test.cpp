@@ -247,20 +247,23 @@ TEST(CheckpointResume, KeepsTheLastTwoAndResumesTheNewest) {
   EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 6)), std::string::npos) << out;
 }
 
+// Corrupts `file` in place: the byte `from_end` bytes before its end, xored with `mask`.
+void flip_bit(const fs::path& file, int from_end, char mask) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-from_end, std::ios::end);
+  char c = 0;
+  f.read(&c, 1);
+  c ^= mask;
+  f.seekp(-from_end, std::ios::end);
+  f.write(&c, 1);
+}
+
 TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
   const auto dir = fresh("corrupt");
   train(0, "corrupt", "--train.steps=2 --checkpoint.dir=" + dir.string(), 0);
   const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 2)) / "rank-00000.safetensors";
   ASSERT_TRUE(fs::exists(file));
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-3, std::ios::end);
-    char c = 0;
-    f.read(&c, 1);
-    c ^= 0x10;
-    f.seekp(-3, std::ios::end);
-    f.write(&c, 1);
-  }
+  flip_bit(file, 3, 0x10);
   expect_usage_error(run("train " + config().string() + " --train.steps=4 --checkpoint.dir=" + dir.string()),
                      file.string());
   int code = 0;
@@ -276,15 +279,7 @@ TEST(CheckpointCorrupt, AutoResumeSkipsToTheNewestIntact) {
   train(0, "corrupt_auto", "--train.steps=4 --checkpoint.every=2 --checkpoint.dir=" + dir.string(), 0);
   const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 4)) / "rank-00000.safetensors";
   ASSERT_TRUE(fs::exists(file));
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-5, std::ios::end);
-    char c = 0;
-    f.read(&c, 1);
-    c ^= 0x20;
-    f.seekp(-5, std::ios::end);
-    f.write(&c, 1);
-  }
+  flip_bit(file, 5, 0x20);
   int code = 0;
   const std::string out =
       capture("train " + config().string() + " --train.steps=6 --checkpoint.dir=" + dir.string(), &code);
