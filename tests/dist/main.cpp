@@ -2,6 +2,8 @@
 // binary under `scaletrain launch`, sharing one World for all tests. Tests run
 // in the same order on every rank, so their collectives line up.
 #include <gtest/gtest.h>
+
+#include <string>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -26,8 +28,10 @@ int main(int argc, char** argv) {
   o.timeout = std::chrono::seconds(60);
   if (const char* t = std::getenv("SCALETRAIN_TEST_TIMEOUT_S")) o.timeout = std::chrono::seconds(std::atoi(t));
   scaletrain::test::world_ptr() = scaletrain::comm::World::init(o);
-  // Only rank 0 prints the test log; failures on any rank still fail the exit code.
-  if (scaletrain::test::world().rank() != 0) {
+  // Only rank 0 prints the test log (SCALETRAIN_TEST_ALL_RANKS=1: every
+  // rank); failures on any rank still fail the exit code.
+  const char* all = std::getenv("SCALETRAIN_TEST_ALL_RANKS");
+  if (scaletrain::test::world().rank() != 0 && !(all && std::string(all) == "1")) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
   }

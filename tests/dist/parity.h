@@ -41,8 +41,9 @@ namespace scaletrain::test {
 using ModelFactory = std::function<models::ModelPtr()>;
 
 struct Trained {
-  std::vector<at::Tensor> params;  // full, in named_parameters() order
-  std::vector<double> norms;       // gradient norm before clipping, per step
+  std::vector<at::Tensor> params;      // full, in named_parameters() order
+  std::vector<double> norms;           // gradient norm before clipping, per step
+  std::vector<int64_t> bytes_reduced;  // DDP's gradient bytes per step, when it ran
 };
 
 // The parameters that train (frozen ones are left out of the optimizer).
@@ -138,19 +139,21 @@ inline Trained train_tensor_parallel(const models::ModelPtr& model, const std::v
   }
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   if (dp) ddp = std::make_unique<parallel::DistributedDataParallel>(model, *dp);
-  auto params = model->parameters();
+  auto params = trainable_parameters(*model);
   optim::AdamW opt(params, optim::decay_matrices(params), {});
   Trained out;
   const int64_t global = data.at(0).x.size(0);
   for (auto& b : data) {
     const int64_t n = dp ? global / dp->size() : global, start = dp ? dp->rank() * n : 0;
+    if (ddp) ddp->reset_stats();
     model->loss(b.x.narrow(0, start, n), b.y.narrow(0, start, n)).backward();
+    if (ddp) out.bytes_reduced.push_back(ddp->bytes_reduced());
     out.norms.push_back(tpg ? tp::clip_grad_norm(tp::grad_norm_params(*model, plan), clip, *tpg)
                             : optim::clip_grad_norm(params, clip));
     opt.step(lr);
     opt.zero_grad();
   }
-  out.params = tpg ? tp::gather_full_parameters(*model, plan) : params;
+  out.params = tpg ? tp::gather_full_parameters(*model, plan) : model->parameters();
   return out;
 }
 
@@ -165,6 +168,10 @@ namespace pl = parallel::pipeline;
 
 enum class Dp { None, Ddp, Zero3 };
 
+constexpr int kSteps = 5;
+constexpr int64_t kMicro = 2;
+constexpr double kMaxNorm = 0.25, kTol = 1e-5;
+
 struct Case {
   pl::Schedule schedule;
   int m;       // micro-batches per step (per data-parallel replica)
@@ -173,11 +180,8 @@ struct Case {
   int dp = 1;
   int tp = 1;
   Dp mode = Dp::None;
+  double max_norm = kMaxNorm;  // clipping threshold: it must act in most steps
 };
-
-constexpr int kSteps = 5;
-constexpr int64_t kMicro = 2;
-constexpr double kMaxNorm = 0.25, kTol = 1e-5;
 
 inline std::string describe(const Case& c) {
   return pl::to_string(c.schedule) + " pp=" + std::to_string(c.pp) + " m=" + std::to_string(c.m) +
@@ -192,14 +196,15 @@ inline optim::AdamWOptions adam() {
 }
 
 // The reference: one process, whole global batches, named final parameters.
-inline std::map<std::string, at::Tensor> reference(const ModelFactory& make, const std::vector<Batch>& data) {
+inline std::map<std::string, at::Tensor> reference(const ModelFactory& make, const std::vector<Batch>& data,
+                                                   double max_norm) {
   auto model = make();
-  std::vector<at::Tensor> params = model->parameters();
+  std::vector<at::Tensor> params = trainable_parameters(*model);
   optim::AdamW opt(params, optim::decay_matrices(params), adam());
   for (const Batch& b : data) {
     model->zero_grad();
     model->loss(b.x, b.y).backward();
-    optim::clip_grad_norm(params, kMaxNorm);
+    optim::clip_grad_norm(params, max_norm);
     opt.step(adam().lr);
   }
   std::map<std::string, at::Tensor> out;
@@ -217,7 +222,7 @@ inline void run_case(const ModelFactory& make, const Case& c0, int64_t seq, int6
   comm::Mesh mesh(world(), comm::MeshDims{c.pp, 1, c.dp, c.tp});
   const int64_t global = static_cast<int64_t>(c.dp) * c.m * kMicro;
   const auto data = make_batches(kSteps, global, seq, vocab, 99);
-  const auto ref = reference(make, data);
+  const auto ref = reference(make, data, c.max_norm);
 
   auto model = make();
   std::optional<parallel::tensor::TensorParallelPlan> plan;
@@ -259,6 +264,7 @@ inline void run_case(const ModelFactory& make, const Case& c0, int64_t seq, int6
     for (const auto& ch : pipe.chunks())
       for (auto& item : ch->named_parameters()) {
         const at::Tensor& p = item.value();
+        if (!p.requires_grad()) continue;  // frozen (adapters train)
         params.push_back(p);
         decay.push_back(p.dim() >= 2 ? p.numel() : 0);
         bool split = false;
@@ -284,8 +290,8 @@ inline void run_case(const ModelFactory& make, const Case& c0, int64_t seq, int6
     }
     const double loss = pipe.step(xs, ys);
     EXPECT_TRUE(std::isfinite(loss));
-    const double norm = pl::clip_grad_norm(counted, shared, c.tp, norm_groups, kMaxNorm);
-    clipped += norm > kMaxNorm;
+    const double norm = pl::clip_grad_norm(counted, shared, c.tp, norm_groups, c.max_norm);
+    clipped += norm > c.max_norm;
     opt.step(adam().lr);
     for (auto& r : sharded) r->engine().after_step();
     for (auto& p : params) p.mutable_grad().reset();

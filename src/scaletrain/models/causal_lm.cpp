@@ -1,6 +1,7 @@
 #include "scaletrain/models/causal_lm.h"
 
 #include "scaletrain/models/linear.h"
+#include "scaletrain/models/lora.h"
 
 #include <limits>
 
@@ -76,6 +77,13 @@ int64_t CausalLM::num_parameters() const {
       if (!(lin && lin->quantized() && p.value().scalar_type() == at::kByte)) n += p.value().numel();
   }
   return n;
+}
+
+TensorParallelSplit CausalLM::parameter_split(const std::string& name) const {
+  if (!is_adapter_parameter(name)) return tensor_parallel_split(name);
+  // "<layer>.lora_A.weight" follows "<layer>.weight".
+  const std::string layer = name.substr(0, name.size() - std::string("lora_A.weight").size());
+  return adapter_split(name, tensor_parallel_split(layer + "weight"));
 }
 
 void CausalLM::finish_construction(bool materialize) {

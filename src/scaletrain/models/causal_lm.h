@@ -106,10 +106,14 @@ using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
 
 // How a parameter is cut across a tensor-parallel group. dim -1: replicated.
 // The split dimension holds `blocks` equal parts split separately (a fused
-// q|k|v weight: 3), so each rank keeps part r of every block.
+// q|k|v weight: 3), so each rank keeps part r of every block. A replicated
+// parameter may still see a different part of the computation on each rank
+// (partial_grad: a column-parallel layer's LoRA A, Note [LoRA under tensor
+// parallelism] in models/lora.h): its gradient is then summed over tp.
 struct TensorParallelSplit {
   int64_t dim = -1;
   int64_t blocks = 1;
+  bool partial_grad = false;
 };
 
 // How a parallel strategy takes part in a model's forward: the model calls the
@@ -173,6 +177,9 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // installing (nullptr: removing) the hooks in every module. What a degree
   // cannot split is tensor_parallel_problems() below.
   virtual TensorParallelSplit tensor_parallel_split(const std::string& name) const = 0;
+  // What parallel/tensor asks: the family's split, and for a LoRA adapter
+  // the split that follows its layer's (models/lora.h).
+  TensorParallelSplit parameter_split(const std::string& name) const;
   virtual void set_tensor_parallel(TensorParallelHooksPtr hooks) = 0;
   const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
 

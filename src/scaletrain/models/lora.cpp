@@ -34,6 +34,19 @@ bool is_adapter_parameter(const std::string& name) {
   return ends_with(name, "lora_A.weight") || ends_with(name, "lora_B.weight");
 }
 
+TensorParallelSplit adapter_split(const std::string& name, const TensorParallelSplit& weight) {
+  TORCH_CHECK(is_adapter_parameter(name), "scaletrain: '", name, "' is not an adapter parameter");
+  const bool a = ends_with(name, "lora_A.weight");
+  TensorParallelSplit s;  // replicated
+  if (weight.dim == 0) {  // column-parallel
+    if (a) s.partial_grad = true;
+    else s = {0, weight.blocks, false};
+  } else if (weight.dim == 1) {  // row-parallel
+    if (a) s = {1, weight.blocks, false};
+  }
+  return s;
+}
+
 void init_adapter(const std::string& name, at::Tensor& out, const LoraOptions& o) {
   torch::NoGradGuard no_grad;
   if (ends_with(name, "lora_B.weight")) {

@@ -48,6 +48,26 @@ std::vector<std::string> apply_lora(CausalLM& model, const LoraOptions& o);
 // "…lora_A.weight" / "…lora_B.weight".
 bool is_adapter_parameter(const std::string& name);
 
+// Note [LoRA under tensor parallelism]: an adapter splits with its layer so
+// that each rank computes its part of B A x from what it already holds.
+//   column-parallel layer (W split over output rows, input x replicated):
+//     A [r, in] replicated, B [out, r] split over its rows like W (blocks
+//     included: a fused q|k|v's B in three). Each rank's A x is the same and
+//     B_r A x is its rows of the output. A's gradient sums over every output
+//     row, which each rank holds only a part of: A is marked partial_grad and
+//     its gradient is all-reduced over tp before accumulation. x's gradient
+//     is already partial and summed by the layer's input operator (f).
+//   row-parallel layer (W split over input columns, x split):
+//     A [r, in] split over its columns like W, B [out, r] replicated. A_r x_r
+//     is a partial sum, reduced over tp (or reduce-scattered along the
+//     sequence) exactly as x_r W_r^T is, before B: the same operator in the
+//     middle (LinearImpl::adapter). B then sees the full low-rank product;
+//     its gradient is full on every rank (partial over tokens only under
+//     sequence parallelism, like the row-parallel bias).
+// The extra communication per adapted layer is one all-reduce of [B, T, r]
+// forward for row layers, and A's gradient (r x in) per step for column layers.
+TensorParallelSplit adapter_split(const std::string& name, const TensorParallelSplit& weight);
+
 // The initial value of adapter parameter `name` into `out` (its shape, any dtype).
 void init_adapter(const std::string& name, at::Tensor& out, const LoraOptions& o);
 

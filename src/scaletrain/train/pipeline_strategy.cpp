@@ -65,6 +65,7 @@ class PipelineStrategy final : public DataParallel {
         runners.push_back(r);
         for (auto& item : ch->named_parameters()) {
           const at::Tensor& t = item.value();
+          if (!t.requires_grad()) continue;  // frozen (finetune): no gradient, no optimizer state
           params_.push_back(t);
           decay_.push_back(t.dim() >= 2 ? t.numel() : 0);
           (plan_ && !split(item.key()) ? shared_ : counted_).push_back(t);
@@ -121,8 +122,9 @@ class PipelineStrategy final : public DataParallel {
   int64_t model_state_bytes() const override {
     int64_t b = 0;
     for (auto& e : engines_) b += e->engine().param_bytes() + e->engine().grad_bytes();
-    if (!sharded_)
-      for (auto& t : params_) b += t.nbytes() + (t.grad().defined() ? t.grad().nbytes() : 0);
+    if (!sharded_)  // frozen parameters too: they are held, only not trained
+      for (const auto& ch : pipe_->chunks())
+        for (const auto& t : ch->parameters()) b += t.nbytes() + (t.grad().defined() ? t.grad().nbytes() : 0);
     if (pipe_->holds_head_copy()) {  // Note [Tied head across stages]
       const at::Tensor w = model_->tied_head().second;
       b += w.nbytes() + (w.grad().defined() ? w.grad().nbytes() : 0);
@@ -198,9 +200,7 @@ class PipelineStrategy final : public DataParallel {
 Parallelized parallelize_pipeline(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   Parallelized out;
   torch::manual_seed(c.train.seed);
-  out.model = models::make_model(plan.model);
-  out.model->to(plan.policy.param);
-  init_from(out.model, c.model.init_from);
+  out.model = whole_model(c, plan.model, plan.policy.param);
   try {
     out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, plan);
   } catch (const std::invalid_argument& e) {

@@ -160,13 +160,12 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
 
 // What this build can fine-tune with adapters.
 void check_finetune(const Config& c, Problems& problems) {
-  const auto& f = c.finetune;
-  if (f.method == "full") return;
-  if (c.parallel.tp > 1)
-    problems.add("finetune.method=" + f.method + " with parallel.tp > 1 is not available yet (adapters are not split "
-                 "across tensor-parallel ranks); use a data-parallel strategy");
-  if (c.parallel.pp > 1)
-    problems.add("finetune.method=" + f.method + " with parallel.pp > 1 is not available yet");
+  // NF4 blocks run along the flattened weight: a row-parallel split would
+  // cut them, and a rank's part of the double-quantized absmax would need
+  // the whole weight's statistics. LoRA itself splits (models/lora.h).
+  if (c.finetune.method == "qlora" && c.parallel.tp > 1)
+    problems.add("finetune.method=qlora with parallel.tp > 1 is not available (NF4 blocks are not split across "
+                 "tensor-parallel ranks); use finetune.method=lora with tp, or qlora with data or pipeline parallelism");
 }
 
 // What this build can run of the parallel section (no peers needed).

@@ -395,6 +395,8 @@ models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& m
   return model;
 }
 
+}  // namespace
+
 // The whole model on this rank, loaded from model.init_from, with its
 // adapters (QLoRA's built tensor by tensor, whole_qlora_model).
 models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
@@ -406,7 +408,6 @@ models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, a
   return model;
 }
 
-}  // namespace
 
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
 ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) {

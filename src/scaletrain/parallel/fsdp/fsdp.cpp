@@ -75,7 +75,9 @@ struct Unit {
   int trainable = 0;  // parameters with gradients
   int pending = 0;    // of those, not yet accumulated in this backward
   bool reduced = false;
-  bool hold_frozen = false;  // frozen flats stay gathered until the unit's input gradient (Note [Frozen parameters in backward])
+  // Forwards whose input gradient has not arrived: frozen flats stay gathered
+  // in backward while any is outstanding (Note [Frozen parameters in backward]).
+  int hold_frozen = 0;
 
   bool unsharded() const {
     for (auto& f : flats)
@@ -206,13 +208,16 @@ void ShardedDataParallel::State::reshard_flats(size_t u, bool trainable) {
 // kept until that gradient is complete (a hook on the input): every node of
 // the unit lies between its output and its input, so all have run by then.
 // When the input needs none (the first block after a frozen embedding), no
-// node reads a frozen weight in backward at all.
+// node reads a frozen weight in backward at all. A pipeline runs several
+// forwards before their backwards (GPipe, 1F1B's warm-up), so the hold is a
+// count of forwards whose input gradient is still to come: the frozen flats
+// go when the last of them has arrived, and a later backward regathers them
+// (pre_backward) if the end of an earlier one resharded them.
 void ShardedDataParallel::State::release_frozen(size_t u) {
   std::lock_guard<std::recursive_mutex> lock(mu);
   Unit& unit = units[u];
-  if (!unit.hold_frozen) return;
-  unit.hold_frozen = false;
-  if (unit.pending == 0) reshard_flats(u, /*trainable=*/false);
+  if (unit.hold_frozen == 0) return;
+  if (--unit.hold_frozen == 0 && unit.pending == 0) reshard_flats(u, /*trainable=*/false);
 }
 
 // Whether unit `u` may be gathered ahead of use: limit_all_gathers holds at
@@ -259,7 +264,7 @@ at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockB
     if (options.forward_prefetch || replicated()) prefetch(u + 1, +1);
     const bool frozen = std::any_of(unit.flats.begin(), unit.flats.end(), [](const auto& f) { return !f->trainable(); });
     if (frozen && torch::GradMode::is_enabled() && x.requires_grad()) {
-      unit.hold_frozen = true;
+      ++unit.hold_frozen;
       std::weak_ptr<State> weak = weak_from_this();
       x.register_hook([weak, u](const at::Tensor& g) {
         if (auto st = weak.lock()) st->release_frozen(u);
@@ -307,7 +312,7 @@ void ShardedDataParallel::State::on_grad_ready(size_t s) {
   // The unit's trainable parameters are done: they can go, their gradients
   // travel; frozen ones may still be read (Note [Frozen parameters in backward]).
   if (slot.unit != 0) {
-    if (unit.hold_frozen)
+    if (unit.hold_frozen > 0)
       reshard_flats(slot.unit, /*trainable=*/true);
     else
       reshard(slot.unit);
@@ -366,8 +371,7 @@ void ShardedDataParallel::State::finish_backward() {
   for (size_t u = options.keep_root_between_backwards ? 1 : 0; u < units.size(); ++u) reshard(u);
   for (auto& unit : units) {
     unit.pending = unit.trainable;
-    unit.reduced = false;
-    unit.hold_frozen = false;
+    unit.reduced = false;  // hold_frozen stays: a pipeline's other forwards still await their backward
   }
   next_reduce = 0;
   in_backward = false;

@@ -88,6 +88,9 @@ Pipeline::Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, Pip
   std::tie(head_name_, head_) = model_->tied_head();
   // The last chunk is on stage p-1, the first on stage 0.
   head_copy_ = head_.defined() && p > 1 && s == p - 1;
+  // A frozen head (fine-tuning with adapters) is the same on every stage
+  // from the start and never changes: nothing to refresh, no gradient.
+  head_moves_ = head_.defined() && head_.requires_grad() && p > 1;
   if (head_copy_) kept.insert(head_.unsafeGetTensorImpl());
   for (const auto& t : model_->parameters())
     if (!kept.count(t.unsafeGetTensorImpl())) models::free_storage(t);
@@ -199,7 +202,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
         }
         in.requires_grad_(true);
       }
-      if (head_copy_ && spec.last() && !head_received) {
+      if (head_copy_ && head_moves_ && spec.last() && !head_received) {
         // Note [Tied head across stages]: this step's weights of the embedding.
         at::Tensor w = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
         const auto t0 = Clock::now();
@@ -213,7 +216,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
       at::Tensor tgt = spec.last() ? targets[static_cast<size_t>(a.microbatch)] : at::Tensor();
       auto body = [&] {
         at::Tensor out = chunk->forward(in, tgt);
-        if (head_.defined() && spec.first() && p > 1 && !head_sent) {  // whole here, even under ZeRO-3
+        if (head_moves_ && spec.first() && !head_sent) {  // whole here, even under ZeRO-3
           send(head_.detach().clone(), last_stage, kHeadWeight);
           head_sent = true;
         }
@@ -268,12 +271,12 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
 
   // The head's share of the tied embedding's gradient, averaged like every
   // other gradient.
-  if (head_copy_) {
+  if (head_copy_ && head_moves_) {
     at::Tensor g = head_.grad().contiguous();
     if (dp_ && dp_->size() > 1) dp_->all_reduce(g, comm::ReduceOp::Avg).wait();
     pp_.send(g, 0, kHeadGrad).wait();
     head_.mutable_grad().reset();
-  } else if (head_.defined() && p > 1 && chunks_.front()->spec().first()) {
+  } else if (head_moves_ && chunks_.front()->spec().first()) {
     at::Tensor g = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
     const auto t0 = Clock::now();
     pp_.recv(g, last_stage, kHeadGrad).wait();

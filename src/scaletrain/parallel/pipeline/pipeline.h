@@ -121,7 +121,8 @@ class Pipeline {
   std::vector<Chunk> chunks_;     // this stage's, by local index
   std::vector<std::shared_ptr<ChunkRunner>> runners_;
   std::vector<Action> actions_;
-  bool head_copy_ = false;  // last chunk here, first chunk elsewhere
+  bool head_copy_ = false;   // last chunk here, first chunk elsewhere
+  bool head_moves_ = false;  // a tied head that trains: weights out, gradient back
   bool shapes_checked_ = false;
   StepStats stats_;
 };

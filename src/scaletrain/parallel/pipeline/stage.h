@@ -18,7 +18,8 @@
 // is not a chunk parameter: a copy that the first stage refreshes every step
 // (it sends the weight when its first forward has it whole), and whose
 // gradient the last stage averages over data parallelism and sends back to be
-// added to the embedding's. An untied head is simply a last-chunk parameter.
+// added to the embedding's. A frozen tied head (adapters) needs neither: every
+// stage built the same weights. An untied head is simply a last-chunk parameter.
 // Megatron keeps two parameters and all-reduces their gradients across an
 // embedding group instead; with one parameter nothing can drift apart.
 #include <torch/torch.h>

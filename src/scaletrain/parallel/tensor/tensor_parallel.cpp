@@ -20,13 +20,14 @@ ParamLayout layout_of(const models::CausalLM& model, const std::string& name, co
   ParamLayout l;
   l.name = name;
   l.full_shape = p.sizes().vec();
-  const models::TensorParallelSplit split = model.tensor_parallel_split(name);
+  const models::TensorParallelSplit split = model.parameter_split(name);
   l.dim = split.dim;
   l.blocks = split.blocks;
   // Replicated parameters (norms, position embeddings, row-parallel biases)
   // see this rank's tokens only under sequence parallelism (Note
-  // [Sequence-parallel gradients]).
-  if (!l.sharded()) l.partial_grad = sequence_parallel;
+  // [Sequence-parallel gradients]); a column-parallel layer's LoRA A sees
+  // this rank's output rows only, always.
+  if (!l.sharded()) l.partial_grad = sequence_parallel || split.partial_grad;
   return l;
 }
 
@@ -149,7 +150,7 @@ TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, 
       if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
       if (l.sharded()) p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
     }
-    if (l.partial_grad && tp.size() > 1) {
+    if (l.partial_grad && tp.size() > 1 && p.requires_grad()) {  // frozen: no gradient to sum
       // Note [Sequence-parallel gradients]: sum the per-rank partial gradient
       // before it is accumulated.
       comm::Group* g = &tp;

@@ -1,7 +1,7 @@
 #pragma once
 // Tensor parallelism (Megatron-LM style) applied to a model in place:
 // parallelize_tensor() splits the weights of the full, initialized model as
-// the model's plan says (models::CausalLM::tensor_parallel_split) and
+// the model's plan says (models::CausalLM::parameter_split) and
 // installs models::TensorParallelHooks, so the same module tree computes
 // with 1/tp of the weights and of the attention heads per rank.
 //
@@ -84,7 +84,8 @@ struct ParamLayout {
   // (c_attn's fused q, k, v: 3), so each rank keeps part r of every block.
   int64_t blocks = 1;
   // Replicated, but each rank computes a partial gradient that is all-reduced
-  // over tp in backward (sequence parallelism; see the Note above).
+  // over tp in backward (sequence parallelism, see the Note above; a
+  // column-parallel layer's LoRA A, Note [LoRA under tensor parallelism]).
   bool partial_grad = false;
 
   bool sharded() const { return dim >= 0; }
