@@ -98,8 +98,16 @@ const TensorView& HubWeights::weight(const std::string& name) const {
   return v;
 }
 
+void HubWeights::release(const unsigned char* p, std::size_t n) const {
+  for (const auto& f : files_)
+    if (f->contains(p, n)) return f->release(p, n);
+}
+
 at::Tensor HubWeights::read(const std::string& name, at::ScalarType dtype) const {
-  return tensor_from_view(weight(name), source_).to(dtype);
+  const TensorView& v = weight(name);
+  at::Tensor t = tensor_from_view(v, source_).to(dtype);  // a copy
+  release(v.data, v.nbytes);
+  return t;
 }
 
 void HubWeights::read_range(const std::string& name, int64_t begin, int64_t count, at::Tensor& out) const {
@@ -113,6 +121,8 @@ void HubWeights::read_range(const std::string& name, int64_t begin, int64_t coun
                                           at::TensorOptions().dtype(torch_dtype(v.dtype, name)));
   torch::NoGradGuard no_grad;
   out.copy_(mapped.narrow(0, begin, count));
+  const std::size_t size = dtype_size(v.dtype);
+  release(v.data + static_cast<std::size_t>(begin) * size, static_cast<std::size_t>(count) * size);
 }
 
 std::optional<nlohmann::json> read_hub_config(const std::string& path) {

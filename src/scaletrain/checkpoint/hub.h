@@ -6,6 +6,9 @@
 // Every file is memory-mapped; a tensor is copied out (and converted to the
 // run's dtype) only when asked for, so a loader that asks for one tensor at a
 // time holds one tensor, and a rank that asks for a slice copies the slice.
+// The mapped pages a read touched are given back once copied (they would
+// otherwise count in the process's resident memory until the files close:
+// the whole checkpoint, for a loader that reads every tensor).
 // Names are the file's; mapping them onto a model's parameters is the model
 // family's business (models/), not this file's.
 #include <torch/torch.h>
@@ -48,6 +51,7 @@ class HubWeights {
 
  private:
   const TensorView& weight(const std::string& name) const;  // view(), floating point or UsageError
+  void release(const unsigned char* p, std::size_t n) const;  // SafetensorsFile::release in whichever file holds it
 
   std::string source_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -510,6 +511,23 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
     view_ = std::move(other.view_);
   }
   return *this;
+}
+
+bool SafetensorsFile::contains(const unsigned char* p, std::size_t n) const noexcept {
+  const auto* begin = static_cast<const unsigned char*>(map_);
+  return map_ != nullptr && p >= begin && n <= map_bytes_ && static_cast<std::size_t>(p - begin) <= map_bytes_ - n;
+}
+
+void SafetensorsFile::release(const unsigned char* p, std::size_t n) const noexcept {
+  if (n == 0 || !contains(p, n)) return;
+  // Whole pages only, rounded outwards: a page shared with a neighbouring
+  // tensor is dropped too and simply read again if that tensor is read.
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto lo = reinterpret_cast<std::uintptr_t>(p) / page * page;
+  const auto hi = (reinterpret_cast<std::uintptr_t>(p) + n + page - 1) / page * page;
+  const auto map_lo = reinterpret_cast<std::uintptr_t>(map_);
+  const auto map_hi = (map_lo + map_bytes_ + page - 1) / page * page;
+  ::madvise(reinterpret_cast<void*>(std::max(lo, map_lo)), std::min(hi, map_hi) - std::max(lo, map_lo), MADV_DONTNEED);
 }
 
 void SafetensorsFile::unmap() noexcept {

@@ -166,6 +166,14 @@ class SafetensorsFile {
   const Metadata& metadata() const { return view_.metadata(); }
   const std::string& path() const { return view_.source(); }
 
+  // Whether [p, p + n) lies in this file's mapping.
+  bool contains(const unsigned char* p, std::size_t n) const noexcept;
+  // Lets the kernel drop the mapped pages under [p, p + n) (a range inside
+  // the mapping, already copied out): they count in the process's resident
+  // memory until then. The mapping is read-only, so a later read faults the
+  // same bytes back in from the file.
+  void release(const unsigned char* p, std::size_t n) const noexcept;
+
  private:
   void unmap() noexcept;
 

@@ -230,6 +230,8 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   if (l.offload_params && l.sharding != Sharding::kZero3 && l.sharding != Sharding::kHybrid)
     fail("parameter offload needs ZeRO-3 / FSDP full or hybrid sharding");
   if (l.lora_rank < 0) fail("LoRA rank must be >= 0");
+  if (l.lora_layer_params < 0 || (l.lora_layer_params > 0 && l.lora_rank < 1))
+    fail("adapter parameters per block need a LoRA rank > 0 and must be >= 0");
   if (l.qlora && l.lora_rank < 1) fail("QLoRA needs a LoRA rank (--lora-rank > 0)");
   if (l.pp > 1 && l.schedule == Schedule::kInterleaved) {
     if (l.virtual_stages < 1) fail("interleaved schedule needs virtual stages >= 1");
@@ -330,7 +332,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     e.stage_params = params;
     e.trainable_params = params;
     if (l.lora_rank > 0) {
-      e.trainable_params = ceil_div(nl * lora_params_per_layer(spec, l.lora_rank, l.lora_targets), t);
+      const int64_t per_layer =
+          l.lora_layer_params > 0 ? l.lora_layer_params : lora_params_per_layer(spec, l.lora_rank, l.lora_targets);
+      e.trainable_params = ceil_div(nl * per_layer, t);
       e.frozen_params = params;  // base weights stay, frozen
     }
     // QLoRA: the blocks' linear weights count as the weight-width parameters

@@ -12,7 +12,9 @@
 #include <fstream>
 #include <mutex>
 
+#include "scaletrain/models/lora.h"
 #include "scaletrain/models/spec_catalog.h"
+#include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -143,6 +145,19 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
                                         : Sharding::kNone;
     if (l.sharding == Sharding::kHybrid) l.gpus_per_node = static_cast<int64_t>(dp_shard) * p.tp;
     l.prefetch_units = p.fsdp.backward_prefetch != "NONE" || p.fsdp.forward_prefetch ? 1 : 0;
+  }
+  if (auto lora = lora_options(c, m)) {
+    l.lora_rank = lora->r;
+    l.qlora = c.finetune.method == "qlora";
+    // The targets are layer names of any family: count the adapters of a
+    // model built without bytes rather than map the names onto the
+    // estimator's target sets.
+    auto shell = models::make_model(m, /*materialize=*/false);
+    models::apply_lora(*shell, *lora);
+    int64_t n = 0;
+    for (const auto& item : shell->named_parameters())
+      if (models::is_adapter_parameter(item.key())) n += item.value().numel();
+    l.lora_layer_params = m.n_layer > 0 ? n / m.n_layer : 0;
   }
   return l;
 }

@@ -72,7 +72,9 @@ bool reset_rss_peak();
 estimate::ModelSpec model_spec(const models::ModelConfig& model);
 // The estimator's layout of this run: strategy, precision, world and degrees,
 // micro-batch, sequence length, recomputation, dropout, buckets, prefetch,
-// pipeline stages and schedule (the prediction is then the worst stage's).
+// pipeline stages and schedule (the prediction is then the worst stage's),
+// and the finetune section's adapters (their parameters per block counted on
+// a model built without bytes) and NF4 base.
 // `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
 // `microbatches` per step and rank (accumulation, or a pipeline's);
 // `gloo`: the collectives run on Gloo.

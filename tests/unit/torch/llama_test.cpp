@@ -5,12 +5,14 @@
 // weights and tokens.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
@@ -340,6 +342,40 @@ TEST(LlamaHub, SliceReadsEqualTheWholeTensor) {
     }
   }
   EXPECT_EQ(checked, 12);
+}
+
+// The process's resident mapped-file memory (RssFile in /proc/self/status), bytes.
+int64_t rss_file_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("RssFile:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  ADD_FAILURE() << "no RssFile in /proc/self/status";
+  return 0;
+}
+
+// A loader reading every tensor must not keep the whole checkpoint resident:
+// each read gives the mapped pages it touched back, and a later read of the
+// same bytes faults them in again, unchanged.
+TEST(LlamaHub, ReadsGiveTheirMappedPagesBack) {
+  const fs::path file = fs::temp_directory_path() / ("scaletrain_pages_" + std::to_string(::getpid()) + ".safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  torch::manual_seed(5);
+  for (int i = 0; i < 8; ++i) tensors.emplace_back("w" + std::to_string(i), torch::randn({1024, 2048}));  // 8 MiB each
+  checkpoint::save_safetensors(file.string(), tensors);
+  {
+    const checkpoint::HubWeights hub(file.string());
+    const int64_t before = rss_file_bytes();
+    for (const auto& [name, t] : tensors) {
+      EXPECT_TRUE(at::equal(hub.read(name, at::kFloat), t)) << name;
+      at::Tensor part = at::empty({1 << 19});
+      hub.read_range(name, 1 << 19, 1 << 19, part);
+      EXPECT_TRUE(at::equal(part, t.reshape({-1}).narrow(0, 1 << 19, 1 << 19))) << name;
+    }
+    const int64_t grown = rss_file_bytes() - before;
+    EXPECT_LT(grown, 16 << 20) << "reading 64 MiB of tensors left " << (grown >> 20) << " MiB of the file resident";
+    EXPECT_TRUE(at::equal(hub.read("w0", at::kFloat), tensors[0].second));  // faulted in again
+  }
+  fs::remove(file);
 }
 
 TEST(LlamaHub, BrokenDirectoriesAreOneLineErrorsNamingTheProblem) {
