@@ -61,13 +61,16 @@ steps = [r for r in rows if "record" not in r]
 ms = statistics.median(r["step_ms"] for r in steps[1:])
 rss = max(r["peak_rss_mb"] for r in steps)
 # every rank's peak (the metrics file is rank 0's): the end-of-run memory line of each rank log
-peaks = []
+peaks, predicted = [], []
 for f in sorted(glob.glob(logs + "/rank*.log")):
     for line in open(f):
         m = re.search(r"peak RSS ([0-9.]+) MiB", line)
         if m: peaks.append(float(m.group(1)))
+        if "scaletrain: memory at the end" in line: predicted.append(line.strip())
 print(f"{label:14s} ranks {nproc}  median step {ms/1000:7.2f} s  peak RSS rank 0 {rss:8.0f} MiB"
       + (f"  (largest rank line {max(peaks):.0f} MiB)" if peaks else "") + f"  losses {[round(r['loss'], 3) for r in steps]}")
+for line in predicted[:1]:  # the trainer's prediction next to its measurement (rank 0 prints it)
+    print("    " + line)
 PY
 }
 lora="--finetune.r=16 --finetune.alpha=32 --finetune.target_modules=all-linear"

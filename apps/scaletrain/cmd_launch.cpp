@@ -4,7 +4,7 @@
 //
 //   scaletrain launch --nproc-per-node 4 [--nnodes 2 --node-rank 0
 //       --master-addr host0 --master-port 29500] [--log-dir logs]
-//       [--threads 8] [--timeout 3600] -- ./my_trainer --config run.yaml
+//       [--threads 8] [--timeout 3600] [--max-restarts 3] -- ./my_trainer --config run.yaml
 //
 // The `--` is needed whenever the worker command has options of its own:
 // without it those would be parsed as the launcher's.
@@ -55,6 +55,11 @@ void add_launch(CLI::App& app, Runner& run) {
                   "Intra-op threads per worker (OMP_NUM_THREADS, SCALETRAIN_THREADS); default: an "
                   "inherited OMP_NUM_THREADS, else usable cores / nproc-per-node (at least 1)");
   sub->add_option("--timeout", opts->timeout_s, "Kill all workers and fail (exit 124) after S seconds; 0 = none")
+      ->capture_default_str();
+  sub->add_option("--max-restarts", opts->max_restarts,
+                  "Start the whole group again up to N times after a worker fails (not after exit 2, a refused "
+                  "input); workers see SCALETRAIN_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT, and `scaletrain "
+                  "train` goes on from the newest intact checkpoint")
       ->capture_default_str();
   sub->add_option("command", *command, "Worker command and its arguments, after --")->required();
 

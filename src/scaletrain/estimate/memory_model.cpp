@@ -161,28 +161,31 @@ std::vector<int64_t> layers_per_stage(int64_t layers, int64_t pp, double layer, 
 double all_reduce(double bytes, int64_t n) { return n > 1 ? 2.0 * (n - 1) / n * bytes : 0.0; }
 double gather_or_scatter(double bytes, int64_t n) { return n > 1 ? 1.0 * (n - 1) / n * bytes : 0.0; }
 
-// LoRA adapter parameters of one block: r * (in + out) for each targeted
-// linear. A fused q/k/v projection is one target (PEFT's default for it); so
-// "q,v" means that projection alone, and the MLP's linears count only for
-// all-linear.
-int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets) {
+// LoRA adapter parameters of one block on one tensor-parallel rank: r * (in
+// + out) for each targeted linear, with the factor that splits with its
+// layer divided by t (a column-parallel layer's B, a row-parallel layer's A;
+// the other factor is replicated). A fused q/k/v projection is one target
+// (PEFT's default for it); so "q,v" means that projection alone, and the
+// MLP's linears count only for all-linear.
+int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets, int64_t t) {
   const int64_t h = s.hidden_size, I = s.intermediate_size;
   const int64_t hd = s.head_dim > 0 ? s.head_dim : h / s.num_heads;
   const int64_t q_out = s.num_heads * hd, kv_out = (s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads) * hd;
   int64_t sum = 0;
-  auto lin = [&](int64_t in, int64_t out) { sum += r * (in + out); };
+  auto column = [&](int64_t in, int64_t out) { sum += r * in + ceil_div(r * out, t); };
+  auto row = [&](int64_t in, int64_t out) { sum += ceil_div(r * in, t) + r * out; };
   if (s.fused_qkv) {
-    lin(h, q_out + 2 * kv_out);
-    if (targets != LoraTargets::kQv) lin(q_out, h);  // o
+    column(h, q_out + 2 * kv_out);
+    if (targets != LoraTargets::kQv) row(q_out, h);  // o
   } else {
-    lin(h, q_out);   // q
-    lin(h, kv_out);  // v
-    if (targets != LoraTargets::kQv) { lin(h, kv_out); lin(q_out, h); }  // k, o
+    column(h, q_out);   // q
+    column(h, kv_out);  // v
+    if (targets != LoraTargets::kQv) { column(h, kv_out); row(q_out, h); }  // k, o
   }
   if (targets == LoraTargets::kAllLinear) {
-    lin(h, I);
-    if (s.gated_mlp) lin(h, I);
-    lin(I, h);
+    column(h, I);
+    if (s.gated_mlp) column(h, I);
+    row(I, h);
   }
   return sum;
 }
@@ -332,9 +335,8 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     e.stage_params = params;
     e.trainable_params = params;
     if (l.lora_rank > 0) {
-      const int64_t per_layer =
-          l.lora_layer_params > 0 ? l.lora_layer_params : lora_params_per_layer(spec, l.lora_rank, l.lora_targets);
-      e.trainable_params = ceil_div(nl * per_layer, t);
+      e.trainable_params = nl * (l.lora_layer_params > 0 ? l.lora_layer_params
+                                                         : lora_params_per_layer(spec, l.lora_rank, l.lora_targets, t));
       e.frozen_params = params;  // base weights stay, frozen
     }
     // QLoRA: the blocks' linear weights count as the weight-width parameters

@@ -75,8 +75,9 @@ struct Layout {
   bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
   int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
-  // Adapter parameters of one block when the caller counted them (the
-  // trainer, from its target layer names); 0: from lora_rank and lora_targets.
+  // Adapter parameters of one block on one tensor-parallel rank when the
+  // caller counted them (the trainer, from its target layer names and their
+  // splits); 0: from lora_rank and lora_targets.
   int64_t lora_layer_params = 0;
   // QLoRA (needs lora_rank > 0): the blocks' frozen linear weights in NF4,
   // 4 bits each plus a double-quantized absmax per 64 (kNf4BytesPerParam),

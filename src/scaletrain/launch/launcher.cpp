@@ -223,11 +223,13 @@ std::string resolve_executable(const std::string& name) {
 // The variables of the environment contract, in the order they are set.
 constexpr const char* kContractVars[] = {
     "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE",   "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCALETRAIN_THREADS",
+    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCALETRAIN_THREADS", "SCALETRAIN_RESTART_COUNT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
 };
 
-// The launcher's environment with the contract variables replaced.
-std::vector<std::string> worker_environment(const LaunchOptions& o, int local_rank) {
+// The launcher's environment with the contract variables replaced, for
+// attempt `attempt` (0: the first start).
+std::vector<std::string> worker_environment(const LaunchOptions& o, int local_rank, int attempt) {
   const char* omp_env = std::getenv("OMP_NUM_THREADS");
   const int threads = resolve_threads(o, omp_env);
   // An inherited OMP_NUM_THREADS is passed through verbatim (it may be a
@@ -243,6 +245,9 @@ std::vector<std::string> worker_environment(const LaunchOptions& o, int local_ra
       std::to_string(o.master_port),
       omp,
       std::to_string(threads),
+      std::to_string(attempt),
+      std::to_string(attempt),
+      std::to_string(o.max_restarts),
   };
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -322,7 +327,7 @@ enum class Stop { kNone, kFailure, kSignal, kTimeout };
 // Owns the workers for one run(); see Note [No process left behind].
 class Supervisor {
  public:
-  explicit Supervisor(const LaunchOptions& o) : o_(o) {}
+  Supervisor(const LaunchOptions& o, int attempt) : o_(o), attempt_(attempt) {}
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
   // On an exception, nothing may survive: kill the group and reap blocking.
@@ -334,6 +339,9 @@ class Supervisor {
 
   void spawn_all(const std::vector<std::string>& command, const sigset_t& caller_mask);
   int supervise(int wake_fd);
+  // Why the job stopped, and the first failure ("rank 1 exited with code 3").
+  Stop stopped_by() const { return stop_; }
+  const std::string& failure() const { return failure_; }
 
  private:
   void spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_mask);
@@ -346,6 +354,8 @@ class Supervisor {
   void say(const std::string& line) { write_all(o_.stderr_fd, "scaletrain launch: " + line + "\n"); }
 
   const LaunchOptions& o_;
+  const int attempt_;
+  std::string failure_;
   std::vector<Worker> workers_;
   Fd devnull_;
   pid_t pgid_ = 0;  // rank 0's pid once spawned
@@ -368,7 +378,7 @@ void Supervisor::spawn_all(const std::vector<std::string>& command, const sigset
     ExecPlan plan;
     plan.path = path;
     plan.args = command;
-    plan.env = worker_environment(o_, lr);
+    plan.env = worker_environment(o_, lr, attempt_);
     plan.seal();
     spawn(lr, plan, caller_mask);
   }
@@ -380,7 +390,8 @@ void Supervisor::spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_ma
   Pipe out = make_pipe(), err = make_pipe();
   if (!o_.log_dir.empty()) {
     const std::string name = o_.log_dir + "/rank" + std::to_string(w.rank) + ".log";
-    w.log = Fd(::open(name.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    const int keep = attempt_ > 0 ? O_APPEND : O_TRUNC;  // a restart adds to the first attempt's log
+    w.log = Fd(::open(name.c_str(), O_WRONLY | O_CREAT | keep | O_CLOEXEC, 0644));
     if (!w.log.valid()) throw UsageError("launch: cannot write log file " + name + ": " + std::strerror(errno));
   }
   const pid_t parent = ::getpid();
@@ -451,10 +462,11 @@ void Supervisor::observe_exits() {
     const bool ok = info.si_code == CLD_EXITED && info.si_status == 0;
     if (!ok && stop_ == Stop::kNone) {
       if (info.si_code == CLD_EXITED)
-        say("rank " + std::to_string(w.rank) + " exited with code " + std::to_string(info.si_status));
+        failure_ = "rank " + std::to_string(w.rank) + " exited with code " + std::to_string(info.si_status);
       else
-        say("rank " + std::to_string(w.rank) + " was killed by signal " + std::to_string(info.si_status) +
-            " (" + signal_name(info.si_status) + ")");
+        failure_ = "rank " + std::to_string(w.rank) + " was killed by signal " + std::to_string(info.si_status) +
+                   " (" + signal_name(info.si_status) + ")";
+      say(failure_);
       // A rank that exits 2 refused bad input (a usage error, reported in
       // its one line): the job exits 2 as one process would; other failures 1.
       failure_code_ = info.si_code == CLD_EXITED && info.si_status == 2 ? 2 : 1;
@@ -622,6 +634,10 @@ void validate(const LaunchOptions& o, const std::vector<std::string>& command) {
   if (o.threads < 0) fail("--threads must be >= 0 (0 = auto), got " + std::to_string(o.threads));
   if (!(o.timeout_s >= 0)) fail("--timeout must be >= 0 seconds (0 = none), got " + format_seconds(o.timeout_s));
   if (!(o.grace_s >= 0)) fail("grace period must be >= 0 seconds, got " + format_seconds(o.grace_s));
+  if (o.max_restarts < 0) fail("--max-restarts must be >= 0, got " + std::to_string(o.max_restarts));
+  if (o.max_restarts > 0 && o.nnodes > 1)
+    fail("--max-restarts with --nnodes " + std::to_string(o.nnodes) +
+         " is not available: the nodes' launchers would have to agree on each restart (single node only)");
   if (command.empty() || command[0].empty()) fail("no worker command given (put it after --)");
 }
 
@@ -655,10 +671,36 @@ int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
   RunningFlag running;
   Pipe wake = make_pipe(O_NONBLOCK);
   SignalScope signals(wake.write.get());
-  // Destroyed before `signals`: workers are reaped while SIGCHLD is still ours.
-  Supervisor sup(opts);
-  sup.spawn_all(command, signals.caller_mask());
-  return sup.supervise(wake.read.get());
+  std::vector<std::string> failures;  // "attempt 0: rank 1 exited with code 3", ...
+  for (int attempt = 0;; ++attempt) {
+    int code = 0;
+    std::string failure;
+    {
+      // Destroyed before `signals`: workers are reaped while SIGCHLD is still ours.
+      Supervisor sup(opts, attempt);
+      sup.spawn_all(command, signals.caller_mask());
+      code = sup.supervise(wake.read.get());
+      if (sup.stopped_by() != Stop::kFailure) return code;  // success, a signal or the timeout
+      failure = sup.failure();
+    }
+    failures.push_back("attempt " + std::to_string(attempt) + ": " + failure);
+    std::string all;
+    for (const auto& f : failures) all += (all.empty() ? "" : "; ") + f;
+    const auto say = [&](const std::string& line) { write_all(opts.stderr_fd, "scaletrain launch: " + line + "\n"); };
+    if (code == 2) {  // a usage error: the same input would be refused again
+      if (opts.max_restarts > 0) say("not restarting: a rank refused its input (exit 2); failures: " + all);
+      return code;
+    }
+    if (attempt >= opts.max_restarts) {
+      if (opts.max_restarts > 0)
+        say("giving up after " + std::to_string(attempt) + " restart" + (attempt == 1 ? "" : "s") + "; failures: " + all);
+      return code;
+    }
+    say("restarting all " + std::to_string(opts.nproc_per_node) + " workers (restart " + std::to_string(attempt + 1) +
+        " of " + std::to_string(opts.max_restarts) + ") after " + failure);
+    // Signals that arrived while the group was going down stop the job here.
+    if (g_pending_int.load() > 0 || g_pending_term.load() > 0) return 128 + (g_pending_int.load() > 0 ? SIGINT : SIGTERM);
+  }
 }
 
 }  // namespace scaletrain::launch

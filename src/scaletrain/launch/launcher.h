@@ -11,7 +11,9 @@
 //    the prefix, to <log_dir>/rank<N>.log when log_dir is set);
 //  - SIGINT/SIGTERM sent to the launcher are forwarded to all workers;
 //  - the first worker that exits non-zero or dies from a signal stops the job:
-//    the others get SIGTERM, then SIGKILL after a grace period;
+//    the others get SIGTERM, then SIGKILL after a grace period; with
+//    max_restarts the whole group is then started again (torchrun's
+//    --max-restarts), each worker told the attempt number;
 //  - nothing outlives run(): workers die with the launcher (PR_SET_PDEATHSIG),
 //    live in one process group that is killed as a whole, and are all reaped.
 //
@@ -40,7 +42,8 @@ struct LaunchOptions {
   int master_port = 29500;
   // If non-empty, each worker's output is also written to
   // <log_dir>/rank<RANK>.log (stdout and stderr interleaved in arrival order,
-  // without the prefix). The directory is created if missing.
+  // without the prefix; restarted workers append). The directory is created
+  // if missing.
   std::string log_dir;
   // Intra-op threads per worker (OMP_NUM_THREADS and SCALETRAIN_THREADS).
   // > 0: used as given, overriding any OMP_NUM_THREADS in the environment.
@@ -55,6 +58,15 @@ struct LaunchOptions {
   // forwarded signal, timeout) and the SIGKILL that follows if they have not
   // exited. Short, so a failed job ends within seconds.
   double grace_s = 3.0;
+  // Times the whole group is started again after a worker failed (torchrun
+  // --max-restarts): every worker is stopped, then all are spawned anew with
+  // SCALETRAIN_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT set to the
+  // attempt (0 first) and TORCHELASTIC_MAX_RESTARTS to this value. Every
+  // failure counts, however quick. A worker that exits 2 refused its input
+  // (a usage error) and would refuse it again: no restart. Signals sent to
+  // the launcher and the timeout end the job without one. Single node only
+  // (several nodes would have to agree on the restart: validate() refuses it).
+  int max_restarts = 0;
   // Where the prefixed stdout lines of the workers go. Tests point it at a file.
   int stdout_fd = 1;
   // Where the prefixed stderr lines of the workers and the launcher's own
@@ -78,7 +90,8 @@ int usable_cores();
 // '/') once per local rank and supervises the workers until all have exited.
 // Returns 0 if every worker exited 0; 1 if one failed (the first failure is
 // reported on stderr_fd as "scaletrain launch: rank 1 exited with code 3" or
-// "... rank 0 was killed by signal 9 (SIGKILL)"); 128 + signo if the launcher
+// "... rank 0 was killed by signal 9 (SIGKILL)"; after restarts, a last line
+// lists every attempt's failure by rank and cause); 128 + signo if the launcher
 // was stopped by SIGINT/SIGTERM; kTimeoutExitCode on timeout. Throws
 // UsageError for invalid options, an unknown command or an unusable log_dir,
 // before any worker is started.

@@ -410,6 +410,20 @@ void validate_config(const Config& c) {
   if (c.finetune.r < 1) fail("finetune.r must be at least 1");
   if (!(c.finetune.alpha > 0) || !std::isfinite(c.finetune.alpha)) fail("finetune.alpha must be a positive number");
   if (!(c.finetune.dropout >= 0 && c.finetune.dropout < 1)) fail("finetune.dropout must be in [0, 1)");
+  // AdamW's and the schedule's ranges (NaN fails every comparison, so `!(in range)`).
+  const auto& t = c.train;
+  const auto num = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return std::string(buf);
+  };
+  if (!(t.beta1 >= 0 && t.beta1 < 1)) fail("train.beta1 must be in [0, 1), got " + num(t.beta1));
+  if (!(t.beta2 >= 0 && t.beta2 < 1)) fail("train.beta2 must be in [0, 1), got " + num(t.beta2));
+  if (!(t.weight_decay >= 0)) fail("train.weight_decay must be >= 0, got " + num(t.weight_decay));
+  if (!(t.grad_clip >= 0)) fail("train.grad_clip must be >= 0 (0: no clipping), got " + num(t.grad_clip));
+  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1)) fail("train.min_lr_ratio must be in [0, 1], got " + num(t.min_lr_ratio));
+  if (t.warmup_steps < 0) fail("train.warmup_steps must be >= 0, got " + std::to_string(t.warmup_steps));
+  if (t.sample_tokens < 0) fail("train.sample_tokens must be >= 0 (0: no sample), got " + std::to_string(t.sample_tokens));
   if (!problems.empty()) throw UsageError(join_problems(problems));
 }
 

@@ -82,6 +82,8 @@ double rss_peak_mb() { return status_mb("VmHWM:"); }
 double rss_file_mb() { return status_mb("RssFile:"); }
 double heap_free_mb() { return static_cast<double>(mallinfo2().fordblks) / kMiB; }
 
+void release_free_heap() { ::malloc_trim(0); }
+
 bool reset_rss_peak() {
   std::ofstream out("/proc/self/clear_refs");
   out << "5";  // "reset the peak resident set size to the current one" (Linux >= 4.0)
@@ -151,12 +153,14 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
     l.qlora = c.finetune.method == "qlora";
     // The targets are layer names of any family: count the adapters of a
     // model built without bytes rather than map the names onto the
-    // estimator's target sets.
+    // estimator's target sets; a split factor counts 1/tp per rank
+    // (Note [LoRA under tensor parallelism]).
     auto shell = models::make_model(m, /*materialize=*/false);
     models::apply_lora(*shell, *lora);
     int64_t n = 0;
     for (const auto& item : shell->named_parameters())
-      if (models::is_adapter_parameter(item.key())) n += item.value().numel();
+      if (models::is_adapter_parameter(item.key()))
+        n += item.value().numel() / (shell->parameter_split(item.key()).dim >= 0 ? p.tp : 1);
     l.lora_layer_params = m.n_layer > 0 ? n / m.n_layer : 0;
   }
   return l;

@@ -64,6 +64,10 @@ double rss_file_mb();
 // Heap memory glibc holds free in its arenas now (not returned to the
 // kernel, so still resident once touched), in MiB.
 double heap_free_mb();
+// Gives the heap memory glibc holds free back to the kernel (malloc_trim):
+// what setup freed (a loader's converted copy of each tensor, a quantizer's
+// dequantized weights) would otherwise stay resident for the whole run.
+void release_free_heap();
 // Makes the kernel's peak resident set the current one (/proc/self/clear_refs);
 // false when the kernel does not allow it (then rss_peak_mb() is the lifetime peak).
 bool reset_rss_peak();

@@ -45,7 +45,7 @@ class DDPStrategy final : public DataParallel {
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p));
     for (auto& p : model_->parameters())
-      if (p.requires_grad()) params_.push_back(p);  // frozen ones (finetune) neither train nor count
+      if (p.requires_grad()) params_.push_back(p);  // frozen ones (finetune) do not train
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
     at::Tensor loss = fn();
@@ -81,8 +81,8 @@ class DDPStrategy final : public DataParallel {
   double comm_wait_ms() const override { return ddp_->comm_wait_ms(); }
   void reset_stats() override { ddp_->reset_stats(); }
   int64_t model_state_bytes() const override {
-    int64_t b = 0;
-    for (auto& p : params_) b += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
+    int64_t b = 0;  // frozen parameters too: held, only not trained
+    for (auto& p : model_->parameters()) b += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
     return b;
   }
   void with_full_parameters(const std::function<void()>& fn) override { fn(); }

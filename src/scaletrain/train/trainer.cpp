@@ -59,12 +59,42 @@ optim::ScheduleOptions schedule(const TrainOptions& t) {
   return s;
 }
 
+// The launcher's attempt number (launch --max-restarts): 0 on a first start.
+int restart_count() {
+  for (const char* name : {"SCALETRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
+    if (const char* v = std::getenv(name)) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && n >= 0 && n < 1000000) return static_cast<int>(n);
+      throw UsageError(std::string(name) + "=" + v + " is not an attempt number");
+    }
+  return 0;
+}
+
 // The checkpoint to resume from per checkpoint.resume, or "" for a fresh start.
 // Under auto, the newest complete checkpoint whose files pass their checksums:
 // a newer one that fails is skipped with a line naming the bad file (`lead`
 // prints it), and when every one fails the run stops rather than starting
 // over beside them.
+// A restarted group (restart_count() > 0) goes on from the newest intact
+// checkpoint of checkpoint.dir whatever checkpoint.resume says: the first
+// attempt's progress is there, and starting over would redo it (or, with a
+// fixed path, go back to it).
 std::string resume_path(const CheckpointingOptions& c, bool lead) {
+  if (const int restart = restart_count(); restart > 0) {
+    if (c.dir.empty() || checkpoint::complete_checkpoints(c.dir).empty()) {
+      if (lead && (c.resume == "auto" || c.resume == "never"))
+        std::printf("scaletrain: restart %d of the group: no checkpoint to go on from (%s), starting at step 0\n",
+                    restart, c.dir.empty() ? "checkpoint.dir is not set" : ("none in " + c.dir).c_str());
+    } else if (c.resume != "auto") {
+      if (lead)
+        std::printf("scaletrain: restart %d of the group: resuming from the newest intact checkpoint in %s "
+                    "(checkpoint.resume=%s is for a first start)\n", restart, c.dir.c_str(), c.resume.c_str());
+      CheckpointingOptions newest = c;
+      newest.resume = "auto";
+      return resume_path(newest, lead);
+    }
+  }
   if (c.resume == "never") return "";
   if (c.resume == "auto") {
     if (c.dir.empty()) return "";
@@ -472,6 +502,7 @@ TrainResult run_training(const Config& cfg) {
   report_memory_now(r, "setup");
   // From here on the peaks are the training steps' (the setup peak was logged above).
   r.lifetime_rss_peak_mb = peak_rss_mb();
+  release_free_heap();
   reset_rss_peak();
   TensorBytes::reset_peak();
 

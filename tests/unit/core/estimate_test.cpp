@@ -100,6 +100,11 @@ TEST(EstimateParams, LoraTrainableCountMatchesPeft) {
   // Frozen base: 16-bit weights only; adapters carry grads + master + Adam.
   EXPECT_DOUBLE_EQ(e.gradients, 4194304.0 * 2);
   EXPECT_DOUBLE_EQ(e.optimizer, 4194304.0 * 8);
+  // tp=2: q and v are column-parallel, so each rank holds A (8 x 4096) whole
+  // and half of B (4096 x 8): 32 x 2 x (32,768 + 16,384) = 3,145,728.
+  l.world_size = 2;
+  l.tp = 2;
+  EXPECT_EQ(est::estimate_rank(cat::estimator_preset("llama-2-7b"), l).trainable_params, 3145728);
 }
 
 TEST(EstimateParams, QloraKeepsTheBlocksLinearWeightsInNf4) {

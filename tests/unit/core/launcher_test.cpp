@@ -364,6 +364,59 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
   EXPECT_TRUE(all_dead);
 }
 
+// --max-restarts: a failure stops the whole group and starts it again with
+// the attempt number in the environment; the count is not reset by a
+// success of some ranks, every failure is listed at the end, and logs keep
+// every attempt's lines.
+TEST(Launch, RestartsTheGroupWithTheAttemptNumber) {
+  TempDir dir;
+  Captured c(dir, 2);
+  c.opts.max_restarts = 3;
+  c.opts.log_dir = dir / "logs";
+  const std::string d = dir.path().string();
+  // Attempt 0: rank 1 exits 3; attempt 1: rank 0 is killed by SIGKILL; attempt 2: all succeed.
+  const std::string script =
+      "echo attempt $SCALETRAIN_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; "
+      "echo $RANK >> " + d + "/starts$SCALETRAIN_RESTART_COUNT; "
+      "if [ $SCALETRAIN_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi; "
+      "if [ $SCALETRAIN_RESTART_COUNT = 1 ] && [ $RANK = 0 ]; then kill -9 $$; fi; "
+      "if [ $SCALETRAIN_RESTART_COUNT -lt 2 ]; then exec sleep 30; fi";
+  const int rc = scaletrain::launch::run(c.opts, sh(script));
+  const std::string err = slurp(dir / "launcher.err");
+  EXPECT_EQ(rc, 0) << err;
+  EXPECT_NE(err.find("restarting all 2 workers (restart 1 of 3) after rank 1 exited with code 3"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("restarting all 2 workers (restart 2 of 3) after rank 0 was killed by signal 9 (SIGKILL)"),
+            std::string::npos)
+      << err;
+  for (int a = 0; a < 3; ++a) EXPECT_EQ(slurp(dir / ("starts" + std::to_string(a))).size(), 4u) << "attempt " << a;
+  EXPECT_FALSE(fs::exists(dir / "starts3"));
+  const std::string log = slurp(dir / "logs/rank1.log");
+  for (int a = 0; a < 3; ++a)
+    EXPECT_NE(log.find("attempt " + std::to_string(a) + " " + std::to_string(a) + " of 3"), std::string::npos) << log;
+}
+
+TEST(Launch, RestartsRunOutAndEveryFailureIsListed) {
+  TempDir dir;
+  Captured c(dir, 2);
+  c.opts.max_restarts = 2;
+  const int rc = scaletrain::launch::run(c.opts, sh("if [ $RANK = 1 ]; then exit 5; fi; exec sleep 30"));
+  const std::string err = slurp(dir / "launcher.err");
+  EXPECT_EQ(rc, 1) << err;
+  EXPECT_NE(err.find("giving up after 2 restarts; failures: attempt 0: rank 1 exited with code 5; attempt 1: rank 1 "
+                     "exited with code 5; attempt 2: rank 1 exited with code 5"),
+            std::string::npos)
+      << err;
+  // A usage error (exit 2) would be refused again: no restart.
+  TempDir dir2;
+  Captured c2(dir2, 2);
+  c2.opts.max_restarts = 3;
+  EXPECT_EQ(scaletrain::launch::run(c2.opts, sh("if [ $RANK = 0 ]; then exit 2; fi; exec sleep 30")), 2);
+  const std::string err2 = slurp(dir2 / "launcher.err");
+  EXPECT_NE(err2.find("not restarting: a rank refused its input (exit 2)"), std::string::npos) << err2;
+  EXPECT_EQ(err2.find("restarting all"), std::string::npos) << err2;
+}
+
 TEST(Launch, BadInputIsAUsageError) {
   using scaletrain::UsageError;
   using scaletrain::launch::run;
@@ -376,6 +429,13 @@ TEST(Launch, BadInputIsAUsageError) {
   EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
   o = LaunchOptions{};
   o.master_port = 70000;
+  EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
+  o = LaunchOptions{};
+  o.max_restarts = -1;
+  EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
+  o = LaunchOptions{};
+  o.nnodes = 2;
+  o.max_restarts = 1;  // the launchers of several nodes would have to agree on a restart
   EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
   o = LaunchOptions{};
   EXPECT_THROW(run(o, {}), UsageError);

@@ -153,6 +153,43 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(other[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 }
 
+// launch --max-restarts: rank 1 dies (SIGKILL) after step 3 was saved while
+// rank 0 waits; the launcher stops the group and starts it again, and the
+// trainer goes on from the newest checkpoint although checkpoint.resume says
+// never (that is for a first start): the two attempts' losses are the
+// uninterrupted run's, bit for bit (ports 29934-29935).
+TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
+  const auto dir = fresh("restart");
+  const std::string zero3 = "--parallel.strategy=zero3 ";
+  const auto whole = train(2, "whole_for_restart", zero3, 29935);
+  ASSERT_EQ(whole.size(), 6u);
+  const fs::path m = scratch() / "restart_m";
+  for (int a = 0; a < 2; ++a) fs::remove(m.string() + std::to_string(a) + ".jsonl");
+  const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() + " " + zero3 +
+                        "--checkpoint.every=1 --checkpoint.resume=never --checkpoint.dir=" + dir.string() +
+                        " --metrics.path=" + m.string() + "$SCALETRAIN_RESTART_COUNT.jsonl";
+  const std::string worker = "if [ $SCALETRAIN_RESTART_COUNT = 0 ]; then " + t +
+                             " --train.stop_at=3 || exit 1; if [ $RANK = 1 ]; then kill -9 $$; fi; exec sleep 60; fi; "
+                             "exec " + t;
+  int code = 0;
+  const std::string out = capture("launch --nproc-per-node 2 --threads 1 --timeout 120 --master-port 29934 "
+                                  "--max-restarts 2 -- /bin/sh -c '" + worker + "'",
+                                  &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("restarting all 2 workers (restart 1 of 2) after rank 1 was killed by signal 9"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("restart 1 of the group: resuming from the newest intact checkpoint"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 3)), std::string::npos) << out;
+  const auto first = metric_losses(m.string() + "0.jsonl"), second = metric_losses(m.string() + "1.jsonl");
+  ASSERT_EQ(first.size(), 3u);
+  ASSERT_EQ(second.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(first[i], whole[i]) << "step " << i + 1;
+    EXPECT_EQ(second[i], whole[i + 3]) << "step " << i + 4;
+  }
+}
+
 // FSDP's FULL_STATE_DICT (Note [Full state dict]): rank 0 writes one file of
 // whole tensors, holding the same values as the sharded save of the same
 // step, and other layouts resume it on the same curve (ports 29930-29933).

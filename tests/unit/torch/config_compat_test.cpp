@@ -224,6 +224,27 @@ TEST(ConfigCompat, RangeChecks) {
   check("precision.loss_scale=-1", "precision.loss_scale");
   check("train.eps=0", "train.eps");
   check("parallel.last_bucket_mb=-1", "parallel.last_bucket_mb must be >= 0");
+  // AdamW and the schedule.
+  check("train.beta1=1", "train.beta1 must be in [0, 1), got 1");
+  check("train.beta1=-0.1", "train.beta1 must be in [0, 1)");
+  check("train.beta2=1.5", "train.beta2 must be in [0, 1), got 1.5");
+  check("train.weight_decay=-0.01", "train.weight_decay must be >= 0");
+  check("train.grad_clip=-1", "train.grad_clip must be >= 0 (0: no clipping), got -1");
+  check("train.min_lr_ratio=1.5", "train.min_lr_ratio must be in [0, 1], got 1.5");
+  check("train.warmup_steps=-3", "train.warmup_steps must be >= 0, got -3");
+  check("train.sample_tokens=-1", "train.sample_tokens must be >= 0");
+  // Every problem at once, in one line.
+  Config c;
+  train::apply_override(c, "train.beta1=2");
+  train::apply_override(c, "train.grad_clip=-1");
+  const std::string both = usage_error([&] { train::validate_config(c); });
+  EXPECT_HAS(both, "train.beta1");
+  EXPECT_HAS(both, "train.grad_clip");
+  Config fine;
+  train::apply_override(fine, "train.beta2=0");
+  train::apply_override(fine, "train.grad_clip=0");
+  train::apply_override(fine, "train.min_lr_ratio=1");
+  EXPECT_NO_THROW(train::validate_config(fine));
 }
 
 // What `accelerate config` writes for FSDP2: fsdp_version and
