@@ -79,6 +79,16 @@ int64_t CausalLM::num_parameters() const {
   return n;
 }
 
+double CausalLM::step_flops_per_token(int64_t seq_len) const {
+  double frozen = 0;
+  for (const auto& item : named_modules()) {
+    const auto* lin = item.value()->as<LinearImpl>();
+    if (lin && (lin->quantized() || !lin->weight.requires_grad()))
+      frozen += static_cast<double>(lin->in_features()) * static_cast<double>(lin->out_features());
+  }
+  return flops_per_token(seq_len) - 2.0 * frozen;
+}
+
 TensorParallelSplit CausalLM::parameter_split(const std::string& name) const {
   if (!is_adapter_parameter(name)) return tensor_parallel_split(name);
   // "<layer>.lora_A.weight" follows "<layer>.weight".

@@ -202,6 +202,11 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   int64_t num_parameters() const;
   // Training FLOPs per token at sequence length `seq_len` (6N + attention).
   virtual double flops_per_token(int64_t seq_len) const = 0;
+  // The same for a step in which the frozen linear weights of the blocks
+  // (fine-tuning: the base under adapters) get no weight gradient: 2 of
+  // their 6 FLOPs per weight and token are not spent. A frozen head's weight
+  // gradient is still counted (a small overcount: the head is not a Linear).
+  double step_flops_per_token(int64_t seq_len) const;
 
  protected:
   // Without materialization each module's bytes go as soon as it is built

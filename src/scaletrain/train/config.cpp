@@ -308,9 +308,12 @@ void set_key(Config& c, const std::string& key, const std::string& value) {
 // each key's problem is added to `problems` (a file's problems are reported together).
 void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::set<std::string>& given,
               std::vector<std::string>& problems) {
+  std::set<std::string> here;  // YAML leaves a repeated key to the reader: we refuse it
   for (const auto& kv : map) {
     const std::string key = prefix + "." + kv.first.as<std::string>();
     try {
+      if (!here.insert(key).second)
+        throw UsageError(key + " is given twice (which one should count?)");
       if (kv.second.IsMap() && is_section(key)) {
         load_map(c, kv.second, key, given, problems);
         continue;
@@ -346,9 +349,12 @@ void load_file(Config& c, const std::string& path, Loaded& loaded) {
   if (!root || root.IsNull()) return;
   if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
   std::vector<std::string> problems;  // every problem of the file, in one error
+  std::set<std::string> sections;
   for (const auto& section : root) {
     const std::string name = section.first.as<std::string>();
     try {
+      if (!sections.insert(name).second)
+        throw UsageError("section '" + name + "' is given twice (merge its keys into one)");
       if (is_accelerate_key(name)) {
         read_accelerate_key(c, loaded.accelerate, name, section.second, path);
         continue;

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <stdexcept>
 #include <filesystem>
 #include <memory>
 
@@ -413,21 +415,32 @@ StepMetrics train_step(Run& r, int64_t step) {
     r.scaler->update(skipped);
   }
   StepMetrics m;
+  m.step = step + 1;
+  // The global mean loss (one scalar all-reduce), known before the update:
+  // a loss that is not finite stops the run with the parameters of the last
+  // good step (unless the loss scaler skipped this step: an fp16 overflow it handles).
+  auto l = torch::full({1}, loss_sum, torch::kDouble);
+  r.mesh->dp().all_reduce(l, comm::ReduceOp::Avg).wait();
+  m.loss = l.item<double>();
+  if (!skipped && !std::isfinite(m.loss))
+    throw std::runtime_error("step " + std::to_string(m.step) + ": the loss is " + std::to_string(m.loss) +
+                             ", not finite; stopped before the optimizer step (the parameters are step " +
+                             std::to_string(step) + "'s; a lower train.lr or train.grad_clip may help)");
   m.lr = optim::lr_at(step, r.cfg.train.lr, r.sched);
   if (!skipped) {
     m.grad_norm = dp.clip_grad_norm(r.cfg.train.grad_clip);
+    if (!std::isfinite(m.grad_norm))
+      throw std::runtime_error("step " + std::to_string(m.step) + ": the gradient norm is " +
+                               std::to_string(m.grad_norm) + ", not finite (the loss was " + std::to_string(m.loss) +
+                               "); stopped before the optimizer step (the parameters are step " +
+                               std::to_string(step) + "'s)");
     r.opt->step(m.lr);
     dp.after_step();
   }
   dp.zero_grad();
-  // Report the global mean loss (one scalar all-reduce).
-  auto l = torch::full({1}, loss_sum, torch::kDouble);
-  r.mesh->dp().all_reduce(l, comm::ReduceOp::Avg).wait();
-  m.step = step + 1;
-  m.loss = l.item<double>();
   m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   m.tokens_per_s = static_cast<double>(r.cfg.train.global_batch * T) / (m.step_ms / 1000.0);
-  m.mfu = m.tokens_per_s / r.world->size() * r.model().flops_per_token(T) / r.peak_flops;
+  m.mfu = m.tokens_per_s / r.world->size() * r.model().step_flops_per_token(T) / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, peak_rss_mb());
   m.comm_wait_ms = dp.comm_wait_ms();
   m.loss_scale = loss_scale;

@@ -327,6 +327,30 @@ TEST(CheckpointCorrupt, AutoResumeSkipsToTheNewestIntact) {
   EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 2)), std::string::npos) << out;
 }
 
+// A loss or gradient norm that is not finite stops the run before the
+// optimizer step, naming the step (exit 1, one line): the checkpoints hold
+// good steps only.
+TEST(TrainerFailure, NonFiniteLossStopsBeforeTheUpdate) {
+  const auto dir = fresh("nan_loss");
+  int code = 0;
+  const std::string out = capture("train " + config().string() +
+                                      " --train.lr=1e30 --train.grad_clip=0 --train.warmup_steps=0 --train.steps=8"
+                                      " --checkpoint.every=1 --checkpoint.dir=" + dir.string(),
+                                  &code);
+  EXPECT_EQ(code, 1) << out;
+  const auto at = out.find("stopped before the optimizer step");
+  ASSERT_NE(at, std::string::npos) << out;
+  EXPECT_NE(out.find("not finite"), std::string::npos) << out;
+  const auto step_at = out.rfind("step ", at);
+  ASSERT_NE(step_at, std::string::npos) << out;
+  const int bad = std::stoi(out.substr(step_at + 5));
+  EXPECT_GE(bad, 2) << out;
+  // Every checkpoint written is of a step before the bad one.
+  const auto newest = checkpoint::newest_checkpoint(dir.string());
+  ASSERT_TRUE(newest.has_value()) << out;
+  EXPECT_EQ(*newest, checkpoint::step_dir(dir.string(), bad - 1)) << out;
+}
+
 // An index may only name files inside its step directory.
 TEST(CheckpointIndex, RejectsFileNamesOutsideTheStepDirectory) {
   for (const std::string name : {"../../../etc/passwd", "/etc/passwd", "tokenizer/../../x", "./rank-00000.safetensors",

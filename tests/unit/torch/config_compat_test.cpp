@@ -190,6 +190,23 @@ TEST(ConfigCompat, NestedYamlSections) {
              "parallel.fsdp.min_num_params: '1.5' is not an integer");
 }
 
+// YAML leaves a repeated key to the reader; ours refuses it, naming it,
+// rather than quietly keeping one of the two values.
+TEST(ConfigCompat, RepeatedKeysAndSectionsAreRefused) {
+  auto m = usage_error([&] { train::load_config(write("dup_key.yaml", "train:\n  lr: 1e-3\n  lr: 1e-4\n").string()); });
+  EXPECT_HAS(m, "train.lr is given twice");
+  m = usage_error([&] {
+    train::load_config(
+        write("dup_nested.yaml", "parallel:\n  zero:\n    reduce_bucket_mb: 1\n    reduce_bucket_mb: 2\n").string());
+  });
+  EXPECT_HAS(m, "parallel.zero.reduce_bucket_mb is given twice");
+  m = usage_error([&] {
+    train::load_config(write("dup_section.yaml", "train:\n  lr: 1e-3\ntrain:\n  steps: 5\n").string());
+  });
+  EXPECT_HAS(m, "section 'train' is given twice");
+  EXPECT_NO_THROW(train::load_config(write("no_dup.yaml", "train:\n  lr: 1e-3\n  steps: 5\n").string()));
+}
+
 TEST(ConfigCompat, EveryEnumRejectsBadValues) {
   for (const char* key : {"parallel.strategy", "parallel.fsdp.sharding_strategy", "parallel.fsdp.auto_wrap_policy",
                           "parallel.fsdp.backward_prefetch", "parallel.fsdp.state_dict_type",

@@ -78,6 +78,21 @@ TEST_P(LoraFamilies, OnlyAdaptersTrain) {
   EXPECT_EQ(adapters, static_cast<int>(2 * layers.size()));
 }
 
+// MFU of a finetune step: the frozen block weights skip their weight
+// gradient, 2 of the 6 FLOPs per weight and token (hand-counted here from the
+// config: every linear of the blocks is frozen under LoRA).
+TEST_P(LoraFamilies, StepFlopsLeaveOutFrozenWeightGradients) {
+  auto m = build(GetParam());
+  const int64_t T = 16;
+  EXPECT_EQ(m->step_flops_per_token(T), m->flops_per_token(T));  // full training: every weight trains
+  const auto& c = m->config();
+  const double h = c.n_embd, I = c.mlp_width(), kv = c.kv_heads() * c.head_dim();
+  const double per_block = c.family == "gpt2" ? 3 * h * h + h * h + 2 * h * I  // c_attn, c_proj, c_fc, c_proj
+                                              : h * h + 2 * h * kv + h * h + 3 * h * I;  // q, k, v, o, gate, up, down
+  models::apply_lora(*m, lora({"all-linear"}));
+  EXPECT_DOUBLE_EQ(m->step_flops_per_token(T), m->flops_per_token(T) - 2 * c.n_layer * per_block);
+}
+
 TEST_P(LoraFamilies, MergedWeightsGiveTheSameModel) {
   // Adapted model with trained-looking (random) B, against the base model
   // with W + scaling * B A written into W: PEFT's merge, computed here.
