@@ -375,11 +375,14 @@ TEST(Launch, RestartsTheGroupWithTheAttemptNumber) {
   c.opts.log_dir = dir / "logs";
   const std::string d = dir.path().string();
   // Attempt 0: rank 1 exits 3; attempt 1: rank 0 is killed by SIGKILL; attempt 2: all succeed.
+  // The failing rank waits until both ranks of its attempt have started.
+  const std::string starts = d + "/starts$SCALETRAIN_RESTART_COUNT";
+  const std::string both = "until [ $(cat " + starts + " 2>/dev/null | wc -l) -ge 2 ]; do sleep 0.02; done; ";
   const std::string script =
       "echo attempt $SCALETRAIN_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; "
-      "echo $RANK >> " + d + "/starts$SCALETRAIN_RESTART_COUNT; "
-      "if [ $SCALETRAIN_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 3; fi; "
-      "if [ $SCALETRAIN_RESTART_COUNT = 1 ] && [ $RANK = 0 ]; then kill -9 $$; fi; "
+      "echo $RANK >> " + starts + "; "
+      "if [ $SCALETRAIN_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then " + both + "exit 3; fi; "
+      "if [ $SCALETRAIN_RESTART_COUNT = 1 ] && [ $RANK = 0 ]; then " + both + "kill -9 $$; fi; "
       "if [ $SCALETRAIN_RESTART_COUNT -lt 2 ]; then exec sleep 30; fi";
   const int rc = scaletrain::launch::run(c.opts, sh(script));
   const std::string err = slurp(dir / "launcher.err");
