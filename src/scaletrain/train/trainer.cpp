@@ -177,6 +177,7 @@ struct Run {
   optim::ScheduleOptions sched;
   std::unique_ptr<data::DistributedSampler> sampler;
   double peak_flops = 0;
+  double flops_per_token = 0;  // of one training step, frozen weights' gradients left out (MFU)
   double setup_peak_mb = 0, rss_before_setup = 0, rss_file_before_setup = 0;
   checkpoint::Layout layout;  // what this rank saves and loads
   std::string finetune;       // checkpoint::ModelShape::finetune of this run ("" when every parameter trains)
@@ -238,6 +239,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   so.global_batch = cfg.train.global_batch;
   r.sampler = std::make_unique<data::DistributedSampler>(r.dataset.num_samples(), so);
   r.peak_flops = cfg.metrics.peak_flops > 0 ? cfg.metrics.peak_flops : measure_gemm_flops();
+  r.flops_per_token = r.model().step_flops_per_token(r.plan.model.block_size);  // once: which weights train does not change
 }
 
 void print_start(Run& r, const comm::WorldInfo& info) {
@@ -440,7 +442,7 @@ StepMetrics train_step(Run& r, int64_t step) {
   dp.zero_grad();
   m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   m.tokens_per_s = static_cast<double>(r.cfg.train.global_batch * T) / (m.step_ms / 1000.0);
-  m.mfu = m.tokens_per_s / r.world->size() * r.model().step_flops_per_token(T) / r.peak_flops;
+  m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, peak_rss_mb());
   m.comm_wait_ms = dp.comm_wait_ms();
   m.loss_scale = loss_scale;
