@@ -6,6 +6,11 @@
 //       --master-addr host0 --master-port 29500] [--log-dir logs]
 //       [--threads 8] [--timeout 3600] [--max-restarts 3] -- ./my_trainer --config run.yaml
 //
+// Elastic (torchrun's --nnodes MIN:MAX): every node runs the same command,
+//   scaletrain launch --nproc-per-node 4 --nnodes 2:4 --master-addr host0
+//       --master-port 29500 --max-restarts 3 -- scaletrain train run.yaml
+// and the launchers form rounds of 2 to 4 nodes (comm/elastic.h).
+//
 // The `--` is needed whenever the worker command has options of its own:
 // without it those would be parsed as the launcher's.
 //
@@ -23,7 +28,9 @@
 #include <vector>
 
 #include "commands.h"
+#include "scaletrain/comm/elastic.h"
 #include "scaletrain/launch/launcher.h"
+#include "scaletrain/util/error.h"
 #include "scaletrain/train/accelerate_config.h"
 
 namespace scaletrain::cli {
@@ -40,7 +47,22 @@ void add_launch(CLI::App& app, Runner& run) {
   auto config_file = std::make_shared<std::string>();
   auto* nproc = sub->add_option("--nproc-per-node", opts->nproc_per_node,
                                 "Workers to start on this node (required unless --config_file gives num_processes)");
-  auto* nnodes = sub->add_option("--nnodes", opts->nnodes, "Nodes in the job")->capture_default_str();
+  auto nnodes_text = std::make_shared<std::string>("1");
+  auto* nnodes = sub->add_option("--nnodes", *nnodes_text,
+                                 "Nodes in the job: N, or MIN:MAX for an elastic job whose nodes may leave and join "
+                                 "(rounds formed through the store at --master-addr:--master-port)")
+                     ->capture_default_str();
+  auto elastic = std::make_shared<comm::ElasticOptions>();
+  auto last_call_s = std::make_shared<double>(3), keepalive_s = std::make_shared<double>(10),
+       join_s = std::make_shared<double>(600);
+  sub->add_option("--rdzv-last-call", *last_call_s,
+                  "Elastic: a round with at least MIN nodes closes once no node joined for S seconds")
+      ->capture_default_str();
+  sub->add_option("--rdzv-keepalive-timeout", *keepalive_s,
+                  "Elastic: a node whose launcher has not beaten for S seconds is lost, and the round ends")
+      ->capture_default_str();
+  sub->add_option("--rdzv-timeout", *join_s, "Elastic: give up when no round forms within S seconds")
+      ->capture_default_str();
   auto* node_rank =
       sub->add_option("--node-rank", opts->node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
   auto* addr = sub->add_option("--master-addr", opts->master_addr, "Host of the rank-0 node (rendezvous)")
@@ -61,16 +83,43 @@ void add_launch(CLI::App& app, Runner& run) {
                   "input); workers see SCALETRAIN_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT, and `scaletrain "
                   "train` goes on from the newest intact checkpoint")
       ->capture_default_str();
+  sub->add_option("--heartbeat-timeout", opts->heartbeat_timeout_s,
+                  "Kill a worker whose heartbeat (sent by `scaletrain train` while it sets up and after every "
+                  "step) is older than S seconds, and report it; the restart policy applies; 0 = off")
+      ->capture_default_str();
   sub->add_option("command", *command, "Worker command and its arguments, after --")->required();
 
-  sub->callback([&run, opts, command, config_file, nproc, nnodes, node_rank, addr, port] {
+  sub->callback([&run, opts, command, config_file, nproc, nnodes, node_rank, addr, port, nnodes_text, elastic,
+                 last_call_s, keepalive_s, join_s] {
+    // "N" or "MIN:MAX".
+    const std::string& nn = *nnodes_text;
+    const auto colon = nn.find(':');
+    auto whole = [&](const std::string& v) {
+      size_t used = 0;
+      int n = 0;
+      try {
+        n = std::stoi(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size()) throw UsageError("launch: --nnodes must be N or MIN:MAX, got '" + nn + "'");
+      return n;
+    };
+    if (colon == std::string::npos) {
+      opts->nnodes = whole(nn);
+    } else {
+      opts->min_nodes = whole(nn.substr(0, colon));
+      opts->max_nodes = whole(nn.substr(colon + 1));
+    }
+    for (double* v : {last_call_s.get(), keepalive_s.get(), join_s.get()})
+      if (!(*v > 0) || *v > 1e7) throw UsageError("launch: --rdzv-* times must be positive seconds");
     const bool from_file = !config_file->empty();
     if (!from_file && nproc->count() == 0)
       throw CLI::RequiredError("--nproc-per-node (or --config_file with num_processes)");
     // Which flags were given explicitly: those win over the file.
     const bool given[] = {nproc->count() > 0, nnodes->count() > 0, node_rank->count() > 0, addr->count() > 0,
                           port->count() > 0};
-    run = [opts, command, config_file, from_file, given] {
+    run = [opts, command, config_file, from_file, given, elastic, last_call_s, keepalive_s, join_s] {
       if (from_file) {
         const auto l = train::read_accelerate_launch(*config_file);
         if (!given[1]) opts->nnodes = l.num_machines;
@@ -82,6 +131,21 @@ void add_launch(CLI::App& app, Runner& run) {
         // Inherited by every worker: `scaletrain train` reads the training keys.
         const std::string abs = std::filesystem::absolute(*config_file).string();
         ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
+      }
+      if (opts->max_nodes > 0) {
+        if (opts->min_nodes < 1 || opts->max_nodes < opts->min_nodes)
+          throw UsageError("launch: --nnodes MIN:MAX needs 1 <= MIN <= MAX, got " + std::to_string(opts->min_nodes) +
+                           ":" + std::to_string(opts->max_nodes));
+        auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
+        elastic->host = opts->master_addr;
+        elastic->port = opts->master_port;
+        elastic->min_nodes = opts->min_nodes;
+        elastic->max_nodes = opts->max_nodes;
+        elastic->last_call = ms(*last_call_s);
+        elastic->keepalive_timeout = ms(*keepalive_s);
+        elastic->join_timeout = ms(*join_s);
+        if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) elastic->secret = s;
+        opts->rendezvous = std::make_shared<comm::ElasticRendezvous>(*elastic);
       }
       return launch::run(*opts, *command);
     };

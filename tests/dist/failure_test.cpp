@@ -20,6 +20,38 @@ void expect_named_error(const std::string& what, const char* op) {
   EXPECT_NE(what.find("seq "), std::string::npos) << what;
 }
 
+// Debug mode (on in these tests): ranks that call different collectives are
+// told so before any data moves, naming the rank that differs; the group
+// stays usable.
+TEST(Failure, MismatchedCollectivesAreNamedBeforeDataMoves) {
+  ASSERT_EQ(world().size(), 2);
+  ASSERT_TRUE(world().debug_collectives()) << "the dist tests run in debug mode";
+  auto t = torch::ones({world().rank() == 0 ? 8 : 9});
+  try {
+    world().group()->all_reduce(t).wait();
+    FAIL() << "mismatched all_reduce ran";
+  } catch (const comm::CommError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("collective mismatch on group 'world' at seq "), std::string::npos) << w;
+    EXPECT_NE(w.find("rank 1 (group rank 1) called all_reduce(Float[9], sum)"), std::string::npos) << w;
+    EXPECT_NE(w.find("rank 0 called all_reduce(Float[8], sum)"), std::string::npos) << w;
+  }
+  try {
+    if (world().rank() == 0)
+      world().group()->broadcast(t, 0).wait();
+    else
+      world().group()->all_gather(t.narrow(0, 0, 4), t.narrow(0, 0, 8)).wait();
+    FAIL() << "mismatched collective ran";
+  } catch (const comm::CommError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("rank 1 (group rank 1) called all_gather(Float[4], Float[8])"), std::string::npos) << w;
+    EXPECT_NE(w.find("rank 0 called broadcast(Float[8], root 0)"), std::string::npos) << w;
+  }
+  auto u = torch::ones({4});
+  world().group()->all_reduce(u).wait();
+  EXPECT_EQ(u[0].item<float>(), 2.0f);
+}
+
 TEST(Failure, TimeoutNamesTheOperation) {
   ASSERT_EQ(world().size(), 2);
   ASSERT_LE(world().timeout().count(), 5000) << "run with SCALETRAIN_TEST_TIMEOUT_S=2";
@@ -35,6 +67,10 @@ TEST(Failure, TimeoutNamesTheOperation) {
     FAIL() << "all_reduce without its peer returned";
   } catch (const comm::CommError& e) {
     expect_named_error(e.what(), "all_reduce");
+    // Rank 1 is sleeping, not in a collective: it answers, and is behind.
+    const std::string w = e.what();
+    EXPECT_NE(w.find("\nculprit: rank 1 is behind: it has not started seq "), std::string::npos) << w;
+    EXPECT_NE(w.find("not in a collective for"), std::string::npos) << w;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 }

@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   scaletrain::comm::WorldOptions o;
   o.timeout = std::chrono::seconds(60);
+  // Every collective's fingerprint is compared across ranks before it runs
+  // (SCALETRAIN_DEBUG_COLLECTIVES=0 turns it off, e.g. to time a test).
+  o.debug_collectives = true;
   if (const char* t = std::getenv("SCALETRAIN_TEST_TIMEOUT_S")) o.timeout = std::chrono::seconds(std::atoi(t));
   scaletrain::test::world_ptr() = scaletrain::comm::World::init(o);
   // Only rank 0 prints the test log (SCALETRAIN_TEST_ALL_RANKS=1: every

@@ -1,9 +1,16 @@
 // The collectives API over c10d backends. See Note [Gloo 1.13 gaps] in group.h.
 #include "scaletrain/comm/group.h"
 
-#include <c10/util/Exception.h>
+#include "scaletrain/comm/activity.h"
 
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
 #include <array>
+#include <cstdio>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -186,9 +193,224 @@ ScratchPool::LeasePtr padded_copy(ScratchPool& pool, const at::Tensor& full, int
 
 }  // namespace
 
+// --- CollectiveTracker (Note [Which rank, which collective] in group.h) -----
+
+namespace {
+
+std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string to_string(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+// "" when every rank called the same collective; else the message naming the
+// ranks that differ from the majority (ties go to group rank 0's side).
+std::string compare_fingerprints(const std::string& group, uint64_t seq, const std::vector<int>& ranks,
+                                 const std::vector<std::string>& fps) {
+  std::map<std::string, int> count;
+  for (const auto& f : fps) ++count[f];
+  std::string major = fps[0];
+  for (const auto& [f, c] : count)
+    if (c > count[major]) major = f;
+  std::ostringstream m;
+  int odd = 0;
+  for (size_t r = 0; r < fps.size(); ++r) {
+    if (fps[r] == major) continue;
+    m << (odd++ ? "; " : "") << "rank " << ranks[r] << " (group rank " << r << ") called " << fps[r];
+  }
+  if (odd == 0) return "";
+  std::ostringstream out;
+  out << "collective mismatch on group '" << group << "' at seq " << seq << ": " << m.str() << "; ";
+  if (fps.size() == 2)
+    out << "rank " << ranks[fps[0] == major ? 0 : 1] << " called " << major;
+  else
+    out << "the other " << fps.size() - static_cast<size_t>(odd) << " ranks called " << major;
+  return out.str();
+}
+
+struct Record {
+  bool answered = false;
+  uint64_t started = 0, finished = 0, waiting = 0;  // seq + 1 (0: none)
+  std::string started_op, finished_op;
+  double seconds = 0;  // in the current state (waiting, or computing since the last finish)
+};
+
+// Parses record()'s line: "started op finished op waiting seconds", tab-separated.
+Record parse_record(const std::string& line) {
+  Record r;
+  std::vector<std::string> f;
+  std::stringstream ss(line);
+  for (std::string x; std::getline(ss, x, '\t');) f.push_back(x);
+  if (f.size() != 6) return r;
+  try {
+    r.started = std::stoull(f[0]);
+    r.started_op = f[1];
+    r.finished = std::stoull(f[2]);
+    r.finished_op = f[3];
+    r.waiting = std::stoull(f[4]);
+    r.seconds = std::stod(f[5]);
+    r.answered = true;
+  } catch (const std::exception&) {
+    r.answered = false;
+  }
+  return r;
+}
+
+std::string seq_text(uint64_t s, const std::string& op) {
+  return s == 0 ? std::string("none") : "seq " + std::to_string(s - 1) + " " + op;
+}
+
+}  // namespace
+
+CollectiveTracker::CollectiveTracker(Options options) : o_(std::move(options)) {}
+
+void CollectiveTracker::launching(uint64_t seq, const std::string& op, const std::string& fingerprint) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = seq + 1;
+    started_op_ = op;
+  }
+  if (!o_.fingerprint_store || o_.ranks.size() < 2) return;
+  c10d::Store& st = *o_.fingerprint_store;
+  const std::string base = "fp/" + std::to_string(seq) + "/";
+  std::string verdict;
+  try {
+    st.set(base + std::to_string(o_.rank), to_bytes(fingerprint));
+    if (o_.rank == 0) {
+      std::vector<std::string> fps(o_.ranks.size());
+      fps[0] = fingerprint;
+      for (size_t r = 1; r < fps.size(); ++r) fps[r] = to_string(st.get(base + std::to_string(r)));
+      verdict = compare_fingerprints(o_.group, seq, o_.ranks, fps);
+      st.set(base + "v", to_bytes("=" + verdict));
+      // Every rank has read seq - 2's verdict before it set seq - 1's key,
+      // which rank 0 has just read: those keys are no longer needed.
+      if (seq >= 2) {
+        const std::string old = "fp/" + std::to_string(seq - 2) + "/";
+        for (size_t r = 0; r < fps.size(); ++r) st.deleteKey(old + std::to_string(r));
+        st.deleteKey(old + "v");
+      }
+    } else {
+      verdict = to_string(st.get(base + "v")).substr(1);
+    }
+  } catch (const std::exception& e) {
+    throw CommError(explain("fingerprint check of " + op + " on group '" + o_.group + "' (seq " + std::to_string(seq) +
+                            ") failed: " + first_line(e)));
+  }
+  if (!verdict.empty()) throw CommError(verdict);
+}
+
+void CollectiveTracker::finished(uint64_t seq, const std::string& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (seq + 1 > finished_) {
+    finished_ = seq + 1;
+    finished_op_ = op;
+  }
+  since_ = Clock::now();
+}
+
+void CollectiveTracker::waiting(uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  waiting_on_ = seq + 1;
+  since_ = Clock::now();
+}
+
+void CollectiveTracker::done_waiting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  waiting_on_ = 0;
+  since_ = Clock::now();
+}
+
+std::string CollectiveTracker::record() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.1f", std::chrono::duration<double>(Clock::now() - since_).count());
+  return std::to_string(started_) + "\t" + started_op_ + "\t" + std::to_string(finished_) + "\t" + finished_op_ +
+         "\t" + std::to_string(waiting_on_) + "\t" + secs;
+}
+
+std::string CollectiveTracker::explain(const std::string& what) const {
+  if (!o_.ask || o_.ranks.size() < 2) return what;
+  const std::string mine = record();  // before the others are asked (which takes time)
+  std::vector<std::string> answers;
+  try {
+    answers = o_.ask(o_.group, o_.ranks);
+  } catch (const std::exception&) {
+    answers.clear();
+  }
+  answers.resize(o_.ranks.size());
+  answers[static_cast<size_t>(o_.rank)] = mine;
+  std::vector<Record> recs;
+  for (const auto& a : answers) recs.push_back(parse_record(a));
+  std::ostringstream t;
+  t << what << "\n  ranks of group '" << o_.group << "' (collectives by sequence number):";
+  char line[512];
+  std::snprintf(line, sizeof line, "\n  %-6s %-26s %-26s %s", "rank", "last started", "last finished", "now");
+  t << line;
+  int culprit = -1;
+  std::string why;
+  uint64_t most = 0;
+  for (const auto& r : recs)
+    if (r.answered) most = std::max(most, r.started);
+  for (size_t i = 0; i < recs.size(); ++i) {
+    const Record& r = recs[i];
+    std::string now;
+    if (!r.answered) {
+      now = "no answer (exited, stopped, or stuck where it cannot answer)";
+    } else if (r.waiting) {
+      char b[96];
+      std::snprintf(b, sizeof b, "waiting on seq %llu for %.1f s", static_cast<unsigned long long>(r.waiting - 1),
+                    r.seconds);
+      now = b;
+    } else {
+      char b[96];
+      std::snprintf(b, sizeof b, "not in a collective for %.1f s", r.seconds);
+      now = b;
+    }
+    std::snprintf(line, sizeof line, "\n  %-6d %-26s %-26s %s", o_.ranks[i], seq_text(r.started, r.started_op).c_str(),
+                  seq_text(r.finished, r.finished_op).c_str(), now.c_str());
+    t << line;
+  }
+  // The culprit: a member that did not answer, else the one furthest behind.
+  for (size_t i = 0; i < recs.size() && culprit < 0; ++i)
+    if (!recs[i].answered) {
+      culprit = static_cast<int>(i);
+      why = "did not answer (exited, stopped, or stuck where it cannot answer)";
+    }
+  if (culprit < 0) {
+    uint64_t least = most;
+    for (size_t i = 0; i < recs.size(); ++i)
+      if (recs[i].started < least) {
+        least = recs[i].started;
+        culprit = static_cast<int>(i);
+      }
+    if (culprit >= 0)
+      why = "is behind: it has not started seq " + std::to_string(most - 1) + " (last started: " +
+            seq_text(recs[static_cast<size_t>(culprit)].started, recs[static_cast<size_t>(culprit)].started_op) + ")";
+  }
+  if (culprit >= 0)
+    t << "\nculprit: rank " << o_.ranks[static_cast<size_t>(culprit)] << " " << why;
+  else
+    t << "\nno rank is behind: every rank started seq " << (most == 0 ? 0 : most - 1)
+      << " (the transport itself failed or stalled)";
+  return t.str();
+}
+
 // --- Work -------------------------------------------------------------------
 
+namespace {
+std::atomic<int> g_waiting{0};  // see activity.h
+struct WaitingScope {
+  WaitingScope() { ++g_waiting; }
+  ~WaitingScope() { --g_waiting; }
+  WaitingScope(const WaitingScope&) = delete;
+  WaitingScope& operator=(const WaitingScope&) = delete;
+};
+}  // namespace
+
+int collectives_waiting() { return g_waiting.load(); }
+
 void Work::wait() {
+  WaitingScope waiting;
+  std::shared_ptr<CollectiveTracker> tracker = std::move(tracker_);
+  tracker_ = nullptr;
+  if (tracker && !pending_.empty()) tracker->waiting(seq_);
   try {
     for (auto& w : pending_) w->wait(timeout_);
     pending_.clear();
@@ -199,11 +421,20 @@ void Work::wait() {
       next.wait();
     }
   } catch (const CommError&) {
+    if (tracker) tracker->done_waiting();
     throw;
   } catch (const std::exception& e) {
     pending_.clear();
     then_ = nullptr;
-    throw CommError(label_ + " failed: " + first_line(e));
+    const std::string what = label_ + " failed: " + first_line(e);
+    if (!tracker) throw CommError(what);
+    std::string table = tracker->explain(what);
+    tracker->done_waiting();
+    throw CommError(table);
+  }
+  if (tracker) {
+    tracker->finished(seq_, op_);
+    tracker->done_waiting();
   }
 }
 
@@ -234,15 +465,67 @@ int64_t Group::scratch_bytes() const { return scratch_->held_bytes(); }
 
 std::string Group::label(const char* op, uint64_t seq) const {
   std::ostringstream s;
-  s << op << " on group '" << name_ << "' (size " << size() << ", rank " << rank_ << ", seq " << seq << ")";
+  s << op << " on group '" << name_ << "' (size " << size() << ", rank " << rank_ << ", "
+    << (point_to_point(op) ? "p2p seq " : "seq ") << seq << ")";
   return s.str();
+}
+
+bool Group::point_to_point(const char* op) { return std::strcmp(op, "send") == 0 || std::strcmp(op, "recv") == 0; }
+
+namespace {
+// The fingerprint describe() noted for the next launch on this thread.
+thread_local std::string t_described;
+const char* reduce_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+}  // namespace
+
+void Group::describe(const char* op, std::initializer_list<at::Tensor> tensors, const std::string& extra) {
+  if (!tracker_) return;
+  std::ostringstream s;
+  s << op << "(";
+  const char* sep = "";
+  for (const auto& t : tensors) {
+    s << sep << c10::toString(t.scalar_type()) << t.sizes();
+    sep = ", ";
+  }
+  if (!extra.empty()) s << sep << extra;
+  s << ")";
+  t_described = s.str();
+}
+
+void Group::launching(const char* op) {
+  std::string fp = std::move(t_described);
+  t_described.clear();
+  if (!tracker_ || point_to_point(op)) return;
+  try {
+    tracker_->launching(seq_.load(), op, fp.empty() ? std::string(op) : fp);
+  } catch (const CommError&) {
+    // The refused collective still uses up its sequence number (on every
+    // rank, as each saw the mismatch), so the next one's store keys are fresh.
+    ++seq_;
+    throw;
+  }
 }
 
 Work Group::start(const char* op, std::vector<compat::WorkPtr> ws) {
   Work w;
-  w.label_ = label(op, seq_++);
+  const bool p2p = point_to_point(op);
+  const uint64_t seq = p2p ? p2p_seq_++ : seq_++;
+  w.label_ = label(op, seq);
   w.timeout_ = timeout_;
   w.pending_ = std::move(ws);
+  if (!p2p && tracker_) {
+    w.tracker_ = tracker_;
+    w.seq_ = seq;
+    w.op_ = op;
+  }
   return w;
 }
 
@@ -253,18 +536,21 @@ Work Group::start(const char* op, compat::WorkPtr w) {
 }
 
 // Launching can throw too (a closed connection is noticed on send): wrap it.
-#define ST_LAUNCH(op, expr)                                                           \
-  [&]() -> compat::WorkPtr {                                                          \
-    try {                                                                             \
-      return expr;                                                                    \
-    } catch (const std::exception& e) {                                               \
-      throw CommError(label(op, seq_.load()) + " failed to start: " + first_line(e)); \
-    }                                                                                 \
+#define ST_LAUNCH(op, expr)                                                                                \
+  [&]() -> compat::WorkPtr {                                                                               \
+    launching(op);                                                                                         \
+    try {                                                                                                  \
+      return expr;                                                                                         \
+    } catch (const std::exception& e) {                                                                    \
+      throw CommError(label(op, (point_to_point(op) ? p2p_seq_ : seq_).load()) + " failed to start: " + \
+                      first_line(e));                                                                      \
+    }                                                                                                      \
   }()
 
 Work Group::broadcast(at::Tensor tensor, int root) {
   check_contiguous(tensor, "broadcast");
   if (size() == 1) return start("broadcast", compat::WorkPtr());
+  describe("broadcast", {tensor}, "root " + std::to_string(root));
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
   c10d::BroadcastOptions o;
   o.rootRank = root;
@@ -275,6 +561,7 @@ Work Group::broadcast(at::Tensor tensor, int root) {
 Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
   check_contiguous(tensor, "all_reduce");
   if (size() == 1) return start("all_reduce", compat::WorkPtr());
+  describe("all_reduce", {tensor}, reduce_name(op));
   if (gloo() && is_16bit_float(tensor.scalar_type())) {
     // Two stages: reduce_scatter (fp32 sum) then all_gather of the shards.
     // The second stage is issued when this Work is waited on; like every
@@ -353,6 +640,7 @@ Work Group::reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op) {
     shard.reshape({-1}).copy_(full.reshape({-1}));
     return start("reduce_scatter", compat::WorkPtr());
   }
+  describe("reduce_scatter", {full, shard}, reduce_name(op));
   if (gloo()) return reduce_scatter_by_all_to_all(full, shard, op, "reduce_scatter");
   // NCCL has a native flat reduce-scatter; pad the input to size() chunks.
   const int64_t k = shard_numel(full.numel());
@@ -387,6 +675,7 @@ Work Group::all_gather(at::Tensor shard, at::Tensor full) {
     full.reshape({-1}).copy_(shard.reshape({-1}));
     return start("all_gather", compat::WorkPtr());
   }
+  describe("all_gather", {shard, full});
   // Gather straight into `full` when it holds exactly n shards, else into a
   // padded buffer whose padding is dropped afterwards.
   const bool exact = full.numel() == n * k;
@@ -423,6 +712,7 @@ Work Group::all_to_all(at::Tensor input, at::Tensor output) {
     output.copy_(input);
     return start("all_to_all", compat::WorkPtr());
   }
+  describe("all_to_all", {input, output});
   at::Tensor out = bytes_of(output), in = bytes_of(input);
   std::vector<int64_t> equal_splits;
   c10d::AllToAllOptions o;
@@ -433,6 +723,7 @@ Work Group::all_to_all(at::Tensor input, at::Tensor output) {
 Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
   check_contiguous(tensor, "reduce");
   if (size() == 1) return start("reduce", compat::WorkPtr());
+  describe("reduce", {tensor}, std::string(reduce_name(op)) + ", root " + std::to_string(root));
   if (gloo() && (is_16bit_float(tensor.scalar_type()) || op == ReduceOp::Avg)) {
     // Gather the raw payloads at the root (into the rows of one scratch
     // buffer) and reduce there in fp32.
@@ -473,6 +764,7 @@ Work Group::gather(at::Tensor input, std::vector<at::Tensor> outputs, int root) 
     outputs[0].copy_(input);
     return start("gather", compat::WorkPtr());
   }
+  describe("gather", {input}, "root " + std::to_string(root));
   std::vector<std::vector<at::Tensor>> outs;
   if (rank_ == root) {
     outs.emplace_back();
@@ -493,6 +785,7 @@ Work Group::scatter(std::vector<at::Tensor> inputs, at::Tensor output, int root)
     output.copy_(inputs[0]);
     return start("scatter", compat::WorkPtr());
   }
+  describe("scatter", {output}, "root " + std::to_string(root));
   std::vector<std::vector<at::Tensor>> ins;
   if (rank_ == root) {
     ins.emplace_back();

@@ -41,11 +41,16 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "scaletrain/comm/compat.h"
+
+namespace c10d {
+class Store;
+}
 
 namespace scaletrain::comm {
 
@@ -56,6 +61,8 @@ class CommError : public std::runtime_error {
  public:
   explicit CommError(const std::string& what) : std::runtime_error(what) {}
 };
+
+class CollectiveTracker;  // below: Note [Which rank, which collective]
 
 // Handle of an operation in flight. Move-only; waiting twice is a no-op.
 class Work {
@@ -75,12 +82,75 @@ class Work {
   friend class Group;
   std::string label_;  // "all_reduce on group 'dp' (seq 12)"
   std::chrono::milliseconds timeout_{0};
+  // Set for a group-wide collective: its sequence number and the group's
+  // tracker (Note [Which rank, which collective]).
+  std::shared_ptr<CollectiveTracker> tracker_;
+  uint64_t seq_ = 0;
+  const char* op_ = "";
   std::vector<compat::WorkPtr> pending_;
   // Runs after `pending_` completed; may start a further stage (a Work).
   std::function<Work()> then_;
 };
 
 enum class BackendKind { Gloo, Nccl };
+
+// Note [Which rank, which collective]
+// A hang in a collective is noticed by the ranks that wait, not by the rank
+// that caused it (one that was stopped, is still computing, or took another
+// branch). Two mechanisms name the culprit:
+//  - Every group records the last collective each rank started and finished
+//    (sequence numbers count the group's collectives; point-to-point sends
+//    and receives have their own count). When a wait fails, the rank asks
+//    every member through the store for its record (each process answers
+//    from a small responder thread, so a rank busy computing still answers)
+//    and the error carries the table and a last line "culprit: rank N ...":
+//    the rank that did not answer, else the one furthest behind.
+//  - Debug mode (WorldOptions::debug_collectives, parallel.debug_collectives,
+//    SCALETRAIN_DEBUG_COLLECTIVES=1) compares, before any data moves, every
+//    rank's fingerprint of the collective (op, group, sequence number, dtypes
+//    and shapes, reduce op, root) through the store; a mismatch raises on
+//    every rank, naming the rank that differs and both fingerprints. It costs
+//    a few store round trips per collective: meant for tests and debugging.
+// The store work lives in CollectiveTracker (group.cpp); World owns the
+// responder (world.cpp).
+class CollectiveTracker {
+ public:
+  // Asks every member of a group (by global rank) for its record; returns
+  // one answer per member, "" for a member that did not answer in time.
+  using Ask = std::function<std::vector<std::string>(const std::string& group, const std::vector<int>& ranks)>;
+  struct Options {
+    std::string group;        // the group's name
+    std::vector<int> ranks;   // its members' global ranks
+    int rank = 0;             // this process's rank in the group
+    // Debug mode: the store that fingerprints go through (null: off). A
+    // connection of its own, so groups never wait on each other's requests.
+    c10::intrusive_ptr<c10d::Store> fingerprint_store;
+    Ask ask;  // null: a failed wait reports no table
+  };
+  explicit CollectiveTracker(Options options);
+
+  // Before data moves: records the start and, in debug mode, compares the
+  // fingerprint with every member's (throws CommError on a mismatch).
+  void launching(uint64_t seq, const std::string& op, const std::string& fingerprint);
+  void finished(uint64_t seq, const std::string& op);
+  // Brackets a wait on a collective, so the record says what the rank does.
+  void waiting(uint64_t seq);
+  void done_waiting();
+  // This rank's record, as one answer line.
+  std::string record() const;
+  // The error of a failed wait: `what`, then the table of every member's
+  // record and the culprit line (when members can be asked).
+  std::string explain(const std::string& what) const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  Options o_;
+  mutable std::mutex mu_;
+  uint64_t started_ = 0, finished_ = 0;  // seq + 1 of the last one (0: none yet)
+  std::string started_op_, finished_op_;
+  uint64_t waiting_on_ = 0;  // seq + 1 waited on now (0: not waiting)
+  Clock::time_point since_ = Clock::now();
+};
 
 namespace detail {
 class ScratchPool;  // see Note [Scratch buffers]; defined in group.cpp
@@ -100,8 +170,12 @@ class Group {
   std::chrono::milliseconds timeout() const { return timeout_; }
   // Elements of one rank's chunk of a flat tensor of `numel` elements.
   int64_t shard_numel(int64_t numel) const { return (numel + size() - 1) / size(); }
-  // Operations issued so far (the sequence number of the next one).
+  // Collectives issued so far (the sequence number of the next one); sends
+  // and receives are counted apart, as ranks issue different numbers of them.
   uint64_t sequence() const { return seq_.load(); }
+  // See Note [Which rank, which collective]; set by World.
+  void set_tracker(std::shared_ptr<CollectiveTracker> tracker) { tracker_ = std::move(tracker); }
+  const std::shared_ptr<CollectiveTracker>& tracker() const { return tracker_; }
   // Bytes held by this group's scratch pool (see Note [Scratch buffers]).
   int64_t scratch_bytes() const;
 
@@ -125,6 +199,12 @@ class Group {
   Work start(const char* op, compat::WorkPtr w);
   Work start(const char* op, std::vector<compat::WorkPtr> ws);
   std::string label(const char* op, uint64_t seq) const;
+  static bool point_to_point(const char* op);
+  // Called right before the backend launches `op`: the tracker's record and
+  // debug-mode fingerprint check (uses what describe() noted last).
+  void launching(const char* op);
+  // Notes the arguments of the collective about to launch, for the fingerprint.
+  void describe(const char* op, std::initializer_list<at::Tensor> tensors, const std::string& extra = "");
   bool gloo() const { return kind_ == BackendKind::Gloo; }
   // Gloo stage of reduce_scatter: all_to_all of raw chunks, local fp32 sum.
   Work reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, ReduceOp op, const char* op_name);
@@ -136,7 +216,9 @@ class Group {
   compat::BackendPtr backend_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> p2p_seq_{0};
   std::shared_ptr<detail::ScratchPool> scratch_;
+  std::shared_ptr<CollectiveTracker> tracker_;
 };
 
 }  // namespace scaletrain::comm

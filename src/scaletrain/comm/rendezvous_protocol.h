@@ -26,7 +26,7 @@
 // big-endian (u32, i64); a string or value is a u32 length and its bytes; a
 // key list is a u32 count and that many strings.
 //   request                                 ok reply
-//   kHello    u32 magic, u32 version, u8 counts_as_worker   -
+//   kHello    u32 magic, u32 version, u8 counts_as_worker, secret   -
 //   kSet      key, value                    -
 //   kGet      key, i64 timeout_ms           value     (blocks on the server)
 //   kAdd      key, i64 delta                i64 new value
@@ -41,6 +41,10 @@
 // A client has one request in flight. While a client's blocking request is
 // pending, the server still reads its socket (to notice a disconnect) but
 // parses nothing more from it, so replies stay in request order.
+// Until its hello is accepted a connection may send only frames of at most
+// kMaxHelloFrame bytes, and it must send its hello within hello_timeout;
+// with a secret set on the server, a hello without the same secret gets an
+// error reply and the connection is closed.
 // Blocking requests time out on the server, which answers "timeout" and the
 // connection stays usable. The client waits a grace period longer; hearing
 // nothing by then means the server is stuck, and the connection is dropped.
@@ -53,7 +57,10 @@ using Deadline = std::optional<Clock::time_point>;
 using detail::UniqueFd;
 
 constexpr uint32_t kMagic = 0x53545256;  // "STRV": refuses foreign peers
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the hello carries the shared secret
+constexpr uint32_t kMaxSecretBytes = 256;
+// Largest frame read from a connection before its hello was accepted.
+constexpr uint32_t kMaxHelloFrame = 16 + kMaxSecretBytes;
 
 enum Op : uint8_t {
   kHello = 1,

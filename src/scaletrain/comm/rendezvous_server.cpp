@@ -23,6 +23,16 @@ using namespace rdzv;  // NOLINT(google-build-using-namespace): the protocol's o
 
 namespace {
 
+// Compares without an early exit, so the time taken says nothing about
+// how much of a guess was right.
+bool sameSecret(const std::string& a, const std::string& b) {
+  unsigned diff = a.size() == b.size() ? 0u : 1u;
+  for (size_t i = 0; i < b.size(); ++i) diff |= unsigned(uint8_t(i < a.size() ? a[i] : 0) ^ uint8_t(b[i]));
+  return diff == 0;
+}
+
+std::string storeFull() { return "store full (max_data_bytes reached)"; }
+
 std::string numericHost(const sockaddr* sa, socklen_t len) {
   char buf[NI_MAXHOST] = {0};
   if (::getnameinfo(sa, len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) != 0) return "?";
@@ -109,6 +119,8 @@ bool RendezvousStore::Server::loopOnce() {
   Deadline next;
   for (auto& [id, w] : waiters_)
     if (w.deadline && (!next || *w.deadline < *next)) next = w.deadline;
+  for (auto& [id, c] : clients_)
+    if (!c.hello && (!next || c.accepted + options_.hello_timeout < *next)) next = c.accepted + options_.hello_timeout;
 
   int rc = ::poll(fds.data(), fds.size(), pollTimeout(next));
   if (rc < 0) {
@@ -122,7 +134,10 @@ bool RendezvousStore::Server::loopOnce() {
     auto it = clients_.find(ids[i]);
     if (ev == 0 || it == clients_.end() || it->second.closed) continue;
     Client& c = it->second;
-    if (ev & POLLOUT) flush(c);
+    if (ev & POLLOUT) {
+      flush(c);
+      parse(ids[i], c);  // requests held back while replies were queued
+    }
     if (ev & (POLLIN | POLLHUP | POLLERR)) {
       const bool eof = readFrom(c);
       parse(ids[i], c);  // requests sent just before a close still count
@@ -130,6 +145,7 @@ bool RendezvousStore::Server::loopOnce() {
     }
   }
   expireWaiters();
+  expireHellos();
   while (!ready_.empty()) {
     const uint64_t id = ready_.front();
     ready_.pop_front();
@@ -142,6 +158,7 @@ bool RendezvousStore::Server::loopOnce() {
       continue;
     }
     dropWaiter(it->first);
+    in_bytes_ -= static_cast<int64_t>(it->second.in.size());
     it = clients_.erase(it);
   }
   return true;
@@ -161,18 +178,36 @@ void RendezvousStore::Server::acceptAll() {
       }
       return;
     }
+    if (clients_.size() >= size_t(std::max(options_.max_connections, 1))) {
+      ::close(fd);  // over the cap: refused before it can cost anything
+      continue;
+    }
     setFlag(fd, IPPROTO_TCP, TCP_NODELAY);
-    clients_[next_id_++].fd = UniqueFd(fd);
+    Client& c = clients_[next_id_++];
+    c.fd = UniqueFd(fd);
+    c.accepted = Clock::now();
   }
 }
 
 // Reads what is available. Returns true when the peer closed or failed.
 bool RendezvousStore::Server::readFrom(Client& c) {
   uint8_t buf[65536];
+  // What one connection may have buffered: one whole frame (a small one
+  // before the hello). More means a peer that does not follow the protocol.
+  const size_t budget = 4 + size_t(c.hello ? options_.max_frame_bytes : kMaxHelloFrame);
   for (int round = 0; round < 16; ++round) {  // bounded: be fair to others
-    ssize_t k = ::recv(c.fd.get(), buf, sizeof(buf), 0);
+    const size_t room = c.in.size() - c.in_off >= budget ? 0 : budget - (c.in.size() - c.in_off);
+    if (room == 0) return false;  // parse() takes a frame or closes the connection
+    ssize_t k = ::recv(c.fd.get(), buf, std::min(room, sizeof(buf)), 0);
     if (k > 0) {
+      if (in_bytes_ + k > options_.max_buffered_bytes) {
+        std::cerr << "scaletrain: rendezvous store server " << where_
+                  << ": closing a connection: the buffered requests of all connections exceed "
+                  << options_.max_buffered_bytes << " bytes" << std::endl;
+        return true;
+      }
       c.in.insert(c.in.end(), buf, buf + k);
+      in_bytes_ += k;
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
@@ -208,6 +243,24 @@ void RendezvousStore::Server::close(uint64_t id, Client& c) {
   dropWaiter(id);
 }
 
+void RendezvousStore::Server::compact(Client& c) {
+  if (c.in_off == c.in.size()) {
+    in_bytes_ -= static_cast<int64_t>(c.in.size());
+    c.in.clear();
+    c.in_off = 0;
+  } else if (c.in_off > (1u << 16)) {
+    in_bytes_ -= static_cast<int64_t>(c.in_off);
+    c.in.erase(c.in.begin(), c.in.begin() + long(c.in_off));
+    c.in_off = 0;
+  }
+}
+
+void RendezvousStore::Server::expireHellos() {
+  const auto now = Clock::now();
+  for (auto& [id, c] : clients_)
+    if (!c.hello && !c.closed && c.accepted + options_.hello_timeout <= now) close(id, c);
+}
+
 void RendezvousStore::Server::dropWaiter(uint64_t id) {
   auto it = waiters_.find(id);
   if (it == waiters_.end()) return;
@@ -222,10 +275,12 @@ void RendezvousStore::Server::dropWaiter(uint64_t id) {
 
 void RendezvousStore::Server::parse(uint64_t id, Client& c) {
   while (!c.closed && waiters_.count(id) == 0) {
+    // A peer that does not read its replies gets no more of them.
+    if (c.out.size() - c.out_off > size_t(options_.max_frame_bytes)) break;
     const size_t avail = c.in.size() - c.in_off;
     if (avail < 4) break;
     const uint32_t len = frameLength(c.in.data() + c.in_off);
-    if (len > options_.max_frame_bytes || len == 0) {
+    if (len > (c.hello ? options_.max_frame_bytes : kMaxHelloFrame) || len == 0) {
       close(id, c);  // not our protocol, or a confused peer
       break;
     }
@@ -238,15 +293,7 @@ void RendezvousStore::Server::parse(uint64_t id, Client& c) {
       close(id, c);
     }
   }
-  if (c.in_off == c.in.size()) {
-    c.in.clear();
-    c.in_off = 0;
-  } else if (c.in_off > (1u << 16)) {
-    c.in.erase(c.in.begin(), c.in.begin() + long(c.in_off));
-    c.in_off = 0;
-  }
-  // A well-behaved client sends nothing while it waits; cap what we buffer.
-  if (c.in.size() > size_t(options_.max_frame_bytes) + 4) close(id, c);
+  compact(c);
 }
 
 void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
@@ -255,11 +302,20 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
   if (!c.hello && op != kHello) throw ProtocolError("no handshake");
   switch (op) {
     case kHello: {
+      if (c.hello) throw ProtocolError("second hello");
       const uint32_t magic = r.u32(), version = r.u32();
-      const bool counts = r.u8() != 0;
-      r.expectEnd();
       if (magic != kMagic || version != kVersion) {
         w.u8(kError).str("protocol mismatch (server speaks version " + std::to_string(kVersion) + ")");
+        reply(c, w);
+        close(id, c);
+        return;
+      }
+      const bool counts = r.u8() != 0;
+      const std::string secret = r.str();
+      r.expectEnd();
+      if (!options_.secret.empty() && !sameSecret(secret, options_.secret)) {
+        w.u8(kError).str(secret.empty() ? "this store requires a shared secret (set SCALETRAIN_STORE_SECRET)"
+                                        : "wrong shared secret (SCALETRAIN_STORE_SECRET)");
         reply(c, w);
         close(id, c);
         return;
@@ -279,6 +335,7 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       std::string key = r.str();
       Bytes value = r.blob();
       r.expectEnd();
+      if (!fits(key, value.size())) return reply(c, w.u8(kError).str(storeFull()));
       reply(c, w.u8(kOk));
       setKey(key, std::move(value));
       return;
@@ -311,6 +368,7 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       }
       const int64_t next = current + delta;
       const std::string text = std::to_string(next);
+      if (!fits(key, text.size())) return reply(c, w.u8(kError).str(storeFull()));
       reply(c, w.u8(kOk).i64(next));
       setKey(key, Bytes(text.begin(), text.end()));
       return;
@@ -325,6 +383,7 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       if (!matches) {
         return reply(c, w.u8(kOk).blob(it == data_.end() ? expected : it->second));
       }
+      if (!fits(key, desired.size())) return reply(c, w.u8(kError).str(storeFull()));
       reply(c, w.u8(kOk).blob(desired));
       setKey(key, std::move(desired));
       return;
@@ -332,7 +391,11 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
     case kDelete: {
       std::string key = r.str();
       r.expectEnd();
-      return reply(c, w.u8(kOk).u8(data_.erase(key) ? 1 : 0));
+      auto it = data_.find(key);
+      if (it == data_.end()) return reply(c, w.u8(kOk).u8(0));
+      data_bytes_ -= static_cast<int64_t>(key.size() + it->second.size());
+      data_.erase(it);
+      return reply(c, w.u8(kOk).u8(1));
     }
     case kCheck: {
       auto keys = r.keys();
@@ -361,7 +424,16 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
   throw ProtocolError("unknown opcode");
 }
 
+bool RendezvousStore::Server::fits(const std::string& key, size_t bytes) const {
+  auto it = data_.find(key);
+  const int64_t now = it == data_.end() ? 0 : static_cast<int64_t>(key.size() + it->second.size());
+  return data_bytes_ - now + static_cast<int64_t>(key.size() + bytes) <= options_.max_data_bytes;
+}
+
 void RendezvousStore::Server::setKey(const std::string& key, Bytes value) {
+  auto old = data_.find(key);
+  if (old != data_.end()) data_bytes_ -= static_cast<int64_t>(key.size() + old->second.size());
+  data_bytes_ += static_cast<int64_t>(key.size() + value.size());
   data_[key] = std::move(value);
   auto it = key_waiters_.find(key);
   if (it == key_waiters_.end()) return;

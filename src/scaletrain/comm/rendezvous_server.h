@@ -41,6 +41,7 @@ class RendezvousStore::Server {
     size_t out_off = 0;
     bool hello = false;   // handshake done
     bool closed = false;  // to be dropped at the end of this loop turn
+    rdzv::Clock::time_point accepted;  // the hello is due hello_timeout after this
   };
   // A blocking request (get, wait, wait-for-workers) not yet answerable.
   struct Waiter {
@@ -61,6 +62,11 @@ class RendezvousStore::Server {
   void close(uint64_t id, Client& c);
   void dropWaiter(uint64_t id);
   void setKey(const std::string& key, rdzv::Bytes value);
+  // Whether setting `key` to a value of `bytes` keeps the map within max_data_bytes.
+  bool fits(const std::string& key, size_t bytes) const;
+  void expireHellos();
+  // Drops the consumed prefix of a client's input, keeping in_bytes_ true.
+  void compact(Client& c);
   bool hasAll(const std::vector<std::string>& keys) const;
   void addWaiter(uint64_t id, Waiter w);
   void tryComplete(uint64_t id);
@@ -82,6 +88,8 @@ class RendezvousStore::Server {
   std::map<std::string, std::set<uint64_t>> key_waiters_;  // key -> clients
   std::deque<uint64_t> ready_;                             // clients whose buffered requests may go on
   int64_t joined_ = 0;                                     // clients that joined counting as workers
+  int64_t in_bytes_ = 0;    // request bytes buffered over all clients (max_buffered_bytes)
+  int64_t data_bytes_ = 0;  // bytes of keys and values in data_ (max_data_bytes)
 
   std::thread thread_;  // last: starts after everything above exists
 };

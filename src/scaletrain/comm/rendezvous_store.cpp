@@ -160,6 +160,9 @@ std::chrono::milliseconds withGrace(std::chrono::milliseconds t) { return t.coun
 RendezvousStore::RendezvousStore(Options options) : c10d::Store(options.timeout), options_(std::move(options)) {
   if (options_.host.empty())
     throw RendezvousStoreError("rendezvous store: empty host; give the master address (MASTER_ADDR)");
+  if (options_.secret.size() > kMaxSecretBytes)
+    throw RendezvousStoreError("rendezvous store: the shared secret is longer than " + std::to_string(kMaxSecretBytes) +
+                               " bytes");
   port_ = options_.port;
   connect_host_ = options_.host;
   if (options_.is_server) {
@@ -181,6 +184,23 @@ RendezvousStore::RendezvousStore(Options options) : c10d::Store(options.timeout)
 RendezvousStore::~RendezvousStore() = default;
 
 std::string RendezvousStore::address() const { return joinHostPort(options_.host, port_); }
+
+void RendezvousStore::interrupt() {
+  // No lock: the request to stop holds it. shutdown() wakes its poll/recv;
+  // the descriptor itself stays open until that request has failed.
+  const int fd = fd_.get();
+  if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+}
+
+std::string RendezvousStore::localHost() const {
+  sockaddr_storage a{};
+  socklen_t len = sizeof(a);
+  char buf[NI_MAXHOST] = {0};
+  if (fd_.get() < 0 || ::getsockname(fd_.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0 ||
+      ::getnameinfo(reinterpret_cast<sockaddr*>(&a), len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) != 0)
+    return connect_host_;
+  return buf;
+}
 
 void RendezvousStore::fail(const std::string& message) const {
   throw RendezvousStoreError("rendezvous store " + address() + ": " + message);
@@ -215,14 +235,29 @@ void RendezvousStore::connectLocked() {
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
   Writer w;
-  w.u8(kHello).u32(kMagic).u32(kVersion).u8(options_.counts_as_worker ? 1 : 0);
+  w.u8(kHello).u32(kMagic).u32(kVersion).u8(options_.counts_as_worker ? 1 : 0).str(options_.secret);
   const Bytes frame = w.take();
   const Deadline dl = deadlineAfter(options_.connect_timeout);
   std::string err = sendAll(fd_.get(), frame.data(), frame.size(), dl);
-  uint8_t head[5];
+  uint8_t head[4];
   if (err.empty()) err = recvAll(fd_.get(), head, sizeof(head), dl);
+  const uint32_t len = err.empty() ? frameLength(head) : 0;
+  if (err.empty() && (len < 1 || len > 4096)) err = "the peer does not speak this protocol version";
+  Bytes body(len);
+  if (err.empty()) err = recvAll(fd_.get(), body.data(), len, dl);
   if (!err.empty()) failBroken("handshake", err);
-  if (frameLength(head) < 1 || head[4] != kOk) failBroken("handshake", "the peer does not speak this protocol version");
+  if (body[0] == kOk) return;
+  std::string why = "the peer does not speak this protocol version";
+  if (body[0] == kError) {
+    try {
+      Reader r(body.data() + 1, body.size() - 1);
+      why = r.str();
+    } catch (const ProtocolError&) {
+    }
+  }
+  broken_ = why;
+  fd_.reset();
+  fail("refused the connection: " + why);
 }
 
 RendezvousStore::Reply RendezvousStore::roundTrip(const std::vector<uint8_t>& request, const std::string& what,

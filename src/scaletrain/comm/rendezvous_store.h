@@ -71,8 +71,30 @@ struct RendezvousStoreOptions {
   // Server only: listen(2) backlog; large worlds connect all at once.
   int listen_backlog = 2048;
   // Largest request or reply frame accepted, in bytes. A bigger frame means
-  // a confused peer (or not our protocol) and closes that connection.
-  uint32_t max_frame_bytes = 256u << 20;
+  // a confused peer (or not our protocol) and closes that connection. The
+  // values the job stores are small (Gloo addresses, NCCL ids, collective
+  // fingerprints, elastic rendezvous records: at most a few KiB), so 1 MiB
+  // leaves room without letting one peer make the server buffer much.
+  uint32_t max_frame_bytes = 1u << 20;
+  // Shared secret (SCALETRAIN_STORE_SECRET; `scaletrain launch` generates one
+  // for its workers). A client presents it in its hello; with a non-empty
+  // secret the server closes a connection whose hello does not carry the
+  // same one, before that connection can read or change anything. Empty on
+  // the server: no authentication. At most 256 bytes.
+  std::string secret;
+  // Server only: connections served at once (authenticated or not). One
+  // more is accepted and closed at once, so a flood cannot exhaust the
+  // server's descriptors or memory.
+  int max_connections = 8192;
+  // Server only: a connection must complete its hello within this time, or
+  // it is closed (an idle unauthenticated socket holds nothing for long).
+  std::chrono::milliseconds hello_timeout = std::chrono::seconds(10);
+  // Server only: bytes of request data buffered over all connections, and
+  // bytes of keys plus values held in the map. Past the first the
+  // connection that would exceed it is closed; past the second a write is
+  // refused with an error ("store full").
+  int64_t max_buffered_bytes = 256LL << 20;
+  int64_t max_data_bytes = 256LL << 20;
 };
 
 namespace detail {
@@ -160,6 +182,13 @@ class RendezvousStore : public c10d::Store {
   // "host:port" ("[v6addr]:port" for IPv6), as used in error messages.
   std::string address() const;
   bool isServer() const { return server_ != nullptr; }
+  // Makes a request blocked on this connection (in another thread) fail at
+  // once, and every later one too: how a thread waiting on the store is
+  // stopped. The server, if this object owns it, keeps serving others.
+  void interrupt();
+  // The local address of this client's connection ("10.0.0.2"): the
+  // interface this host uses to reach the server.
+  std::string localHost() const;
 
  private:
   class Server;

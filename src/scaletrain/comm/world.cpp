@@ -5,7 +5,11 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/comm/rendezvous_store.h"
@@ -20,6 +24,97 @@ Backend parse_backend(const std::string& name) {
   throw UsageError("unknown communication backend '" + name + "' (expected auto, gloo or nccl)");
 }
 
+// Note [Which rank, which collective] (group.h): a rank whose collective
+// failed asks every member of the group for its record. The question is a
+// store key "scaletrain/probe/K" naming the group (K from a counter); each
+// process's responder thread takes the questions in order on a connection of
+// its own and answers under "scaletrain/probe/K/<global rank>". A rank that
+// is computing or blocked in a collective still answers; a stopped or dead
+// one does not, which is itself the answer.
+class World::Responder {
+ public:
+  Responder(RendezvousStore& store, int rank) : rank_(rank) {
+    listen_ = c10::static_intrusive_pointer_cast<RendezvousStore>(store.clone());
+    ask_ = c10::static_intrusive_pointer_cast<RendezvousStore>(store.clone());
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Responder() {
+    stop_ = true;
+    listen_->interrupt();
+    thread_.join();
+  }
+  Responder(const Responder&) = delete;
+  Responder& operator=(const Responder&) = delete;
+
+  void add(const std::string& group, const std::shared_ptr<CollectiveTracker>& t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    trackers_[group] = t;
+  }
+
+  // Every member's answer ("" for this rank and for members that did not
+  // answer within a few seconds).
+  std::vector<std::string> ask(const std::string& group, const std::vector<int>& ranks) {
+    std::lock_guard<std::mutex> lock(ask_mu_);
+    std::vector<std::string> out(ranks.size());
+    const int64_t k = ask_->add("scaletrain/probe/count", 1);
+    const std::string key = "scaletrain/probe/" + std::to_string(k);
+    ask_->set(key, std::vector<uint8_t>(group.begin(), group.end()));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (ranks[i] == rank_) continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const std::string answer = key + "/" + std::to_string(ranks[i]);
+      try {
+        ask_->wait({answer}, std::max(left, std::chrono::milliseconds(1)));
+        auto v = ask_->get(answer);
+        out[i].assign(v.begin(), v.end());
+      } catch (const std::exception&) {
+        // No answer in time: the table says so.
+      }
+    }
+    return out;
+  }
+
+ private:
+  void run() {
+    for (int64_t k = 1; !stop_; ++k) {
+      const std::string key = "scaletrain/probe/" + std::to_string(k);
+      std::string group;
+      for (;;) {
+        try {
+          listen_->wait({key}, std::chrono::seconds(60));
+          auto v = listen_->get(key);
+          group.assign(v.begin(), v.end());
+          break;
+        } catch (const std::exception& e) {
+          // A quiet minute: wait again. Anything else (stopped, the store
+          // gone with rank 0) ends the thread.
+          if (stop_ || std::string(e.what()).find("timed out") == std::string::npos) return;
+        }
+      }
+      std::string answer = "not a member of group '" + group + "'";
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = trackers_.find(group);
+        if (it != trackers_.end())
+          if (auto t = it->second.lock()) answer = t->record();
+      }
+      try {
+        listen_->set(key + "/" + std::to_string(rank_), std::vector<uint8_t>(answer.begin(), answer.end()));
+      } catch (const std::exception&) {
+        return;
+      }
+    }
+  }
+
+  const int rank_;
+  c10::intrusive_ptr<RendezvousStore> listen_, ask_;
+  std::mutex mu_, ask_mu_;
+  std::map<std::string, std::weak_ptr<CollectiveTracker>> trackers_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: runs once everything above exists
+};
+
 World::World(WorldInfo info, WorldOptions options) : info_(std::move(info)), options_(std::move(options)) {}
 
 World::~World() = default;
@@ -31,6 +126,13 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   if (w->options_.interface.empty()) {
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) w->options_.interface = ifname;
   }
+  if (const char* d = std::getenv("SCALETRAIN_DEBUG_COLLECTIVES")) {
+    const std::string v = d;
+    if (v == "1" || v == "true") w->options_.debug_collectives = true;
+    if (v == "0" || v == "false") w->options_.debug_collectives = false;
+  }
+  if (w->options_.store_secret.empty())
+    if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) w->options_.store_secret = s;
   switch (options.backend) {
     case Backend::Gloo: w->kind_ = BackendKind::Gloo; break;
     case Backend::Nccl:
@@ -54,8 +156,11 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
     o.world_size = info.world_size;
     o.connect_timeout = options.timeout;
     o.timeout = options.timeout;
+    o.secret = w->options_.store_secret;
     try {
-      w->store_ = c10::make_intrusive<RendezvousStore>(o);
+      auto store = c10::make_intrusive<RendezvousStore>(o);
+      w->responder_ = std::make_shared<Responder>(*store, info.rank);
+      w->store_ = store;
     } catch (const std::exception& e) {
       std::string msg = e.what();
       throw CommError("rendezvous with " + info.master_addr + ":" + std::to_string(info.master_port) +
@@ -86,7 +191,25 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     std::string msg = e.what();
     throw CommError("creating group '" + name + "' failed: " + msg.substr(0, msg.find('\n')));
   }
-  return std::make_shared<Group>(name, std::move(ranks), group_rank, kind_, std::move(backend), options_.timeout);
+  auto group = std::make_shared<Group>(name, ranks, group_rank, kind_, std::move(backend), options_.timeout);
+  if (responder_ && n > 1) {
+    CollectiveTracker::Options t;
+    t.group = name;
+    t.ranks = ranks;
+    t.rank = group_rank;
+    if (options_.debug_collectives)
+      t.fingerprint_store = c10::make_intrusive<c10d::PrefixStore>(
+          "scaletrain/" + name + "/debug", static_cast<RendezvousStore&>(*store_).clone());
+    std::weak_ptr<Responder> weak = responder_;
+    t.ask = [weak](const std::string& g, const std::vector<int>& members) {
+      auto responder = weak.lock();
+      return responder ? responder->ask(g, members) : std::vector<std::string>(members.size());
+    };
+    auto tracker = std::make_shared<CollectiveTracker>(std::move(t));
+    responder_->add(name, tracker);
+    group->set_tracker(std::move(tracker));
+  }
+  return group;
 }
 
 }  // namespace scaletrain::comm

@@ -28,6 +28,13 @@ struct WorldOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // Network interface for Gloo; empty reads GLOO_SOCKET_IFNAME.
   std::string interface;
+  // Debug mode: compare every collective's fingerprint across ranks before
+  // it runs (Note [Which rank, which collective] in group.h).
+  // SCALETRAIN_DEBUG_COLLECTIVES=1 or =0 in the environment overrides it.
+  bool debug_collectives = false;
+  // Shared secret of the rendezvous store; empty reads SCALETRAIN_STORE_SECRET
+  // (which `scaletrain launch` sets for its workers).
+  std::string store_secret;
 };
 
 class World {
@@ -49,14 +56,17 @@ class World {
   // members call it; `name` must be unique within the job and the same on
   // every member, as it namespaces the group's keys in the store.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
+  bool debug_collectives() const { return options_.debug_collectives; }
 
  private:
+  class Responder;  // answers other ranks' questions about our collectives (world.cpp)
   World(WorldInfo info, WorldOptions options);
   WorldInfo info_;
   WorldOptions options_;
   BackendKind kind_ = BackendKind::Gloo;
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Group> world_;
+  std::shared_ptr<Responder> responder_;  // null in a world of one
 };
 
 }  // namespace scaletrain::comm

@@ -32,6 +32,7 @@ void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets)
                             " outside [0, " + std::to_string(num_samples_) + ")");
   }
   const int64_t block = options_.block_size;
+  file_.check_intact();
   if (file_.dtype() == kDtypeUint16) {
     copy_window(file_.data() + index * block, index, inputs, targets);
   } else {

@@ -146,9 +146,10 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (map == MAP_FAILED) fail(path, "mmap failed: " + os_error(errno));
   map_ = map;
-  // The mapping keeps the file alive; the descriptor closes when fd leaves
-  // scope. From here on a throw must unmap, since the destructor of a
-  // partially constructed object does not run.
+  // From here on a throw must unmap, since the destructor of a partially
+  // constructed object does not run. The descriptor stays open for
+  // check_intact() and is closed by unmap().
+  fd_ = ::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0);
   try {
     const auto* h = static_cast<const unsigned char*>(map_);
     if (std::memcmp(h, kTokenFileMagic, sizeof(kTokenFileMagic)) != 0) {
@@ -198,6 +199,7 @@ TokenFile::TokenFile(TokenFile&& other) noexcept
     : path_(std::move(other.path_)),
       map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
+      fd_(std::exchange(other.fd_, -1)),
       tokens_(std::exchange(other.tokens_, nullptr)),
       count_(std::exchange(other.count_, 0)),
       vocab_(std::exchange(other.vocab_, 0)),
@@ -209,6 +211,7 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
     path_ = std::move(other.path_);
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
+    fd_ = std::exchange(other.fd_, -1);
     tokens_ = std::exchange(other.tokens_, nullptr);
     count_ = std::exchange(other.count_, 0);
     vocab_ = std::exchange(other.vocab_, 0);
@@ -217,8 +220,18 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   return *this;
 }
 
+void TokenFile::check_intact() const {
+  struct stat st {};
+  if (fd_ < 0 || ::fstat(fd_, &st) != 0) return;
+  if (static_cast<uint64_t>(st.st_size) < map_bytes_)
+    fail(path_, "truncated to " + std::to_string(st.st_size) + " bytes while in use (it had " +
+                    std::to_string(map_bytes_) + " when opened); stopped before reading past its end");
+}
+
 void TokenFile::unmap() noexcept {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   map_ = nullptr;
   map_bytes_ = 0;
   tokens_ = nullptr;

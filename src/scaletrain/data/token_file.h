@@ -100,6 +100,14 @@ class TokenFile {
   uint32_t vocab() const { return vocab_; }
   // The path the file was opened from, for error messages upstream.
   const std::string& path() const { return path_; }
+  // Throws UsageError ("token file PATH: truncated to N bytes while in use")
+  // if the open file has shrunk below its mapping since it was opened: a
+  // read of a page past the new end would raise SIGBUS and kill the process
+  // without a word. One fstat; TokenDataset calls it before every sample.
+  // (A truncation between this check and the read still faults; the window
+  // is that of one sample's copy.) Replacing the file by a rename is safe:
+  // the mapping keeps the old file.
+  void check_intact() const;
 
  private:
   void unmap() noexcept;
@@ -107,6 +115,7 @@ class TokenFile {
   std::string path_;
   void* map_ = nullptr;            // start of the mapping (the header), or null
   std::size_t map_bytes_ = 0;      // length passed to mmap, for munmap
+  int fd_ = -1;                    // kept open for check_intact()
   const void* tokens_ = nullptr;   // u16 or u32 data inside the mapping
   std::size_t count_ = 0;
   uint32_t vocab_ = 0;

@@ -27,12 +27,14 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <climits>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -224,30 +226,43 @@ std::string resolve_executable(const std::string& name) {
 constexpr const char* kContractVars[] = {
     "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE",   "GROUP_RANK",
     "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCALETRAIN_THREADS", "SCALETRAIN_RESTART_COUNT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SCALETRAIN_HEARTBEAT_FD",
 };
+
+// Where this node's workers sit in the job: fixed by the options, or by the
+// round of an elastic job.
+struct Placement {
+  int first_rank = 0, world_size = 1, group_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+Placement static_placement(const LaunchOptions& o) {
+  return {o.node_rank * o.nproc_per_node, o.nnodes * o.nproc_per_node, o.node_rank, o.master_addr, o.master_port};
+}
 
 // The launcher's environment with the contract variables replaced, for
 // attempt `attempt` (0: the first start).
-std::vector<std::string> worker_environment(const LaunchOptions& o, int local_rank, int attempt) {
+std::vector<std::string> worker_environment(const LaunchOptions& o, const Placement& at, int local_rank, int attempt) {
   const char* omp_env = std::getenv("OMP_NUM_THREADS");
   const int threads = resolve_threads(o, omp_env);
   // An inherited OMP_NUM_THREADS is passed through verbatim (it may be a
   // nested list such as "4,2"); only an explicit --threads replaces it.
   const std::string omp = (o.threads == 0 && omp_env) ? omp_env : std::to_string(threads);
   const std::string values[] = {
-      std::to_string(o.node_rank * o.nproc_per_node + local_rank),
+      std::to_string(at.first_rank + local_rank),
       std::to_string(local_rank),
-      std::to_string(o.nnodes * o.nproc_per_node),
+      std::to_string(at.world_size),
       std::to_string(o.nproc_per_node),
-      std::to_string(o.node_rank),
-      o.master_addr,
-      std::to_string(o.master_port),
+      std::to_string(at.group_rank),
+      at.master_addr,
+      std::to_string(at.master_port),
       omp,
       std::to_string(threads),
       std::to_string(attempt),
       std::to_string(attempt),
       std::to_string(o.max_restarts),
+      "",  // SCALETRAIN_HEARTBEAT_FD: set in spawn(), once the pipe exists
   };
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -258,7 +273,7 @@ std::vector<std::string> worker_environment(const LaunchOptions& o, int local_ra
     if (!ours) env.push_back(entry);
   }
   for (size_t i = 0; i < std::size(kContractVars); ++i)
-    env.push_back(std::string(kContractVars[i]) + "=" + values[i]);
+    if (!values[i].empty()) env.push_back(std::string(kContractVars[i]) + "=" + values[i]);
   return env;
 }
 
@@ -315,6 +330,9 @@ struct Worker {
   pid_t pid = -1;
   Stream out, err;
   Fd log;
+  Fd heartbeat;          // read end of the worker's heartbeat pipe
+  bool beating = false;  // a first beat came: the watchdog is armed
+  Clock::time_point last_beat{};
   bool exited = false;  // status observed (waitid WNOWAIT)
   bool reaped = false;  // waitpid done: the pid may be recycled from now on
   siginfo_t status{};
@@ -322,12 +340,13 @@ struct Worker {
 
 // ---------------------------------------------------------------- supervisor
 
-enum class Stop { kNone, kFailure, kSignal, kTimeout };
+// kRendezvous: an elastic round ended elsewhere (Note [Elastic rounds]).
+enum class Stop { kNone, kFailure, kSignal, kTimeout, kRendezvous };
 
 // Owns the workers for one run(); see Note [No process left behind].
 class Supervisor {
  public:
-  Supervisor(const LaunchOptions& o, int attempt) : o_(o), attempt_(attempt) {}
+  Supervisor(const LaunchOptions& o, Placement at, int attempt) : o_(o), at_(std::move(at)), attempt_(attempt) {}
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
   // On an exception, nothing may survive: kill the group and reap blocking.
@@ -338,10 +357,14 @@ class Supervisor {
   }
 
   void spawn_all(const std::vector<std::string>& command, const sigset_t& caller_mask);
-  int supervise(int wake_fd);
+  // `interrupted` (elastic jobs) is polled about twice a second; a non-empty
+  // answer stops the workers with Stop::kRendezvous.
+  int supervise(int wake_fd, const std::function<std::string()>& interrupted = {});
   // Why the job stopped, and the first failure ("rank 1 exited with code 3").
   Stop stopped_by() const { return stop_; }
   const std::string& failure() const { return failure_; }
+  // The first "culprit: rank N ..." line a worker wrote, and who wrote it.
+  const std::string& culprit() const { return culprit_; }
 
  private:
   void spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_mask);
@@ -350,12 +373,16 @@ class Supervisor {
   void begin_stop(Stop why, int signo);
   void handle_signal(int sig);
   void read_stream(Worker& w, Stream& s);
+  void read_heartbeat(Worker& w);
+  void check_heartbeats(Clock::time_point now);
   void emit(Worker& w, const Stream& s, const std::string& text);
   void say(const std::string& line) { write_all(o_.stderr_fd, "scaletrain launch: " + line + "\n"); }
 
   const LaunchOptions& o_;
+  const Placement at_;
   const int attempt_;
   std::string failure_;
+  std::string culprit_;
   std::vector<Worker> workers_;
   Fd devnull_;
   pid_t pgid_ = 0;  // rank 0's pid once spawned
@@ -378,16 +405,20 @@ void Supervisor::spawn_all(const std::vector<std::string>& command, const sigset
     ExecPlan plan;
     plan.path = path;
     plan.args = command;
-    plan.env = worker_environment(o_, lr, attempt_);
-    plan.seal();
+    plan.env = worker_environment(o_, at_, lr, attempt_);
     spawn(lr, plan, caller_mask);
   }
 }
 
 void Supervisor::spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_mask) {
   Worker& w = workers_.emplace_back();
-  w.rank = o_.node_rank * o_.nproc_per_node + local_rank;
+  w.rank = at_.first_rank + local_rank;
   Pipe out = make_pipe(), err = make_pipe();
+  // Non-blocking on both ends: a worker's beat never waits on us, and we
+  // drain without blocking. The child keeps the write end across exec.
+  Pipe beat = make_pipe(O_NONBLOCK);
+  plan.env.push_back("SCALETRAIN_HEARTBEAT_FD=" + std::to_string(beat.write.get()));
+  plan.seal();
   if (!o_.log_dir.empty()) {
     const std::string name = o_.log_dir + "/rank" + std::to_string(w.rank) + ".log";
     const int keep = attempt_ > 0 ? O_APPEND : O_TRUNC;  // a restart adds to the first attempt's log
@@ -414,7 +445,7 @@ void Supervisor::spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_ma
     if (::getppid() != parent) ::_exit(kExecFailedCode);
     if (::setpgid(0, group) != 0) child_fail("setpgid failed for", plan.quoted_path);
     if (::dup2(devnull_.get(), STDIN_FILENO) < 0 || ::dup2(out.write.get(), STDOUT_FILENO) < 0 ||
-        ::dup2(err.write.get(), STDERR_FILENO) < 0)
+        ::dup2(err.write.get(), STDERR_FILENO) < 0 || ::fcntl(beat.write.get(), F_SETFD, 0) != 0)
       ::_exit(kExecFailedCode);
     ::pthread_sigmask(SIG_SETMASK, &caller_mask, nullptr);
     ::execve(plan.path.c_str(), plan.argv.data(), plan.envp.data());
@@ -435,6 +466,35 @@ void Supervisor::spawn(int local_rank, ExecPlan& plan, const sigset_t& caller_ma
   w.out.fd = std::move(out.read);
   w.err.fd = std::move(err.read);
   w.err.is_err = true;
+  w.heartbeat = std::move(beat.read);
+}
+
+void Supervisor::read_heartbeat(Worker& w) {
+  char buf[256];
+  ssize_t n;
+  bool beat = false;
+  while ((n = ::read(w.heartbeat.get(), buf, sizeof buf)) > 0) beat = true;
+  if (beat) {
+    w.beating = true;
+    w.last_beat = Clock::now();
+  }
+  if (n == 0) w.heartbeat.reset();  // the worker (and its children) closed it
+}
+
+// Kills a worker whose heartbeat stopped (LaunchOptions::heartbeat_timeout_s).
+void Supervisor::check_heartbeats(Clock::time_point now) {
+  if (o_.heartbeat_timeout_s <= 0 || stop_ != Stop::kNone) return;
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.heartbeat_timeout_s));
+  for (auto& w : workers_) {
+    if (!w.beating || w.exited || now - w.last_beat < limit) continue;
+    failure_ = "rank " + std::to_string(w.rank) + " sent no heartbeat for " + format_seconds(o_.heartbeat_timeout_s) +
+               " s (stopped, or stuck in a step); killed it";
+    say(failure_);
+    ::kill(w.pid, SIGKILL);
+    failure_code_ = 1;
+    begin_stop(Stop::kFailure, 0);
+    return;
+  }
 }
 
 void Supervisor::kill_all(int sig) {
@@ -499,6 +559,13 @@ void Supervisor::handle_signal(int sig) {
 }
 
 void Supervisor::emit(Worker& w, const Stream& s, const std::string& text) {
+  // A worker whose collective failed names the rank that caused it.
+  static const std::string kCulprit = "culprit: rank ";
+  if (culprit_.empty() && text.compare(0, kCulprit.size(), kCulprit) == 0) {
+    culprit_ = text.substr(std::string("culprit: ").size());
+    while (!culprit_.empty() && (culprit_.back() == '\n' || culprit_.back() == '\r')) culprit_.pop_back();
+    culprit_ += " (reported by rank " + std::to_string(w.rank) + ")";
+  }
   // One write() per line keeps a line whole even if others share the fd.
   bool& ok = s.is_err ? err_ok_ : out_ok_;
   if (ok) ok = write_all(s.is_err ? o_.stderr_fd : o_.stdout_fd, "[rank " + std::to_string(w.rank) + "] " + text);
@@ -526,7 +593,7 @@ void Supervisor::read_stream(Worker& w, Stream& s) {
   }
 }
 
-int Supervisor::supervise(int wake_fd) {
+int Supervisor::supervise(int wake_fd, const std::function<std::string()>& interrupted) {
   using std::chrono::duration;
   const Clock::time_point start = Clock::now();
   const bool has_timeout = o_.timeout_s > 0;
@@ -534,12 +601,22 @@ int Supervisor::supervise(int wake_fd) {
       start + std::chrono::duration_cast<Clock::duration>(duration<double>(has_timeout ? o_.timeout_s : 0));
   bool all_exited = false;
   Clock::time_point drain_until{};
+  Clock::time_point next_poll = start;
 
   for (;;) {
     for (int n = g_pending_int.exchange(0); n > 0; --n) handle_signal(SIGINT);
     for (int n = g_pending_term.exchange(0); n > 0; --n) handle_signal(SIGTERM);
     observe_exits();
     const Clock::time_point now = Clock::now();
+    check_heartbeats(now);
+    if (interrupted && stop_ == Stop::kNone && now >= next_poll) {
+      next_poll = now + std::chrono::milliseconds(500);
+      const std::string why = interrupted();
+      if (!why.empty()) {
+        say("stopping the workers: " + why);
+        begin_stop(Stop::kRendezvous, 0);
+      }
+    }
     if (has_timeout && stop_ == Stop::kNone && now >= deadline) {
       say("timed out after " + format_seconds(o_.timeout_s) + " s");
       begin_stop(Stop::kTimeout, 0);
@@ -565,6 +642,12 @@ int Supervisor::supervise(int wake_fd) {
           owners.emplace_back(&w, s);
         }
     if (all_exited && (fds.size() == 1 || now >= drain_until)) break;
+    const size_t n_streams = fds.size();
+    for (auto& w : workers_)
+      if (w.heartbeat.valid() && !all_exited) {
+        fds.push_back({w.heartbeat.get(), POLLIN, 0});
+        owners.emplace_back(&w, nullptr);
+      }
 
     // Sleep until output, a signal (SIGCHLD included), or the next deadline.
     auto wait = std::chrono::milliseconds(kMaxPollMs);
@@ -574,6 +657,11 @@ int Supervisor::supervise(int wake_fd) {
     if (has_timeout && stop_ == Stop::kNone) until(deadline);
     if (term_sent_ && !kill_sent_) until(kill_at_);
     if (all_exited) until(drain_until);
+    if (interrupted && stop_ == Stop::kNone) until(next_poll);
+    if (o_.heartbeat_timeout_s > 0 && stop_ == Stop::kNone)
+      for (auto& w : workers_)
+        if (w.beating && !w.exited)
+          until(w.last_beat + std::chrono::duration_cast<Clock::duration>(duration<double>(o_.heartbeat_timeout_s)));
     const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
     if (ready < 0 && errno != EINTR) throw std::runtime_error(std::string("launch: poll failed: ") + std::strerror(errno));
     if (ready <= 0) continue;
@@ -582,8 +670,13 @@ int Supervisor::supervise(int wake_fd) {
       while (::read(wake_fd, sink, sizeof sink) > 0) {
       }
     }
-    for (size_t i = 1; i < fds.size(); ++i)
-      if (fds[i].revents) read_stream(*owners[i].first, *owners[i].second);
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      if (i < n_streams)
+        read_stream(*owners[i].first, *owners[i].second);
+      else
+        read_heartbeat(*owners[i].first);
+    }
   }
 
   // Flush what processes outside the group may still have left unterminated.
@@ -604,6 +697,7 @@ int Supervisor::supervise(int wake_fd) {
     case Stop::kFailure: return failure_code_;
     case Stop::kSignal: return 128 + stop_signal_;
     case Stop::kTimeout: return kTimeoutExitCode;
+    case Stop::kRendezvous: return 0;
   }
   return 1;
 }
@@ -619,27 +713,137 @@ class RunningFlag {
   RunningFlag& operator=(const RunningFlag&) = delete;
 };
 
+// The elastic form of run(): rounds formed by opts.rendezvous (Note [Elastic
+// rounds] in comm/elastic.h). Each round starts this node's workers with the
+// round's placement; a failure here is reported to the other nodes and
+// counted; a round ended elsewhere (a node failed, was lost, or is waiting to
+// join) stops the workers without counting; success ends the job.
+int run_elastic(const LaunchOptions& opts, const std::vector<std::string>& command, int wake_fd,
+                const sigset_t& caller_mask) {
+  const auto say = [&](const std::string& line) { write_all(opts.stderr_fd, "scaletrain launch: " + line + "\n"); };
+  NodeRendezvous& rdzv = *opts.rendezvous;
+  for (;;) {
+    NodeRendezvous::Round rd;
+    try {
+      rd = rdzv.next_round(opts.nproc_per_node);
+    } catch (const std::exception& e) {
+      say(e.what());
+      return 1;
+    }
+    say("round " + std::to_string(rd.round) + ": node " + std::to_string(rd.node_index) + " of " +
+        std::to_string(rd.nodes) + ", ranks " + std::to_string(rd.first_rank) + "-" +
+        std::to_string(rd.first_rank + opts.nproc_per_node - 1) + " of world size " + std::to_string(rd.world_size));
+    int code = 0;
+    Stop why = Stop::kNone;
+    std::string failure, culprit;
+    {
+      Supervisor sup(opts, Placement{rd.first_rank, rd.world_size, rd.node_index, rd.master_addr, rd.master_port},
+                     rd.round);
+      sup.spawn_all(command, caller_mask);
+      code = sup.supervise(wake_fd, [&] { return rdzv.interrupted(); });
+      why = sup.stopped_by();
+      failure = sup.failure();
+      culprit = sup.culprit();
+    }
+    if (!culprit.empty()) say("culprit: " + culprit);
+    switch (why) {
+      case Stop::kNone:
+        rdzv.succeeded();
+        return 0;
+      case Stop::kSignal:
+      case Stop::kTimeout:
+        rdzv.abort("node " + std::to_string(rd.node_index) + " was stopped");
+        return code;
+      case Stop::kRendezvous:
+        continue;
+      case Stop::kFailure:
+        break;
+    }
+    if (code == 2) {  // refused input: every node would see it again
+      rdzv.abort("node " + std::to_string(rd.node_index) + ": " + failure + " (refused its input)");
+      return 2;
+    }
+    const int failures = rdzv.fail_round("node " + std::to_string(rd.node_index) + ": " + failure);
+    if (failures > opts.max_restarts) {
+      std::string all;
+      for (const auto& f : rdzv.failures()) all += (all.empty() ? "" : "; ") + f;
+      rdzv.abort("giving up after " + std::to_string(failures - 1) + " restarts");
+      say("giving up after " + std::to_string(failures - 1) + " restart" + (failures == 2 ? "" : "s") +
+          "; failures: " + all);
+      if (!culprit.empty()) say("culprit: " + culprit);
+      return 1;
+    }
+    say("joining the next round (failure " + std::to_string(failures) + " of at most " +
+        std::to_string(opts.max_restarts + 1) + ") after " + failure);
+    if (g_pending_int.load() > 0 || g_pending_term.load() > 0) return 128 + (g_pending_int.load() > 0 ? SIGINT : SIGTERM);
+  }
+}
+
 }  // namespace
 
 void validate(const LaunchOptions& o, const std::vector<std::string>& command) {
   auto fail = [](const std::string& m) { throw UsageError("launch: " + m); };
   if (o.nproc_per_node < 1) fail("--nproc-per-node must be >= 1, got " + std::to_string(o.nproc_per_node));
   if (o.nnodes < 1) fail("--nnodes must be >= 1, got " + std::to_string(o.nnodes));
+  if (o.max_nodes > 0 || o.min_nodes > 0) {
+    if (o.min_nodes < 1 || o.max_nodes < o.min_nodes)
+      fail("--nnodes MIN:MAX needs 1 <= MIN <= MAX, got " + std::to_string(o.min_nodes) + ":" +
+           std::to_string(o.max_nodes));
+    if (!o.rendezvous) fail("--nnodes MIN:MAX needs a node rendezvous");
+  }
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     fail("--node-rank must be in [0, " + std::to_string(o.nnodes) + "), got " + std::to_string(o.node_rank));
   if (static_cast<long long>(o.nnodes) * o.nproc_per_node > INT_MAX) fail("--nnodes * --nproc-per-node is too large");
   if (o.master_addr.empty()) fail("--master-addr must not be empty");
   if (o.master_port < 1 || o.master_port > 65535)
     fail("--master-port must be in [1, 65535], got " + std::to_string(o.master_port));
+  if (o.max_nodes > 0 && o.master_port == 65535)
+    fail("--master-port must be below 65535 for an elastic job (the workers' store uses the next port)");
   if (o.threads < 0) fail("--threads must be >= 0 (0 = auto), got " + std::to_string(o.threads));
   if (!(o.timeout_s >= 0)) fail("--timeout must be >= 0 seconds (0 = none), got " + format_seconds(o.timeout_s));
   if (!(o.grace_s >= 0)) fail("grace period must be >= 0 seconds, got " + format_seconds(o.grace_s));
   if (o.max_restarts < 0) fail("--max-restarts must be >= 0, got " + std::to_string(o.max_restarts));
-  if (o.max_restarts > 0 && o.nnodes > 1)
+  if (!(o.heartbeat_timeout_s >= 0) || !std::isfinite(o.heartbeat_timeout_s))
+    fail("--heartbeat-timeout must be >= 0 seconds (0 = off), got " + format_seconds(o.heartbeat_timeout_s));
+  if (o.max_restarts > 0 && o.nnodes > 1 && o.max_nodes == 0)
     fail("--max-restarts with --nnodes " + std::to_string(o.nnodes) +
-         " is not available: the nodes' launchers would have to agree on each restart (single node only)");
+         " needs the nodes' launchers to agree on each restart: give --nnodes as MIN:MAX (elastic), e.g. " +
+         std::to_string(o.nnodes) + ":" + std::to_string(o.nnodes));
   if (command.empty() || command[0].empty()) fail("no worker command given (put it after --)");
 }
+
+void heartbeat() {
+  static const int fd = [] {
+    const char* v = std::getenv("SCALETRAIN_HEARTBEAT_FD");
+    if (!v) return -1;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || n < 0 || n > INT_MAX || ::fcntl(static_cast<int>(n), F_GETFD) < 0) return -1;
+    return static_cast<int>(n);
+  }();
+  if (fd < 0) return;
+  const char byte = 1;
+  // Non-blocking: a full pipe already holds beats the launcher has not read.
+  ssize_t ignored = ::write(fd, &byte, 1);
+  (void)ignored;
+}
+
+namespace {
+// 32 random bytes as hex, for the workers' store secret.
+std::string random_secret() {
+  unsigned char raw[32];
+  Fd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  if (!fd.valid() || ::read(fd.get(), raw, sizeof raw) != static_cast<ssize_t>(sizeof raw))
+    throw std::runtime_error("launch: cannot read /dev/urandom for the store secret");
+  static const char kHex[] = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : raw) {
+    s += kHex[c >> 4];
+    s += kHex[c & 15];
+  }
+  return s;
+}
+}  // namespace
 
 int usable_cores() {
   cpu_set_t set;
@@ -669,33 +873,52 @@ int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
     if (ec) throw UsageError("launch: cannot create --log-dir " + opts.log_dir + ": " + ec.message());
   }
   RunningFlag running;
+  const auto say = [&](const std::string& line) { write_all(opts.stderr_fd, "scaletrain launch: " + line + "\n"); };
+  // The workers' rendezvous store accepts only clients that know the secret
+  // (Note [Rendezvous wire protocol]). One node: a fresh one per run. Several
+  // nodes must share it, so it comes from the environment of every launcher.
+  if (!std::getenv("SCALETRAIN_STORE_SECRET")) {
+    if (opts.nnodes == 1 && opts.max_nodes == 0)
+      ::setenv("SCALETRAIN_STORE_SECRET", random_secret().c_str(), 1);
+    else
+      say("warning: SCALETRAIN_STORE_SECRET is not set, so the rendezvous store accepts any client; "
+          "set it to the same value on every node");
+  }
   Pipe wake = make_pipe(O_NONBLOCK);
   SignalScope signals(wake.write.get());
+  if (opts.max_nodes > 0) return run_elastic(opts, command, wake.read.get(), signals.caller_mask());
   std::vector<std::string> failures;  // "attempt 0: rank 1 exited with code 3", ...
   for (int attempt = 0;; ++attempt) {
     int code = 0;
-    std::string failure;
+    std::string failure, culprit;
     {
       // Destroyed before `signals`: workers are reaped while SIGCHLD is still ours.
-      Supervisor sup(opts, attempt);
+      Supervisor sup(opts, static_placement(opts), attempt);
       sup.spawn_all(command, signals.caller_mask());
       code = sup.supervise(wake.read.get());
       if (sup.stopped_by() != Stop::kFailure) return code;  // success, a signal or the timeout
       failure = sup.failure();
+      culprit = sup.culprit();
     }
     failures.push_back("attempt " + std::to_string(attempt) + ": " + failure);
     std::string all;
     for (const auto& f : failures) all += (all.empty() ? "" : "; ") + f;
-    const auto say = [&](const std::string& line) { write_all(opts.stderr_fd, "scaletrain launch: " + line + "\n"); };
+    // The last line names the rank that caused a failed collective, if one did.
+    const auto last_word = [&] {
+      if (!culprit.empty()) say("culprit: " + culprit);
+    };
     if (code == 2) {  // a usage error: the same input would be refused again
       if (opts.max_restarts > 0) say("not restarting: a rank refused its input (exit 2); failures: " + all);
+      last_word();
       return code;
     }
     if (attempt >= opts.max_restarts) {
       if (opts.max_restarts > 0)
         say("giving up after " + std::to_string(attempt) + " restart" + (attempt == 1 ? "" : "s") + "; failures: " + all);
+      last_word();
       return code;
     }
+    if (!culprit.empty()) say("culprit of attempt " + std::to_string(attempt) + ": " + culprit);
     say("restarting all " + std::to_string(opts.nproc_per_node) + " workers (restart " + std::to_string(attempt + 1) +
         " of " + std::to_string(opts.max_restarts) + ") after " + failure);
     // Signals that arrived while the group was going down stop the job here.

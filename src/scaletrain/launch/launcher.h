@@ -19,10 +19,53 @@
 //
 // This layer is torch-free on purpose (DESIGN.md rule 4): rendezvous happens
 // in the workers, never here. Linux only (prctl, pipe2).
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace scaletrain::launch {
+
+// Elastic membership (--nnodes MIN:MAX): how the launchers of the nodes agree
+// on each round of the job. launch/ only drives it; the implementation over
+// the rendezvous store lives in comm/ (comm/elastic.h), so this layer stays
+// torch-free. Note [Elastic rounds] in comm/elastic.h describes the protocol.
+class NodeRendezvous {
+ public:
+  virtual ~NodeRendezvous() = default;
+  // One round's membership, the same on every node of the round.
+  struct Round {
+    int round = 0;       // 0, 1, ...: the workers' SCALETRAIN_RESTART_COUNT
+    int nodes = 0;       // nodes in the round
+    int node_index = 0;  // this node's place among them (GROUP_RANK)
+    int world_size = 0;  // workers of all nodes
+    int first_rank = 0;  // RANK of this node's local rank 0
+    std::string master_addr;  // where the workers' rank 0 runs its store
+    int master_port = 0;
+  };
+  // Joins the next round with `nproc` workers and blocks until it closes:
+  // at max nodes, or at least min nodes and no new one for the last-call
+  // period. Throws std::runtime_error when the job ended (every node of the
+  // last round succeeded, or it gave up) or no round formed in time.
+  virtual Round next_round(int nproc) = 0;
+  // Polled (about twice a second) while the round's workers run; refreshes
+  // this node's keep-alive. Non-empty: why this node must stop its workers
+  // and join the next round (another node failed or was lost, or a node
+  // waits to join).
+  virtual std::string interrupted() = 0;
+  // This node's workers failed: the other nodes are told (interrupted()).
+  // Returns the failures of the whole job so far, counting this one once
+  // however many nodes report the same round.
+  virtual int fail_round(const std::string& why) = 0;
+  // Failures of the whole job so far, one line each ("round 0: node 1: rank 3
+  // exited with code 1"), for the give-up message.
+  virtual std::vector<std::string> failures() = 0;
+  // Every worker of this node exited 0 in the current round: the job is done.
+  // Waits (briefly) for the other nodes of the round to say so too, so the
+  // node serving the store does not leave while others still use it.
+  virtual void succeeded() = 0;
+  // A node refused input (exit 2) or gave up: the job ends on every node.
+  virtual void abort(const std::string& why) = 0;
+};
 
 // Exit status run() returns when the job hit LaunchOptions::timeout_s; the
 // same code as coreutils `timeout`, so scripts can tell it from a failure.
@@ -33,6 +76,15 @@ struct LaunchOptions {
   int nproc_per_node = 1;
   // Nodes in the job; WORLD_SIZE = nnodes * nproc_per_node. Must be >= 1.
   int nnodes = 1;
+  // Elastic membership (--nnodes MIN:MAX; torchrun's meaning): when > 0 the
+  // job runs in rounds of between min_nodes and max_nodes nodes, formed
+  // through `rendezvous`; node_rank and nnodes are then unused. A node that
+  // leaves (its workers fail, or it stops answering) or joins starts a new
+  // round in which every node's workers start again with the new world size
+  // (`scaletrain train` resumes from the newest checkpoint). Failures count
+  // against max_restarts; joins do not.
+  int min_nodes = 0, max_nodes = 0;
+  std::shared_ptr<NodeRendezvous> rendezvous;
   // Index of this node in [0, nnodes); RANK = node_rank * nproc_per_node +
   // local_rank, so each node must be given a distinct node_rank.
   int node_rank = 0;
@@ -67,6 +119,14 @@ struct LaunchOptions {
   // the launcher and the timeout end the job without one. Single node only
   // (several nodes would have to agree on the restart: validate() refuses it).
   int max_restarts = 0;
+  // Seconds a worker may go without a heartbeat (torchelastic's watchdog):
+  // each worker gets the write end of a pipe (SCALETRAIN_HEARTBEAT_FD) and
+  // heartbeat() writes to it; the trainer beats while it sets up and after
+  // every step. A worker whose last beat is older than this (stopped with
+  // SIGSTOP, stuck in a kernel or a loop) is killed and reported, and the
+  // restart policy applies. The clock starts at a worker's first beat, so a
+  // command that never beats is never killed for it. 0 = off.
+  double heartbeat_timeout_s = 0;
   // Where the prefixed stdout lines of the workers go. Tests point it at a file.
   int stdout_fd = 1;
   // Where the prefixed stderr lines of the workers and the launcher's own
@@ -86,12 +146,20 @@ int resolve_threads(const LaunchOptions& opts, const char* omp_env);
 // Cores this process may run on (its CPU affinity mask), at least 1.
 int usable_cores();
 
+// A worker's heartbeat to its launcher (LaunchOptions::heartbeat_timeout_s):
+// one byte on SCALETRAIN_HEARTBEAT_FD, never blocking; a no-op when the
+// process was not started by `scaletrain launch`. Call it on progress.
+void heartbeat();
+
 // Runs `command` (argv; command[0] is looked up in PATH unless it contains a
 // '/') once per local rank and supervises the workers until all have exited.
 // Returns 0 if every worker exited 0; 1 if one failed (the first failure is
 // reported on stderr_fd as "scaletrain launch: rank 1 exited with code 3" or
-// "... rank 0 was killed by signal 9 (SIGKILL)"; after restarts, a last line
-// lists every attempt's failure by rank and cause); 128 + signo if the launcher
+// "... rank 0 was killed by signal 9 (SIGKILL)"; after restarts, a line
+// lists every attempt's failure by rank and cause; when a worker's error
+// named the rank that caused a collective to fail (a line "culprit: rank N
+// ..."), the launcher's last line repeats it); 2 when the first failing rank
+// exited 2 (it refused its input); 128 + signo if the launcher
 // was stopped by SIGINT/SIGTERM; kTimeoutExitCode on timeout. Throws
 // UsageError for invalid options, an unknown command or an unusable log_dir,
 // before any worker is started.

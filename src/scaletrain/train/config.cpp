@@ -207,6 +207,7 @@ const std::map<std::string, Field>& fields() {
     ST_ENUM(parallel, comm_dtype)
     ST_ENUM(parallel, backend)
     ST_DBL(parallel, timeout_s)
+    ST_BOOL(parallel, debug_collectives)
     // parallel.fsdp
     ST_ENUM(parallel.fsdp, sharding_strategy)
     ST_ENUM(parallel.fsdp, auto_wrap_policy)

@@ -110,6 +110,7 @@ struct ParallelOptions {
   std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in
   std::string backend = "auto";         // auto | gloo | nccl
   double timeout_s = 300;               // deadline of every collective and of the rendezvous
+  bool debug_collectives = false;       // compare every collective's fingerprint across ranks first (slow)
   FsdpOptions fsdp;                     // used by strategy fsdp
   ZeroOptions zero;                     // used by strategies zero1..zero3
 };

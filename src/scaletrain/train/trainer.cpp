@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
@@ -19,6 +22,8 @@
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/data/tokenizer.h"
+#include "scaletrain/launch/launcher.h"
+#include "scaletrain/comm/activity.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/optim/adamw.h"
@@ -198,6 +203,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   comm::WorldOptions wo;
   wo.backend = comm::parse_backend(cfg.parallel.backend);
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
+  wo.debug_collectives = cfg.parallel.debug_collectives;
   r.world = comm::World::init(info, wo);
   r.mesh = std::make_unique<comm::Mesh>(*r.world, r.dims);
   r.lead = r.world->rank() == 0;
@@ -366,6 +372,64 @@ void report_memory_now(Run& r, const char* phase) {
   report_memory(phase, r.plan.model, r.mem_layout, r.mem, *r.world->group(), r.lead, *r.sink);
 }
 
+// Note [Heartbeats]: under `scaletrain launch --heartbeat-timeout` the
+// trainer beats on progress: while it sets up, and after every step. A rank
+// blocked in a collective makes no progress either, but only because a peer
+// does not come; so while this process waits in a collective, a small thread
+// beats for it (comm::collectives_waiting()). A rank that was stopped (all its
+// threads) or is stuck computing goes silent, and the launcher kills that one.
+class CollectiveHeartbeat {
+ public:
+  CollectiveHeartbeat() {
+    if (!std::getenv("SCALETRAIN_HEARTBEAT_FD")) return;
+    thread_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; }))
+        if (comm::collectives_waiting() > 0) launch::heartbeat();
+    });
+  }
+  ~CollectiveHeartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  CollectiveHeartbeat(const CollectiveHeartbeat&) = delete;
+  CollectiveHeartbeat& operator=(const CollectiveHeartbeat&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Where a non-finite gradient first shows on this rank, for the error that
+// stops the run: the first parameter (in this rank's layout order) whose
+// gradient holds a NaN or an infinity, and the element (in the flattened
+// full parameter).
+std::string first_nonfinite_grad(Run& r) {
+  try {
+    const checkpoint::Layout l = r.dp().checkpoint_layout();
+    for (const auto& slot : l.slots) {
+      const at::Tensor g = slot.tensor.grad();
+      if (!g.defined()) continue;
+      const at::Tensor flat = g.reshape({-1});
+      for (const auto& p : slot.pieces) {
+        const at::Tensor bad = flat.narrow(0, p.local_offset, p.numel).isfinite().logical_not().nonzero();
+        if (bad.numel() > 0)
+          return "; on rank " + std::to_string(r.world->rank()) + " the first parameter with a non-finite gradient is " +
+                 p.name + " (element " + std::to_string(p.param_offset + bad[0][0].item<int64_t>()) + ")";
+      }
+    }
+    return "; every gradient on rank " + std::to_string(r.world->rank()) + " is finite";
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 // Note [Training step]: forward and backward of every micro-batch (the
 // strategy reduces gradients as it goes), the loss scaler's overflow check,
 // clipping and the optimizer step unless the step overflowed, the mean loss.
@@ -427,7 +491,8 @@ StepMetrics train_step(Run& r, int64_t step) {
   if (!skipped && !std::isfinite(m.loss))
     throw std::runtime_error("step " + std::to_string(m.step) + ": the loss is " + std::to_string(m.loss) +
                              ", not finite; stopped before the optimizer step (the parameters are step " +
-                             std::to_string(step) + "'s; a lower train.lr or train.grad_clip may help)");
+                             std::to_string(step) + "'s; a lower train.lr or train.grad_clip may help)" +
+                             first_nonfinite_grad(r));
   m.lr = optim::lr_at(step, r.cfg.train.lr, r.sched);
   if (!skipped) {
     m.grad_norm = dp.clip_grad_norm(r.cfg.train.grad_clip);
@@ -435,7 +500,7 @@ StepMetrics train_step(Run& r, int64_t step) {
       throw std::runtime_error("step " + std::to_string(m.step) + ": the gradient norm is " +
                                std::to_string(m.grad_norm) + ", not finite (the loss was " + std::to_string(m.loss) +
                                "); stopped before the optimizer step (the parameters are step " +
-                               std::to_string(step) + "'s)");
+                               std::to_string(step) + "'s)" + first_nonfinite_grad(r));
     r.opt->step(m.lr);
     dp.after_step();
   }
@@ -504,9 +569,13 @@ TrainResult run_training(const Config& cfg) {
                      std::to_string(dataset.vocab()) + " (prepare it with --tokenizer " + cfg.data.tokenizer + ")");
 
   Run r{cfg, plan, dataset, plan.dims};
+  CollectiveHeartbeat collective_heartbeat;
+  launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
   setup(r, info);
+  launch::heartbeat();
   print_start(r, info);
   const int64_t start = resume(r);
+  launch::heartbeat();
   const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
   r.sink =
       std::make_unique<MetricsSink>(r.lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && r.lead);
@@ -526,12 +595,16 @@ TrainResult run_training(const Config& cfg) {
   r.model().train();
   for (int64_t step = start; step < stop; ++step) {
     const StepMetrics m = train_step(r, step);
+    launch::heartbeat();
     result.losses.push_back(m.loss);
     if (step > start) throughput.push_back(m.tokens_per_s);
     if (r.lead) r.sink->write(m, m.step % cfg.metrics.log_every == 0 || m.step == cfg.train.steps);
     const bool save_due =
         cfg.checkpoint.every > 0 ? m.step % cfg.checkpoint.every == 0 || m.step == stop : m.step == stop;
-    if (r.ckpt && save_due) save_checkpoint(r, m.step);
+    if (r.ckpt && save_due) {
+      save_checkpoint(r, m.step);
+      launch::heartbeat();
+    }
   }
   if (r.ckpt) r.ckpt->finish();  // commits an asynchronous save (collective)
 

@@ -140,6 +140,21 @@ TEST(TokenFileTest, WriteRejectsBadVocabAndTokens) {
   EXPECT_FALSE(fs::exists(path));
 }
 
+// A token file truncated while a run has it mapped: reading past the new end
+// would be SIGBUS (the process dies without a word). The dataset checks the
+// file before each sample and stops with one line instead.
+TEST(TokenFileTest, TruncationWhileMappedIsAnErrorNotSigbus) {
+  TempDir dir;
+  const std::string path = dir.file("t.bin");
+  write_token_file(path, iota_tokens(200000, 256), 256);  // ~400 KB: many pages
+  TokenDataset ds(path, DatasetOptions{64});
+  std::vector<int64_t> x(64), y(64);
+  const int64_t last = ds.num_samples() - 1;
+  ds.copy_sample(last, x.data(), y.data());
+  ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+  expect_usage_error([&] { ds.copy_sample(last, x.data(), y.data()); }, {path, "truncated to 4096 bytes while in use"});
+}
+
 TEST(TokenFileTest, RejectsMissingFile) {
   TempDir dir;
   const auto path = dir.file("nope.bin");

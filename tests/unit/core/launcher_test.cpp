@@ -150,7 +150,11 @@ TEST(Launch, AllRanksSucceedWithTorchrunEnvironment) {
   c.opts.master_addr = "10.1.2.3";
   c.opts.master_port = 12345;
   c.opts.threads = 3;
+  // Several nodes share the store secret given to every launcher (unset, the
+  // launcher warns that the store accepts any client).
+  ::setenv("SCALETRAIN_STORE_SECRET", "shared by all nodes", 1);
   const int rc = scaletrain::launch::run(c.opts, sh("env > " + (dir / "env") + "$LOCAL_RANK"));
+  ::unsetenv("SCALETRAIN_STORE_SECRET");
   ASSERT_EQ(rc, 0) << slurp(dir / "launcher.err");
   for (int lr = 0; lr < 2; ++lr) {
     auto env = read_env(dir / ("env" + std::to_string(lr)));
@@ -164,6 +168,7 @@ TEST(Launch, AllRanksSucceedWithTorchrunEnvironment) {
     EXPECT_EQ(env["OMP_NUM_THREADS"], "3");
     EXPECT_EQ(env["SCALETRAIN_THREADS"], "3");
     EXPECT_FALSE(env["PATH"].empty()) << "the launcher's own environment is inherited";
+    EXPECT_EQ(env["SCALETRAIN_STORE_SECRET"], "shared by all nodes");
   }
   EXPECT_EQ(slurp(dir / "launcher.err"), "");
 }
@@ -420,6 +425,78 @@ TEST(Launch, RestartsRunOutAndEveryFailureIsListed) {
   EXPECT_EQ(err2.find("restarting all"), std::string::npos) << err2;
 }
 
+// Shell snippet: one heartbeat, as launch::heartbeat() sends it (the pipe is
+// reopened through /proc, since sh cannot name descriptors above 9).
+std::string beat() { return "printf x > /proc/self/fd/$SCALETRAIN_HEARTBEAT_FD; "; }
+
+TEST(Launch, WorkerWhoseHeartbeatStopsIsKilledAndReported) {
+  TempDir dir;
+  Captured c(dir, 2);
+  c.opts.heartbeat_timeout_s = 1;
+  const std::string d = dir.path().string();
+  // Rank 0 beats every 0.1 s; rank 1 beats once and then hangs.
+  const std::string script =
+      write_pid(d) + "if [ $RANK = 1 ]; then " + beat() + "exec sleep 30; fi; " +
+      "i=0; while [ $i -lt 300 ]; do " + beat() + "sleep 0.1; i=$((i+1)); done";
+  const auto t0 = Clock::now();
+  const int rc = scaletrain::launch::run(c.opts, sh(script));
+  EXPECT_EQ(rc, 1);
+  EXPECT_LT(seconds_since(t0), 8.0);
+  const std::string err = slurp(dir / "launcher.err");
+  EXPECT_NE(err.find("scaletrain launch: rank 1 sent no heartbeat for 1 s"), std::string::npos) << err;
+  EXPECT_EQ(err.find("rank 0 sent no heartbeat"), std::string::npos) << err;
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(gone(read_pid(dir / ("pid" + std::to_string(r))))) << "rank " << r;
+}
+
+TEST(Launch, StoppedWorkerIsKilledByTheHeartbeatWatchdog) {
+  TempDir dir;
+  Captured c(dir, 1);
+  c.opts.heartbeat_timeout_s = 0.5;
+  c.opts.max_restarts = 1;  // the restart policy applies: attempt 1 runs to the end
+  const std::string d = dir.path().string();
+  const std::string script = "if [ $SCALETRAIN_RESTART_COUNT = 1 ]; then exit 0; fi; " + write_pid(d) +
+                             "while true; do " + beat() + "sleep 0.05; done";
+  std::thread stopper([&] {
+    if (wait_for_files({dir / "pid0"}, 10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ::kill(read_pid(dir / "pid0"), SIGSTOP);
+    }
+  });
+  const int rc = scaletrain::launch::run(c.opts, sh(script));
+  stopper.join();
+  EXPECT_EQ(rc, 0);
+  const std::string err = slurp(dir / "launcher.err");
+  EXPECT_NE(err.find("rank 0 sent no heartbeat for 0.5 s"), std::string::npos) << err;
+  EXPECT_NE(err.find("restarting all 1 workers"), std::string::npos) << err;
+  EXPECT_TRUE(gone(read_pid(dir / "pid0")));
+}
+
+TEST(Launch, WorkersThatNeverBeatAreNotWatched) {
+  TempDir dir;
+  Captured c(dir, 1);
+  c.opts.heartbeat_timeout_s = 0.2;
+  EXPECT_EQ(scaletrain::launch::run(c.opts, sh("sleep 1")), 0) << slurp(dir / "launcher.err");
+}
+
+TEST(Launch, WorkersGetAStoreSecretAndTheCulpritIsTheLastLine) {
+  TempDir dir;
+  Captured c(dir, 2);
+  const std::string d = dir.path().string();
+  const std::string script = "env > " + d + "/env$RANK; if [ $RANK = 0 ]; then "
+                             "echo 'collective failed' >&2; echo 'culprit: rank 1 is behind: test' >&2; exit 1; fi; "
+                             "exec sleep 30";
+  EXPECT_EQ(scaletrain::launch::run(c.opts, sh(script)), 1);
+  const auto env0 = read_env(dir / "env0");
+  const auto env1 = read_env(dir / "env1");
+  ASSERT_EQ(env0.count("SCALETRAIN_STORE_SECRET"), 1u);
+  EXPECT_GE(env0.at("SCALETRAIN_STORE_SECRET").size(), 32u);
+  EXPECT_EQ(env0.at("SCALETRAIN_STORE_SECRET"), env1.at("SCALETRAIN_STORE_SECRET"));
+  std::string err = slurp(dir / "launcher.err");
+  while (!err.empty() && err.back() == '\n') err.pop_back();
+  const std::string last = err.substr(err.rfind('\n') + 1);
+  EXPECT_EQ(last, "scaletrain launch: culprit: rank 1 is behind: test (reported by rank 0)") << err;
+}
+
 TEST(Launch, BadInputIsAUsageError) {
   using scaletrain::UsageError;
   using scaletrain::launch::run;
@@ -439,6 +516,9 @@ TEST(Launch, BadInputIsAUsageError) {
   o = LaunchOptions{};
   o.nnodes = 2;
   o.max_restarts = 1;  // the launchers of several nodes would have to agree on a restart
+  EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
+  o = LaunchOptions{};
+  o.heartbeat_timeout_s = -1;
   EXPECT_THROW(run(o, {"/bin/true"}), UsageError);
   o = LaunchOptions{};
   EXPECT_THROW(run(o, {}), UsageError);

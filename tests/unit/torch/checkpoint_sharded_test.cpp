@@ -2,7 +2,13 @@
 // choosing the newest complete checkpoint, keep-K, corrupt files, inspect,
 // consolidate -> --init-from, and exact resume on launched ranks.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -190,6 +196,154 @@ TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
   }
 }
 
+// A rank stopped with SIGSTOP mid-run, without debug mode: the rank whose
+// collective times out asks every rank for its last collective; the stopped
+// one cannot answer, so it is named, and the launcher's last line repeats it
+// (port 29936).
+TEST(CollectiveTimeout, TheStoppedRankIsNamedInTheLaunchersLastLine) {
+  const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() +
+                        " --train.steps=1000000 --parallel.timeout_s=3 --metrics.progress=false";
+  const std::string worker = "if [ $RANK = 1 ]; then (sleep 3; kill -STOP $$) & fi; exec " + t;
+  int code = 0;
+  const std::string out = capture("launch --nproc-per-node 2 --threads 1 --timeout 120 --master-port 29936 "
+                                  "-- /bin/sh -c '" + worker + "'",
+                                  &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("[rank 0] culprit: rank 1 did not answer"), std::string::npos) << out;
+  std::string tail = out;
+  while (!tail.empty() && tail.back() == '\n') tail.pop_back();
+  EXPECT_EQ(tail.substr(tail.rfind('\n') + 1),
+            "scaletrain launch: culprit: rank 1 did not answer (exited, stopped, or stuck where it cannot answer) "
+            "(reported by rank 0)")
+      << out;
+}
+
+// The same stopped rank, found by the launcher's heartbeat watchdog instead:
+// killed after --heartbeat-timeout, reported, and the group restarted
+// (port 29937).
+TEST(CollectiveTimeout, HeartbeatWatchdogKillsAStoppedTrainer) {
+  const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() +
+                        " --train.steps=1000000 --metrics.progress=false";
+  const std::string worker = "if [ $SCALETRAIN_RESTART_COUNT = 1 ]; then exit 0; fi; "
+                             "if [ $RANK = 1 ]; then (sleep 3; kill -STOP $$) & fi; exec " + t;
+  int code = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string out = capture("launch --nproc-per-node 2 --threads 1 --timeout 120 --master-port 29937 "
+                                  "--heartbeat-timeout 2 --max-restarts 1 -- /bin/sh -c '" + worker + "'",
+                                  &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("scaletrain launch: rank 1 sent no heartbeat for 2 s (stopped, or stuck in a step); killed it"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("restarting all 2 workers (restart 1 of 1)"), std::string::npos) << out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+}
+
+// ---- elastic membership ----
+
+// Starts `scaletrain ARGS` in the background (its output in `log`); returns its pid.
+pid_t spawn_scaletrain(const std::string& args, const fs::path& log) {
+  const std::string cmd = "exec env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " +
+                          std::string(SCALETRAIN_BIN) + " " + args + " >" + log.string() + " 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Its exit code, waiting at most `seconds` (then it is killed: -1).
+int wait_exit(pid_t pid, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  int status = 0;
+  while (std::chrono::steady_clock::now() < until) {
+    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return -1;
+}
+
+// Waits (bounded) until `metrics` holds `steps` step lines and the checkpoint
+// of that step is complete.
+bool wait_for_step(const fs::path& metrics, const fs::path& ckpt, int64_t steps, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < until) {
+    if (fs::exists(metrics) && static_cast<int64_t>(metric_losses(metrics).size()) >= steps &&
+        fs::exists(fs::path(checkpoint::step_dir(ckpt.string(), steps)) / "index.json"))
+      return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+std::string slurp_file(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// --nnodes 2:4 with four one-worker launchers (as four nodes on loopback):
+// after step 8 two launchers are killed, the other two form a round of two
+// and go on from the checkpoint; after step 16 a fifth joins, and three go
+// on to step 24. The same global batch throughout, so every step's loss is
+// the uninterrupted single-process run's, within fp32 reduction-order noise
+// (launchers' store on port 29942, the workers' on 29943; reference 29944).
+TEST(ElasticMembership, FourThenTwoThenThreeRanksContinueTheCurve) {
+  const std::string batch = "--train.global_batch=12 --train.micro_batch=1 --train.steps=24 ";
+  const auto ref = train(1, "elastic_ref", batch, 29944);
+  ASSERT_EQ(ref.size(), 24u);
+  const auto dir = fresh("elastic");
+  const fs::path m = scratch() / "elastic_m";
+  for (int r = 0; r < 3; ++r) fs::remove(m.string() + std::to_string(r) + ".jsonl");
+  const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() + " " + batch +
+                        "--checkpoint.every=4 --checkpoint.dir=" + dir.string() + " --metrics.path=" + m.string() +
+                        "$SCALETRAIN_RESTART_COUNT.jsonl";
+  // Rounds 0 and 1 stop at steps 8 and 16 and wait there, so the test
+  // changes the membership at known steps; round 2 trains to the end.
+  const std::string worker = "case $SCALETRAIN_RESTART_COUNT in 0) " + t + " --train.stop_at=8 || exit 1; exec sleep 120;; "
+                             "1) " + t + " --train.stop_at=16 || exit 1; exec sleep 120;; *) exec " + t + ";; esac";
+  const std::string launch = "launch --nproc-per-node 1 --threads 1 --nnodes 2:4 --master-port 29942 "
+                             "--rdzv-last-call 1 --rdzv-keepalive-timeout 3 --max-restarts 2 --timeout 170 "
+                             "-- /bin/sh -c '" + worker + "'";
+  std::vector<pid_t> node(5, -1);
+  auto log = [&](int i) { return scratch() / ("elastic_node" + std::to_string(i) + ".log"); };
+  node[0] = spawn_scaletrain(launch, log(0));  // the first serves the launchers' store
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  for (int i = 1; i < 4; ++i) node[i] = spawn_scaletrain(launch, log(i));
+  const bool reached8 = wait_for_step(m.string() + "0.jsonl", dir, 8, 90);
+  for (int i = 2; i < 4; ++i) {
+    ::kill(node[i], SIGKILL);  // the whole node: its worker dies with its launcher
+    wait_exit(node[i], 10);
+  }
+  const bool reached16 = reached8 && wait_for_step(m.string() + "1.jsonl", dir, 8, 90);
+  node[4] = spawn_scaletrain(launch, log(4));
+  int codes[3] = {wait_exit(node[0], 120), wait_exit(node[1], 30), wait_exit(node[4], 30)};
+  const std::string logs = slurp_file(log(0)) + slurp_file(log(1)) + slurp_file(log(4));
+  ASSERT_TRUE(reached8) << slurp_file(log(0));
+  ASSERT_TRUE(reached16) << logs;
+  for (int c : codes) EXPECT_EQ(c, 0) << logs;
+  for (const std::string round : {"round 0: node 0 of 4, ranks 0-0 of world size 4",
+                                  "of 2, ranks", "round 2: node", "of world size 3"})
+    EXPECT_NE(logs.find(round), std::string::npos) << round << "\n" << logs;
+  EXPECT_NE(logs.find("stopped answering"), std::string::npos) << logs;  // the lost nodes
+  EXPECT_NE(logs.find("a node is waiting to join"), std::string::npos) << logs;
+  // Each round's losses continue the uninterrupted curve.
+  const auto r0 = metric_losses(m.string() + "0.jsonl"), r1 = metric_losses(m.string() + "1.jsonl"),
+             r2 = metric_losses(m.string() + "2.jsonl");
+  ASSERT_EQ(r0.size(), 8u);
+  ASSERT_EQ(r1.size(), 8u);
+  ASSERT_EQ(r2.size(), 8u);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_NEAR(r0[i], ref[i], 1e-5 * ref[i]) << "step " << i + 1 << " on 4 ranks";
+    EXPECT_NEAR(r1[i], ref[i + 8], 1e-5 * ref[i + 8]) << "step " << i + 9 << " on 2 ranks";
+    EXPECT_NEAR(r2[i], ref[i + 16], 1e-5 * ref[i + 16]) << "step " << i + 17 << " on 3 ranks";
+  }
+}
+
 // FSDP's FULL_STATE_DICT (Note [Full state dict]): rank 0 writes one file of
 // whole tensors, holding the same values as the sharded save of the same
 // step, and other layouts resume it on the same curve (ports 29930-29933).
@@ -341,6 +495,8 @@ TEST(TrainerFailure, NonFiniteLossStopsBeforeTheUpdate) {
   const auto at = out.find("stopped before the optimizer step");
   ASSERT_NE(at, std::string::npos) << out;
   EXPECT_NE(out.find("not finite"), std::string::npos) << out;
+  // It names where the gradient first went bad.
+  EXPECT_NE(out.find("; on rank 0 the first parameter with a non-finite gradient is "), std::string::npos) << out;
   const auto step_at = out.rfind("step ", at);
   ASSERT_NE(step_at, std::string::npos) << out;
   const int bad = std::stoi(out.substr(step_at + 5));

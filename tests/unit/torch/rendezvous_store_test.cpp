@@ -476,5 +476,105 @@ TEST(RendezvousStore, ProcessGroupGlooThroughPrefixStore) {
   EXPECT_GT(server->getNumKeys(), 0);
 }
 
+// A raw TCP connection to the server, with a receive timeout.
+int rawSocket(const RendezvousStore& server, int timeout_s = 3) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(server.port());
+  ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  timeval tv{timeout_s, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// True when the server hung up on `fd` (reads EOF or a reset, not a timeout).
+bool hungUp(int fd) {
+  char buf[64];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+  }
+}
+
+TEST(RendezvousStore, SharedSecretIsRequiredBeforeAnything) {
+  auto o = serverOptions();
+  o.secret = "correct horse";
+  auto server = c10::make_intrusive<RendezvousStore>(o);
+  server->set("k", bytes("v"));  // the server's own client carries the secret
+  RendezvousStoreOptions c;
+  c.host = "127.0.0.1";
+  c.port = server->port();
+  c.connect_timeout = 3s;
+  EXPECT_NE(errorOf([&] { RendezvousStore s(c); }).find("requires a shared secret"), std::string::npos);
+  c.secret = "wrong horse";
+  EXPECT_NE(errorOf([&] { RendezvousStore s(c); }).find("wrong shared secret"), std::string::npos);
+  // A peer that skips the hello cannot change anything: its set is not
+  // applied and the connection is closed.
+  int fd = rawSocket(*server);
+  ASSERT_GE(fd, 0);
+  const uint8_t set_frame[] = {0, 0, 0, 13, 2 /* kSet */, 0, 0, 0, 3, 'b', 'a', 'd', 0, 0, 0, 1, 'x'};
+  ASSERT_EQ(::send(fd, set_frame, sizeof(set_frame), MSG_NOSIGNAL), ssize_t(sizeof(set_frame)));
+  EXPECT_TRUE(hungUp(fd));
+  ::close(fd);
+  EXPECT_FALSE(server->check({"bad"}));
+  c.secret = "correct horse";
+  RendezvousStore good(c);
+  EXPECT_EQ(text(good.get("k")), "v");
+}
+
+TEST(RendezvousStore, UnauthenticatedPeersCannotMakeTheServerBuffer) {
+  auto o = serverOptions();
+  o.hello_timeout = 300ms;
+  auto server = c10::make_intrusive<RendezvousStore>(o);
+  // Before its hello a connection may send only a small frame: one that
+  // announces 1 MiB is cut off after a few hundred bytes, not buffered.
+  int fd = rawSocket(*server);
+  ASSERT_GE(fd, 0);
+  std::vector<uint8_t> big(256 << 10, 7);
+  big[0] = 0, big[1] = 0x10, big[2] = 0, big[3] = 0;  // a 1 MiB frame
+  ::send(fd, big.data(), big.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(hungUp(fd));
+  ::close(fd);
+  // A connection that says nothing is closed once the hello is overdue.
+  const auto t0 = Clock::now();
+  fd = rawSocket(*server);
+  ASSERT_GE(fd, 0);
+  EXPECT_TRUE(hungUp(fd));
+  EXPECT_LT(secondsSince(t0), 2.5);
+  ::close(fd);
+  server->set("still", bytes("serving"));
+  EXPECT_EQ(text(makeClient(*server)->get("still")), "serving");
+}
+
+TEST(RendezvousStore, ConnectionsAndDataAreCapped) {
+  auto o = serverOptions();
+  o.max_connections = 2;  // the server's own client and one more
+  o.max_data_bytes = 1000;
+  auto server = c10::make_intrusive<RendezvousStore>(o);
+  auto second = makeClient(*server);
+  RendezvousStoreOptions c;
+  c.host = "127.0.0.1";
+  c.port = server->port();
+  c.connect_timeout = 2s;
+  EXPECT_NE(errorOf([&] { RendezvousStore s(c); }).find("handshake"), std::string::npos);
+  // The map holds at most max_data_bytes of keys and values.
+  server->set("a", std::vector<uint8_t>(600, 1));
+  EXPECT_NE(errorOf([&] { second->set("b", std::vector<uint8_t>(600, 2)); }).find("store full"), std::string::npos);
+  second->set("a", std::vector<uint8_t>(700, 3));  // replacing counts the old value out
+  EXPECT_TRUE(second->deleteKey("a"));
+  second->set("b", std::vector<uint8_t>(900, 4));
+  EXPECT_EQ(second->get("b").size(), 900u);
+  // A frame above max_frame_bytes (1 MiB) closes that connection only.
+  EXPECT_NE(errorOf([&] { second->set("huge", std::vector<uint8_t>(2 << 20, 5)); }).find("connection lost"),
+            std::string::npos);
+  EXPECT_EQ(server->get("b").size(), 900u);
+}
+
 }  // namespace
 }  // namespace scaletrain::comm

@@ -1,0 +1,91 @@
+#pragma once
+// The node-level rendezvous of elastic jobs (`scaletrain launch --nnodes
+// MIN:MAX`): launch::NodeRendezvous over a RendezvousStore.
+//
+// Note [Elastic rounds]
+// The launchers of all nodes share one store at --master-addr:--master-port:
+// the first launcher that can bind that address serves it (torchrun's c10d
+// backend does the same); the others connect. That node must stay for the
+// whole job. Keys live under "elastic/". A job is a sequence of rounds:
+//  - Joining round R: a node takes a place with add("rR/joined", 1). The
+//    round closes at max_nodes places, or at min_nodes or more once no node
+//    joined for `last_call`; the first node to see that writes the count with
+//    compareSet("rR/closed"), so all agree. A node whose place is beyond the
+//    count is late: it says so (add "rR/waiting") and joins round R+1.
+//  - Members publish "address<TAB>nproc" under "rR/node<i>"; ranks follow the
+//    join order, so every node computes the same placement. The workers'
+//    store is served by rank 0 on the first node's address, port + 1.
+//  - While its workers run, each node beats ("rR/alive/<i>", a counter) and
+//    watches the others: the round ends ("rR/end", first reason wins) when a
+//    node reports a failure, when a node's beat stops changing for
+//    `keepalive_timeout` (lost: killed, partitioned), or when a late node
+//    waits and the round has room. Every member then stops its workers and
+//    joins R+1, whose workers resume from the newest checkpoint under the
+//    new world size.
+//  - Failures are counted once per round ("rR/failed"), listed under
+//    "failure/<k>"; "abort" ends the job on every node (a refused input, or
+//    the restart budget spent); "done" says the job finished.
+// Nodes are not ranked by address, so a round's placement can differ from
+// the previous one's; checkpoints reload under any layout, so it need not
+// match.
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/comm/rendezvous_store.h"
+#include "scaletrain/launch/launcher.h"
+
+namespace scaletrain::comm {
+
+struct ElasticOptions {
+  // The launchers' store (--master-addr, --master-port); the workers' store
+  // is at the first node's address, this port + 1.
+  std::string host = "127.0.0.1";
+  int port = 29500;
+  int min_nodes = 1, max_nodes = 1;
+  // A round with at least min_nodes closes once no node joined for this long.
+  std::chrono::milliseconds last_call = std::chrono::seconds(3);
+  // A member whose keep-alive has not changed for this long is lost.
+  std::chrono::milliseconds keepalive_timeout = std::chrono::seconds(10);
+  // How long a node waits for a round to form before it gives up.
+  std::chrono::milliseconds join_timeout = std::chrono::seconds(600);
+  // Shared secret of the store (SCALETRAIN_STORE_SECRET); may be empty.
+  std::string secret;
+};
+
+class ElasticRendezvous : public launch::NodeRendezvous {
+ public:
+  // Serves the store if this host can bind host:port, else connects to it.
+  explicit ElasticRendezvous(ElasticOptions options);
+  ~ElasticRendezvous() override;
+
+  Round next_round(int nproc) override;
+  std::string interrupted() override;
+  int fail_round(const std::string& why) override;
+  std::vector<std::string> failures() override;
+  void succeeded() override;
+  void abort(const std::string& why) override;
+
+  bool serves_store() const { return store_->isServer(); }
+
+ private:
+  std::string key(const std::string& k) const;  // "elastic/" + k
+  std::string round_key(const std::string& k) const;  // "elastic/r<round>/" + k
+  bool has(const std::string& k);
+  std::string text(const std::string& k);
+  int64_t counter(const std::string& k);  // add(k, 0)
+  void end_round(const std::string& why);
+
+  ElasticOptions o_;
+  c10::intrusive_ptr<RendezvousStore> store_;
+  int next_ = 0;           // the round this node joins next
+  Round current_;          // the round its workers run in
+  int place_ = 0;          // 1-based place in current_ (join order)
+  int64_t beat_ = 0;
+  // Last keep-alive value seen from each member, and when it changed.
+  std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> seen_;
+};
+
+}  // namespace scaletrain::comm
