@@ -23,7 +23,7 @@ void expect_named_error(const std::string& what, const char* op) {
 // Debug mode (on in these tests): ranks that call different collectives are
 // told so before any data moves, naming the rank that differs; the group
 // stays usable.
-TEST(Failure, MismatchedCollectivesAreNamedBeforeDataMoves) {
+TEST(Failure, MismatchedCallsAreNamedBeforeDataMoves) {
   ASSERT_EQ(world().size(), 2);
   ASSERT_TRUE(world().debug_collectives()) << "the dist tests run in debug mode";
   auto t = torch::ones({world().rank() == 0 ? 8 : 9});

@@ -482,7 +482,8 @@ TEST(Launch, WorkersGetAStoreSecretAndTheCulpritIsTheLastLine) {
   TempDir dir;
   Captured c(dir, 2);
   const std::string d = dir.path().string();
-  const std::string script = "env > " + d + "/env$RANK; if [ $RANK = 0 ]; then "
+  const std::string script = "env > " + d + "/env$RANK.tmp && mv " + d + "/env$RANK.tmp " + d + "/env$RANK; "
+                             "if [ $RANK = 0 ]; then while [ ! -e " + d + "/env1 ]; do sleep 0.02; done; "
                              "echo 'collective failed' >&2; echo 'culprit: rank 1 is behind: test' >&2; exit 1; fi; "
                              "exec sleep 30";
   EXPECT_EQ(scaletrain::launch::run(c.opts, sh(script)), 1);
