@@ -251,9 +251,12 @@ void setup(Run& r, const comm::WorldInfo& info) {
 void print_start(Run& r, const comm::WorldInfo& info) {
   if (!r.lead) return;
   const Config& cfg = r.cfg;
-  std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s\n", cfg.model.preset.c_str(),
+  std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s%s\n", cfg.model.preset.c_str(),
               static_cast<long long>(r.model().num_parameters()), r.world->size(), info.source.c_str(),
-              r.dims.describe().c_str(), r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo");
+              r.dims.describe().c_str(), r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo",
+              r.world->debug_collectives() && r.world->size() > 1
+                  ? "; every collective's fingerprint compared across ranks first (debug_collectives)"
+                  : "");
   if (auto lora = lora_options(cfg, r.plan.model)) {
     int64_t trainable = 0, layers = 0;
     for (const auto& item : r.model().named_parameters()) {

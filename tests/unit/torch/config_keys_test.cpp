@@ -92,6 +92,7 @@ const std::map<std::string, Check>& table() {
     {"parallel.sequence_parallel", {"true", What::Line, "strategy", {"parallel.tp=2"}, 2}},
     {"parallel.comm_dtype", {"bf16", What::Line, "precision:", {}, 2}},
     {"parallel.backend", {"nccl", What::Refused, "parallel.backend=nccl needs CUDA"}},
+    {"parallel.debug_collectives", {"true", What::Line, "fingerprint", {}, 2}},
     {"parallel.timeout_s", {"1e-9", What::Fails, "Timed out waiting 0ms|could not connect within 0s", {}, 2}},
     {"parallel.fsdp.sharding_strategy", {"SHARD_GRAD_OP", What::Line, "strategy", {"parallel.strategy=fsdp"}, 2}},
     {"parallel.fsdp.auto_wrap_policy", {"none", What::Line, "strategy", {"parallel.strategy=fsdp"}, 2}},
