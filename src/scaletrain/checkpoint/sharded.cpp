@@ -53,7 +53,7 @@ std::vector<OutPiece> collect(const Layout& layout, const optim::AdamW* opt, boo
       at::Tensor flat = t.detach().reshape(-1);
       for (const auto& p : slot.pieces) {
         if (!p.saved) continue;
-        at::Tensor d = flat.narrow(0, p.local_offset, p.numel).to(at::kCPU).contiguous();
+        at::Tensor d = flat.narrow(0, p.local_offset, p.numel).to(at::kCPU).contiguous();  // host: file bytes
         out.push_back({std::string(kind) + "/" + p.name, p.shape, p.param_offset, copy ? d.clone() : d});
       }
     }

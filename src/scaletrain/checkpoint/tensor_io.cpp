@@ -82,7 +82,7 @@ at::Tensor tensor_from_view(const TensorView& view, const std::string& source) {
       }
     }
   }
-  at::Tensor t = at::empty(view.shape, at::TensorOptions().dtype(type).device(at::kCPU));
+  at::Tensor t = at::empty(view.shape, at::TensorOptions().dtype(type).device(at::kCPU));  // host: file bytes
   if (view.nbytes > 0) std::memcpy(t.data_ptr(), view.data, view.nbytes);
   return t;
 }
@@ -97,7 +97,7 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
     if (!tensor.defined()) fail(path, name, "undefined tensor");
     if (tensor.layout() != at::kStrided) fail(path, name, "only dense (strided) tensors can be saved");
     const Dtype dtype = safetensors_dtype(tensor.scalar_type(), name);
-    keep.push_back(tensor.detach().to(at::kCPU).contiguous());
+    keep.push_back(tensor.detach().to(at::kCPU).contiguous());  // host: file bytes
     const at::Tensor& t = keep.back();
     refs.push_back(TensorRef{name, dtype, t.sizes().vec(), t.data_ptr(), t.nbytes()});
   }

@@ -4,6 +4,9 @@
 #include "scaletrain/comm/activity.h"
 
 #include <c10/util/Exception.h>
+#if defined(SCALETRAIN_WITH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
@@ -48,7 +51,7 @@ class ScratchPool : public std::enable_shared_from_this<ScratchPool> {
 
   // An uninitialised contiguous 1-D tensor of `numel` elements.
   LeasePtr take(int64_t numel, const at::TensorOptions& options) {
-    if (options.device().type() != at::kCPU || numel == 0)
+    if (options.device().type() != at::kCPU || numel == 0)  // host: the pool is host memory
       return std::make_shared<Lease>(weak_from_this(), at::Tensor(), at::empty({numel}, options));
     const int64_t nbytes = numel * static_cast<int64_t>(options.dtype().itemsize());
     at::Tensor bytes;
@@ -412,7 +415,7 @@ void Work::wait() {
   tracker_ = nullptr;
   if (tracker && !pending_.empty()) tracker->waiting(seq_);
   try {
-    for (auto& w : pending_) w->wait(timeout_);
+    for (auto& w : pending_) timeout_.count() > 0 ? w->wait(timeout_) : w->wait();
     pending_.clear();
     if (then_) {
       auto then = std::move(then_);
@@ -519,7 +522,10 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws) {
   const bool p2p = point_to_point(op);
   const uint64_t seq = p2p ? p2p_seq_++ : seq_++;
   w.label_ = label(op, seq);
-  w.timeout_ = timeout_;
+  // NCCL's wait with a timeout polls on the host until the kernel is done
+  // (no overlap); its watchdog enforces the group's timeout instead. Zero
+  // means a plain wait().
+  w.timeout_ = gloo() ? timeout_ : std::chrono::milliseconds(0);
   w.pending_ = std::move(ws);
   if (!p2p && tracker_) {
     w.tracker_ = tracker_;
@@ -547,8 +553,41 @@ Work Group::start(const char* op, compat::WorkPtr w) {
     }                                                                                                      \
   }()
 
+// Note [Staged tensors]: NCCL moves device memory only, and Gloo as used here
+// (byte views, reduce_scatter through all_to_all, send/recv) host memory
+// only. A tensor on the other side (a host scalar sum or shape list on a GPU
+// run, an offloaded shard's norm; a device tensor forced onto Gloo) is copied
+// to where the backend works, moved, and, if the collective writes it, copied
+// back when the Work is waited. CPU runs on Gloo never stage.
+bool Group::foreign(const at::Tensor& t) const { return gloo() ? !t.device().is_cpu() : !t.is_cuda(); }
+
+Work Group::staged(const std::vector<at::Tensor>& tensors, const std::vector<bool>& outputs,
+                   const std::function<Work(const std::vector<at::Tensor>&)>& run) {
+  std::vector<at::Tensor> moved;
+  for (const at::Tensor& t : tensors) {
+    if (!foreign(t))
+      moved.push_back(t);
+    else if (gloo())
+      moved.push_back(t.to(at::Device(at::DeviceType::CPU)));  // host: Gloo's side
+    else
+      moved.push_back(t.to(at::Device(at::DeviceType::CUDA)));  // the current device (train/device.h use_device)
+  }
+  Work w = run(moved);
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (outputs[i] && !moved[i].is_same(tensors[i])) back.emplace_back(tensors[i], moved[i]);
+  if (!back.empty())
+    w.and_then([back]() {
+      at::NoGradGuard no_grad;
+      for (const auto& [original, copy] : back) original.copy_(copy);
+      return Work();
+    });
+  return w;
+}
+
 Work Group::broadcast(at::Tensor tensor, int root) {
   check_contiguous(tensor, "broadcast");
+  if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return broadcast(t[0], root); });
   if (size() == 1) return start("broadcast", compat::WorkPtr());
   describe("broadcast", {tensor}, "root " + std::to_string(root));
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
@@ -560,6 +599,7 @@ Work Group::broadcast(at::Tensor tensor, int root) {
 
 Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
   check_contiguous(tensor, "all_reduce");
+  if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return all_reduce(t[0], op); });
   if (size() == 1) return start("all_reduce", compat::WorkPtr());
   describe("all_reduce", {tensor}, reduce_name(op));
   if (gloo() && is_16bit_float(tensor.scalar_type())) {
@@ -635,6 +675,8 @@ Work Group::reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, Redu
 Work Group::reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op) {
   check_contiguous(full, "reduce_scatter");
   check_contiguous(shard, "reduce_scatter");
+  if (foreign(full) || foreign(shard))
+    return staged({full, shard}, {false, true}, [&](const auto& t) { return reduce_scatter(t[0], t[1], op); });
   if (size() == 1) {
     TORCH_CHECK(shard.numel() == full.numel(), "scaletrain reduce_scatter: shard size mismatch");
     shard.reshape({-1}).copy_(full.reshape({-1}));
@@ -667,6 +709,8 @@ Work Group::reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op) {
 Work Group::all_gather(at::Tensor shard, at::Tensor full) {
   check_contiguous(shard, "all_gather");
   check_contiguous(full, "all_gather");
+  if (foreign(shard) || foreign(full))
+    return staged({shard, full}, {false, true}, [&](const auto& t) { return all_gather(t[0], t[1]); });
   const int n = size();
   const int64_t k = shard.numel();
   TORCH_CHECK(shard_numel(full.numel()) == k, "scaletrain all_gather: output of ", full.numel(),
@@ -706,6 +750,8 @@ Work Group::all_gather(at::Tensor shard, at::Tensor full) {
 Work Group::all_to_all(at::Tensor input, at::Tensor output) {
   check_contiguous(input, "all_to_all");
   check_contiguous(output, "all_to_all");
+  if (foreign(input) || foreign(output))
+    return staged({input, output}, {false, true}, [&](const auto& t) { return all_to_all(t[0], t[1]); });
   TORCH_CHECK(input.numel() == output.numel() && input.numel() % size() == 0,
               "scaletrain all_to_all: input and output must have equal sizes divisible by the group size");
   if (size() == 1) {
@@ -722,6 +768,7 @@ Work Group::all_to_all(at::Tensor input, at::Tensor output) {
 
 Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
   check_contiguous(tensor, "reduce");
+  if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return reduce(t[0], root, op); });
   if (size() == 1) return start("reduce", compat::WorkPtr());
   describe("reduce", {tensor}, std::string(reduce_name(op)) + ", root " + std::to_string(root));
   if (gloo() && (is_16bit_float(tensor.scalar_type()) || op == ReduceOp::Avg)) {
@@ -800,12 +847,14 @@ Work Group::scatter(std::vector<at::Tensor> inputs, at::Tensor output, int root)
 
 Work Group::send(at::Tensor tensor, int dst, int tag) {
   check_contiguous(tensor, "send");
+  if (foreign(tensor)) return staged({tensor}, {false}, [&](const auto& t) { return send(t[0], dst, tag); });
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
   return start("send", ST_LAUNCH("send", backend_->send(ts, dst, tag)));
 }
 
 Work Group::recv(at::Tensor tensor, int src, int tag) {
   check_contiguous(tensor, "recv");
+  if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return recv(t[0], src, tag); });
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
   return start("recv", ST_LAUNCH("recv", backend_->recv(ts, src, tag)));
 }
@@ -814,6 +863,10 @@ Work Group::barrier() {
   if (size() == 1) return start("barrier", compat::WorkPtr());
   c10d::BarrierOptions o;
   o.timeout = timeout_;
+#if defined(SCALETRAIN_WITH_CUDA)
+  // NCCL's barrier otherwise guesses the GPU (group rank modulo the count).
+  if (!gloo()) o.device_ids = {static_cast<int64_t>(c10::cuda::current_device())};
+#endif
   return start("barrier", ST_LAUNCH("barrier", backend_->barrier(o)));
 }
 

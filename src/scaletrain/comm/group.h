@@ -206,6 +206,11 @@ class Group {
   // Notes the arguments of the collective about to launch, for the fingerprint.
   void describe(const char* op, std::initializer_list<at::Tensor> tensors, const std::string& extra = "");
   bool gloo() const { return kind_ == BackendKind::Gloo; }
+  // Note [Staged tensors]: whether `t` lives where this backend cannot move it,
+  // and the wrapper that moves such tensors through a copy on the other side.
+  bool foreign(const at::Tensor& t) const;
+  Work staged(const std::vector<at::Tensor>& tensors, const std::vector<bool>& outputs,
+              const std::function<Work(const std::vector<at::Tensor>&)>& run);
   // Gloo stage of reduce_scatter: all_to_all of raw chunks, local fp32 sum.
   Work reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, ReduceOp op, const char* op_name);
 

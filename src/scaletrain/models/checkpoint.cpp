@@ -20,6 +20,8 @@
 // the recomputation only.
 #include "scaletrain/models/checkpoint.h"
 
+#include "scaletrain/precision/autocast_compat.h"
+
 #include <ATen/autocast_mode.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -48,14 +50,16 @@ struct AutocastState {
   at::ScalarType cpu_dtype = at::kBFloat16, gpu_dtype = at::kHalf;
 
   static AutocastState current() {
-    return {at::autocast::is_cpu_enabled(), at::autocast::is_enabled(), at::autocast::get_autocast_cpu_dtype(),
-            at::autocast::get_autocast_gpu_dtype()};
+    using namespace precision::compat;
+    return {autocast_enabled(at::kCPU), autocast_enabled(at::kCUDA), autocast_dtype(at::kCPU),  // host: CPU autocast
+            autocast_dtype(at::kCUDA)};
   }
   void apply() const {
-    at::autocast::set_cpu_enabled(cpu);
-    at::autocast::set_enabled(gpu);
-    at::autocast::set_autocast_cpu_dtype(cpu_dtype);
-    at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+    using namespace precision::compat;
+    set_autocast_enabled(at::kCPU, cpu);  // host: CPU autocast
+    set_autocast_enabled(at::kCUDA, gpu);
+    set_autocast_dtype(at::kCPU, cpu_dtype);  // host: CPU autocast
+    set_autocast_dtype(at::kCUDA, gpu_dtype);
   }
 };
 

@@ -1,5 +1,6 @@
 #include "scaletrain/models/deferred.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 namespace scaletrain::models {
@@ -9,6 +10,7 @@ void alloc_storage(const at::Tensor& t) {
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (s->nbytes() == bytes) return;
   TORCH_CHECK(s->nbytes() == 0, "scaletrain: storage is partly allocated");
+  const c10::DeviceGuard on(t.device());  // a GPU allocator allocates on the current device
   s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
   s->set_nbytes(bytes);
 }
@@ -24,12 +26,16 @@ void free_parameters(torch::nn::Module& module) {
   for (auto& p : module.parameters()) free_storage(p);
 }
 
-void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype) {
+void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype, const std::optional<at::Device>& device) {
   torch::NoGradGuard no_grad;
+  const at::Device where = device.value_or(at::Device(at::DeviceType::Meta));
+  if (device)
+    for (auto& b : module.buffers()) b.set_data(b.to(*device));
   for (auto& p : module.parameters()) {
-    if (p.scalar_type() == dtype) continue;
-    TORCH_CHECK(p.storage().nbytes() == 0, "scaletrain: set_deferred_dtype on a parameter that has bytes");
-    at::Tensor t = at::empty(p.sizes(), p.options().dtype(dtype).requires_grad(false));
+    const bool moves = device && p.device() != where;
+    if (p.scalar_type() == dtype && !moves) continue;
+    TORCH_CHECK(p.storage().nbytes() == 0 || p.numel() == 0, "scaletrain: set_deferred_dtype on a parameter that has bytes");
+    at::Tensor t = at::empty(p.sizes(), p.options().dtype(dtype).device(moves ? where : p.device()).requires_grad(false));
     free_storage(t);  // the peak is one parameter, in the new dtype
     p.set_data(t);
   }

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace scaletrain::models {
@@ -28,7 +29,10 @@ void free_parameters(torch::nn::Module& module);
 
 // Gives every byte-less parameter of `module` the dtype `dtype`, still
 // without bytes: what `module->to(dtype)` does to a materialized model.
-void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype);
+// With `device`, the parameters (still without bytes) and the module's
+// buffers (with their values) move there too.
+void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype,
+                        const std::optional<at::Device>& device = std::nullopt);
 
 // An InitFn that draws each tensor in `dtype` (a temporary) and copies it
 // into the parameter's dtype: the values an eager model built in `dtype` and

@@ -58,6 +58,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hs}).transpose(1, 2); };
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
+  if (mask_.device() != att.device()) mask_ = mask_.to(att.device());  // once, on the first forward
   att = att.masked_fill(mask_.slice(0, 0, T).slice(1, 0, T).logical_not(), -std::numeric_limits<float>::infinity());
   att = torch::softmax(att, -1);
   if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());

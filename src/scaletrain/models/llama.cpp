@@ -25,11 +25,12 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 // whose wavelength 2*pi/f is longer than L / low_freq_factor is divided by
 // `factor`; one shorter than L / high_freq_factor is kept; in between the
 // two are blended linearly in s = (L / wavelength - low) / (high - low).
-std::pair<torch::Tensor, torch::Tensor> rotary_tables(const ModelConfig& c, int64_t T, torch::ScalarType dtype) {
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const ModelConfig& c, int64_t T, torch::ScalarType dtype,
+                                                       const torch::Device& device) {
   const auto wide = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
   const int64_t d = c.head_dim();
   auto inv_freq =
-      1.0 / torch::pow(c.rope_theta, torch::arange(0, d, 2, torch::kLong).to(wide) / static_cast<double>(d));
+      1.0 / torch::pow(c.rope_theta, torch::arange(0, d, 2, torch::TensorOptions().dtype(torch::kLong).device(device)).to(wide) / static_cast<double>(d));
   const RopeScaling& rs = c.rope_scaling;
   if (rs.type == "llama3") {
     const double L = static_cast<double>(rs.original_max_positions);
@@ -41,7 +42,7 @@ std::pair<torch::Tensor, torch::Tensor> rotary_tables(const ModelConfig& c, int6
     auto medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
     inv_freq = torch::where(medium, blended, stretched);
   }
-  auto pos = torch::arange(T, torch::kLong).to(wide);
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(device)).to(wide);
   auto freqs = torch::outer(pos, inv_freq);
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
@@ -78,7 +79,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   const int64_t B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
   torch::Tensor q = heads(q_proj(x), nh), k = heads(k_proj(x), nkv), v = heads(v_proj(x), nkv);
-  auto [cos, sin] = rotary_tables(c_, T, q.scalar_type());
+  auto [cos, sin] = rotary_tables(c_, T, q.scalar_type(), q.device());
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
   if (nkv != nh) {  // kv head j serves query heads [j * rep, (j + 1) * rep)
@@ -86,7 +87,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
     v = v.repeat_interleave(nh / nkv, 1);
   }
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto mask = torch::ones({T, T}, torch::kBool).triu(1);
+  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
   att = att.masked_fill(mask, -std::numeric_limits<double>::infinity());
   const auto wide = att.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
   att = torch::softmax(att, -1, wide).to(q.scalar_type());

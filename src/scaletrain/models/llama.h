@@ -38,7 +38,8 @@ TORCH_MODULE(RMSNorm);
 
 // cos and sin [T, head_dim] of positions 0..T-1 in `dtype` (fp64 stays
 // fp64; everything else is computed in fp32 as Hugging Face does).
-std::pair<torch::Tensor, torch::Tensor> rotary_tables(const ModelConfig& c, int64_t T, torch::ScalarType dtype);
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const ModelConfig& c, int64_t T, torch::ScalarType dtype,
+                                                       const torch::Device& device);
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:

@@ -65,7 +65,7 @@ bool LossScaler::unscale_and_check(const std::vector<at::Tensor>& grads, const s
   for (comm::Group* group : groups) {
     // Gloo reduces CPU tensors, NCCL CUDA ones; Max over float is supported by both.
     const bool on_cuda = group->kind() == comm::BackendKind::Nccl;
-    if (on_cuda != flag.is_cuda()) flag = on_cuda ? flag.to(at::kCUDA) : flag.cpu();
+    if (on_cuda != flag.is_cuda()) flag = on_cuda ? flag.to(at::kCUDA) : flag.cpu();  // host: Gloo's
     group->all_reduce(flag, comm::ReduceOp::Max).wait();
   }
   const bool overflow = flag.item<float>() > 0;

@@ -68,11 +68,11 @@ struct NF4Weight {
 // The 16 NF4 code values, ascending, from -1 to 1 (0 at index 7).
 const std::array<float, 16>& nf4_code_values();
 // The same as an fp32 tensor on `device`.
-at::Tensor nf4_code(at::Device device = at::kCPU);
+at::Tensor nf4_code(at::Device device = at::kCPU);  // host: by default
 // bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)):
 // 256 fp32 values, ascending: 127 negatives, 0 at index 127, 127 positives,
 // 1 at index 255 (the smallest value is -0.99296875, not -1).
-at::Tensor dynamic_map(at::Device device = at::kCPU);
+at::Tensor dynamic_map(at::Device device = at::kCPU);  // host: by default
 
 // Blockwise 8-bit quantization on an ascending code book (the double-quant
 // step, exposed for tests): per-block fp32 absmax and the code indices.

@@ -1,5 +1,7 @@
 #include "scaletrain/precision/policy.h"
 
+#include "scaletrain/precision/autocast_compat.h"
+
 #include <ATen/autocast_mode.h>
 
 #include "scaletrain/util/error.h"
@@ -54,32 +56,22 @@ std::string PrecisionPolicy::describe() const {
 
 AutocastGuard::AutocastGuard(const PrecisionPolicy& policy, at::DeviceType device_type) : device_type_(device_type) {
   const bool enable = policy.autocast();
-  if (device_type == at::kCPU) {
+  if (device_type == at::kCPU) {  // host: CPU autocast
     if (enable && policy.compute != at::kBFloat16)
       throw UsageError("CPU autocast supports bf16 only, got compute dtype " + dtype_name(policy.compute));
-    prev_enabled_ = at::autocast::is_cpu_enabled();
-    prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_cpu_enabled(enable);
-    if (enable) at::autocast::set_autocast_cpu_dtype(policy.compute);
-  } else if (device_type == at::kCUDA) {
-    prev_enabled_ = at::autocast::is_enabled();
-    prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
-    at::autocast::set_enabled(enable);
-    if (enable) at::autocast::set_autocast_gpu_dtype(policy.compute);
-  } else {
+  } else if (device_type != at::kCUDA) {
     throw UsageError("autocast is supported on CPU and CUDA, not on " + c10::DeviceTypeName(device_type));
   }
+  prev_enabled_ = compat::autocast_enabled(device_type);
+  prev_dtype_ = compat::autocast_dtype(device_type);
+  compat::set_autocast_enabled(device_type, enable);
+  if (enable) compat::set_autocast_dtype(device_type, policy.compute);
   at::autocast::increment_nesting();
 }
 
 AutocastGuard::~AutocastGuard() {
-  if (device_type_ == at::kCPU) {
-    at::autocast::set_cpu_enabled(prev_enabled_);
-    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
-  } else {
-    at::autocast::set_enabled(prev_enabled_);
-    at::autocast::set_autocast_gpu_dtype(prev_dtype_);
-  }
+  compat::set_autocast_enabled(device_type_, prev_enabled_);
+  compat::set_autocast_dtype(device_type_, prev_dtype_);
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
 }
 

@@ -189,6 +189,7 @@ const std::map<std::string, Field>& fields() {
     ST_ENUM(train, warmup_type)
     ST_DBL(train, warmup_start_ratio)
     ST_INT(train, stop_at)
+    ST_STR(train, device)
     // parallel
     ST_ENUM(parallel, strategy)
     ST_INT(parallel, dp_replicate)

@@ -58,6 +58,7 @@ struct TrainOptions {
   uint64_t seed = 1337;                        // model init and sample order
   int64_t sample_tokens = 200;                 // length of the text sample printed at the end (0: none)
   std::string sample_prompt = "And God said";  // prompt of that sample
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N (auto: the GPU numbered LOCAL_RANK if any, else CPU)
   int64_t stop_at = 0;  // stop after this step, as if preempted (the schedule still spans `steps`); 0 = steps
 };
 
@@ -87,7 +88,7 @@ struct ZeroOptions {
   std::string offload_optimizer = "none";    // none | cpu | nvme: where optimizer states live
   std::string offload_param = "none";        // none | cpu | nvme: where parameter shards live (stage 3)
   std::string offload_dir;                   // directory of nvme offload files (required by nvme)
-  bool offload_pin_memory = false;           // page-locked CPU buffers for offloaded tensors
+  bool offload_pin_memory = false;           // DeepSpeed's pin_memory: refused (offloaded state is page-locked on a GPU run, and a CPU run has nothing to pin)
   double prefetch_bucket_mb = 50;            // stage 3: parameters fetched ahead of use
   int64_t max_live_parameters = 1000000000;  // stage 3: gathered parameters kept before releasing
 };

@@ -32,10 +32,11 @@
 //   none) are accepted without notice, and its nvme_path is not compared with
 //   the other section's. optimizer.params.torch_adam picks PyTorch's Adam
 //   kernel over DeepSpeed's fused one (same arithmetic): type-checked only.
-// - On this CPU build, offload device cpu is accepted with a notice: optimizer
-//   states and parameters already live in CPU memory. DeepSpeed's pin_memory
-//   never sets parallel.zero.offload_pin_memory (page-locked memory is a CUDA
-//   notion).
+// - offload_optimizer / offload_param device cpu or nvme set
+//   parallel.zero.offload_optimizer / offload_param (on a CPU device the plan
+//   says at start that host and device are one memory there). DeepSpeed's
+//   pin_memory never sets parallel.zero.offload_pin_memory (refused on a CPU
+//   run; set it in our config on a GPU run).
 // - activation_checkpointing: the section's presence turns block-level
 //   recomputation on (model.activation_checkpointing=full), as Megatron-style
 //   models configured by it checkpoint each layer; its keys
@@ -217,7 +218,7 @@ void map_precision(const Reader& r, const json& root, Config& c) {
 // Offload sections share one nvme_path (one offload directory here), and
 // only enabled sections are compared (Note [DeepSpeed mapping]).
 void map_offload(const Reader& r, const json& z, const std::string& key, std::string& device,
-                 std::optional<std::string>& nvme_path, const char* what) {
+                 std::optional<std::string>& nvme_path) {
   const std::string prefix = "zero_optimization." + key;
   const json& o = r.object(z, "zero_optimization", key,
                            {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
@@ -228,12 +229,8 @@ void map_offload(const Reader& r, const json& z, const std::string& key, std::st
   for (const char* k : {"pin_memory", "pipeline_read", "pipeline_write", "fast_init"}) r.boolean(o, prefix, k);
   r.string(o, prefix, "nvme_path");
   if (d == "none") return;  // a disabled section: nothing in it applies
-  if (d == "cpu") {
-    // The trainer computes on CPU: there is no device memory to move them out of.
-    r.note(prefix + ".device=\"cpu\" has no effect on this build (a CPU build: " + what +
-           " already live in CPU memory)");
-  } else {
-    device = d;
+  device = d;  // parallel.zero.offload_*: cpu or nvme (Note [Offloaded shards])
+  if (d == "nvme") {
     if (auto p = r.string(o, prefix, "nvme_path")) {
       if (nvme_path && *nvme_path != *p)
         r.fail(prefix + ".nvme_path", "differs from the other offload's nvme_path (one offload directory is supported)");
@@ -303,8 +300,8 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
   set_if(o.allgather_partitions, r.boolean(z, P, "allgather_partitions"));
   std::optional<std::string> nvme_path;
   if (z.contains("offload_optimizer"))
-    map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path, "optimizer states");
-  if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path, "parameters");
+    map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path);
+  if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path);
   set_if(o.offload_dir, nvme_path);
   // Accepted, no effect (Note [DeepSpeed mapping]).
   if (z.contains("stage3_param_persistence_threshold")) {

@@ -36,7 +36,7 @@ void counted_delete(void* data) {
 
 struct CountingAllocator final : at::Allocator {
   at::DataPtr allocate(size_t n) const override {
-    if (n == 0) return {nullptr, nullptr, &counted_delete, at::Device(at::kCPU)};
+    if (n == 0) return {nullptr, nullptr, &counted_delete, at::Device(at::kCPU)};  // host: the CPU allocator
     char* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
     const int64_t now =
@@ -45,7 +45,7 @@ struct CountingAllocator final : at::Allocator {
     while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
     void* data = base + kHeader;
-    return {data, data, &counted_delete, at::Device(at::kCPU)};
+    return {data, data, &counted_delete, at::Device(at::kCPU)};  // host: the CPU allocator
   }
   at::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
 };

@@ -1,5 +1,7 @@
 #include "scaletrain/train/metrics.h"
 
+#include <torch/cuda.h>
+
 #include <fstream>
 
 #include <dlfcn.h>
@@ -41,6 +43,10 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
                         {"grad_norm", m.grad_norm},
                         {"loss_scale", m.loss_scale},
                         {"skipped_steps", m.skipped_steps}};
+    if (m.device_max_allocated_mb >= 0) {
+      j["device_max_allocated_mb"] = m.device_max_allocated_mb;
+      j["device_max_reserved_mb"] = m.device_max_reserved_mb;
+    }
     file_ << j.dump() << "\n";
     file_.flush();
   }
@@ -50,6 +56,9 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
         "step %5lld | loss %.4f | lr %.2e | %7.1f ms | %8.0f tok/s | mfu %5.1f%% | rss %6.0f MB | comm wait %6.1f ms\n",
         static_cast<long long>(m.step), m.loss, m.lr, m.step_ms, m.tokens_per_s, 100.0 * m.mfu, m.peak_rss_mb,
         m.comm_wait_ms);
+    if (m.device_max_allocated_mb >= 0)
+      std::printf("           device max allocated %.0f MB | max reserved %.0f MB\n", m.device_max_allocated_mb,
+                  m.device_max_reserved_mb);
   }
   if (bar_) {
     const int width = 30;
@@ -84,6 +93,22 @@ void set_compute_threads(int n) {
   torch::set_num_threads(n);
   using SetThreads = void (*)(int);
   if (auto f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
+}
+
+double measure_device_gemm_flops(int64_t n, int reps) {
+  torch::NoGradGuard no_grad;
+  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::Device(torch::DeviceType::CUDA));
+  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  auto c = torch::mm(a, b);  // warm-up
+  torch::cuda::synchronize();
+  std::vector<double> secs;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    c = torch::mm(a, b);
+    torch::cuda::synchronize();
+    secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return 2.0 * n * n * n / *std::min_element(secs.begin(), secs.end());
 }
 
 double measure_gemm_flops(int64_t n, int reps) {

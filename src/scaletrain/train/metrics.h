@@ -20,6 +20,9 @@ struct StepMetrics {
   double grad_norm = 0;     // global gradient norm before clipping
   double loss_scale = 1;    // loss scale of this step (1 without loss scaling)
   int64_t skipped_steps = 0;  // steps skipped so far because gradients overflowed
+  // The device allocator's peaks (a GPU run; negative: no device allocator, RSS is the figure).
+  double device_max_allocated_mb = -1;
+  double device_max_reserved_mb = -1;
 };
 
 class MetricsSink {
@@ -51,5 +54,8 @@ void set_compute_threads(int n);
 // FLOP/s of a square fp32 GEMM of size n on the current torch threads: the
 // peak MFU is measured against (`scaletrain bench-gemm`). Best of `reps`.
 double measure_gemm_flops(int64_t n = 1024, int reps = 7);
+// The same on the current CUDA device, in bf16 (n x n x n products, each
+// timed between device synchronizations).
+double measure_device_gemm_flops(int64_t n = 8192, int reps = 7);
 
 }  // namespace scaletrain::train

@@ -176,7 +176,7 @@ void write_adapter_files(const std::string& dir, const std::string& family, cons
   std::vector<at::Tensor> keep;
   std::vector<checkpoint::TensorRef> refs;
   for (const auto& [name, t] : tensors) {
-    keep.push_back(t.detach().to(dtype).contiguous());
+    keep.push_back(t.detach().to(at::kCPU, dtype).contiguous());  // host: file bytes
     const at::Tensor& c = keep.back();
     refs.push_back({peft_tensor_name(family, name), checkpoint::safetensors_dtype(dtype, name), c.sizes().vec(),
                     c.data_ptr(), c.nbytes()});

@@ -24,7 +24,7 @@ namespace pl = parallel::pipeline;
 class PipelineStrategy final : public DataParallel {
  public:
   PipelineStrategy(const Config& c, models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
-      : model_(std::move(model)), mesh_(mesh) {
+      : model_(std::move(model)), mesh_(mesh), device_type_(run_plan.device.type()) {
     const auto& p = c.parallel;
     if (p.tp > 1) {
       parallel::tensor::TensorParallelOptions to;
@@ -82,7 +82,7 @@ class PipelineStrategy final : public DataParallel {
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
               const precision::PrecisionPolicy& policy) override {
     return pipe_->step(inputs, targets, loss_scale, [&](const std::function<at::Tensor()>& fn) {
-      precision::AutocastGuard autocast(policy, at::kCPU);
+      precision::AutocastGuard autocast(policy, device_type_);
       return fn();
     });
   }
@@ -184,6 +184,7 @@ class PipelineStrategy final : public DataParallel {
 
   models::ModelPtr model_;
   comm::Mesh& mesh_;
+  at::DeviceType device_type_;  // autocast's
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   std::unique_ptr<pl::Pipeline> pipe_;
   bool sharded_ = false;
@@ -200,7 +201,7 @@ class PipelineStrategy final : public DataParallel {
 Parallelized parallelize_pipeline(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   Parallelized out;
   torch::manual_seed(c.train.seed);
-  out.model = whole_model(c, plan.model, plan.policy.param);
+  out.model = whole_model(c, plan.model, plan.policy.param, plan.device);
   try {
     out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, plan);
   } catch (const std::invalid_argument& e) {

@@ -169,30 +169,43 @@ void check_finetune(const Config& c, Problems& problems) {
 }
 
 // What this build can run of the parallel section (no peers needed).
-void check_strategy(const Config& c, bool cuda, Problems& problems) {
+void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<std::string>& notices) {
   const auto& p = c.parallel;
   const auto& z = p.zero;
   const bool zero = is_zero(p.strategy);
-  if (zero && z.offload_param != "none")
-    problems.add("parallel.zero.offload_param=" + z.offload_param +
-                 " is not available: parameter offload needs a CUDA build, and is not implemented yet");
-  if (zero && z.offload_optimizer == "cpu")
-    problems.add(cuda ? "parallel.zero.offload_optimizer=cpu is not implemented yet on CUDA"
-                      : "parallel.zero.offload_optimizer=cpu: optimizer states already live in CPU memory "
-                        "on a CPU run; use nvme for file-backed states");
+  const bool fsdp_offload = p.strategy == "fsdp" && p.fsdp.offload_params;
+  // Note [Offloaded shards] (parallel/fsdp/flat_param.h): on a CPU device the
+  // host is the device's own memory; the same code runs, its copies are
+  // host-to-host, and only the nvme file backing changes where bytes live.
+  if (zero && z.offload_param != "none") {
+    if (p.strategy != "zero3")
+      problems.add("parallel.zero.offload_param=" + z.offload_param + " needs parallel.strategy=zero3 (stages 1 and " +
+                   "2 keep whole parameters on every rank, got " + p.strategy + ")");
+    else if (z.offload_optimizer == "none")
+      notices.push_back("parallel.zero.offload_param=" + z.offload_param +
+                        " also moves the fp32 shards the optimizer updates off the device, so the optimizer steps "
+                        "them in host memory (as with offload_optimizer=cpu)");
+  }
+  if (zero && !cuda && (z.offload_optimizer == "cpu" || z.offload_param == "cpu"))
+    notices.push_back("parallel.zero offload to cpu on a CPU device: host and device are the same memory, so the "
+                      "offloaded shards are separate host copies and nothing is saved");
+  if (fsdp_offload && !cuda)
+    notices.push_back("parallel.fsdp.offload_params on a CPU device: host and device are the same memory, so the "
+                      "offloaded shards are separate host copies and nothing is saved");
   if (zero && (!z.overlap_comm || !z.contiguous_gradients || !z.reduce_scatter || !z.allgather_partitions))
     problems.add(
         "parallel.zero: overlap_comm, contiguous_gradients, reduce_scatter and allgather_partitions must stay true "
         "(scaletrain always reduce-scatters flat gradient buffers during backward)");
-  if (zero && z.offload_optimizer == "nvme" && ::access(z.offload_dir.c_str(), W_OK) != 0)
+  const bool nvme = zero && (z.offload_optimizer == "nvme" || z.offload_param == "nvme");
+  if (nvme && ::access(z.offload_dir.c_str(), W_OK) != 0)
     problems.add("parallel.zero.offload_dir '" + z.offload_dir + "' is not a writable directory");
   if (z.offload_pin_memory && !cuda)
     problems.add(
         "parallel.zero.offload_pin_memory=true needs a CUDA device (page-locked host memory only speeds "
         "copies between host and GPU); this run computes on CPU");
-  if (p.strategy == "fsdp" && p.fsdp.offload_params)
-    problems.add(std::string("parallel.fsdp.offload_params is not available: ") +
-                 (cuda ? "CPU parameter offload is not implemented yet" : "a CPU run has nothing to offload"));
+  else if (z.offload_pin_memory)
+    problems.add("parallel.zero.offload_pin_memory=true would have no effect: offloaded state is always "
+                 "page-locked on a GPU run");
   if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
     problems.add("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
   if ((p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD") && p.dp_replicate != 1 &&
@@ -200,7 +213,9 @@ void check_strategy(const Config& c, bool cuda, Problems& problems) {
     problems.add("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
                  " needs strategy ddp or fsdp with HYBRID_SHARD (" + p.strategy +
                  " shards over the whole data-parallel group)");
-  if (p.backend == "nccl" && !cuda) problems.add("parallel.backend=nccl needs CUDA tensors; this run computes on CPU");
+  if (p.backend == "nccl" && !cuda)
+    problems.add("parallel.backend=nccl needs CUDA tensors; this run computes on CPU" +
+                 std::string(c.train.device == "cpu" ? " (train.device=cpu)" : ""));
   if (p.comm_dtype == "bf16" && !c.precision.reduce_dtype.empty() && c.precision.reduce_dtype != "bf16")
     problems.add("parallel.comm_dtype=bf16 and precision.reduce_dtype=" + c.precision.reduce_dtype +
                  " disagree on the dtype gradients are reduced in");
@@ -231,17 +246,19 @@ void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Probl
 
 }  // namespace
 
-Plan make_plan(const Config& c, int world_size) {
+Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvironment& env) {
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
+  problems.check([&] { plan.device = resolve_device(c.train.device, local_rank, env); });
+  plan.cuda = plan.device.is_cuda();
   const bool model_ok = problems.check([&] { plan.model = resolve_model_config(c.model); });
   const bool policy_ok =
       problems.check([&] { plan.policy = precision::PrecisionPolicy::from_options(c.precision, plan.cuda); });
   // parallel.comm_dtype is the dtype gradients travel in under every
   // strategy: DDP's buckets and the sharded engine's reduce-scatters.
   if (policy_ok && p.comm_dtype == "bf16") plan.policy.reduce = at::kBFloat16;
-  check_strategy(c, plan.cuda, problems);
+  check_strategy(c, plan.cuda, problems, plan.notices);
   check_finetune(c, problems);
   check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
   if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))

@@ -23,6 +23,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/device.h"
 
 namespace scaletrain::train {
 
@@ -30,7 +31,8 @@ struct Plan {
   models::ModelConfig model;             // dimensions after preset, overrides and model.init_from
   precision::PrecisionPolicy policy;   // dtypes of compute, parameters, reduction, buffers
   comm::MeshDims dims;                 // resolved for the world size
-  bool cuda = false;                   // the run computes on CUDA devices
+  at::Device device{at::DeviceType::CPU};  // host: until resolved; where this rank computes (train.device)
+  bool cuda = false;                   // device is a CUDA device
   int64_t micro_batch = 0;             // sequences per forward (parallel.microbatches may set it)
   int64_t accum = 0;                   // micro-batches per step on each data-parallel rank
   bool deferred_init = false;          // parameters are initialized shard by shard (zero3, cpu_ram_efficient_loading)
@@ -38,8 +40,9 @@ struct Plan {
   std::vector<std::string> notices;    // lines rank 0 prints once at start ("scaletrain: note: ...")
 };
 
-// Validates `config` for `world_size` ranks; throws UsageError listing every
-// problem (Note [One plan]).
-Plan make_plan(const Config& config, int world_size);
+// Validates `config` for `world_size` ranks, the device resolved for the rank
+// with `local_rank`; throws UsageError listing every problem (Note [One plan]).
+Plan make_plan(const Config& config, int world_size, int local_rank = 0,
+               const DeviceEnvironment& env = DeviceEnvironment::probe());
 
 }  // namespace scaletrain::train

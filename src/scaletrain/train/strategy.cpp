@@ -15,6 +15,8 @@
 #include "scaletrain/models/lora.h"
 #include "scaletrain/models/qlora.h"
 #include "scaletrain/optim/adamw.h"
+#include "scaletrain/optim/file_backed.h"
+#include "scaletrain/train/device.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
@@ -172,6 +174,11 @@ class ShardedStrategy final : public DataParallel {
     else
       s += std::string(o.deferred_init ? ", initialized shard by shard" : ", built whole then sharded") +
            (o.sync_module_states ? " from rank 0's weights" : " on every rank");
+    if (o.offload_alloc)  // Note [Offloaded shards]
+      s += std::string(", shards and their gradients offloaded (") +
+           (o.offload_params ? (o.read_ahead ? "parameters in files, read ahead" : "parameters, gathered from host")
+                             : "optimizer: a device copy of each shard for gathers") +
+           "; " + std::to_string(engine_->offloaded_bytes() >> 10) + " KiB off the device)";
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
@@ -399,14 +406,58 @@ models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& m
 
 // The whole model on this rank, loaded from model.init_from, with its
 // adapters (QLoRA's built tensor by tensor, whole_qlora_model).
-models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
-  if (nf4_options(c)) return whole_qlora_model(c, mcfg, param_dtype);
-  models::ModelPtr model = models::make_model(mcfg);
-  model->to(param_dtype);
-  init_from(model, c.model.init_from);
-  adapt(*model, c, mcfg);
+models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype,
+                             const at::Device& device) {
+  models::ModelPtr model;
+  if (nf4_options(c)) {
+    model = whole_qlora_model(c, mcfg, param_dtype);
+  } else {
+    model = models::make_model(mcfg);
+    model->to(param_dtype);
+    init_from(model, c.model.init_from);
+    adapt(*model, c, mcfg);
+  }
+  model->to(device);  // parameters and buffers (Note [One device per rank])
   return model;
 }
+
+namespace {
+
+// Deferred parameters on a device are drawn in host memory and copied, so a
+// model initializes to the same values on every device (the CPU generator's
+// draws; a device's own generator would give others).
+models::InitFn drawn_on_host(models::InitFn init) {
+  return [init = std::move(init)](const std::string& name, at::Tensor& out) {
+    if (out.device().is_cpu()) return init(name, out);
+    at::Tensor host = at::empty(out.sizes(), out.options().device(at::DeviceType::CPU));  // host: meant
+    init(name, host);
+    torch::NoGradGuard no_grad;
+    out.copy_(host);
+  };
+}
+
+// Note [Offloaded shards] (parallel/fsdp/flat_param.h): where the sharded
+// engine keeps shards off the device. Shards of parameter offload to nvme are
+// file-backed mappings under offload_dir (read ahead per unit); every other
+// offloaded shard, and every gradient, is host memory, page-locked on a GPU.
+void set_offload(const Config& c, const Plan& plan, parallel::fsdp::ShardedOptions& o) {
+  const auto& p = c.parallel;
+  const auto& z = p.zero;
+  const bool zero = p.strategy.rfind("zero", 0) == 0;
+  const bool params = zero ? z.offload_param != "none" : p.strategy == "fsdp" && p.fsdp.offload_params;
+  const bool optimizer = zero && z.offload_optimizer != "none";
+  if (!params && !optimizer) return;
+  const bool files = zero && z.offload_param == "nvme";
+  const bool pin = plan.cuda;  // copies to and from the GPU can then be asynchronous
+  o.offload_params = params;
+  o.read_ahead = files;
+  o.offload_alloc = [files, pin, dir = z.offload_dir](int64_t numel, at::ScalarType dtype, bool gradient) {
+    if (files && !gradient) return optim::file_backed_zeros(dir, numel, dtype);
+    return host_empty(numel, dtype, pin);
+  };
+}
+
+}  // namespace
 
 
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
@@ -448,6 +499,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
     out.no_sync = z.stage == 1;
   }
   o.reduce_dtype = plan.policy.reduce;
+  set_offload(c, plan, o);
   // zero3 always, fsdp with cpu_ram_efficient_loading (like DeepSpeed's
   // zero.Init): never build the whole model; make_plan says when it cannot.
   out.deferred = plan.deferred_init;
@@ -463,7 +515,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
   if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
-    out.model = whole_model(c, mcfg, param_dtype);
+    out.model = whole_model(c, mcfg, param_dtype, plan.device);
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
@@ -478,7 +530,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   // model.init_from); the engine keeps each rank's shard.
   if (setup.deferred) {
     out.model = models::make_model(mcfg, /*materialize=*/false);
-    models::set_deferred_dtype(*out.model, param_dtype);
+    models::set_deferred_dtype(*out.model, param_dtype, plan.device);
     if (c.model.init_from.empty())
       o.deferred_init = models::init_through(
           at::kFloat,
@@ -504,8 +556,9 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
       }
     }
   } else {
-    out.model = whole_model(c, mcfg, param_dtype);
+    out.model = whole_model(c, mcfg, param_dtype, plan.device);
   }
+  if (o.deferred_init) o.deferred_init = drawn_on_host(std::move(o.deferred_init));
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,

@@ -92,10 +92,12 @@ ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& m
 parallel::DDPOptions ddp_options(const ParallelOptions& p);
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::ModelPtr& model, const std::string& path);
-// The whole model on this rank in `param_dtype`, loaded from model.init_from,
-// with the finetune section's adapters (QLoRA's base built tensor by tensor,
-// never whole in full precision).
-models::ModelPtr whole_model(const Config& config, const models::ModelConfig& model, at::ScalarType param_dtype);
+// The whole model on this rank in `param_dtype` on `device`, loaded from
+// model.init_from, with the finetune section's adapters (QLoRA's base built
+// tensor by tensor, never whole in full precision). It is built and
+// initialized in host memory, so every device starts from the same values.
+models::ModelPtr whole_model(const Config& config, const models::ModelConfig& model, at::ScalarType param_dtype,
+                             const at::Device& device);
 // parallel.pp > 1 (train/pipeline_strategy.cpp).
 Parallelized parallelize_pipeline(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 

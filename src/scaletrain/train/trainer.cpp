@@ -33,6 +33,7 @@
 #include "scaletrain/train/metrics.h"
 #include "scaletrain/train/peft_adapter.h"
 #include "scaletrain/train/plan.h"
+#include "scaletrain/train/device.h"
 #include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
 
@@ -200,8 +201,12 @@ struct Run {
 void setup(Run& r, const comm::WorldInfo& info) {
   const Config& cfg = r.cfg;
   set_threads();
+  // Note [One device per rank]: the device is current before anything is
+  // allocated or NCCL starts, and the backend follows the device unless forced.
+  use_device(r.plan.device);
   comm::WorldOptions wo;
   wo.backend = comm::parse_backend(cfg.parallel.backend);
+  if (wo.backend == comm::Backend::Auto) wo.backend = r.plan.cuda ? comm::Backend::Nccl : comm::Backend::Gloo;
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
   wo.debug_collectives = cfg.parallel.debug_collectives;
   r.world = comm::World::init(info, wo);
@@ -244,7 +249,10 @@ void setup(Run& r, const comm::WorldInfo& info) {
   so.seed = cfg.train.seed;
   so.global_batch = cfg.train.global_batch;
   r.sampler = std::make_unique<data::DistributedSampler>(r.dataset.num_samples(), so);
-  r.peak_flops = cfg.metrics.peak_flops > 0 ? cfg.metrics.peak_flops : measure_gemm_flops();
+  // A GPU's peak is measured there in bf16; metrics.peak_flops gives the data-sheet figure instead.
+  r.peak_flops = cfg.metrics.peak_flops > 0 ? cfg.metrics.peak_flops
+                 : r.plan.cuda              ? measure_device_gemm_flops()
+                                            : measure_gemm_flops();
   r.flops_per_token = r.model().step_flops_per_token(r.plan.model.block_size);  // once: which weights train does not change
 }
 
@@ -253,7 +261,10 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   const Config& cfg = r.cfg;
   std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s%s\n", cfg.model.preset.c_str(),
               static_cast<long long>(r.model().num_parameters()), r.world->size(), info.source.c_str(),
-              r.dims.describe().c_str(), r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo",
+              r.dims.describe().c_str(),
+              ((r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo") + std::string(" on ") +
+               r.plan.device.str())
+                  .c_str(),
               r.world->debug_collectives() && r.world->size() > 1
                   ? "; every collective's fingerprint compared across ranks first (debug_collectives)"
                   : "");
@@ -445,8 +456,11 @@ StepMetrics train_step(Run& r, int64_t step) {
   const double loss_scale = r.scaler ? r.scaler->scale() : 1.0;
   auto batch = [&](int64_t k) {
     auto idx = r.sampler->indices(step, dp_rank, r.dims.dp(), static_cast<int>(k), static_cast<int>(B));
-    std::pair<at::Tensor, at::Tensor> xy{torch::empty({B, T}, torch::kLong), torch::empty({B, T}, torch::kLong)};
+    // Token ids are read into host memory (page-locked on a GPU), then copied to the device.
+    const auto host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(r.plan.cuda);
+    std::pair<at::Tensor, at::Tensor> xy{torch::empty({B, T}, host), torch::empty({B, T}, host)};
     r.dataset.copy_batch(idx, xy.first.data_ptr<int64_t>(), xy.second.data_ptr<int64_t>());
+    if (r.plan.cuda) xy = {xy.first.to(r.plan.device, /*non_blocking=*/true), xy.second.to(r.plan.device, true)};
     return xy;
   };
   double loss_sum = 0;
@@ -466,7 +480,7 @@ StepMetrics train_step(Run& r, int64_t step) {
       const int64_t before_forward = TensorBytes::current();
       loss_sum += dp.forward_backward(
                       [&] {
-                        precision::AutocastGuard autocast(r.plan.policy, at::kCPU);
+                        precision::AutocastGuard autocast(r.plan.policy, r.plan.device.type());
                         at::Tensor loss = r.model().loss(inputs, targets) * (loss_scale / static_cast<double>(accum));
                         r.mem.activations =
                             std::max(r.mem.activations, static_cast<double>(TensorBytes::current() - before_forward));
@@ -512,6 +526,10 @@ StepMetrics train_step(Run& r, int64_t step) {
   m.tokens_per_s = static_cast<double>(r.cfg.train.global_batch * T) / (m.step_ms / 1000.0);
   m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, peak_rss_mb());
+  if (const DeviceMemory dm = device_memory(r.plan.device); dm.available) {
+    m.device_max_allocated_mb = dm.max_allocated_mb;
+    m.device_max_reserved_mb = dm.max_reserved_mb;
+  }
   m.comm_wait_ms = dp.comm_wait_ms();
   m.loss_scale = loss_scale;
   m.skipped_steps = r.scaler ? r.scaler->skipped_steps() : 0;
@@ -540,9 +558,9 @@ void print_sample(Run& r, data::Tokenizer& tok) {
     r.model().eval();
     auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
     std::vector<int64_t> ids64(ids.begin(), ids.end());
-    auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1});
+    auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1}).to(r.plan.device);
     torch::manual_seed(cfg.train.seed);
-    at::Tensor out = r.model().generate(prompt, cfg.train.sample_tokens, 0.8, 40);
+    at::Tensor out = r.model().generate(prompt, cfg.train.sample_tokens, 0.8, 40).to(at::kCPU);  // host: ids read one by one
     std::vector<uint32_t> gen;
     for (int64_t i = 0; i < out.size(1); ++i) gen.push_back(static_cast<uint32_t>(out[0][i].item<int64_t>()));
     if (!r.lead) return;
@@ -559,7 +577,7 @@ TrainResult run_training(const Config& cfg) {
   // every rank.
   TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
   const comm::WorldInfo info = comm::world_info_from_env();
-  const Plan plan = make_plan(cfg, info.world_size);
+  const Plan plan = make_plan(cfg, info.world_size, info.local_rank);
   data::TokenDataset dataset(cfg.data.path, data::DatasetOptions{plan.model.block_size});
   if (dataset.vocab() > static_cast<uint32_t>(plan.model.vocab_size))
     throw UsageError("token file " + cfg.data.path + " has vocabulary " + std::to_string(dataset.vocab()) +
@@ -591,6 +609,7 @@ TrainResult run_training(const Config& cfg) {
   r.lifetime_rss_peak_mb = peak_rss_mb();
   release_free_heap();
   reset_rss_peak();
+  reset_device_peaks(plan.device);
   TensorBytes::reset_peak();
 
   TrainResult result;

@@ -79,16 +79,16 @@ TEST(ConfigFiles, TransformersZero2) {
   EXPECT_EQ(c.precision.mode, "fp32");  // fp16 "auto" over an fp32 YAML
   EXPECT_DOUBLE_EQ(c.parallel.zero.reduce_bucket_mb, 2e8 * 4 / kMiB);
   EXPECT_DOUBLE_EQ(c.parallel.zero.allgather_bucket_mb, 2e8 * 4 / kMiB);
-  // offload_optimizer cpu: accepted, the states already live in CPU memory.
-  EXPECT_EQ(c.parallel.zero.offload_optimizer, "none");
+  // offload_optimizer cpu: ZeRO-Offload (Note [Offloaded shards]).
+  EXPECT_EQ(c.parallel.zero.offload_optimizer, "cpu");
   EXPECT_FALSE(c.parallel.zero.offload_pin_memory);  // DeepSpeed's pin_memory never sets ours
-  EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.device=\"cpu\" has no effect"), 1) << all_notices(c);
+  EXPECT_EQ(count_notices(c, "offload_optimizer.device"), 0) << all_notices(c);
   EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.pin_memory=true has no effect"), 1)
       << all_notices(c);
   // fp16 "auto" resolved off: its five loss-scaling keys act on nothing.
   EXPECT_EQ(count_notices(c, "fp16 is not enabled"), 5) << all_notices(c);
   EXPECT_EQ(c.precision.loss_scale_window, 2000);  // the YAML's, untouched
-  EXPECT_EQ(c.notices.size(), 7u) << all_notices(c);  // wall_clock_breakdown false asks for nothing
+  EXPECT_EQ(c.notices.size(), 6u) << all_notices(c);  // wall_clock_breakdown false asks for nothing
   // "auto" resolved from the YAML, as the Hugging Face trainer does.
   EXPECT_EQ(c.train.lr, 2e-3);
   EXPECT_EQ(c.train.warmup_steps, 3);
@@ -105,18 +105,18 @@ TEST(ConfigFiles, TransformersZero3AutoSizesFromTheModelWidth) {
   EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);  // stage 3 does not read it: a notice
   EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, std::floor(0.9 * hidden * hidden) * 4 / kMiB);
   EXPECT_EQ(c.parallel.zero.max_live_parameters, 1000000000);
-  EXPECT_EQ(c.parallel.zero.offload_param, "none");
+  EXPECT_EQ(c.parallel.zero.offload_param, "cpu");
+  EXPECT_EQ(c.parallel.zero.offload_optimizer, "cpu");
   const std::string n = all_notices(c);
   EXPECT_HAS(n, "stage3_param_persistence_threshold=320 has no effect");  // auto: 10 x hidden
   EXPECT_HAS(n, "zero_optimization.sub_group_size=100000000000000.0 has no effect");
   EXPECT_HAS(n, "zero_optimization.stage3_max_reuse_distance=1000000000.0 has no effect");
   EXPECT_HAS(n, "stage3_gather_fp16_weights_on_model_save=true has no effect");
-  EXPECT_HAS(n, "zero_optimization.offload_param.device=\"cpu\" has no effect");
   EXPECT_HAS(n, "zero_optimization.offload_param.pin_memory=true");
   EXPECT_HAS(n, "zero_optimization.reduce_bucket_size=\"auto\" has no effect");
   EXPECT_EQ(count_notices(c, "fp16 is not enabled"), 5) << n;
-  // the six above, offload_optimizer's device and pin_memory, reduce_bucket_size and fp16's five
-  EXPECT_EQ(c.notices.size(), 14u) << n;
+  // the five above, offload_optimizer's pin_memory, reduce_bucket_size and fp16's five
+  EXPECT_EQ(c.notices.size(), 12u) << n;
   // A wider model, wider "auto" buckets.
   Config wide = base();
   wide.model.n_embd = 64;

@@ -140,3 +140,78 @@ TEST(Plan, ConfigValuesMustBeFiniteAndAllProblemsAreListed) {
 
 }  // namespace
 }  // namespace scaletrain::train
+
+namespace scaletrain::train {
+namespace {
+
+// Note [One device per rank], with the CUDA build and GPUs injected: the
+// rules a GPU machine applies, checked on this CPU build.
+std::string device_refusal(const std::vector<std::string>& overrides, int local_rank, DeviceEnvironment env) {
+  try {
+    make_plan(base(overrides), 2, local_rank, env);
+    return "";
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+}
+
+at::Device device_of(const std::vector<std::string>& overrides, int local_rank, DeviceEnvironment env) {
+  return make_plan(base(overrides), 2, local_rank, env).device;
+}
+
+TEST(DevicePlan, AutoTakesTheLocalRanksGpuElseTheCpu) {
+  const DeviceEnvironment none{false, 0}, no_gpu{true, 0}, two{true, 2};
+  EXPECT_TRUE(device_of({}, 0, none).is_cpu());
+  EXPECT_TRUE(device_of({}, 1, no_gpu).is_cpu());
+  EXPECT_EQ(device_of({}, 1, two), at::Device(at::kCUDA, 1));
+  EXPECT_TRUE(make_plan(base(), 2, 1, two).cuda);
+  EXPECT_TRUE(device_of({"train.device=cpu"}, 1, two).is_cpu());
+  EXPECT_EQ(device_of({"train.device=cuda"}, 0, two), at::Device(at::kCUDA, 0));
+  // cuda:N names the GPU, whatever the local rank (ranks sharing one GPU).
+  EXPECT_EQ(device_of({"train.device=cuda:0"}, 1, two), at::Device(at::kCUDA, 0));
+  // This build's own environment: no CUDA.
+  EXPECT_TRUE(make_plan(base(), 2).device.is_cpu());
+  EXPECT_FALSE(DeviceEnvironment::probe().built_with_cuda);
+}
+
+TEST(DevicePlan, WhatCannotRunIsRefusedInOneLine) {
+  const DeviceEnvironment none{false, 0}, no_gpu{true, 0}, two{true, 2};
+  auto refused = [](const std::string& msg, const std::string& needle) {
+    EXPECT_NE(msg.find(needle), std::string::npos) << "got: '" << msg << "'";
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  refused(device_refusal({"train.device=cuda"}, 0, none), "train.device=cuda needs a CUDA build");
+  refused(device_refusal({"train.device=cuda:1"}, 0, none), "train.device=cuda:1 needs a CUDA build");
+  refused(device_refusal({"train.device=cuda"}, 0, no_gpu), "no GPU is visible");
+  refused(device_refusal({}, 2, two), "LOCAL_RANK=2 but this process sees 2 GPUs");
+  refused(device_refusal({"train.device=cuda:2"}, 0, two), "train.device=cuda:2 but this process sees 2 GPUs");
+  refused(device_refusal({"train.device=gpu"}, 0, two), "train.device must be auto, cpu, cuda or cuda:N");
+  refused(device_refusal({"train.device=cuda:x"}, 0, two), "expected cuda:N");
+  refused(device_refusal({"parallel.backend=nccl"}, 0, none), "parallel.backend=nccl needs CUDA tensors");
+  refused(device_refusal({"parallel.backend=nccl", "train.device=cpu"}, 0, two), "(train.device=cpu)");
+  EXPECT_EQ(device_refusal({"parallel.backend=nccl"}, 0, two), "");
+  // Offloaded state is always page-locked on a GPU run, never on a CPU one.
+  refused(device_refusal({"parallel.strategy=zero2", "parallel.zero.offload_pin_memory=true"}, 0, none),
+          "needs a CUDA device");
+  refused(device_refusal({"parallel.strategy=zero2", "parallel.zero.offload_pin_memory=true",
+                          "parallel.zero.offload_optimizer=cpu"},
+                         0, two),
+          "always page-locked on a GPU run");
+}
+
+TEST(DevicePlan, OffloadSettings) {
+  const DeviceEnvironment none{false, 0};
+  expect_refused({"parallel.strategy=zero2", "parallel.zero.offload_param=cpu"}, "needs parallel.strategy=zero3");
+  expect_refused({"parallel.strategy=zero3", "parallel.zero.offload_param=nvme"}, "is not a writable directory");
+  // Accepted, with what they mean here said once.
+  const Plan p = make_plan(base({"parallel.strategy=zero3", "parallel.zero.offload_param=cpu"}), 2, 0, none);
+  std::string notes;
+  for (const auto& n : p.notices) notes += n + "\n";
+  EXPECT_NE(notes.find("the optimizer steps them in host memory"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("host and device are the same memory"), std::string::npos) << notes;
+  EXPECT_EQ(refusal({"parallel.strategy=fsdp", "parallel.fsdp.offload_params=true"}), "");
+  EXPECT_EQ(refusal({"parallel.strategy=zero1", "parallel.zero.offload_optimizer=cpu"}), "");
+}
+
+}  // namespace
+}  // namespace scaletrain::train

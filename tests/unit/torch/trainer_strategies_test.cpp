@@ -193,10 +193,12 @@ TEST(TrainerStrategies, Bf16TrainingTracksFp32) {
 
 TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
   const std::string cfg = "train " + strategy_config().string();
-  expect_usage_error(run(cfg + " --parallel.strategy=zero3 --parallel.zero.offload_param=cpu"), "offload_param");
-  expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_optimizer=cpu"),
-                     "offload_optimizer");
-  expect_usage_error(run(cfg + " --parallel.strategy=fsdp --parallel.fsdp.offload_params=true"), "offload_params");
+  // Parameter offload under a strategy that keeps whole parameters; page-locked memory on a CPU run.
+  expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_param=cpu"),
+                     "offload_param=cpu needs parallel.strategy=zero3");
+  expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_optimizer=cpu "
+                               "--parallel.zero.offload_pin_memory=true"),
+                     "offload_pin_memory=true needs a CUDA device");
   expect_usage_error(run(cfg + " --parallel.strategy=zero2 --parallel.zero.offload_optimizer=nvme "
                                "--parallel.zero.offload_dir=/nonexistent/dir"),
                      "/nonexistent/dir");

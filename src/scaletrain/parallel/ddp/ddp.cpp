@@ -164,7 +164,7 @@ void DistributedDataParallel::State::rebuild_buckets() {
   }
   if (group->kind() == comm::BackendKind::Nccl) order_t = order_t.to(params.front().device());
   ddp_comm::broadcast_coalesced(*group, {order_t}, 0);
-  order_t = order_t.cpu();
+  order_t = order_t.cpu();  // host: read element by element
   const int64_t* in = order_t.data_ptr<int64_t>();
   std::vector<size_t> order;
   std::vector<bool> seen(params.size(), false);

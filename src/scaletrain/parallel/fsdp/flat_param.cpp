@@ -3,7 +3,9 @@
 #include "scaletrain/models/deferred.h"
 
 #include <c10/core/StorageImpl.h>
+#include <sys/mman.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -46,13 +48,22 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
     params_[i].set_data(view);
   }
   at::Tensor mine = full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
-  shard_is_view_ = options_.replicated_params && options_.master_dtype == full_.scalar_type();
-  if (shard_is_view_)
+  shard_is_view_ = options_.replicated_params && options_.master_dtype == full_.scalar_type() && !offloaded();
+  if (shard_is_view_) {
     shard_ = mine;
-  else if (deferred)
+  } else if (offloaded()) {  // Note [Offloaded shards]
+    shard_ = options_.offload_alloc(k_, options_.master_dtype, /*gradient=*/false);
+    if (deferred)
+      shard_.zero_();
+    else
+      shard_.copy_(mine);
+    if (!options_.gather_from_host && !options_.replicated_params)
+      device_shard_ = at::empty({k_}, topt.requires_grad(false));  // filled by refresh_device_copy()
+  } else if (deferred) {
     shard_ = at::zeros({k_}, topt.dtype(options_.master_dtype).requires_grad(false));
-  else
+  } else {
     shard_ = mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
   if (options_.reduce_dtype == at::ScalarType::Undefined) options_.reduce_dtype = full_.scalar_type();
   if (trainable_) {
     grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
@@ -71,7 +82,23 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
       models::free_storage(grad_full_);
     }
   }
+  if (device_shard_.defined() && !deferred) refresh_device_copy();
   reshard();
+}
+
+void FlatParam::refresh_device_copy() {
+  if (!device_shard_.defined()) return;
+  torch::NoGradGuard no_grad;
+  device_shard_.copy_(shard_);
+}
+
+void FlatParam::read_ahead() const {
+  if (!offloaded() || !options_.read_ahead || shard_.nbytes() == 0) return;
+  // Whole pages around the shard's bytes; advice only, so failures are ignored.
+  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(shard_.data_ptr()) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(shard_.data_ptr()) + shard_.nbytes();
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
 }
 
 void FlatParam::load_param(size_t i, const at::Tensor& value) {
@@ -127,8 +154,14 @@ int64_t FlatParam::full_bytes() const { return static_cast<int64_t>(full_.storag
 comm::Work FlatParam::start_unshard() {
   if (unsharded()) return comm::Work();
   models::alloc_storage(full_);
-  at::Tensor src = shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
   torch::NoGradGuard no_grad;
+  at::Tensor src;
+  if (device_shard_.defined())
+    src = device_shard_;
+  else if (offloaded())  // parameter offload: host to device, every gather (a copy even when they are one memory)
+    src = shard_.to(full_.device(), full_.scalar_type(), /*non_blocking=*/shard_.is_pinned(), /*copy=*/true);
+  else
+    src = shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
   return group_.all_gather(src.detach(), full_);
 }
 
@@ -180,10 +213,16 @@ void FlatParam::finish_reduce() {
   }
   reduce_in_ = at::Tensor();
   at::Tensor& g = shard_.mutable_grad();
-  if (!g.defined())
-    g = reduce_out_.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-  else
-    g.add_(reduce_out_);
+  if (!g.defined()) {
+    if (offloaded()) {  // Note [Offloaded shards]: the gradient lives with its shard
+      g = options_.offload_alloc(k_, shard_.scalar_type(), /*gradient=*/true);
+      g.copy_(reduce_out_);
+    } else {
+      g = reduce_out_.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    }
+  } else {
+    g.add_(reduce_out_.to(g.device()));
+  }
   for (auto& p : params_) p.mutable_grad().reset();
   models::free_storage(grad_full_);
 }
@@ -200,7 +239,7 @@ std::vector<comm::Work> FlatParam::start_refresh_replicated(int64_t bucket_numel
   if (!options_.replicated_params) return works;
   torch::NoGradGuard no_grad;
   // The shard may alias its chunk of `full`: gather from a copy.
-  at::Tensor src = shard_.to(full_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor src = shard_.to(full_.device(), full_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   // A call gathers the same `piece` elements of every rank's chunk.
   const int64_t piece = bucket_numel <= 0 ? k_ : std::clamp<int64_t>(bucket_numel / n_, 1, k_);
   if (piece == k_) {
@@ -225,6 +264,14 @@ std::vector<comm::Work> FlatParam::start_refresh_replicated(int64_t bucket_numel
 int64_t FlatParam::param_bytes() const {
   int64_t b = full_bytes();
   if (!shard_is_view_) b += shard_.numel() * shard_.element_size();
+  if (device_shard_.defined()) b += static_cast<int64_t>(device_shard_.nbytes());
+  return b;
+}
+
+int64_t FlatParam::offloaded_bytes() const {
+  if (!offloaded()) return 0;
+  int64_t b = static_cast<int64_t>(shard_.nbytes());
+  if (shard_.grad().defined()) b += static_cast<int64_t>(shard_.grad().nbytes());
   return b;
 }
 

@@ -23,6 +23,21 @@
 // Gradients use the same trick: `grad_full` has the padded layout, each
 // parameter's .grad is a view into it while it holds memory, and the reduced
 // chunk lands in `grad_shard`, which is the shard's .grad.
+//
+// Note [Offloaded shards]: with an offload allocator the shard and its
+// gradient live off the device (host memory, page-locked when the device is a
+// GPU, or a file-backed mapping: ZeRO-Offload, ZeRO-Infinity, FSDP's
+// CPUOffload), and the optimizer steps them there. Each reduced gradient
+// chunk is copied to the host shard's gradient. What the gathers read differs:
+//   - optimizer offload: a device copy of the shard in the parameter dtype is
+//     kept between steps (refresh_device_copy() after each optimizer step;
+//     ZeRO-1/2's replicated `full` is that copy already);
+//   - parameter offload (gather_from_host): nothing of the shard stays on the
+//     device; each gather copies the host shard to the device first, and a
+//     file-backed shard's pages are read ahead when a neighbouring unit is
+//     gathered (read_ahead()), so the copy finds them in memory.
+// On a CPU device "host" and "device" are the same memory: the same code runs,
+// with host-to-host copies, so CI exercises every path.
 #include <ATen/ATen.h>
 
 #include <functional>
@@ -46,6 +61,14 @@ struct FlatParamOptions {
   // Dtype gradients are reduce-scattered in; Undefined = the parameters'
   // (an fp32 reduce of bf16 gradients casts the unit's gradients first).
   at::ScalarType reduce_dtype = at::ScalarType::Undefined;
+  // Note [Offloaded shards]: allocates `numel` elements of `dtype` off the
+  // device for the shard, or for its gradient (`gradient`: never a file);
+  // null keeps them beside the parameters.
+  std::function<at::Tensor(int64_t numel, at::ScalarType dtype, bool gradient)> offload_alloc;
+  // With offload_alloc: keep no device copy of the shard; gathers copy it from the host.
+  bool gather_from_host = false;
+  // With offload_alloc: read_ahead() asks the kernel for the shard's pages (file-backed shards).
+  bool read_ahead = false;
 };
 
 // The part of one parameter that lies in this rank's shard: elements
@@ -104,6 +127,13 @@ class FlatParam {
   [[nodiscard]] comm::Work start_unshard();
   // Releases `full`'s bytes (unless replicated).
   void reshard();
+  // Offloaded file-backed shards: starts reading the shard's pages into
+  // memory ahead of its gather (Note [Offloaded shards]); nothing otherwise.
+  void read_ahead() const;
+  // Optimizer offload without parameter offload: copies the stepped host
+  // shard to its device copy (after every optimizer step, before a gather).
+  void refresh_device_copy();
+  bool offloaded() const { return static_cast<bool>(options_.offload_alloc); }
 
   // Called from the AccumulateGrad post-hook of params()[i]: makes sure its
   // .grad is the view into grad_full (allocating grad_full if needed).
@@ -129,6 +159,8 @@ class FlatParam {
   // gradients (full and shard). Optimizer state is counted by the optimizer.
   int64_t param_bytes() const;
   int64_t grad_bytes() const;
+  // Of those, the bytes held off the device (the offloaded shard and its gradient).
+  int64_t offloaded_bytes() const;
 
  private:
   int64_t full_bytes() const;
@@ -146,6 +178,7 @@ class FlatParam {
   int64_t numel_ = 0, k_ = 0;
   at::Tensor full_;   // [n*k], parameter dtype; bytes only while unsharded
   at::Tensor shard_;  // [k], master dtype
+  at::Tensor device_shard_;  // [k], parameter dtype, on the device: optimizer offload's copy for gathers
   bool shard_is_view_ = false;
   at::Tensor grad_full_;  // [n*k]; bytes only while gradients accumulate
   std::vector<at::Tensor> grad_views_;

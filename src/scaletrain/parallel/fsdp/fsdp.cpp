@@ -153,6 +153,10 @@ void ShardedDataParallel::State::start_unshard(size_t u) {
   } else {
     if (unit.unsharded()) return;
     for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard());
+    // File-backed shards of the units next in either direction (Note [Offloaded shards]).
+    for (size_t v : {u + 1, u - 1})
+      if (v < units.size())
+        for (auto& f : units[v].flats) f->read_ahead();
   }
   unit.gathering = true;
   stats.all_gathers += static_cast<int64_t>(unit.gathers.size());
@@ -463,6 +467,12 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       fo.master_dtype = options_.master_dtype == at::ScalarType::Undefined || !key.second
                             ? params.front().scalar_type()
                             : options_.master_dtype;
+      // Note [Offloaded shards]: optimizer offload moves what the optimizer
+      // steps; parameter offload moves every shard.
+      const bool offload = options_.offload_alloc && (key.second || options_.offload_params);
+      fo.offload_alloc = offload ? options_.offload_alloc : nullptr;
+      fo.gather_from_host = offload && options_.offload_params;
+      fo.read_ahead = fo.gather_from_host && options_.read_ahead;
       unit.flats.push_back(
           std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo, deferred));
       for (size_t j = 0; j < order.size(); ++j) where[order[j]] = {u, unit.flats.size() - 1, j};
@@ -496,6 +506,9 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       s.units[where[i].unit].flats[where[i].flat]->load_param(where[i].index, value);
     }
   }
+  if (deferred)  // optimizer offload's device copies of the values just loaded
+    for (auto& unit : s.units)
+      for (auto& f : unit.flats) f->refresh_device_copy();
 
   // 4. Hooks: after each gradient's accumulation, and around every block.
   std::weak_ptr<State> weak = state_;
@@ -606,8 +619,14 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
 // Note [Deferred gather]: nothing moves here; the next forward (or a
 // FullParams) gathers each unit.
 void ShardedDataParallel::after_step() {
-  if (!replicated_params(options_.sharding)) return;
   std::lock_guard<std::recursive_mutex> lock(state_->mu);
+  if (!replicated_params(options_.sharding)) {
+    state_->wait_gathers();
+    // Optimizer offload keeps a device copy of each stepped host shard.
+    for (auto& unit : state_->units)
+      for (auto& f : unit.flats) f->refresh_device_copy();
+    return;
+  }
   state_->wait_gathers();
   for (auto& unit : state_->units) unit.stale = unit.trainable > 0;
 }
@@ -660,6 +679,13 @@ int64_t ShardedDataParallel::param_bytes() const {
   int64_t b = 0;
   for (auto& unit : state_->units)
     for (auto& f : unit.flats) b += f->param_bytes();
+  return b;
+}
+
+int64_t ShardedDataParallel::offloaded_bytes() const {
+  int64_t b = 0;
+  for (auto& unit : state_->units)
+    for (auto& f : unit.flats) b += f->offloaded_bytes();
   return b;
 }
 

@@ -113,6 +113,15 @@ struct ShardedOptions {
   // unit in use included (DeepSpeed's stage3_max_live_parameters); a unit in
   // use is gathered regardless. 0: no bound (limit_all_gathers still applies).
   int64_t max_live_numel = 0;
+  // Note [Offloaded shards] (flat_param.h): allocates trainable shards and
+  // their gradients off the device (host or file); the optimizer then steps
+  // them there. Null: shards stay beside the parameters.
+  std::function<at::Tensor(int64_t numel, at::ScalarType dtype, bool gradient)> offload_alloc;
+  // With offload_alloc, parameter offload: frozen shards are offloaded too,
+  // no device copy is kept, and each gather copies from the host.
+  bool offload_params = false;
+  // With offload_params: read a unit's file-backed shards ahead, when a neighbouring unit is gathered.
+  bool read_ahead = false;
 };
 
 // Note [Sharding tensor-parallel parameters]: under tensor parallelism the
@@ -212,9 +221,11 @@ class ShardedDataParallel {
   const ShardedOptions& options() const { return options_; }
   int num_units() const;  // including the root
   std::vector<std::string> unit_names() const;
-  // Bytes this rank holds now for parameters and for gradients.
+  // Bytes this rank holds now for parameters and for gradients, and of
+  // those the bytes held off the device (Note [Offloaded shards]).
   int64_t param_bytes() const;
   int64_t grad_bytes() const;
+  int64_t offloaded_bytes() const;
   // Milliseconds spent blocked on gathers and reduces since reset_stats().
   double comm_wait_ms() const;
   // What the engine did since reset_stats() (tests and benchmarks).

@@ -106,9 +106,10 @@ BlockCosts parameter_costs(models::CausalLM& model) {
 BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats) {
   const auto& cfg = model.config();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
-  const at::Tensor idx = torch::randint(cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong);
-  const at::Tensor x0 =
-      torch::randn({batch, cfg.block_size, cfg.n_embd}, gen).to(model.parameters().front().scalar_type());
+  // Drawn with a host generator, then moved beside the parameters.
+  const at::Tensor w = model.parameters().front();  // a copy: parameters() returns a temporary vector
+  const at::Tensor idx = torch::randint(cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong).to(w.device());
+  const at::Tensor x0 = torch::randn({batch, cfg.block_size, cfg.n_embd}, gen).to(w.device(), w.scalar_type());
   auto time = [&](const std::function<at::Tensor()>& fn) {
     std::vector<double> ms;
     for (int r = 0; r < repeats; ++r) {
