@@ -115,7 +115,7 @@ torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor&
 }
 
 torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp) {
-  auto out = tp.row_output(torch::linear(y, proj.weight));
+  auto out = tp.row_output(proj.product(y));
   if (proj.has_adapter()) out = out + proj.adapter(y, tp.row_output);
   return proj.bias.defined() ? out + proj.bias : out;
 }

@@ -20,8 +20,29 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = quantized() ? precision::nf4_linear(x, nf4_weight(), bias) : torch::linear(x, weight, bias);
+  torch::Tensor y;
+  if (quantized())
+    y = precision::nf4_linear(x, nf4_weight(), bias);
+  else if (fp8)
+    y = bias.defined() ? fp8->matmul(x, weight) + bias : fp8->matmul(x, weight);
+  else
+    y = torch::linear(x, weight, bias);
   return has_adapter() ? y + adapter(x) : y;
+}
+
+torch::Tensor LinearImpl::product(const torch::Tensor& x) {
+  return fp8 ? fp8->matmul(x, weight) : torch::linear(x, weight);
+}
+
+std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const precision::Fp8LinearOptions& o) {
+  std::vector<precision::Fp8LinearPtr> out;
+  for (const auto& m : root.modules(/*include_self=*/true))
+    if (auto* l = m->as<LinearImpl>()) {
+      TORCH_CHECK(!l->quantized(), "scaletrain: an NF4 (QLoRA) layer cannot compute in FP8");
+      l->fp8 = std::make_shared<precision::Fp8Linear>(o);
+      out.push_back(l->fp8);
+    }
+  return out;
 }
 
 torch::Tensor LinearImpl::adapter(const torch::Tensor& x, const std::function<torch::Tensor(const torch::Tensor&)>& middle) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/nf4.h"
 
 namespace scaletrain::models {
@@ -19,6 +20,8 @@ class LinearImpl : public torch::nn::Module {
   LinearImpl(int64_t in, int64_t out, bool bias);
   // x W^T + b, plus the adapter's term when there is one.
   torch::Tensor forward(const torch::Tensor& x);
+  // x W^T alone: in FP8 when the layer has FP8 state (Note [FP8 linears]).
+  torch::Tensor product(const torch::Tensor& x);
 
   // The adapter's term scaling * B(A(dropout(x))); undefined without an
   // adapter. `middle`, when given, is applied to A(dropout(x)) before B: a
@@ -57,6 +60,7 @@ class LinearImpl : public torch::nn::Module {
   at::ScalarType base_dtype() const { return quantized() ? base_dtype_ : weight.scalar_type(); }
 
   torch::Tensor weight, bias;    // bias undefined when the layer has none; weight undefined once quantized
+  precision::Fp8LinearPtr fp8;   // set: x W^T is computed in FP8 (use_fp8)
   torch::Tensor lora_A, lora_B;  // undefined without an adapter
   torch::Tensor weight_nf4, weight_absmax, weight_absmax_scale, weight_absmax_offset;  // quantized only
 
@@ -67,6 +71,12 @@ class LinearImpl : public torch::nn::Module {
   at::ScalarType base_dtype_ = at::kFloat;  // the dtype the weight had before quantization
 };
 TORCH_MODULE(Linear);
+
+// Gives every models::Linear under `root` (the linears of the transformer
+// blocks: embeddings and heads are not models::Linear) FP8 state of its own;
+// returns them in module order, the same on every rank that built the same
+// model. A quantized (NF4) layer is refused.
+std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const precision::Fp8LinearOptions& o);
 
 // The suffixes of Note [NF4 parameters], in registration order.
 const std::vector<std::string>& nf4_parameter_suffixes();

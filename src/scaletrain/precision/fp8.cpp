@@ -1,6 +1,9 @@
 #include "scaletrain/precision/fp8.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
+
+#include "scaletrain/precision/autocast_compat.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,27 +43,33 @@ const Table& table(Fp8Format format) {
 at::Tensor fp8_quantize(const at::Tensor& x, Fp8Format format, double scale, bool saturate) {
   torch::NoGradGuard no_grad;
   const Fp8Spec s = fp8_spec(format);
-  const Table& t = table(format);
-  const auto dev = x.device();
-  // The product in fp32 (Note [FP8 tensors]), then exact arithmetic in double.
+  const int m = s.mantissa_bits;
+  // The product in fp32 (Note [FP8 tensors]); every step after it is exact in
+  // fp32 and int32 arithmetic, as fp8_encode's are in double.
   const at::Tensor y = x.to(at::kFloat) * static_cast<float>(scale);
-  const at::Tensor a = y.abs().to(at::kDouble);
+  const at::Tensor a = y.abs();
   // The spacing of representable values around each |y| (Note [FP8 rounding]):
-  // frexp's exponent is floor(log2 a) + 1; subnormals share the smallest normal's.
+  // frexp's exponent is floor(log2 a) + 1; subnormals share the smallest
+  // normal's. 2^k is built from its bits (k stays in fp32's normal range for
+  // every finite input), so no exp2 rounding can creep in.
   const at::Tensor exponent = (std::get<1>(at::frexp(a)) - 1).clamp_min(1 - s.bias);
-  const at::Tensor quantum = at::exp2((exponent - s.mantissa_bits).to(at::kDouble));
+  const at::Tensor k = (exponent - m).clamp(-126, 127);
+  const at::Tensor quantum = (k + 127).to(at::kInt).__lshift__(23).view(at::kFloat);
   const at::Tensor rounded = at::round(a / quantum) * quantum;  // round: half to even
-  // Representable now: its position in the table of positive values gives the code.
-  const at::Tensor values = t.values.to(dev), codes = t.codes.to(dev);
-  const at::Tensor index = at::searchsorted(values, rounded.flatten()).clamp_max(values.numel() - 1);
-  at::Tensor code = codes.index_select(0, index).view(y.sizes());
-  code = at::where(rounded == 0, at::zeros_like(code), code);
+  // A representable value's code from its fp32 bits: biased exponent and the
+  // top m mantissa bits for normals, the count of smallest steps for subnormals.
+  const at::Tensor bits = rounded.view(at::kInt);
+  const at::Tensor e = bits.__rshift__(23) - 127;
+  const at::Tensor normal_code = (e + s.bias).__lshift__(m) | (bits.__rshift__(23 - m) & ((1 << m) - 1));
+  const float smallest = std::ldexp(1.0f, 1 - s.bias - m);
+  const at::Tensor subnormal_code = (rounded / smallest).to(at::kInt);
+  at::Tensor code = at::where(e >= 1 - s.bias, normal_code, subnormal_code);
   const int64_t largest = format == Fp8Format::E4M3 ? 0x7E : 0x7B;
   const int64_t overflowed = saturate ? largest : (s.has_inf ? 0x7C : 0x7F);
-  code = at::where(rounded > fp8_max(format), at::full_like(code, overflowed), code);
+  code = at::where(rounded > static_cast<float>(fp8_max(format)), at::full_like(code, overflowed), code);
   code = at::where(y.isinf(), at::full_like(code, saturate ? largest : overflowed), code);
   code = at::where(y.isnan(), at::full_like(code, 0x7F), code);
-  code = code + at::signbit(y).to(at::kLong) * 0x80;
+  code = code + at::signbit(y).to(at::kInt) * 0x80;
   return code.to(at::kByte);
 }
 
@@ -106,6 +115,105 @@ double reduce_amax(const at::Tensor& x, const std::vector<comm::Group*>& groups)
   for (comm::Group* g : groups)
     if (g != nullptr && g->size() > 1) g->all_reduce(a, comm::ReduceOp::Max).wait();
   return a.item<double>();
+}
+
+namespace {
+
+// The largest |value| of x (0 when empty), exactly.
+double amax_of(const at::Tensor& x) {
+  torch::NoGradGuard no_grad;
+  return x.numel() == 0 ? 0.0 : x.detach().abs().max().item<double>();
+}
+
+// The values of FP8 codes, unscaled, in fp32 (exact).
+at::Tensor values_of(const at::Tensor& codes, Fp8Format f) { return fp8_dequantize(codes, f, 1.0, at::kFloat); }
+
+// Note [FP8 linears]. Saves the operands' codes, not their values.
+struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            Fp8Linear* layer) {
+    const at::DeviceType device = x.device().type();
+    const at::ScalarType out_dtype =
+        compat::autocast_enabled(device) ? compat::autocast_dtype(device) : x.scalar_type();
+    // The arithmetic below is the emulated GEMM's own: fp32, whatever autocast says.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const Fp8Format fx = layer->format(Fp8Linear::Input), fw = layer->format(Fp8Linear::Weight);
+    const double sx = layer->cast_scale(Fp8Linear::Input, amax_of(x));
+    const double sw = layer->cast_scale(Fp8Linear::Weight, amax_of(w));
+    const at::Tensor xq = fp8_quantize(x, fx, sx), wq = fp8_quantize(w, fw, sw);
+    at::Tensor y = at::matmul(values_of(xq, fx), values_of(wq, fw).t()) * static_cast<float>(1.0 / (sx * sw));
+    ctx->save_for_backward({xq, wq});
+    ctx->saved_data["layer"] = reinterpret_cast<int64_t>(layer);
+    ctx->saved_data["sx"] = sx;
+    ctx->saved_data["sw"] = sw;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+    return y.to(out_dtype);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto saved = ctx->get_saved_variables();
+    auto* layer = reinterpret_cast<Fp8Linear*>(ctx->saved_data["layer"].toInt());
+    const double sx = ctx->saved_data["sx"].toDouble(), sw = ctx->saved_data["sw"].toDouble();
+    const Fp8Format fx = layer->format(Fp8Linear::Input), fw = layer->format(Fp8Linear::Weight);
+    const Fp8Format fg = layer->format(Fp8Linear::Grad);
+    const at::Tensor& g = grads[0];
+    const double sg = layer->cast_scale(Fp8Linear::Grad, amax_of(g));
+    const at::Tensor gv = values_of(fp8_quantize(g, fg, sg), fg);  // [..., out]
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0))
+      dx = (at::matmul(gv, values_of(saved[1], fw)) * static_cast<float>(1.0 / (sg * sw)))
+               .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    if (ctx->needs_input_grad(1)) {
+      const at::Tensor xv = values_of(saved[0], fx);
+      dw = (gv.reshape({-1, gv.size(-1)}).t().mm(xv.reshape({-1, xv.size(-1)})) * static_cast<float>(1.0 / (sg * sx)))
+               .to(static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    }
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+Fp8Linear::Fp8Linear(const Fp8LinearOptions& o)
+    : o_(o),
+      scaling_{DelayedScaling(fp8_format(o.mix, false), o.history, o.margin),
+               DelayedScaling(fp8_format(o.mix, false), o.history, o.margin),
+               DelayedScaling(fp8_format(o.mix, true), o.history, o.margin)} {
+  if (o.margin < 0) throw std::invalid_argument("FP8 scaling margin must be >= 0, got " + std::to_string(o.margin));
+}
+
+at::Tensor Fp8Linear::matmul(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "scaletrain: FP8 linear of input ", x.sizes(), " and weight ",
+              w.sizes());
+  return Fp8LinearFunction::apply(x, w, this);
+}
+
+double Fp8Linear::cast_scale(Operand which, double amax) {
+  if (std::isfinite(amax)) step_amax_[which] = std::max(step_amax_[which], amax);
+  if (o_.delayed) return scaling_[which].scale();
+  last_scale_[which] = fp8_scale(amax, format(which), o_.margin, last_scale_[which]);
+  return last_scale_[which];
+}
+
+void Fp8Linear::end_step(const std::array<double, 3>& amax) {
+  for (int i = 0; i < 3; ++i) scaling_[i].record(amax[i]);
+  step_amax_ = {0, 0, 0};
+}
+
+void fp8_end_step(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups) {
+  if (layers.empty() || !layers.front()->options().delayed) return;
+  // One tensor of every amax, reduced and read back the same way on one rank
+  // as on many, so a single process records exactly what a group would.
+  std::vector<double> local;
+  for (const auto& l : layers) local.insert(local.end(), l->step_amax().begin(), l->step_amax().end());
+  at::Tensor a = torch::tensor(local, torch::kDouble);  // host: a few scalars per layer
+  for (comm::Group* g : groups)
+    if (g != nullptr && g->size() > 1) g->all_reduce(a, comm::ReduceOp::Max).wait();
+  const double* v = a.data_ptr<double>();
+  for (size_t i = 0; i < layers.size(); ++i) layers[i]->end_step({v[3 * i], v[3 * i + 1], v[3 * i + 2]});
 }
 
 }  // namespace scaletrain::precision

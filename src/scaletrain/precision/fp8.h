@@ -19,7 +19,9 @@
 // their groups first (reduce_amax), so every rank casts with the same scale.
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "scaletrain/comm/group.h"
@@ -65,5 +67,65 @@ class DelayedScaling {
 // The largest |x| over this rank's tensor and, with MAX, over `groups` (null
 // or single-rank groups are skipped): the same value on every rank.
 double reduce_amax(const at::Tensor& x, const std::vector<comm::Group*>& groups = {});
+
+// Note [FP8 linears]: an FP8 linear computes x W^T as an FP8 GEMM does. Its
+// input and weight are cast to E4M3 codes with their own scales, the codes'
+// values are multiplied and summed in fp32, and the sum is multiplied by
+// 1 / (scale_x * scale_w) and returned in the compute dtype (autocast's, or
+// the input's). The backward casts the output gradient to E5M2 (HYBRID; E4M3
+// otherwise) and computes dX = G W and dW = G^T X from the codes the forward
+// saved (a quarter of the bytes of fp32 activations). The product of two
+// FP8 values is exact in fp32, so this emulation equals an FP8 GEMM with fp32
+// accumulation; it is what runs on every device (libtorch 1.13 has no FP8
+// dtype or scaled matmul). The bias is added outside, in the compute dtype.
+//
+// Scales: with the delayed recipe every cast uses the scale its history
+// gives and notes its amax; at the end of a step (fp8_end_step) the step's
+// amaxes of every layer are reduced with MAX over the groups that must agree
+// (data- and tensor-parallel: ranks that see parts of one batch or pieces of
+// one tensor) in one all-reduce and recorded, so the scales change only
+// between steps, are the same on every rank, and do not depend on how a
+// global batch is split into ranks and micro-batches. The current recipe
+// takes each cast's own amax on this rank (no communication, so ranks may
+// differ).
+struct Fp8LinearOptions {
+  Fp8Mix mix = Fp8Mix::Hybrid;
+  bool delayed = true;     // false: current scaling
+  int64_t history = 1024;  // delayed: amax history length (>= 1)
+  int margin = 0;
+};
+
+class Fp8Linear {
+ public:
+  enum Operand { Input = 0, Weight = 1, Grad = 2 };
+  explicit Fp8Linear(const Fp8LinearOptions& o);
+  // x [..., in] times w [out, in] transposed -> [..., out] (no bias), differentiable in x and w.
+  at::Tensor matmul(const at::Tensor& x, const at::Tensor& w);
+  const Fp8LinearOptions& options() const { return o_; }
+  Fp8Format format(Operand which) const { return fp8_format(o_.mix, which == Grad); }
+  // The scale a cast of `which` uses now (delayed), or the one the last cast used (current).
+  double scale(Operand which) const { return o_.delayed ? scaling_[which].scale() : last_scale_[which]; }
+  // The largest |value| cast of each operand since the last end_step(), on this rank.
+  const std::array<double, 3>& step_amax() const { return step_amax_; }
+  // Records a step's (reduced) amaxes in the histories and starts the next step.
+  void end_step(const std::array<double, 3>& amax);
+  // The scale for a cast of `which` whose own amax is `amax` (the current recipe
+  // uses it, the delayed one its history), noting amax for the step.
+  double cast_scale(Operand which, double amax);
+  const DelayedScaling& history(Operand which) const { return scaling_[which]; }
+
+ private:
+  Fp8LinearOptions o_;
+  std::array<DelayedScaling, 3> scaling_;
+  std::array<double, 3> step_amax_{0, 0, 0};
+  std::array<double, 3> last_scale_{1, 1, 1};
+};
+using Fp8LinearPtr = std::shared_ptr<Fp8Linear>;
+
+// Ends a step of every layer: their step amaxes reduced with MAX over
+// `groups` (null and single-rank groups skipped) in one all-reduce, then
+// recorded. Collective over the groups; every rank passes its layers in the
+// same order. Nothing to do (and no communication) for the current recipe.
+void fp8_end_step(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups);
 
 }  // namespace scaletrain::precision

@@ -14,7 +14,13 @@
 
 // Note [Accelerate keys]
 // A file written by `accelerate config` runs unedited. Its top-level keys:
-// - Training keys. `mixed_precision` (no | bf16 | fp16) sets precision.mode.
+// - Training keys. `mixed_precision` (no | bf16 | fp16) sets precision.mode;
+//   fp8 sets precision.fp8=true with bf16 autocast for everything that is
+//   not an FP8 linear. fp8_config maps backend TE (FP8 linears) or MSAMP
+//   (with opt_level, default O2: precision.fp8_opt_level), fp8_format
+//   HYBRID | E4M3, amax_history_len and margin onto precision.fp8_*; the
+//   values our recipe has (amax_compute_algo max, interval 1,
+//   use_autocast_during_eval false) are accepted, others are errors.
 //   `distributed_type`: NO and MULTI_CPU imply parallel.strategy=ddp; the
 //   device kinds (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...) imply ddp too, with a
 //   notice that this CPU build runs CPU processes; FSDP (or an `fsdp_config`
@@ -50,8 +56,8 @@
 //   dynamo_config, ipex_config, mpirun_config, main_training_function other
 //   than main, debug) are accepted with one notice each when their value asks
 //   for something; null, false, "no", empty lists and maps ask for nothing.
-//   megatron_lm_config, tp_config, fp8_config and parallelism_config with
-//   content are errors (use parallel.tp / parallel.pp). Any other key is an
+//   megatron_lm_config, tp_config and parallelism_config with content are
+//   errors (use parallel.tp / parallel.pp). Any other key is an
 //   error; all of a file's unknown keys are named in one error.
 
 namespace scaletrain::train {
@@ -91,7 +97,6 @@ const std::map<std::string, std::string>& refused_sections() {
       {"megatron_lm_config", "use parallel.tp, parallel.pp and parallel.sequence_parallel"},
       {"tp_config", "use parallel.tp"},
       {"parallelism_config", "use parallel.dp_replicate, dp_shard, tp and pp"},
-      {"fp8_config", "fp8 is not supported (precision.mode: fp32 | bf16 | fp16)"},
   };
   return t;
 }
@@ -130,6 +135,41 @@ std::string map_value(const std::string& key, const std::string& v,
     accepted.push_back(from);
   }
   throw UsageError(key + " must be one of " + join(accepted) + ", got '" + v + "'");
+}
+
+// fp8_config (Accelerate's FP8 recipe) as precision.fp8* keys: Note [FP8 linears].
+void read_fp8_config(AccelerateSettings& out, const YAML::Node& section) {
+  if (section.IsNull()) return;
+  if (!section.IsMap()) throw UsageError("fp8_config must be a map of keys");
+  std::string backend = "TE";
+  for (const auto& kv : section) {
+    const std::string name = kv.first.as<std::string>(), key = "fp8_config." + name;
+    const std::string v = scalar(key, kv.second);
+    if (name == "backend") {
+      backend = map_value(key, v, {{"TE", "TE"}, {"te", "TE"}, {"MSAMP", "MSAMP"}, {"msamp", "MSAMP"}});
+    } else if (name == "opt_level") {
+      out.fp8["precision.fp8_opt_level"] = map_value(key, v, {{"O1", "O1"}, {"O2", "O2"}, {"O3", "O3"}});
+    } else if (name == "fp8_format") {
+      out.fp8["precision.fp8_format"] = map_value(key, v, {{"HYBRID", "hybrid"}, {"E4M3", "e4m3"}});
+    } else if (name == "amax_history_len") {
+      out.fp8["precision.fp8_amax_history"] = v;
+    } else if (name == "margin") {
+      out.fp8["precision.fp8_margin"] = v;
+    } else if (name == "amax_compute_algo") {
+      map_value(key, v, {{"max", "max"}});  // the largest amax of the history is what delayed scaling takes
+    } else if (name == "interval") {
+      map_value(key, v, {{"1", "1"}});  // scales are updated every step
+    } else if (name == "use_autocast_during_eval") {
+      if (to_bool(key, v)) throw UsageError(key + "=true: there is no evaluation pass here");
+    } else {
+      throw UsageError("unknown fp8_config key '" + name + "' (known: backend, opt_level, fp8_format, "
+                       "amax_history_len, amax_compute_algo, margin, interval, use_autocast_during_eval)");
+    }
+  }
+  if (backend == "MSAMP" && !out.fp8.count("precision.fp8_opt_level")) out.fp8["precision.fp8_opt_level"] = "O2";
+  if (backend != "MSAMP" && out.fp8.count("precision.fp8_opt_level"))
+    throw UsageError("fp8_config.opt_level applies to backend MSAMP, not " + backend);
+  out.fp8_config = true;
 }
 
 void set_fsdp_key(Config& c, const std::string& name, const std::string& v, const std::string& file) {
@@ -284,7 +324,8 @@ void read_deepspeed_section(Config& c, AccelerateSettings& out, const YAML::Node
 
 bool is_accelerate_key(const std::string& name) {
   static const std::set<std::string> keys = {"compute_environment", "distributed_type", "mixed_precision",
-                                             "fsdp_config",         "deepspeed_config", "fp16"};
+                                             "fsdp_config",         "deepspeed_config", "fp16",
+                                             "fp8_config"};
   return keys.count(name) || inert_keys().count(name) || refused_sections().count(name) ||
          std::find(kLauncherKeys.begin(), kLauncherKeys.end(), name) != kLauncherKeys.end();
 }
@@ -293,8 +334,12 @@ void read_accelerate_key(Config& c, AccelerateSettings& out, const std::string& 
                          const std::string& file) {
   out.file = file;
   if (name == "mixed_precision") {
-    out.mixed_precision =
-        map_value("mixed_precision", scalar(name, value), {{"no", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}});
+    // fp8: FP8 linears, and bf16 autocast for everything else (what Accelerate runs FP8 recipes under).
+    out.mixed_precision = map_value("mixed_precision", scalar(name, value),
+                                    {{"no", "fp32"}, {"bf16", "bf16"}, {"fp16", "fp16"}, {"fp8", "bf16"}});
+    if (scalar(name, value) == "fp8") out.fp8["precision.fp8"] = "true";
+  } else if (name == "fp8_config") {
+    read_fp8_config(out, value);
   } else if (name == "fp16") {  // Accelerate's old spelling of mixed_precision: fp16
     if (to_bool(name, scalar(name, value))) out.mixed_precision = "fp16";
   } else if (name == "compute_environment") {
@@ -365,6 +410,13 @@ void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<st
       throw UsageError("mixed_precision implies precision.mode=" + s.mixed_precision + ", but precision.mode is '" +
                        c.precision.mode + "'");
     c.precision.mode = s.mixed_precision;
+  }
+  if (s.fp8_config && !s.fp8.count("precision.fp8"))
+    throw UsageError("fp8_config applies to mixed_precision: fp8, which " + s.file + " does not set");
+  for (const auto& [key, value] : s.fp8) {
+    if (given.count(key) && config_value(c, key) != value)
+      throw UsageError(s.file + " implies " + key + "=" + value + ", but " + key + " is '" + config_value(c, key) + "'");
+    if (!given.count(key)) apply_override(c, key + "=" + value);
   }
   if (!s.launcher.empty()) {
     std::string list;

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
+#include <map>
 #include <set>
 #include <string>
 
@@ -20,6 +21,8 @@ struct AccelerateSettings {
   std::string strategy;               // parallel.strategy implied by distributed_type / fsdp_config ("" = none)
   std::string implied_by;             // the key that implied it, for messages
   std::string mixed_precision;        // precision.mode implied by mixed_precision ("" = none)
+  std::map<std::string, std::string> fp8;  // precision.fp8* keys implied by mixed_precision: fp8 and fp8_config
+  bool fp8_config = false;                 // the file has an fp8_config section
   nlohmann::json deepspeed;           // deepspeed_config translated to DeepSpeed JSON (null = none)
   std::string deepspeed_file;         // deepspeed_config.deepspeed_config_file, resolved ("" = none)
   std::vector<std::string> launcher;  // launcher keys present (notice: read by `scaletrain launch`)

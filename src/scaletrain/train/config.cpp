@@ -111,6 +111,9 @@ const std::map<std::string, Choice>& choices() {
     ST_CHOICE(precision, param_dtype, dtypes)
     ST_CHOICE(precision, reduce_dtype, dtype_or_same)
     ST_CHOICE(precision, buffer_dtype, dtype_or_same)
+    ST_CHOICE(precision, fp8_format, {"hybrid", "e4m3"})
+    ST_CHOICE(precision, fp8_recipe, {"delayed", "current"})
+    ST_CHOICE(precision, fp8_opt_level, {"", "O1", "O2", "O3"})
     ST_CHOICE(finetune, method, {"full", "lora", "qlora"})
     ST_CHOICE(finetune, init, {"kaiming", "gaussian"})
     ST_CHOICE(finetune, bias, {"none"})
@@ -245,6 +248,12 @@ const std::map<std::string, Field>& fields() {
     ST_INT(precision, hysteresis)
     ST_DBL(precision, min_loss_scale)
     ST_BOOL(precision, scale_bf16)
+    ST_BOOL(precision, fp8)
+    ST_ENUM(precision, fp8_format)
+    ST_ENUM(precision, fp8_recipe)
+    ST_INT(precision, fp8_amax_history)
+    ST_INT(precision, fp8_margin)
+    ST_ENUM(precision, fp8_opt_level)
     // metrics
     ST_STR(metrics, path)
     ST_DBL(metrics, peak_flops)
@@ -410,6 +419,8 @@ void validate_config(const Config& c) {
   if (p.loss_scale_window < 1) fail("precision.loss_scale_window must be at least 1");
   if (p.hysteresis < 1) fail("precision.hysteresis must be at least 1");
   if (p.min_loss_scale <= 0) fail("precision.min_loss_scale must be positive");
+  if (p.fp8_amax_history < 1) fail("precision.fp8_amax_history must be at least 1");
+  if (p.fp8_margin < 0 || p.fp8_margin > 60) fail("precision.fp8_margin must be in [0, 60]");
   if (c.metrics.log_every < 1) fail("metrics.log_every must be at least 1");
   if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps) fail("train.stop_at must be in [0, train.steps]");
   if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");

@@ -158,6 +158,36 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
     problems.add("precision.scale_bf16=true would have no effect: nothing computes or is stored in bf16");
 }
 
+// FP8 (Note [FP8 linears] in precision/fp8.h): what it can be combined with,
+// and which of its keys would act.
+void check_fp8(const Config& c, const precision::PrecisionPolicy* policy, Problems& problems) {
+  const auto& p = c.precision;
+  const precision::PrecisionOptions defaults;
+  if (!p.fp8) {
+    for (auto [key, changed] : {std::pair{"precision.fp8_format", p.fp8_format != defaults.fp8_format},
+                                std::pair{"precision.fp8_recipe", p.fp8_recipe != defaults.fp8_recipe},
+                                std::pair{"precision.fp8_amax_history", p.fp8_amax_history != defaults.fp8_amax_history},
+                                std::pair{"precision.fp8_margin", p.fp8_margin != defaults.fp8_margin}})
+      if (changed) problems.add(std::string(key) + " would have no effect: precision.fp8 is off");
+  } else if (p.fp8_recipe == "current" && p.fp8_amax_history != defaults.fp8_amax_history) {
+    problems.add("precision.fp8_amax_history would have no effect: precision.fp8_recipe=current keeps no history");
+  }
+  if (!p.fp8_opt_level.empty())
+    problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
+                 " is not available yet: MS-AMP's FP8 gradient communication and FP8 optimizer states are not built; "
+                 "precision.fp8=true gives FP8 linears with fp32 communication and optimizer states");
+  if (!p.fp8) return;
+  if (c.finetune.method == "qlora")
+    problems.add("precision.fp8=true with finetune.method=qlora: an NF4 base weight is not cast to FP8 "
+                 "(use finetune.method=lora)");
+  // A dynamic loss scale changes between steps while a delayed gradient
+  // scale comes from the amaxes of earlier steps, taken at the old loss
+  // scale: every change would cast gradients 2x off their scale.
+  if (policy && policy->loss_scaling && p.loss_scale == 0 && p.fp8_recipe == "delayed")
+    problems.add("precision.fp8=true with dynamic loss scaling and precision.fp8_recipe=delayed: the gradient scale "
+                 "would lag every loss-scale change (use precision.loss_scale=N, or precision.fp8_recipe=current)");
+}
+
 // What this build can fine-tune with adapters.
 void check_finetune(const Config& c, Problems& problems) {
   // NF4 blocks run along the flattened weight: a row-parallel split would
@@ -260,6 +290,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   if (policy_ok && p.comm_dtype == "bf16") plan.policy.reduce = at::kBFloat16;
   check_strategy(c, plan.cuda, problems, plan.notices);
   check_finetune(c, problems);
+  check_fp8(c, policy_ok ? &plan.policy : nullptr, problems);
   check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
   if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))
     problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +

@@ -26,6 +26,7 @@
 #include "scaletrain/comm/activity.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/linear.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
@@ -39,6 +40,25 @@
 
 namespace scaletrain::train {
 namespace {
+
+// The precision section's FP8 settings (validated by make_plan).
+precision::Fp8LinearOptions fp8_linear_options(const precision::PrecisionOptions& p) {
+  precision::Fp8LinearOptions o;
+  o.mix = p.fp8_format == "e4m3" ? precision::Fp8Mix::E4M3 : precision::Fp8Mix::Hybrid;
+  o.delayed = p.fp8_recipe == "delayed";
+  o.history = p.fp8_amax_history;
+  o.margin = static_cast<int>(p.fp8_margin);
+  return o;
+}
+
+// ", fp8 linears (hybrid, delayed scaling over 1024 steps, margin 0)" or "".
+std::string fp8_description(const precision::PrecisionOptions& p) {
+  if (!p.fp8) return "";
+  return ", fp8 linears (" + p.fp8_format + ", " +
+         (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
+                                    : std::string("current scaling")) +
+         ", margin " + std::to_string(p.fp8_margin) + ")";
+}
 
 // Threads per rank: what the launcher decided (SCALETRAIN_THREADS or
 // OMP_NUM_THREADS), else libtorch's default.
@@ -180,6 +200,7 @@ struct Run {
   std::unique_ptr<optim::AdamW> opt;
   int64_t opt_bytes = 0;
   std::unique_ptr<precision::LossScaler> scaler;
+  std::vector<precision::Fp8LinearPtr> fp8;  // precision.fp8: the blocks' linears, in module order
   optim::ScheduleOptions sched;
   std::unique_ptr<data::DistributedSampler> sampler;
   double peak_flops = 0;
@@ -230,6 +251,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   r.setup_peak_mb = peak_rss_mb() - r.rss_before_setup;
   r.model().set_activation_checkpointing(models::parse_activation_checkpointing(cfg.model.activation_checkpointing));
+  if (cfg.precision.fp8) r.fp8 = models::use_fp8(r.model(), fp8_linear_options(cfg.precision));
 
   r.params = r.dp().optimizer_params();
   optim::AdamWOptions ao;
@@ -289,7 +311,7 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   std::printf(
       "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
       "optimizer %.1f); setup peak +%.1f MiB RSS\n",
-      r.dp().describe().c_str(), r.plan.policy.describe().c_str(),
+      r.dp().describe().c_str(), (r.plan.policy.describe() + fp8_description(cfg.precision)).c_str(),
       (r.dp().model_state_bytes() + r.opt_bytes) / 1048576.0, r.dp().model_state_bytes() / 1048576.0,
       r.opt_bytes / 1048576.0, r.setup_peak_mb);
   // Accepted settings that work differently here, once: from config files
@@ -490,6 +512,9 @@ StepMetrics train_step(Run& r, int64_t step) {
                   loss_scale;
     }
   }
+  // The step's FP8 amaxes, agreed over the ranks that see parts of this
+  // batch or pieces of these layers (Note [FP8 linears]).
+  precision::fp8_end_step(r.fp8, {&r.mesh->dp(), &r.mesh->tp()});
   bool skipped = false;
   if (r.scaler) {
     std::vector<at::Tensor> grads;

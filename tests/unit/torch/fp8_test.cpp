@@ -1,13 +1,16 @@
 // FP8 tensors (precision/fp8.h): the tensor cast equals the scalar codec
 // (itself checked against tests/reference/fp8.py in tests/unit/core), and the
-// scaling recipes follow Note [FP8 scaling].
+// scaling recipes follow Note [FP8 scaling], and an FP8 linear computes what
+// its dequantized operands give (Note [FP8 linears]).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <limits>
 
+#include "scaletrain/models/linear.h"
 #include "scaletrain/precision/fp8.h"
+#include "scaletrain/precision/policy.h"
 
 namespace scaletrain::precision {
 namespace {
@@ -110,6 +113,125 @@ TEST(Fp8Scaling, DelayedScalingUsesTheLargestAmaxOfTheHistory) {
 TEST(Fp8Scaling, AmaxOfATensorWithoutGroups) {
   EXPECT_DOUBLE_EQ(reduce_amax(torch::tensor({1.0f, -7.5f, 3.0f})), 7.5);
   EXPECT_DOUBLE_EQ(reduce_amax(torch::zeros({0})), 0.0);
+}
+
+// The reference of an FP8 operand: every element cast by the scalar codec
+// (not the tensor cast under test) at the scale fp8_max / amax, decoded to
+// double. Returns the values and the scale.
+std::pair<at::Tensor, double> reference_cast(const at::Tensor& x, Fp8Format f) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const double scale = fp8_max(f) / xf.abs().max().item<double>();
+  at::Tensor out = torch::empty(xf.sizes(), torch::kDouble);
+  const float* src = xf.data_ptr<float>();
+  double* dst = out.data_ptr<double>();
+  for (int64_t i = 0; i < xf.numel(); ++i)
+    dst[i] = fp8_decode(fp8_encode(src[i] * static_cast<float>(scale), f), f);
+  return {out, scale};
+}
+
+Fp8LinearOptions current(Fp8Mix mix = Fp8Mix::Hybrid) {
+  Fp8LinearOptions o;
+  o.delayed = false;
+  o.mix = mix;
+  return o;
+}
+
+TEST(Fp8Linear, ForwardAndBackwardEqualTheDequantizedOperands) {
+  torch::manual_seed(11);
+  const at::Tensor x = (torch::randn({2, 5, 16}) * 3).requires_grad_(true);
+  const at::Tensor w = (torch::randn({8, 16}) * 0.2).requires_grad_(true);
+  const at::Tensor r = torch::randn({2, 5, 8}) * 1e-3;  // the output's gradient
+  Fp8Linear layer(current());
+  const at::Tensor y = layer.matmul(x, w);
+  (y * r).sum().backward();
+
+  const auto [xr, sx] = reference_cast(x.detach(), Fp8Format::E4M3);
+  const auto [wr, sw] = reference_cast(w.detach(), Fp8Format::E4M3);
+  const auto [gr, sg] = reference_cast(r, Fp8Format::E5M2);
+  const at::Tensor y_ref = at::matmul(xr, wr.t()) / (sx * sw);
+  const at::Tensor dx_ref = at::matmul(gr, wr) / (sg * sw);
+  const at::Tensor dw_ref = gr.reshape({-1, 8}).t().mm(xr.reshape({-1, 16})) / (sg * sx);
+  EXPECT_DOUBLE_EQ(layer.scale(Fp8Linear::Input), sx);
+  EXPECT_DOUBLE_EQ(layer.scale(Fp8Linear::Grad), sg);
+  // fp32 sums of 16 exact products, then one fp32 scaling: a few ulps.
+  EXPECT_TRUE(torch::allclose(y.to(at::kDouble), y_ref, 1e-6, 1e-9));
+  EXPECT_TRUE(torch::allclose(x.grad().to(at::kDouble), dx_ref, 1e-6, 1e-12));
+  EXPECT_TRUE(torch::allclose(w.grad().to(at::kDouble), dw_ref, 1e-6, 1e-12));
+  // And it is not the fp32 product: the casts lose precision.
+  const at::Tensor exact = at::matmul(x.detach(), w.detach().t());
+  EXPECT_GT((y.detach() - exact).abs().max().item<double>(), 1e-3 * exact.abs().max().item<double>());
+}
+
+TEST(Fp8Linear, E4m3EverywhereCastsGradientsToE4m3) {
+  torch::manual_seed(12);
+  const at::Tensor x = torch::randn({4, 16}).requires_grad_(true), w = torch::randn({8, 16});
+  const at::Tensor r = torch::randn({4, 8});
+  Fp8Linear layer(current(Fp8Mix::E4M3));
+  (layer.matmul(x, w) * r).sum().backward();
+  const auto [gr, sg] = reference_cast(r, Fp8Format::E4M3);
+  const auto [wr, sw] = reference_cast(w, Fp8Format::E4M3);
+  EXPECT_TRUE(torch::allclose(x.grad().to(at::kDouble), at::matmul(gr, wr) / (sg * sw), 1e-6, 1e-12));
+}
+
+TEST(Fp8Linear, DelayedScalesChangeOnlyAtTheEndOfAStep) {
+  torch::manual_seed(13);
+  Fp8LinearOptions o;
+  o.history = 2;
+  auto layer = std::make_shared<Fp8Linear>(o);
+  const at::Tensor w = torch::randn({8, 16});
+  for (double mag : {4.0, 2.0, 1.0}) {
+    const double before = layer->scale(Fp8Linear::Input);
+    at::Tensor x = torch::randn({3, 16});
+    x = x / x.abs().max() * mag;  // amax exactly mag
+    layer->matmul(x, w);
+    layer->matmul(x / 2, w);  // a second micro-batch: the step's amax stays mag
+    EXPECT_EQ(layer->scale(Fp8Linear::Input), before) << "a scale changed within a step";
+    EXPECT_DOUBLE_EQ(layer->step_amax()[Fp8Linear::Input], mag);
+    fp8_end_step({layer}, {});
+    EXPECT_DOUBLE_EQ(layer->step_amax()[Fp8Linear::Input], 0.0);
+  }
+  // History 2 holds the last two steps' amaxes (2, 1): the scale follows the larger.
+  EXPECT_DOUBLE_EQ(layer->scale(Fp8Linear::Input), 448.0 / 2.0);
+}
+
+TEST(Fp8Linear, OutputIsInTheAutocastDtype) {
+  const at::Tensor x = torch::randn({4, 16}), w = torch::randn({8, 16});
+  Fp8Linear layer(current());
+  EXPECT_EQ(layer.matmul(x, w).scalar_type(), at::kFloat);
+  PrecisionOptions po;
+  po.mode = "bf16";
+  const PrecisionPolicy policy = PrecisionPolicy::from_options(po, false);
+  AutocastGuard autocast(policy, at::kCPU);  // host: CPU autocast is what this build runs
+  const at::Tensor y = layer.matmul(x, w);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  // The product itself was formed in fp32 and rounded once to bf16.
+  Fp8Linear again(current());
+  at::Tensor y32;
+  {
+    PrecisionOptions fp32;
+    AutocastGuard off(PrecisionPolicy::from_options(fp32, false), at::kCPU);  // host: as above
+    y32 = again.matmul(x, w);
+  }
+  EXPECT_TRUE(torch::equal(y, y32.to(at::kBFloat16)));
+}
+
+TEST(Fp8Linear, UseFp8ReachesEveryModelsLinear) {
+  torch::manual_seed(14);
+  auto root = std::make_shared<torch::nn::Module>();
+  models::Linear a(16, 8, true), b(8, 4, false);
+  root->register_module("a", a);
+  root->register_module("b", b);
+  root->register_module("other", torch::nn::Linear(4, 4));  // not a models::Linear: left alone
+  const at::Tensor x = torch::randn({3, 16});
+  const at::Tensor plain = b(a(x));
+  const auto layers = models::use_fp8(*root, current());
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(a->fp8, layers[0]);
+  const at::Tensor fp8 = b(a(x));
+  EXPECT_FALSE(torch::allclose(fp8, plain, 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(fp8, plain, 0.2, 0.05)) << "FP8 is an approximation, not noise";
+  // The bias is added in full precision after the FP8 product.
+  EXPECT_TRUE(torch::allclose(a(x) - a->bias, layers[0]->matmul(x, a->weight), 0, 1e-6));
 }
 
 }  // namespace
