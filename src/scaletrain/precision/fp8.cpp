@@ -160,7 +160,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const Fp8Format fx = layer->format(Fp8Linear::Input), fw = layer->format(Fp8Linear::Weight);
     const Fp8Format fg = layer->format(Fp8Linear::Grad);
     const at::Tensor& g = grads[0];
-    const double sg = layer->cast_scale(Fp8Linear::Grad, amax_of(g));
+    const double m = layer->loss_multiplier();
+    const double sg = layer->cast_scale(Fp8Linear::Grad, amax_of(g) / m) / m;
     const at::Tensor gv = values_of(fp8_quantize(g, fg, sg), fg);  // [..., out]
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0))

@@ -88,6 +88,13 @@ double reduce_amax(const at::Tensor& x, const std::vector<comm::Group*>& groups 
 // global batch is split into ranks and micro-batches. The current recipe
 // takes each cast's own amax on this rank (no communication, so ranks may
 // differ).
+//
+// A gradient is cast relative to the loss's multiplier m (loss scale /
+// micro-batches, set each step): its amax is noted as amax / m and its cast
+// scale is the recipe's scale / m. So the history holds the same numbers
+// however a global batch is split (m halves when the micro-batches of a
+// rank double), a dynamic loss scale's changes do not disturb it, and, as m
+// is a power of two in those cases, the codes are exactly the same.
 struct Fp8LinearOptions {
   Fp8Mix mix = Fp8Mix::Hybrid;
   bool delayed = true;     // false: current scaling
@@ -113,12 +120,17 @@ class Fp8Linear {
   // uses it, the delayed one its history), noting amax for the step.
   double cast_scale(Operand which, double amax);
   const DelayedScaling& history(Operand which) const { return scaling_[which]; }
+  // What the loss was multiplied by before backward (loss scale / micro-batches
+  // of the step): gradient amaxes and scales are taken relative to it.
+  void set_loss_multiplier(double m) { loss_multiplier_ = m; }
+  double loss_multiplier() const { return loss_multiplier_; }
 
  private:
   Fp8LinearOptions o_;
   std::array<DelayedScaling, 3> scaling_;
   std::array<double, 3> step_amax_{0, 0, 0};
   std::array<double, 3> last_scale_{1, 1, 1};
+  double loss_multiplier_ = 1.0;
 };
 using Fp8LinearPtr = std::shared_ptr<Fp8Linear>;
 

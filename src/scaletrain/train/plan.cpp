@@ -160,7 +160,7 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
 
 // FP8 (Note [FP8 linears] in precision/fp8.h): what it can be combined with,
 // and which of its keys would act.
-void check_fp8(const Config& c, const precision::PrecisionPolicy* policy, Problems& problems) {
+void check_fp8(const Config& c, Problems& problems) {
   const auto& p = c.precision;
   const precision::PrecisionOptions defaults;
   if (!p.fp8) {
@@ -180,12 +180,6 @@ void check_fp8(const Config& c, const precision::PrecisionPolicy* policy, Proble
   if (c.finetune.method == "qlora")
     problems.add("precision.fp8=true with finetune.method=qlora: an NF4 base weight is not cast to FP8 "
                  "(use finetune.method=lora)");
-  // A dynamic loss scale changes between steps while a delayed gradient
-  // scale comes from the amaxes of earlier steps, taken at the old loss
-  // scale: every change would cast gradients 2x off their scale.
-  if (policy && policy->loss_scaling && p.loss_scale == 0 && p.fp8_recipe == "delayed")
-    problems.add("precision.fp8=true with dynamic loss scaling and precision.fp8_recipe=delayed: the gradient scale "
-                 "would lag every loss-scale change (use precision.loss_scale=N, or precision.fp8_recipe=current)");
 }
 
 // What this build can fine-tune with adapters.
@@ -290,7 +284,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   if (policy_ok && p.comm_dtype == "bf16") plan.policy.reduce = at::kBFloat16;
   check_strategy(c, plan.cuda, problems, plan.notices);
   check_finetune(c, problems);
-  check_fp8(c, policy_ok ? &plan.policy : nullptr, problems);
+  check_fp8(c, problems);
   check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
   if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))
     problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +

@@ -485,6 +485,7 @@ StepMetrics train_step(Run& r, int64_t step) {
     if (r.plan.cuda) xy = {xy.first.to(r.plan.device, /*non_blocking=*/true), xy.second.to(r.plan.device, true)};
     return xy;
   };
+  for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
   double loss_sum = 0;
   if (dp.runs_whole_steps()) {  // a pipeline: every micro-batch of the step at once
     std::vector<at::Tensor> xs, ys;

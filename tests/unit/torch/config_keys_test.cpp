@@ -302,7 +302,9 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
   const Check& c = table().at(key);
   const auto keys = train::config_keys();
   const int index = static_cast<int>(std::find(keys.begin(), keys.end(), key) - keys.begin());
-  const int port = 30100 + 2 * index;
+  // Ports 31000-31599 belong to this test: two per key, by the key's index.
+  ASSERT_LT(index, 300) << "more keys than this test's ports";
+  const int port = 31000 + 2 * index;
   std::vector<std::string> with = c.context;
   with.push_back(key + "=" + c.value);
   with.insert(with.end(), c.with.begin(), c.with.end());
