@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -215,6 +216,112 @@ void fp8_end_step(const std::vector<Fp8LinearPtr>& layers, const std::vector<com
     if (g != nullptr && g->size() > 1) g->all_reduce(a, comm::ReduceOp::Max).wait();
   const double* v = a.data_ptr<double>();
   for (size_t i = 0; i < layers.size(); ++i) layers[i]->end_step({v[3 * i], v[3 * i + 1], v[3 * i + 2]});
+}
+
+namespace {
+
+constexpr int64_t kScaleBytes = sizeof(double);
+
+// The scale a wire cast of `x` takes (Note [FP8 on the wire]).
+double wire_scale(const at::Tensor& x, Fp8Format f) {
+  const double amax = amax_of(x);
+  return fp8_scale(amax, f, 0, 1.0);
+}
+
+// Rows of codes with the scale's bytes appended: [rows, c + 8] uint8.
+at::Tensor pack(const at::Tensor& codes, int64_t rows, double scale) {
+  const int64_t c = codes.numel() / rows;
+  at::Tensor out = at::empty({rows, c + kScaleBytes}, codes.options());
+  out.narrow(1, 0, c).copy_(codes.view({rows, c}));
+  const at::Tensor s = torch::full({1}, scale, torch::kDouble).view(at::kByte);  // host: 8 bytes
+  out.narrow(1, c, kScaleBytes).copy_(s.view({1, kScaleBytes}).expand({rows, kScaleBytes}));
+  return out;
+}
+
+// The scale stored at the end of a packed row.
+double row_scale(const at::Tensor& row, int64_t c) {
+  const at::Tensor bytes = row.narrow(0, c, kScaleBytes).to(at::kCPU).contiguous();  // host: 8 bytes
+  double v;
+  std::memcpy(&v, bytes.data_ptr<uint8_t>(), sizeof v);
+  return v;
+}
+
+// Decodes packed rows [rows, c + 8] into fp32 values [rows, c], each row divided by its scale.
+at::Tensor unpack(const at::Tensor& rows_bytes, Fp8Format f) {
+  const int64_t rows = rows_bytes.size(0), c = rows_bytes.size(1) - kScaleBytes;
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < rows; ++i) {
+    const at::Tensor row = rows_bytes[i];
+    out.push_back(fp8_dequantize(row.narrow(0, 0, c).contiguous(), f, 1.0, at::kFloat) /
+                  static_cast<float>(row_scale(row, c)));
+  }
+  return at::stack(out);
+}
+
+// Phase 1 of both collectives: cast `full`, all_to_all the chunks; the
+// returned Work's stage sums them into `chunk` (c elements, fp32) divided by W.
+comm::Work fp8_sum_chunks(comm::Group& group, const at::Tensor& full, at::Tensor chunk, Fp8Format f) {
+  torch::NoGradGuard no_grad;
+  const int w = group.size();
+  const int64_t c = group.shard_numel(full.numel());
+  at::Tensor padded = full.reshape({-1});
+  if (padded.numel() != c * w) padded = at::constant_pad_nd(padded, {0, c * w - padded.numel()});
+  const double scale = wire_scale(padded, f);
+  const at::Tensor send = pack(fp8_quantize(padded, f, scale, /*saturate=*/false), w, scale);
+  at::Tensor recv = at::empty_like(send);
+  comm::Work work = group.all_to_all(send, recv);
+  work.and_then([send, recv, chunk, f, w]() mutable {
+    torch::NoGradGuard no_grad;
+    chunk.copy_(unpack(recv, f).sum(0) / static_cast<float>(w));
+    return comm::Work();
+  });
+  return work;
+}
+
+}  // namespace
+
+comm::Work fp8_reduce_scatter_avg(comm::Group& group, at::Tensor full, at::Tensor shard, Fp8Format format) {
+  TORCH_CHECK(full.scalar_type() == at::kFloat && shard.scalar_type() == at::kFloat,
+              "scaletrain: FP8 reduce-scatter takes fp32 tensors");
+  TORCH_CHECK(shard.numel() == group.shard_numel(full.numel()), "scaletrain: FP8 reduce-scatter shard of ",
+              shard.numel(), " elements for ", full.numel(), " over ", group.size());
+  if (group.size() == 1) {
+    shard.copy_(full.reshape({-1}));
+    return comm::Work();
+  }
+  return fp8_sum_chunks(group, full, shard, format);
+}
+
+comm::Work fp8_all_reduce_avg(comm::Group& group, at::Tensor flat, Fp8Format format) {
+  TORCH_CHECK(flat.scalar_type() == at::kFloat && flat.is_contiguous(), "scaletrain: FP8 all-reduce takes a contiguous fp32 tensor");
+  if (group.size() == 1) return comm::Work();
+  const int w = group.size();
+  const int64_t c = group.shard_numel(flat.numel());
+  at::Tensor chunk = at::empty({c}, flat.options());
+  comm::Work work = fp8_sum_chunks(group, flat, chunk, format);
+  comm::Group* g = &group;
+  auto gathered = std::make_shared<at::Tensor>();
+  work.and_then([g, chunk, format, w, c, gathered]() {
+    torch::NoGradGuard no_grad;
+    const double scale = wire_scale(chunk, format);
+    const at::Tensor piece = pack(fp8_quantize(chunk, format, scale, /*saturate=*/false), 1, scale).view({-1});
+    *gathered = at::empty({w * (c + kScaleBytes)}, piece.options());
+    return g->all_gather(piece, *gathered);
+  });
+  work.and_then([flat, gathered, format, w, c]() mutable {
+    torch::NoGradGuard no_grad;
+    const at::Tensor all = unpack(gathered->view({w, c + kScaleBytes}), format).view({-1});
+    flat.copy_(all.narrow(0, 0, flat.numel()).view(flat.sizes()));
+    gathered->reset();
+    return comm::Work();
+  });
+  return work;
+}
+
+int64_t fp8_all_reduce_bytes(int64_t numel, int world) {
+  if (world <= 1) return 0;
+  const int64_t c = (numel + world - 1) / world;
+  return 2 * world * (c + kScaleBytes);  // the all_to_all's input and the all_gather's piece x world
 }
 
 }  // namespace scaletrain::precision

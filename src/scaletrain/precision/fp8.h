@@ -140,4 +140,30 @@ using Fp8LinearPtr = std::shared_ptr<Fp8Linear>;
 // same order. Nothing to do (and no communication) for the current recipe.
 void fp8_end_step(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups);
 
+// Note [FP8 on the wire]: gradients averaged over a group move as FP8 codes,
+// a quarter of fp32's bytes. A flat fp32 tensor of N elements is cut into
+// the group's W chunks of c = ceil(N / W) (zero-padded); each rank casts its
+// whole tensor with one scale of its own (fp8_max / its amax) and sends
+// chunk j, with that scale's 8 bytes appended, to rank j (all_to_all). Rank
+// j sums the W chunks it received, each decoded and divided by its sender's
+// scale, in fp32 and divides by W: that is the reduce-scatter. For the
+// all-reduce, rank j then casts its averaged chunk with a fresh scale and
+// every chunk is all-gathered the same way, so every rank decodes the same
+// bytes and holds the same average. On the wire: (W - 1)(c + 8) bytes out
+// per rank for the reduce-scatter and as much again for the all-gather,
+// against fp32's 4(W - 1)c each (a ring, or our Gloo reduce-scatter). Each
+// cast rounds every element once (E5M2 keeps 2 significand bits, E4M3 3);
+// an amax of 0 or one that is not finite (an overflowed step) uses scale 1,
+// and the NaN or infinity travels on (a saturated cast would hide it, so
+// these casts do not saturate). Stages after the all_to_all run when the
+// returned Work is waited on.
+//
+// The average of `flat` (fp32, contiguous) over `group`, in place once waited.
+comm::Work fp8_all_reduce_avg(comm::Group& group, at::Tensor flat, Fp8Format format);
+// This rank's chunk of the average of `full` (fp32, contiguous, N elements)
+// over `group`, into `shard` (group.shard_numel(N) elements, fp32) once waited.
+comm::Work fp8_reduce_scatter_avg(comm::Group& group, at::Tensor full, at::Tensor shard, Fp8Format format);
+// Bytes one rank hands to the collectives of fp8_all_reduce_avg for N elements.
+int64_t fp8_all_reduce_bytes(int64_t numel, int world);
+
 }  // namespace scaletrain::precision

@@ -57,7 +57,7 @@ class PipelineStrategy final : public DataParallel {
       counted_ = params_;  // shards partition each stage's gradient over the shard group
     } else {
       label_ = "ddp";
-      parallel::DDPOptions o = ddp_options(p);
+      parallel::DDPOptions o = ddp_options(p, c.precision);
       if (run_plan.policy.reduce == at::kBFloat16) o.comm_dtype = at::kBFloat16;
       for (const auto& ch : pipe_->chunks()) {
         auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);

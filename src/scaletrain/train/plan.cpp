@@ -172,10 +172,17 @@ void check_fp8(const Config& c, Problems& problems) {
   } else if (p.fp8_recipe == "current" && p.fp8_amax_history != defaults.fp8_amax_history) {
     problems.add("precision.fp8_amax_history would have no effect: precision.fp8_recipe=current keeps no history");
   }
-  if (!p.fp8_opt_level.empty())
+  if (!p.fp8_opt_level.empty() && !p.fp8)
+    problems.add("precision.fp8_opt_level=" + p.fp8_opt_level + " needs precision.fp8=true (every level has FP8 linears)");
+  if (p.fp8_opt_level == "O2" || p.fp8_opt_level == "O3")
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
-                 " is not available yet: MS-AMP's FP8 gradient communication and FP8 optimizer states are not built; "
-                 "precision.fp8=true gives FP8 linears with fp32 communication and optimizer states");
+                 " is not available yet: FP8 optimizer states are not built; O1 (FP8 linears and FP8 gradient "
+                 "communication) is");
+  // O1 and up: gradients travel as FP8 (Note [FP8 on the wire]), cast from fp32.
+  if (!p.fp8_opt_level.empty() && (c.parallel.comm_dtype != "fp32" || (!p.reduce_dtype.empty() && p.reduce_dtype != "fp32") ||
+                                   (p.reduce_dtype.empty() && p.param_dtype != "fp32")))
+    problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
+                 " sends gradients as FP8 cast from fp32: parallel.comm_dtype and precision.reduce_dtype must be fp32");
   if (!p.fp8) return;
   if (c.finetune.method == "qlora")
     problems.add("precision.fp8=true with finetune.method=qlora: an NF4 base weight is not cast to FP8 "

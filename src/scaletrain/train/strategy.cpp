@@ -1,5 +1,7 @@
 #include "scaletrain/train/strategy.h"
 
+#include "scaletrain/precision/fp8.h"
+
 #include <map>
 #include <unistd.h>
 
@@ -43,9 +45,10 @@ class DDPStrategy final : public DataParallel {
   // `plan`: the model is tensor-parallel (clipping counts split and
   // replicated parameters over tp; see parallel/tensor).
   DDPStrategy(models::ModelPtr model, comm::Group& group, const ParallelOptions& p,
+              const precision::PrecisionOptions& precision,
               std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p));
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p, precision));
     for (auto& p : model_->parameters())
       if (p.requires_grad()) params_.push_back(p);  // frozen ones (finetune) do not train
   }
@@ -208,8 +211,15 @@ int64_t mib_to_numel(double mib, at::ScalarType dtype) {
 
 }  // namespace
 
-parallel::DDPOptions ddp_options(const ParallelOptions& p) {
+std::optional<precision::Fp8Format> fp8_wire_format(const precision::PrecisionOptions& p) {
+  if (p.fp8_opt_level.empty()) return std::nullopt;
+  return precision::fp8_format(p.fp8_format == "e4m3" ? precision::Fp8Mix::E4M3 : precision::Fp8Mix::Hybrid,
+                               /*gradient=*/true);
+}
+
+parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision) {
   parallel::DDPOptions o;
+  o.fp8_comm = fp8_wire_format(precision);
   o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
   o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
   o.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
@@ -499,6 +509,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
     out.no_sync = z.stage == 1;
   }
   o.reduce_dtype = plan.policy.reduce;
+  o.fp8_reduce = fp8_wire_format(c.precision);
   set_offload(c, plan, o);
   // zero3 always, fsdp with cpu_ram_efficient_loading (like DeepSpeed's
   // zero.Init): never build the whole model; make_plan says when it cannot.
@@ -519,7 +530,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, std::move(tp_plan));
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, c.precision, std::move(tp_plan));
     return out;
   }
   ShardedSetup setup = sharded_setup(c, plan, mesh);

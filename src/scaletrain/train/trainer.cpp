@@ -57,7 +57,8 @@ std::string fp8_description(const precision::PrecisionOptions& p) {
   return ", fp8 linears (" + p.fp8_format + ", " +
          (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
                                     : std::string("current scaling")) +
-         ", margin " + std::to_string(p.fp8_margin) + ")";
+         ", margin " + std::to_string(p.fp8_margin) + ")" +
+         (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level + ": FP8 gradient communication");
 }
 
 // Threads per rank: what the launcher decided (SCALETRAIN_THREADS or

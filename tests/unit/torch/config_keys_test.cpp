@@ -135,7 +135,7 @@ const std::map<std::string, Check>& table() {
     {"precision.fp8_recipe", {"current", What::Losses, "", {"precision.fp8=true"}}},
     {"precision.fp8_amax_history", {"1", What::Losses, "", {"precision.fp8=true"}}},
     {"precision.fp8_margin", {"3", What::Losses, "", {"precision.fp8=true"}}},
-    {"precision.fp8_opt_level", {"O2", What::Refused, "precision.fp8_opt_level=O2 is not available yet"}},
+    {"precision.fp8_opt_level", {"O1", What::Losses, "", {"precision.fp8=true"}, 2}},
     {"metrics.path", {"", What::Steps}},
     {"metrics.peak_flops", {"2e11", What::Line, "GFLOP/s"}},
     {"metrics.log_every", {"2", What::Line, "step     1 |"}},

@@ -11,6 +11,7 @@
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/precision/fp8.h"
 
 namespace scaletrain::parallel {
 
@@ -219,9 +220,14 @@ void DistributedDataParallel::State::on_grad_ready(size_t i) {
 void DistributedDataParallel::State::start_ready_buckets() {
   while (next_to_start < buckets.size() && buckets[next_to_start].pending == 0) {
     Bucket& b = buckets[next_to_start++];
-    b.work = ddp_comm::start_bucket_average(*group, b.flat, b.staging);
+    if (options.fp8_comm) {
+      b.work = precision::fp8_all_reduce_avg(*group, b.flat, *options.fp8_comm);
+      bytes += precision::fp8_all_reduce_bytes(b.flat.numel(), group->size());
+    } else {
+      b.work = ddp_comm::start_bucket_average(*group, b.flat, b.staging);
+      bytes += (b.staging.defined() ? b.staging : b.flat).nbytes();
+    }
     b.started = true;
-    bytes += (b.staging.defined() ? b.staging : b.flat).nbytes();
   }
 }
 
@@ -276,6 +282,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     : module_(std::move(module)), options_(options), state_(std::make_shared<State>()) {
   if (options_.comm_dtype != at::kFloat && options_.comm_dtype != at::kBFloat16)
     throw std::invalid_argument("DDP: comm_dtype must be float32 or bfloat16");
+  if (options_.fp8_comm && options_.comm_dtype != at::kFloat)
+    throw std::invalid_argument("DDP: FP8 gradient communication replaces comm_dtype, which must stay float32");
   if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0)
     throw std::invalid_argument("DDP: bucket caps must be positive");
   if (options_.last_bucket_cap_bytes < 0) throw std::invalid_argument("DDP: the last bucket's cap must be >= 0");

@@ -69,10 +69,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "scaletrain/comm/group.h"
+#include "scaletrain/precision/fp8_format.h"
 
 namespace scaletrain::parallel {
 
@@ -95,6 +97,9 @@ struct DDPOptions {
   // or kBFloat16 to halve the bytes sent
   // (sums are still taken in fp32; see Note [Gloo 1.13 gaps]).
   at::ScalarType comm_dtype = at::kFloat;
+  // Gradients travel as FP8 codes in this format with per-chunk scales
+  // (Note [FP8 on the wire] in precision/fp8.h; fp32 gradients only); unset: comm_dtype.
+  std::optional<precision::Fp8Format> fp8_comm;
   // Broadcast rank 0's buffers along with its parameters at construction.
   bool broadcast_buffers = true;
   // Rebuild the buckets once, after the first backward with sync on, in the

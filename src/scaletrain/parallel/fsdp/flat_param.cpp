@@ -1,6 +1,7 @@
 #include "scaletrain/parallel/fsdp/flat_param.h"
 
 #include "scaletrain/models/deferred.h"
+#include "scaletrain/precision/fp8.h"
 
 #include <c10/core/StorageImpl.h>
 #include <sys/mman.h>
@@ -193,10 +194,14 @@ comm::Work FlatParam::start_reduce(comm::Group* replicate) {
                            "): run the micro-batches before the last under no_sync(), and zero_grad() after the step");
   alloc_grad_full();  // a unit none of whose parameters got a gradient contributes zeros
   reduce_in_ = grad_full_.scalar_type() == options_.reduce_dtype ? grad_full_ : grad_full_.to(options_.reduce_dtype);
-  comm::Work w = group_.reduce_scatter(reduce_in_, reduce_out_, comm::ReduceOp::Avg);
+  const auto fp8 = options_.fp8_reduce;
+  comm::Work w = fp8 ? precision::fp8_reduce_scatter_avg(group_, reduce_in_, reduce_out_, *fp8)
+                     : group_.reduce_scatter(reduce_in_, reduce_out_, comm::ReduceOp::Avg);
   if (replicate != nullptr && replicate->size() > 1) {
     at::Tensor out = reduce_out_;
-    w.and_then([replicate, out]() mutable { return replicate->all_reduce(out, comm::ReduceOp::Avg); });
+    w.and_then([replicate, out, fp8]() mutable {
+      return fp8 ? precision::fp8_all_reduce_avg(*replicate, out, *fp8) : replicate->all_reduce(out, comm::ReduceOp::Avg);
+    });
   }
   return w;
 }

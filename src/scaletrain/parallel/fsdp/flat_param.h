@@ -41,10 +41,12 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "scaletrain/comm/group.h"
+#include "scaletrain/precision/fp8_format.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -61,6 +63,10 @@ struct FlatParamOptions {
   // Dtype gradients are reduce-scattered in; Undefined = the parameters'
   // (an fp32 reduce of bf16 gradients casts the unit's gradients first).
   at::ScalarType reduce_dtype = at::ScalarType::Undefined;
+  // Gradients are reduce-scattered (and all-reduced over HYBRID_SHARD's
+  // replicas) as FP8 codes in this format (Note [FP8 on the wire] in
+  // precision/fp8.h); needs an fp32 reduce_dtype. Unset: reduce_dtype on the wire.
+  std::optional<precision::Fp8Format> fp8_reduce;
   // Note [Offloaded shards]: allocates `numel` elements of `dtype` off the
   // device for the shard, or for its gradient (`gradient`: never a file);
   // null keeps them beside the parameters.

@@ -440,6 +440,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   fo.replicated_params = replicated_params(options_.sharding);
   fo.keep_full_grads = options_.sharding == Sharding::Zero1;
   fo.reduce_dtype = options_.reduce_dtype;
+  fo.fp8_reduce = options_.fp8_reduce;
   std::vector<Slot> where(named.size());  // every parameter's place, for deferred init
   for (size_t u = 0; u < s.units.size(); ++u) {
     // key: (dtype, trainable) -> (decayed, not decayed) indices into `named`

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,8 @@ struct ShardedOptions {
   at::ScalarType master_dtype = at::ScalarType::Undefined;
   // Dtype gradients are reduced in; Undefined = the parameters'.
   at::ScalarType reduce_dtype = at::ScalarType::Undefined;
+  // FP8 gradient reduction (FlatParamOptions::fp8_reduce); unset: reduce_dtype.
+  std::optional<precision::Fp8Format> fp8_reduce;
   // Memory-efficient initialization: the model was built without parameter
   // bytes (models/deferred.h); each parameter is initialized by this function
   // into a temporary, one at a time in registration order (on rank 0 only and
