@@ -1,5 +1,6 @@
 #include "scaletrain/precision/fp8.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
@@ -39,9 +40,89 @@ const Table& table(Fp8Format format) {
   return tables[format == Fp8Format::E4M3 ? 0 : 1];
 }
 
+// Note [FP8 rounding] on fp32 bits, for host tensors: one pass instead of the
+// thirty the tensor expression below makes. A normal result rounds the fp32
+// significand to m bits, ties to even (adding half a step minus one, plus the
+// kept last bit, carries exactly when rounding up), and re-biases the
+// exponent; a subnormal one (and fp32 subnormals) counts steps of
+// 2^(1 - bias - m) with nearbyint, exact because the product is a power-of-two
+// rescaling. Same codes as fp8_encode() (tests/unit/torch/fp8_test.cpp).
+struct HostEncoder {
+  int m;
+  uint32_t rebias;     // (127 - bias) << m
+  int min_exponent;    // 1 - bias
+  float subnormal;     // 2^(bias - 1 + m)
+  uint32_t largest;    // the largest finite code (no sign)
+  uint8_t overflowed;  // the code of a finite overflow (no sign)
+  uint8_t infinite;    // the code of an infinite input (no sign)
+
+  HostEncoder(Fp8Format f, bool saturate) {
+    const Fp8Spec s = fp8_spec(f);
+    m = s.mantissa_bits;
+    rebias = static_cast<uint32_t>(127 - s.bias) << m;
+    min_exponent = 1 - s.bias;
+    subnormal = std::ldexp(1.0f, s.bias - 1 + m);
+    largest = f == Fp8Format::E4M3 ? 0x7E : 0x7B;
+    overflowed = static_cast<uint8_t>(saturate ? largest : (s.has_inf ? 0x7C : 0x7F));
+    infinite = overflowed;
+  }
+
+  uint8_t operator()(float y) const {
+    uint32_t u;
+    std::memcpy(&u, &y, sizeof u);
+    const auto sign = static_cast<uint8_t>((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7F;        // NaN
+    if (u == 0x7F800000u) return sign | infinite;   // +-inf
+    uint32_t code;
+    if (static_cast<int>(u >> 23) - 127 < min_exponent) {
+      float a;
+      std::memcpy(&a, &u, sizeof a);
+      code = static_cast<uint32_t>(std::nearbyint(a * subnormal));
+    } else {
+      const uint32_t r = u + ((1u << (22 - m)) - 1) + ((u >> (23 - m)) & 1u);
+      code = (r >> (23 - m)) - rebias;
+    }
+    return static_cast<uint8_t>(sign | (code > largest ? overflowed : code));
+  }
+};
+
+at::Tensor host_quantize(const at::Tensor& x, Fp8Format format, double scale, bool saturate) {
+  const at::Tensor y = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kByte));
+  const float* src = y.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const float s = static_cast<float>(scale);
+  const HostEncoder encode(format, saturate);
+  at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = encode(src[i] * s);
+  });
+  return out;
+}
+
+at::Tensor host_dequantize(const at::Tensor& codes, Fp8Format format, double scale) {
+  float lut[256];
+  for (int c = 0; c < 256; ++c) lut[c] = fp8_decode(static_cast<uint8_t>(c), format);
+  const at::Tensor in = codes.contiguous();
+  at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kFloat));
+  const uint8_t* src = in.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, in.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = lut[src[i]] / s;
+  });
+  return out;
+}
+
 }  // namespace
 
 at::Tensor fp8_quantize(const at::Tensor& x, Fp8Format format, double scale, bool saturate) {
+  torch::NoGradGuard no_grad;
+  if (x.device().is_cpu()) return host_quantize(x, format, scale, saturate);  // host: tensors already there
+  return fp8_quantize_by_tensor_ops(x, format, scale, saturate);
+}
+
+at::Tensor fp8_quantize_by_tensor_ops(const at::Tensor& x, Fp8Format format, double scale, bool saturate) {
   torch::NoGradGuard no_grad;
   const Fp8Spec s = fp8_spec(format);
   const int m = s.mantissa_bits;
@@ -77,6 +158,7 @@ at::Tensor fp8_quantize(const at::Tensor& x, Fp8Format format, double scale, boo
 at::Tensor fp8_dequantize(const at::Tensor& codes, Fp8Format format, double scale, at::ScalarType dtype) {
   torch::NoGradGuard no_grad;
   TORCH_CHECK(codes.scalar_type() == at::kByte, "fp8_dequantize: codes must be uint8, got ", codes.scalar_type());
+  if (codes.device().is_cpu()) return host_dequantize(codes, format, scale).to(dtype);  // host: as in fp8_quantize
   const at::Tensor lut = table(format).decode.to(codes.device());
   return (lut.index_select(0, codes.flatten().to(at::kLong)).view(codes.sizes()) / static_cast<float>(scale))
       .to(dtype);

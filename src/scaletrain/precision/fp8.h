@@ -31,6 +31,9 @@ namespace scaletrain::precision {
 
 // uint8 codes of x * scale (any floating dtype, any device), shaped like x.
 at::Tensor fp8_quantize(const at::Tensor& x, Fp8Format format, double scale, bool saturate = true);
+// The same cast as tensor operations: what fp8_quantize runs on a device (on
+// the host it runs one fused loop); both must give fp8_encode()'s codes.
+at::Tensor fp8_quantize_by_tensor_ops(const at::Tensor& x, Fp8Format format, double scale, bool saturate = true);
 // codes decoded and divided by scale, in `dtype`.
 at::Tensor fp8_dequantize(const at::Tensor& codes, Fp8Format format, double scale,
                           at::ScalarType dtype = at::kFloat);

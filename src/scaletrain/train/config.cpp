@@ -97,7 +97,7 @@ const std::map<std::string, Choice>& choices() {
     ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
     ST_CHOICE(train, warmup_type, {"linear", "log"})
     ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
-    ST_CHOICE(parallel, comm_dtype, {"fp32", "bf16"})
+    ST_CHOICE(parallel, comm_dtype, {"fp32", "bf16", "fp8"})
     ST_CHOICE(parallel, backend, {"auto", "gloo", "nccl"})
     ST_CHOICE(parallel, schedule, {"gpipe", "1f1b", "interleaved"})
     ST_CHOICE(parallel, pp_balance, {"params", "time"})

@@ -108,7 +108,7 @@ struct ParallelOptions {
   double last_bucket_mb = 1;            // DDP's (and ZeRO-1/2's) last bucket in MiB, growing 1.5x back; 0 = off
   bool find_unused_parameters = false;  // tolerate parameters without gradients
   bool sequence_parallel = false;       // with tp > 1: shard LayerNorm/dropout regions along the sequence
-  std::string comm_dtype = "fp32";      // fp32 | bf16: dtype gradients travel in
+  std::string comm_dtype = "fp32";      // fp32 | bf16 | fp8 (Note [FP8 on the wire]): dtype gradients travel in
   std::string backend = "auto";         // auto | gloo | nccl
   double timeout_s = 300;               // deadline of every collective and of the rendezvous
   bool debug_collectives = false;       // compare every collective's fingerprint across ranks first (slow)

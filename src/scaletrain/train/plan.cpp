@@ -164,7 +164,9 @@ void check_fp8(const Config& c, Problems& problems) {
   const auto& p = c.precision;
   const precision::PrecisionOptions defaults;
   if (!p.fp8) {
-    for (auto [key, changed] : {std::pair{"precision.fp8_format", p.fp8_format != defaults.fp8_format},
+    // The FP8 gradients of parallel.comm_dtype=fp8 take fp8_format's gradient format.
+    const bool wire = c.parallel.comm_dtype == "fp8";
+    for (auto [key, changed] : {std::pair{"precision.fp8_format", !wire && p.fp8_format != defaults.fp8_format},
                                 std::pair{"precision.fp8_recipe", p.fp8_recipe != defaults.fp8_recipe},
                                 std::pair{"precision.fp8_amax_history", p.fp8_amax_history != defaults.fp8_amax_history},
                                 std::pair{"precision.fp8_margin", p.fp8_margin != defaults.fp8_margin}})
@@ -178,11 +180,16 @@ void check_fp8(const Config& c, Problems& problems) {
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
                  " is not available yet: FP8 optimizer states are not built; O1 (FP8 linears and FP8 gradient "
                  "communication) is");
-  // O1 and up: gradients travel as FP8 (Note [FP8 on the wire]), cast from fp32.
-  if (!p.fp8_opt_level.empty() && (c.parallel.comm_dtype != "fp32" || (!p.reduce_dtype.empty() && p.reduce_dtype != "fp32") ||
-                                   (p.reduce_dtype.empty() && p.param_dtype != "fp32")))
-    problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
-                 " sends gradients as FP8 cast from fp32: parallel.comm_dtype and precision.reduce_dtype must be fp32");
+  // O1 and up, and parallel.comm_dtype=fp8: gradients travel as FP8 (Note
+  // [FP8 on the wire]), cast from fp32 sums.
+  const std::string why = !p.fp8_opt_level.empty() ? "precision.fp8_opt_level=" + p.fp8_opt_level
+                                                   : std::string("parallel.comm_dtype=fp8");
+  if (!p.fp8_opt_level.empty() && c.parallel.comm_dtype == "bf16")
+    problems.add(why + " sends gradients as FP8, not as parallel.comm_dtype=bf16");
+  if ((!p.fp8_opt_level.empty() || c.parallel.comm_dtype == "fp8") &&
+      ((!p.reduce_dtype.empty() && p.reduce_dtype != "fp32") || (p.reduce_dtype.empty() && p.param_dtype != "fp32")))
+    problems.add(why + " casts gradients to FP8 from fp32: precision.reduce_dtype must be fp32 (it is " +
+                 (p.reduce_dtype.empty() ? p.param_dtype : p.reduce_dtype) + ")");
   if (!p.fp8) return;
   if (c.finetune.method == "qlora")
     problems.add("precision.fp8=true with finetune.method=qlora: an NF4 base weight is not cast to FP8 "

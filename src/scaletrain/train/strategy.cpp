@@ -211,15 +211,16 @@ int64_t mib_to_numel(double mib, at::ScalarType dtype) {
 
 }  // namespace
 
-std::optional<precision::Fp8Format> fp8_wire_format(const precision::PrecisionOptions& p) {
-  if (p.fp8_opt_level.empty()) return std::nullopt;
+std::optional<precision::Fp8Format> fp8_wire_format(const ParallelOptions& parallel,
+                                                    const precision::PrecisionOptions& p) {
+  if (p.fp8_opt_level.empty() && parallel.comm_dtype != "fp8") return std::nullopt;
   return precision::fp8_format(p.fp8_format == "e4m3" ? precision::Fp8Mix::E4M3 : precision::Fp8Mix::Hybrid,
                                /*gradient=*/true);
 }
 
 parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision) {
   parallel::DDPOptions o;
-  o.fp8_comm = fp8_wire_format(precision);
+  o.fp8_comm = fp8_wire_format(p, precision);
   o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
   o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
   o.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
@@ -509,7 +510,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
     out.no_sync = z.stage == 1;
   }
   o.reduce_dtype = plan.policy.reduce;
-  o.fp8_reduce = fp8_wire_format(c.precision);
+  o.fp8_reduce = fp8_wire_format(c.parallel, c.precision);
   set_offload(c, plan, o);
   // zero3 always, fsdp with cpu_ram_efficient_loading (like DeepSpeed's
   // zero.Init): never build the whole model; make_plan says when it cannot.

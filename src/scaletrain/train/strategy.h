@@ -91,9 +91,10 @@ ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& m
 // DDP's options from the parallel section (bucket caps, unused parameters,
 // comm dtype) and the precision section (FP8 gradient communication).
 parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision);
-// The FP8 format gradients travel in under precision.fp8_opt_level (Note
-// [FP8 on the wire]); none without an opt level.
-std::optional<precision::Fp8Format> fp8_wire_format(const precision::PrecisionOptions& p);
+// The FP8 format gradients travel in under parallel.comm_dtype=fp8 or a
+// precision.fp8_opt_level (Note [FP8 on the wire]); none otherwise.
+std::optional<precision::Fp8Format> fp8_wire_format(const ParallelOptions& parallel,
+                                                    const precision::PrecisionOptions& p);
 // model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
 void init_from(models::ModelPtr& model, const std::string& path);
 // The whole model on this rank in `param_dtype` on `device`, loaded from

@@ -51,14 +51,19 @@ precision::Fp8LinearOptions fp8_linear_options(const precision::PrecisionOptions
   return o;
 }
 
-// ", fp8 linears (hybrid, delayed scaling over 1024 steps, margin 0)" or "".
-std::string fp8_description(const precision::PrecisionOptions& p) {
-  if (!p.fp8) return "";
-  return ", fp8 linears (" + p.fp8_format + ", " +
-         (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
-                                    : std::string("current scaling")) +
-         ", margin " + std::to_string(p.fp8_margin) + ")" +
-         (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level + ": FP8 gradient communication");
+// ", fp8 linears (hybrid, delayed scaling over 1024 steps, margin 0), O1;
+// gradients travel as FP8 E5M2" or "".
+std::string fp8_description(const Config& c) {
+  const auto& p = c.precision;
+  std::string out;
+  if (p.fp8)
+    out += ", fp8 linears (" + p.fp8_format + ", " +
+           (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
+                                      : std::string("current scaling")) +
+           ", margin " + std::to_string(p.fp8_margin) + ")" + (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level);
+  if (const auto wire = fp8_wire_format(c.parallel, p))
+    out += std::string("; gradients travel as FP8 ") + (*wire == precision::Fp8Format::E5M2 ? "E5M2" : "E4M3");
+  return out;
 }
 
 // Threads per rank: what the launcher decided (SCALETRAIN_THREADS or
@@ -312,7 +317,7 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   std::printf(
       "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
       "optimizer %.1f); setup peak +%.1f MiB RSS\n",
-      r.dp().describe().c_str(), (r.plan.policy.describe() + fp8_description(cfg.precision)).c_str(),
+      r.dp().describe().c_str(), (r.plan.policy.describe() + fp8_description(cfg)).c_str(),
       (r.dp().model_state_bytes() + r.opt_bytes) / 1048576.0, r.dp().model_state_bytes() / 1048576.0,
       r.opt_bytes / 1048576.0, r.setup_peak_mb);
   // Accepted settings that work differently here, once: from config files

@@ -34,11 +34,17 @@ at::Tensor hard_values() {
 }
 
 TEST(Fp8Tensor, QuantizeIsTheScalarCodecElementwise) {
-  const at::Tensor x = hard_values();
+  // The hard values, and every kind of fp32 bit pattern (subnormals, huge, NaN payloads).
+  const at::Tensor bits = torch::randint(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
+                                         {50000}, torch::kInt);
+  const at::Tensor x = at::cat({hard_values(), bits.view(at::kFloat)});
   for (Fp8Format f : {Fp8Format::E4M3, Fp8Format::E5M2})
     for (bool saturate : {true, false})
-      for (double scale : {1.0, 0.37, 1024.0}) {
-        const at::Tensor codes = fp8_quantize(x, f, scale, saturate);
+      for (double scale : {1.0, 0.37, 1024.0})
+        for (bool tensor_ops : {false, true}) {
+        SCOPED_TRACE(tensor_ops ? "tensor operations (the device path)" : "the host loop");
+        const at::Tensor codes = tensor_ops ? fp8_quantize_by_tensor_ops(x, f, scale, saturate)
+                                            : fp8_quantize(x, f, scale, saturate);
         ASSERT_EQ(codes.scalar_type(), at::kByte);
         const auto xs = x.accessor<float, 1>();
         const auto cs = codes.accessor<uint8_t, 1>();
