@@ -344,13 +344,57 @@ TEST(AccelerateConfig, Errors) {
   EXPECT_HAS(err("a4.yaml", "fsdp_config:\n  fsdp_backward_prefetch: NONE\n"), "fsdp_backward_prefetch");
   EXPECT_HAS(err("a5.yaml", "fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n"), "LOCAL_STATE_DICT");
   EXPECT_HAS(err("a6.yaml", "fsdp_config:\n  fsdp_offload_params: maybe\n"), "fsdp_config.fsdp_offload_params");
-  EXPECT_HAS(err("a7.yaml", "mixed_precision: fp8\n"), "mixed_precision must be one of no | bf16 | fp16");
+  EXPECT_HAS(err("a7.yaml", "mixed_precision: fp4\n"), "mixed_precision must be one of no | bf16 | fp16 | fp8");
+  EXPECT_HAS(err("a12.yaml", "mixed_precision: fp8\nfp8_config:\n  backend: AO\n"), "fp8_config.backend must be one of");
+  EXPECT_HAS(err("a13.yaml", "mixed_precision: fp8\nfp8_config:\n  amax_compute_algo: most_recent\n"),
+             "fp8_config.amax_compute_algo must be one of max");
+  EXPECT_HAS(err("a14.yaml", "mixed_precision: fp8\nfp8_config:\n  opt_level: O1\n"),
+             "fp8_config.opt_level applies to backend MSAMP, not TE");
+  EXPECT_HAS(err("a15.yaml", "mixed_precision: bf16\nfp8_config:\n  backend: TE\n"),
+             "fp8_config applies to mixed_precision: fp8");
+  EXPECT_HAS(err("a16.yaml", "mixed_precision: fp8\nfp8_config:\n  amax_history_len: 0\n"),
+             "precision.fp8_amax_history must be at least 1");
+  EXPECT_HAS(err("a17.yaml", "mixed_precision: fp8\nfp8_config:\n  opt_level: O4\n  backend: MSAMP\n"),
+             "fp8_config.opt_level must be one of O1 | O2 | O3");
+  EXPECT_HAS(err("a18.yaml", "mixed_precision: fp8\nfp8_config:\n  fp8_recipe: x\n"), "unknown fp8_config key 'fp8_recipe'");
   EXPECT_HAS(err("a8.yaml", "parallel:\n  strategy: ddp\nfsdp_config:\n  fsdp_sharding_strategy: 1\n"),
              "fsdp_config implies parallel.strategy=fsdp");
   EXPECT_HAS(err("a9.yaml", "precision:\n  mode: fp32\nmixed_precision: bf16\n"),
              "mixed_precision implies precision.mode=bf16");
   EXPECT_HAS(err("a10.yaml", "distributed_type: TPU\n"), "distributed_type TPU is not supported");
   EXPECT_HAS(err("a11.yaml", "use_cuda: true\n"), "unknown config section 'use_cuda'");
+}
+
+// Accelerate's FP8: mixed_precision fp8 is FP8 linears under bf16 autocast;
+// fp8_config's recipe keys land on precision.fp8_*; MSAMP's opt_level too.
+TEST(ConfigCompat, AccelerateFp8) {
+  const Config te = train::load_config(write("fp8_te.yaml",
+                                             "mixed_precision: fp8\nfp8_config:\n  backend: TE\n  fp8_format: E4M3\n"
+                                             "  amax_history_len: 16\n  amax_compute_algo: max\n  margin: 2\n"
+                                             "  interval: 1\n  use_autocast_during_eval: false\n")
+                                           .string());
+  EXPECT_EQ(te.precision.mode, "bf16");
+  EXPECT_TRUE(te.precision.fp8);
+  EXPECT_EQ(te.precision.fp8_format, "e4m3");
+  EXPECT_EQ(te.precision.fp8_amax_history, 16);
+  EXPECT_EQ(te.precision.fp8_margin, 2);
+  EXPECT_EQ(te.precision.fp8_opt_level, "");
+  const Config ms =
+      train::load_config(write("fp8_msamp.yaml", "mixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n").string());
+  EXPECT_EQ(ms.precision.fp8_opt_level, "O2");  // Accelerate's default level
+  const Config o1 = train::load_config(
+      write("fp8_o1.yaml", "mixed_precision: fp8\nfp8_config:\n  backend: msamp\n  opt_level: O1\n").string());
+  EXPECT_EQ(o1.precision.fp8_opt_level, "O1");
+  const Config plain = train::load_config(write("fp8_plain.yaml", "mixed_precision: fp8\n").string());
+  EXPECT_TRUE(plain.precision.fp8);
+  EXPECT_EQ(plain.precision.fp8_format, "hybrid");
+  // An explicit key that disagrees with the file is an error; one that agrees is fine.
+  EXPECT_HAS(usage_error([] {
+               train::load_config(write("fp8_c.yaml", "mixed_precision: fp8\n").string(), {"precision.fp8=false"});
+             }),
+             "implies precision.fp8=true");
+  EXPECT_TRUE(
+      train::load_config(write("fp8_d.yaml", "mixed_precision: fp8\n").string(), {"precision.fp8=true"}).precision.fp8);
 }
 
 // ---- DeepSpeed -------------------------------------------------------------

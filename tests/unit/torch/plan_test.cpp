@@ -75,6 +75,24 @@ TEST(Plan, CommDtypeIsTheReduceDtypeUnderEveryStrategy) {
   expect_refused({"parallel.comm_dtype=bf16", "precision.reduce_dtype=fp32"}, "disagree");
 }
 
+TEST(Plan, Fp8CombinationsAndLevels) {
+  EXPECT_EQ(refusal({"precision.fp8=true", "precision.fp8_opt_level=O1"}), "");
+  EXPECT_EQ(refusal({"parallel.comm_dtype=fp8", "precision.fp8_format=e4m3"}), "");  // the wire's format
+  EXPECT_EQ(refusal({"precision.fp8=true", "precision.mode=bf16", "precision.scale_bf16=true"}), "");
+  expect_refused({"precision.fp8_opt_level=O1"}, "needs precision.fp8=true");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O2"}, "O2 is not available yet");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O3"}, "O3 is not available yet");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O1", "parallel.comm_dtype=bf16"},
+                 "not as parallel.comm_dtype=bf16");
+  expect_refused({"parallel.comm_dtype=fp8", "parallel.strategy=zero2", "precision.mode=bf16",
+                  "precision.param_dtype=bf16"},
+                 "precision.reduce_dtype must be fp32 (it is bf16)");
+  expect_refused({"precision.fp8_margin=2"}, "precision.fp8_margin would have no effect: precision.fp8 is off");
+  expect_refused({"precision.fp8=true", "precision.fp8_recipe=current", "precision.fp8_amax_history=8"},
+                 "keeps no history");
+  expect_refused({"precision.fp8=true", "finetune.method=qlora"}, "NF4 base weight is not cast to FP8");
+}
+
 TEST(Plan, RefusesSettingsThatWouldHaveNoEffect) {
   expect_refused({"parallel.strategy=zero2", "parallel.fsdp.forward_prefetch=true"},
                  "parallel.fsdp.forward_prefetch=true would have no effect: parallel.fsdp applies to "

@@ -229,7 +229,8 @@ TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
 
 // The tiny GPT on the King James Bible (Genesis to Ruth, bytes) for 300
 // steps: FP8 linears under bf16 autocast (what Accelerate's mixed_precision
-// fp8 runs) end within 3% of the bf16 run's loss. Ports 30710-30711.
+// fp8 runs), alone and with FP8 gradients on the wire (O1), end within 3%
+// of the bf16 run's loss. Ports 30710-30712.
 TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const fs::path txt = scratch() / "kjv_gen_ruth.txt", tok = scratch() / "kjv_gen_ruth.tok";
   ASSERT_EQ(std::system(("bible 'gen1:1-ruth4:22' > " + txt.string()).c_str()), 0);
@@ -240,17 +241,22 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
       " --model.n_layer=4 --model.n_embd=128 --model.n_head=4";
   const auto bf16 = train(2, "kjv_bf16", common, 30710);
   const auto fp8 = train(2, "kjv_fp8", common + " --precision.fp8=true", 30711);
+  const auto o1 = train(2, "kjv_fp8_o1", common + " --precision.fp8=true --precision.fp8_opt_level=O1", 30712);
   ASSERT_EQ(bf16.size(), 300u);
   ASSERT_EQ(fp8.size(), 300u);
+  ASSERT_EQ(o1.size(), 300u);
   EXPECT_LT(bf16.back(), 0.7 * bf16.front()) << "did not learn";
   auto tail = [](const std::vector<double>& v) {
     double s = 0;
     for (size_t i = v.size() - 20; i < v.size(); ++i) s += v[i];
     return s / 20;
   };
-  std::printf("[fp8] final loss bf16 %.4f, fp8 linears %.4f\n", tail(bf16), tail(fp8));
+  std::printf("[fp8] final loss bf16 %.4f, fp8 linears %.4f, O1 (and FP8 gradients on the wire) %.4f\n", tail(bf16),
+              tail(fp8), tail(o1));
   EXPECT_NEAR(tail(fp8), tail(bf16), 0.03 * tail(bf16));
+  EXPECT_NEAR(tail(o1), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NE(fp8, bf16);
+  EXPECT_NE(o1, fp8);
 }
 
 TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
