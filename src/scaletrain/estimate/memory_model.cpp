@@ -270,6 +270,19 @@ double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec,
   return 0;
 }
 
+double fp8_linear_activation_change(int64_t s_, int64_t b_, const ModelSpec& spec, int64_t t_, bool sp,
+                                    Recompute recompute, double width, double layer_weights) {
+  if (recompute == Recompute::kFull) return 0;
+  const double sb = static_cast<double>(s_) * b_, h = spec.hidden_size, t = t_;
+  const double I = static_cast<double>(spec.intermediate_size);
+  const double rep = sp && t_ > 1 ? t : 1;  // replicated inputs are split under sequence parallelism
+  const double attention_in = (spec.fused_qkv ? 1 : 3) - width;  // per s*b*h, replicated
+  const double mlp_in = (spec.gated_mlp ? 2 : 1) - width;        // per s*b*h, replicated
+  const double out_in = 1 - width;                                // the output projection's input, split
+  const double down_in = 1 - width;                               // the MLP's last linear's input (I wide), split
+  return sb * h * (attention_in + mlp_in) / rep + sb * h * out_in / t + sb * I * down_in / t + layer_weights;
+}
+
 double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64_t m, int64_t v) {
   if (pp <= 1) return 1;  // gradient accumulation frees each micro-batch before the next
   switch (schedule) {
@@ -373,8 +386,12 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     if (!raw) {
       shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
       auto layer = [&](Recompute r) {
-        return act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t,
-                                                      l.sequence_parallel, r, l.dropout);
+        double bytes = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t, l.sequence_parallel, r,
+                                                              l.dropout);
+        if (l.fp8_linears)
+          bytes += fp8_linear_activation_change(seq, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
+                                                shape.layer_params);
+        return bytes;
       };
       shape.act_layer = layer(l.recompute);
       shape.act_layer_full = layer(Recompute::kNone);
@@ -395,6 +412,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       const double I = static_cast<double>(spec.intermediate_size);
       shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
       if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
+      // FP8 linears: the largest linear's backward decodes its input, weight
+      // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
+      if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);
       if (last && !spec.encoder) shape.ws_last = 8 * sbv / t;
     }
     StageWidths sw;

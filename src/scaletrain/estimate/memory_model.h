@@ -83,6 +83,11 @@ struct Layout {
   // 4 bits each plus a double-quantized absmax per 64 (kNf4BytesPerParam),
   // each dequantized to the compute width for its own matmul only.
   bool qlora = false;
+  // FP8 linears (precision.fp8): each linear of a block keeps FP8 codes (1
+  // byte) of its input and weight for backward instead of its input in the
+  // compute width (fp8_linear_activation_change), and its backward decodes
+  // them to fp32 for the products.
+  bool fp8_linears = false;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)
@@ -153,6 +158,15 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
 // tensors where a LayerNorm keeps one.
 double activation_bytes_per_layer(int64_t s, int64_t b, const ModelSpec& spec, int64_t t, bool sequence_parallel,
                                   Recompute recompute, bool dropout = true);
+
+// What FP8 linears change in one layer's saved activations, in bytes (most
+// often negative): each linear keeps its input as 1-byte codes (q, k and v
+// each their own copy unless fused; gate and up theirs) where the block kept
+// the input once in the compute `width`, plus 1 byte per weight of the
+// block's linears (`layer_weights`, this rank's). Under full recompute a
+// layer keeps only its input: nothing changes.
+double fp8_linear_activation_change(int64_t s, int64_t b, const ModelSpec& spec, int64_t t, bool sequence_parallel,
+                                    Recompute recompute, double width, double layer_weights);
 
 // Micro-batches whose activations stage `stage` holds at its peak.
 double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64_t microbatches,

@@ -111,6 +111,7 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.microbatches = microbatches;
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
+  l.fp8_linears = c.precision.fp8;
   l.gloo = gloo;
   l.recompute = c.model.activation_checkpointing == "full" ? estimate::Recompute::kFull : estimate::Recompute::kNone;
   if (policy.param != at::kFloat)

@@ -404,6 +404,9 @@ int64_t resume(Run& r) {
     std::printf("scaletrain: resumed from %s (step %lld, saved by %s on %d ranks; loaded in %.3f s)\n", from.c_str(),
                 static_cast<long long>(index.state.step), index.strategy.c_str(), index.world_size,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+  if (r.lead && !r.fp8.empty() && cfg.precision.fp8_recipe == "delayed")
+    std::printf("scaletrain: note: checkpoints do not hold FP8 amax histories yet: the delayed scales start again "
+                "(scale 1 for the first step after resuming)\n");
   return index.state.step;
 }
 

@@ -19,9 +19,9 @@ struct Trained {
   std::vector<nlohmann::json> memory;
 };
 
-// Ports 29960-29969 (the tests above) and 29740-29759 (out of sample).
+// Ports 29960-29969 (the tests above) and 29740-29760 (out of sample).
 Trained train(int nproc, const std::string& name, const std::string& flags, int port) {
-  EXPECT_TRUE((port >= 29960 && port <= 29969) || (port >= 29740 && port <= 29759)) << port;
+  EXPECT_TRUE((port >= 29960 && port <= 29969) || (port >= 29740 && port <= 29760)) << port;
   const fs::path metrics = scratch() / (name + ".jsonl");
   fs::remove(metrics);
   Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
@@ -150,6 +150,12 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_pp2", 2, "--parallel.strategy=ddp --parallel.pp=2 --train.micro_batch=2"},
       {"oos_zero3_bf16_params", 2, "--parallel.strategy=zero3 --precision.mode=bf16 --precision.param_dtype=bf16"},
       {"oos_ddp_bf16_autocast", 1, "--parallel.strategy=ddp --precision.mode=bf16"},
+      // FP8 linears: their inputs and weights kept as 1-byte codes. (ZeRO-3
+      // under bf16 autocast is under-predicted with or without FP8, 0.79 here:
+      // not FP8's part, left for the estimator's own issue.)
+      {"oos_fp8_ddp", 1, "--parallel.strategy=ddp --precision.fp8=true"},
+      {"oos_fp8_ddp_bf16", 1, "--parallel.strategy=ddp --precision.mode=bf16 --precision.fp8=true"},
+      {"oos_fp8_zero3", 2, "--parallel.strategy=zero3 --precision.fp8=true"},
       // The llama family's block (RMSNorm, SwiGLU, grouped-query attention,
       // an untied head): Note [Activations of a block] in estimate/. Both
       // under-predict by about 1 MiB here (measured 0.926 and 0.865): some
@@ -187,7 +193,7 @@ TEST(TrainerMemoryOutOfSample, FinetuneRunsWithinTenPercentOfMeasuredPeak) {
       {"oos_qlora_ddp", 1, "--parallel.strategy=ddp --finetune.method=qlora"},
       {"oos_lora_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --finetune.method=lora"},
   };
-  const auto ends = expect_predictions(cases, shape, 29750);
+  const auto ends = expect_predictions(cases, shape, 29754);
   ASSERT_EQ(ends.size(), cases.size());
   // Model states exactly: the adapters' parameters, gradients and AdamW
   // states, and the frozen base (NF4 bytes for QLoRA), per rank.
