@@ -23,8 +23,11 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   torch::Tensor y;
   if (quantized())
     y = precision::nf4_linear(x, nf4_weight(), bias);
-  else if (fp8)
-    y = bias.defined() ? fp8->matmul(x, weight) + bias : fp8->matmul(x, weight);
+  else if (fp8) {
+    // In the product's dtype (the compute dtype), as torch::linear under autocast adds it.
+    y = fp8->matmul(x, weight);
+    if (bias.defined()) y = y + bias.to(y.scalar_type());
+  }
   else
     y = torch::linear(x, weight, bias);
   return has_adapter() ? y + adapter(x) : y;
