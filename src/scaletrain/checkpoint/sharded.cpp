@@ -46,8 +46,9 @@ std::vector<OutPiece> collect(const Layout& layout, const optim::AdamW* opt, boo
   for (const auto& slot : layout.slots) {
     std::vector<std::pair<const char*, at::Tensor>> sources{{kKinds[0], slot.tensor}};
     if (opt && slot.optim_index >= 0) {
-      sources.emplace_back(kKinds[1], opt->exp_avg().at(slot.optim_index));
-      sources.emplace_back(kKinds[2], opt->exp_avg_sq().at(slot.optim_index));
+      // fp32 values whatever the optimizer stores (Note [FP8 moments] in optim/adamw.h)
+      sources.emplace_back(kKinds[1], opt->exp_avg_value(slot.optim_index));
+      sources.emplace_back(kKinds[2], opt->exp_avg_sq_value(slot.optim_index));
     }
     for (const auto& [kind, t] : sources) {
       at::Tensor flat = t.detach().reshape(-1);
@@ -424,8 +425,10 @@ Index load_checkpoint(const std::string& dir, const Layout& layout, optim::AdamW
   for (const auto& slot : layout.slots) {
     std::vector<std::pair<const char*, at::Tensor>> targets{{kKinds[0], slot.tensor}};
     if (opt && slot.optim_index >= 0) {
-      targets.emplace_back(kKinds[1], opt->exp_avg().at(slot.optim_index));
-      targets.emplace_back(kKinds[2], opt->exp_avg_sq().at(slot.optim_index));
+      // The moments' fp32 values: the stored tensors themselves, or copies
+      // that set_moments() stores (Note [FP8 moments] in optim/adamw.h).
+      targets.emplace_back(kKinds[1], opt->exp_avg_value(slot.optim_index));
+      targets.emplace_back(kKinds[2], opt->exp_avg_sq_value(slot.optim_index));
     }
     for (const auto& [kind, t] : targets) {
       at::Tensor flat = t.detach().view(-1);
@@ -433,6 +436,7 @@ Index load_checkpoint(const std::string& dir, const Layout& layout, optim::AdamW
         reader.copy(std::string(kind) + "/" + p.name, &p.shape, p.param_offset,
                     flat.narrow(0, p.local_offset, p.numel));
     }
+    if (opt && slot.optim_index >= 0) opt->set_moments(slot.optim_index, targets[1].second, targets[2].second);
   }
   if (opt) opt->set_steps(index.state.optimizer_steps);
   return index;

@@ -363,7 +363,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     e.params = shard_weights ? weight_bytes / N : weight_bytes;
     e.gradients = Tr * w.grad / (shard_grad ? N : 1);
     e.master = Tr * w.master / (shard_opt ? N : 1);
-    e.optimizer = Tr * w.optimizer / (shard_opt ? N : 1);
+    e.optimizer = Tr * (l.fp8_moments ? 3.0 : w.optimizer) / (shard_opt ? N : 1);
     if (l.offload_optimizer) {
       e.host += e.master + e.optimizer;
       e.master = e.optimizer = 0;

@@ -88,6 +88,9 @@ struct Layout {
   // compute width (fp8_linear_activation_change), and its backward decodes
   // them to fp32 for the products.
   bool fp8_linears = false;
+  // Adam's moments as FP8 (m) and fp16 (v) with per-tensor scales (MS-AMP O2,
+  // Note [FP8 moments] in optim/adamw.h): 3 bytes per parameter, not 8.
+  bool fp8_moments = false;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)

@@ -1,6 +1,7 @@
 #include "scaletrain/optim/adamw.h"
 
 #include "scaletrain/optim/file_backed.h"
+#include "scaletrain/precision/fp8.h"
 
 #include <torch/torch.h>
 
@@ -28,16 +29,56 @@ AdamW::AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, A
     if (decay_numel_[i] < 0 || decay_numel_[i] > params_[i].numel() ||
         (decay_numel_[i] != 0 && decay_numel_[i] != params_[i].numel() && params_[i].dim() != 1))
       throw std::invalid_argument("AdamW: a partial decay count needs a flat (1-D) tensor");
+  const bool fp8 = options_.fp8_moments;
   for (auto& p : params_) {
+    if (fp8 && p.scalar_type() != at::kFloat)
+      throw std::invalid_argument("AdamW: FP8 moments update fp32 (master) parameters");
+    const at::ScalarType m_dtype = fp8 ? at::kByte : p.scalar_type(), v_dtype = fp8 ? at::kHalf : p.scalar_type();
     if (options_.state_dir.empty()) {
-      m_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
-      v_.push_back(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      m_.push_back(at::zeros(p.sizes(), p.options().dtype(m_dtype)));
+      v_.push_back(at::zeros(p.sizes(), p.options().dtype(v_dtype)));
     } else {
       if (!p.device().is_cpu()) throw std::invalid_argument("AdamW: file-backed states need CPU tensors");
-      m_.push_back(file_backed_zeros(options_.state_dir, p.numel(), p.scalar_type()).view(p.sizes()));
-      v_.push_back(file_backed_zeros(options_.state_dir, p.numel(), p.scalar_type()).view(p.sizes()));
+      m_.push_back(file_backed_zeros(options_.state_dir, p.numel(), m_dtype).view(p.sizes()));
+      v_.push_back(file_backed_zeros(options_.state_dir, p.numel(), v_dtype).view(p.sizes()));
     }
+    m_scale_.push_back(1.0);
+    v_scale_.push_back(1.0);
   }
+}
+
+namespace {
+constexpr double kFp16Max = 65504.0;
+double amax_of(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
+}  // namespace
+
+at::Tensor AdamW::exp_avg_value(size_t i) const {
+  if (!options_.fp8_moments) return m_.at(i);
+  return precision::fp8_dequantize(m_.at(i), precision::Fp8Format::E4M3, m_scale_.at(i), at::kFloat);
+}
+
+at::Tensor AdamW::exp_avg_sq_value(size_t i) const {
+  if (!options_.fp8_moments) return v_.at(i);
+  return v_.at(i).to(at::kFloat) / v_scale_.at(i);
+}
+
+void AdamW::store_moments(size_t i, const at::Tensor& m, const at::Tensor& v) {
+  // Note [FP8 moments]. The scales keep the previous value for an all-zero moment.
+  m_scale_[i] = precision::fp8_scale(amax_of(m), precision::Fp8Format::E4M3, 0, m_scale_[i]);
+  m_[i].copy_(precision::fp8_quantize(m, precision::Fp8Format::E4M3, m_scale_[i]).view(m_[i].sizes()));
+  const double va = amax_of(v);
+  if (va > 0 && std::isfinite(va)) v_scale_[i] = kFp16Max / va;
+  v_[i].copy_((v * v_scale_[i]).to(at::kHalf).view(v_[i].sizes()));
+}
+
+void AdamW::set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) {
+  torch::NoGradGuard no_grad;
+  if (!options_.fp8_moments) {
+    if (!m.is_same(m_.at(i))) m_[i].copy_(m.view(m_[i].sizes()));
+    if (!v.is_same(v_.at(i))) v_[i].copy_(v.view(v_[i].sizes()));
+    return;
+  }
+  store_moments(i, m.to(at::kFloat), v.to(at::kFloat));
 }
 
 void AdamW::step(double lr) {
@@ -57,10 +98,14 @@ void AdamW::step(double lr) {
       else
         p.narrow(0, 0, nd).mul_(1.0 - lr * options_.weight_decay);
     }
-    m_[i].lerp_(g, 1.0 - b1);
-    v_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
-    at::Tensor denom = (v_[i].sqrt() / bc2_sqrt).add_(options_.eps);
-    p.addcdiv_(m_[i], denom, -lr / bc1);
+    // Note [FP8 moments]: the same update on decoded fp32 copies, stored again after.
+    at::Tensor m = options_.fp8_moments ? exp_avg_value(i) : m_[i];
+    at::Tensor v = options_.fp8_moments ? exp_avg_sq_value(i) : v_[i];
+    m.lerp_(g, 1.0 - b1);
+    v.mul_(b2).addcmul_(g, g, 1.0 - b2);
+    at::Tensor denom = (v.sqrt() / bc2_sqrt).add_(options_.eps);
+    p.addcdiv_(m, denom, -lr / bc1);
+    if (options_.fp8_moments) store_moments(i, m, v);
   }
 }
 

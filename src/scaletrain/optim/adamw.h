@@ -23,7 +23,19 @@ struct AdamWOptions {
   // "" keeps the moment estimates in memory; a directory puts them in
   // file-backed mappings there (optim/file_backed.h: optimizer-state offload).
   std::string state_dir;
+  // Note [FP8 moments]: keep the first moment as FP8 E4M3 codes and the
+  // second as fp16, each tensor with a scale of its own (MS-AMP's O2).
+  bool fp8_moments = false;
 };
+
+// Note [FP8 moments]: each step decodes a tensor's moments to fp32, updates
+// them and the parameter exactly as the fp32 optimizer does, and stores them
+// again: m as E4M3 codes at scale 448 / amax(m), v as fp16 at scale
+// 65504 / amax(v) (an amax of 0 keeps the previous scale). That is 3 bytes of
+// state per parameter instead of 8. E4M3 keeps 3 significand bits and about
+// 2^17 of range below a tensor's largest |m|; fp16's range below the largest
+// v reaches 2^-40 with subnormals. Checkpoints hold the moments' fp32 values
+// (exp_avg_value), so they reload under any layout and either format.
 
 class AdamW {
  public:
@@ -45,15 +57,25 @@ class AdamW {
   // are written in place through exp_avg() / exp_avg_sq(), which share storage).
   void set_steps(int64_t steps) { step_ = steps; }
   const std::vector<at::Tensor>& params() const { return params_; }
+  // The stored moments: fp32, or with fp8_moments uint8 codes and fp16 (their bytes are the state's size).
   const std::vector<at::Tensor>& exp_avg() const { return m_; }
   const std::vector<at::Tensor>& exp_avg_sq() const { return v_; }
+  // Moment values of tensor i in fp32, shaped like params()[i]: the stored
+  // tensor itself without fp8_moments (writes reach the state), else a decoded copy.
+  at::Tensor exp_avg_value(size_t i) const;
+  at::Tensor exp_avg_sq_value(size_t i) const;
+  // Sets tensor i's moments from fp32 values (a checkpoint's); nothing to do
+  // when they are the stored tensors themselves.
+  void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v);
   const AdamWOptions& options() const { return options_; }
 
  private:
   std::vector<at::Tensor> params_;
   std::vector<int64_t> decay_numel_;
   std::vector<at::Tensor> m_, v_;
+  std::vector<double> m_scale_, v_scale_;  // fp8_moments: each tensor's scales
   AdamWOptions options_;
+  void store_moments(size_t i, const at::Tensor& m, const at::Tensor& v);
   int64_t step_ = 0;
 };
 

@@ -112,6 +112,7 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
   l.fp8_linears = c.precision.fp8;
+  l.fp8_moments = c.precision.fp8_opt_level == "O2" || c.precision.fp8_opt_level == "O3";
   l.gloo = gloo;
   l.recompute = c.model.activation_checkpointing == "full" ? estimate::Recompute::kFull : estimate::Recompute::kNone;
   if (policy.param != at::kFloat)

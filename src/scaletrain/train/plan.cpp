@@ -176,10 +176,10 @@ void check_fp8(const Config& c, Problems& problems) {
   }
   if (!p.fp8_opt_level.empty() && !p.fp8)
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level + " needs precision.fp8=true (every level has FP8 linears)");
-  if (p.fp8_opt_level == "O2" || p.fp8_opt_level == "O3")
-    problems.add("precision.fp8_opt_level=" + p.fp8_opt_level +
-                 " is not available yet: FP8 optimizer states are not built; O1 (FP8 linears and FP8 gradient "
-                 "communication) is");
+  if (p.fp8_opt_level == "O3")
+    problems.add("precision.fp8_opt_level=O3 is not available yet: FP8 weight all-gathers and fp16 sharded master "
+                 "weights are not built; O1 (FP8 linears and FP8 gradient communication) and O2 (O1 with FP8/fp16 "
+                 "Adam moments) are");
   // O1 and up, and parallel.comm_dtype=fp8: gradients travel as FP8 (Note
   // [FP8 on the wire]), cast from fp32 sums.
   const std::string why = !p.fp8_opt_level.empty() ? "precision.fp8_opt_level=" + p.fp8_opt_level

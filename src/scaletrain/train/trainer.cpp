@@ -60,7 +60,8 @@ std::string fp8_description(const Config& c) {
     out += ", fp8 linears (" + p.fp8_format + ", " +
            (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
                                       : std::string("current scaling")) +
-           ", margin " + std::to_string(p.fp8_margin) + ")" + (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level);
+           ", margin " + std::to_string(p.fp8_margin) + ")" + (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level) +
+           (p.fp8_opt_level == "O2" ? " (Adam moments in FP8 and fp16)" : "");
   if (const auto wire = fp8_wire_format(c.parallel, p))
     out += std::string("; gradients travel as FP8 ") + (*wire == precision::Fp8Format::E5M2 ? "E5M2" : "E4M3");
   return out;
@@ -267,6 +268,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   ao.eps = cfg.train.eps;
   ao.weight_decay = cfg.train.weight_decay;
   if (cfg.parallel.zero.offload_optimizer == "nvme") ao.state_dir = cfg.parallel.zero.offload_dir;
+  ao.fp8_moments = cfg.precision.fp8_opt_level == "O2" || cfg.precision.fp8_opt_level == "O3";
   r.opt = std::make_unique<optim::AdamW>(r.params, r.dp().decay_numel(), ao);
   for (size_t i = 0; i < r.opt->exp_avg().size(); ++i)
     r.opt_bytes += r.opt->exp_avg()[i].nbytes() + r.opt->exp_avg_sq()[i].nbytes();
