@@ -103,6 +103,7 @@ std::string index_to_json(const Index& x) {
                 {"optimizer_steps", x.state.optimizer_steps},
                 {"loss_scaler", x.state.loss_scaler},
                 {"rng_cpu", x.state.rng_cpu}};
+  if (!x.state.fp8_scaling.empty()) j["state"]["fp8_scaling"] = x.state.fp8_scaling;
   json files = json::array();
   for (const auto& f : x.files)
     files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes}, {"crc32", f.crc32}});
@@ -148,6 +149,7 @@ Index index_from_json(const std::string& text, const std::string& source) {
     x.state.optimizer_steps = s.at("optimizer_steps").get<int64_t>();
     x.state.loss_scaler = s.at("loss_scaler").get<std::map<std::string, double>>();
     x.state.rng_cpu = s.at("rng_cpu").get<std::string>();
+    if (s.contains("fp8_scaling")) x.state.fp8_scaling = s.at("fp8_scaling").get<std::vector<double>>();
     for (const auto& f : j.at("files")) {
       const std::string name = f.at("name").get<std::string>();
       if (!plain_name(name))

@@ -86,6 +86,7 @@ struct RunState {
   int64_t optimizer_steps = 0;                // AdamW's bias-correction count (steps minus skipped overflow steps)
   std::map<std::string, double> loss_scaler;  // LossScalerState::to_map(); empty without loss scaling
   std::string rng_cpu;                        // hex of torch's default CPU generator state (rank 0's)
+  std::vector<double> fp8_scaling;            // precision::fp8_scaling_state(); empty without delayed FP8 scaling
 };
 
 struct Index {

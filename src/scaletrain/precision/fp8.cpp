@@ -191,6 +191,20 @@ void DelayedScaling::record(double amax) {
   scale_ = fp8_scale(largest, format_, margin_, scale_);
 }
 
+double DelayedScaling::at_age(size_t age) const {
+  const size_t n = history_.size();
+  return history_.at((next_ + n - 1 - age) % n);
+}
+
+void DelayedScaling::restore(size_t count, double scale, const std::vector<std::pair<size_t, double>>& entries) {
+  const size_t n = std::min(count, static_cast<size_t>(length_));
+  history_.assign(n, 0.0);
+  next_ = n % static_cast<size_t>(length_);
+  for (const auto& [age, amax] : entries)
+    if (age < n) history_[(next_ + n - 1 - age) % n] = amax;
+  scale_ = scale;
+}
+
 double reduce_amax(const at::Tensor& x, const std::vector<comm::Group*>& groups) {
   torch::NoGradGuard no_grad;
   at::Tensor a = x.numel() == 0 ? at::zeros({1}, x.options().dtype(at::kFloat))
@@ -404,6 +418,82 @@ int64_t fp8_all_reduce_bytes(int64_t numel, int world) {
   if (world <= 1) return 0;
   const int64_t c = (numel + world - 1) / world;
   return 2 * world * (c + kScaleBytes);  // the all_to_all's input and the all_gather's piece x world
+}
+
+std::vector<double> fp8_scaling_state(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups) {
+  if (layers.empty() || !layers.front()->options().delayed) return {};
+  // Dense first: per layer and operand [scale if this rank's history has a
+  // nonzero entry else 0, count, amax by age], reduced with MAX.
+  const size_t h = static_cast<size_t>(layers.front()->options().history);
+  const size_t row = 2 + h;
+  std::vector<double> dense(layers.size() * 3 * row, 0.0);
+  for (size_t l = 0; l < layers.size(); ++l)
+    for (int op = 0; op < 3; ++op) {
+      const DelayedScaling& d = layers[l]->history(static_cast<Fp8Linear::Operand>(op));
+      double* r = &dense[(l * 3 + op) * row];
+      bool seen = false;
+      for (size_t a = 0; a < d.history().size(); ++a) {
+        r[2 + a] = d.at_age(a);
+        seen = seen || r[2 + a] > 0;
+      }
+      r[0] = seen ? d.scale() : 0.0;
+      r[1] = static_cast<double>(d.history().size());
+    }
+  at::Tensor t = torch::tensor(dense, torch::kDouble);  // host: the scaling state is a few numbers per layer
+  for (comm::Group* g : groups)
+    if (g != nullptr && g->size() > 1) g->all_reduce(t, comm::ReduceOp::Max).wait();
+  const double* v = t.data_ptr<double>();
+  std::vector<double> out;
+  for (size_t i = 0; i < layers.size() * 3; ++i) {
+    const double* r = v + i * row;
+    const size_t count = static_cast<size_t>(r[1]);
+    std::vector<std::pair<size_t, double>> kept;  // entries larger than every younger one
+    double younger = -1;
+    for (size_t a = 0; a < count; ++a)
+      if (r[2 + a] > younger) {
+        kept.emplace_back(a, r[2 + a]);
+        younger = r[2 + a];
+      }
+    out.push_back(r[0] > 0 ? r[0] : 1.0);
+    out.push_back(static_cast<double>(count));
+    out.push_back(static_cast<double>(kept.size()));
+    for (const auto& [a, amax] : kept) {
+      out.push_back(static_cast<double>(a));
+      out.push_back(amax);
+    }
+  }
+  return out;
+}
+
+void fp8_restore_scaling(const std::vector<Fp8LinearPtr>& layers, const std::vector<double>& state) {
+  size_t at = 0;
+  auto next = [&](const char* what) {
+    if (at >= state.size())
+      throw std::invalid_argument("FP8 scaling state ends early (at " + std::string(what) + "): it is for another model");
+    const double x = state[at++];
+    if (!std::isfinite(x) || x < 0) throw std::invalid_argument(std::string("FP8 scaling state has a bad ") + what);
+    return x;
+  };
+  auto whole = [&](const char* what) {
+    const double x = next(what);
+    if (x != std::floor(x) || x > 1e12) throw std::invalid_argument(std::string("FP8 scaling state has a bad ") + what);
+    return static_cast<size_t>(x);
+  };
+  for (const auto& layer : layers)
+    for (int op = 0; op < 3; ++op) {
+      const double scale = next("scale");
+      if (!(scale > 0)) throw std::invalid_argument("FP8 scaling state has a scale of 0");
+      const size_t count = whole("count"), k = whole("entry count");
+      std::vector<std::pair<size_t, double>> entries;
+      for (size_t e = 0; e < k; ++e) {
+        const size_t age = whole("age");
+        entries.emplace_back(age, next("amax"));
+      }
+      layer->history(static_cast<Fp8Linear::Operand>(op)).restore(count, scale, entries);
+    }
+  if (at != state.size())
+    throw std::invalid_argument("FP8 scaling state has " + std::to_string(state.size() - at) +
+                                " numbers left over: it is for another model");
 }
 
 }  // namespace scaletrain::precision

@@ -57,6 +57,12 @@ class DelayedScaling {
   // and sets the scale for the next cast from the history's largest.
   void record(double amax);
   const std::vector<double>& history() const { return history_; }
+  // The amax recorded `age` casts ago (0: the last); age < history().size().
+  double at_age(size_t age) const;
+  // Note [FP8 scaling state]: sets the history to `count` entries, all 0
+  // except the given (age, amax) pairs, and the scale. Entries older than
+  // this history's length are dropped.
+  void restore(size_t count, double scale, const std::vector<std::pair<size_t, double>>& entries);
 
  private:
   Fp8Format format_;
@@ -123,6 +129,7 @@ class Fp8Linear {
   // uses it, the delayed one its history), noting amax for the step.
   double cast_scale(Operand which, double amax);
   const DelayedScaling& history(Operand which) const { return scaling_[which]; }
+  DelayedScaling& history(Operand which) { return scaling_[which]; }
   // What the loss was multiplied by before backward (loss scale / micro-batches
   // of the step): gradient amaxes and scales are taken relative to it.
   void set_loss_multiplier(double m) { loss_multiplier_ = m; }
@@ -142,6 +149,24 @@ using Fp8LinearPtr = std::shared_ptr<Fp8Linear>;
 // recorded. Collective over the groups; every rank passes its layers in the
 // same order. Nothing to do (and no communication) for the current recipe.
 void fp8_end_step(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups);
+
+// Note [FP8 scaling state]: what a checkpoint keeps of delayed scaling, so a
+// resumed run casts with the scales an uninterrupted one would. A future
+// scale is the largest amax of a sliding window, so an entry matters only
+// while no younger entry is at least as large: per layer and operand (input,
+// weight, gradient) the state is [scale, count, k, then k (age, amax)
+// pairs], the entries larger than every younger one. Under pipeline
+// parallelism a rank records only its stage's layers (the others see amax 0
+// every step), so the state is agreed with one MAX all-reduce over the whole
+// job first; a scale counts only from ranks whose history of that layer is
+// not all zero.
+//
+// The state of `layers` (delayed recipe), agreed over `groups` (collective;
+// every rank passes the same layers); empty for the current recipe.
+std::vector<double> fp8_scaling_state(const std::vector<Fp8LinearPtr>& layers, const std::vector<comm::Group*>& groups);
+// Restores fp8_scaling_state()'s output into `layers`; throws
+// std::invalid_argument saying what does not fit (another model, a corrupt value).
+void fp8_restore_scaling(const std::vector<Fp8LinearPtr>& layers, const std::vector<double>& state);
 
 // Note [FP8 on the wire]: gradients averaged over a group move as FP8 codes,
 // a quarter of fp32's bytes. A flat fp32 tensor of N elements is cut into

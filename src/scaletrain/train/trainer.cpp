@@ -406,9 +406,21 @@ int64_t resume(Run& r) {
     std::printf("scaletrain: resumed from %s (step %lld, saved by %s on %d ranks; loaded in %.3f s)\n", from.c_str(),
                 static_cast<long long>(index.state.step), index.strategy.c_str(), index.world_size,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
-  if (r.lead && !r.fp8.empty() && cfg.precision.fp8_recipe == "delayed")
-    std::printf("scaletrain: note: checkpoints do not hold FP8 amax histories yet: the delayed scales start again "
-                "(scale 1 for the first step after resuming)\n");
+  // Note [FP8 scaling state]: the delayed scales go on where they were.
+  const bool delayed = !r.fp8.empty() && cfg.precision.fp8_recipe == "delayed";
+  if (delayed && !index.state.fp8_scaling.empty()) {
+    try {
+      precision::fp8_restore_scaling(r.fp8, index.state.fp8_scaling);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError("checkpoint " + from + ": " + e.what());
+    }
+  } else if (r.lead && delayed) {
+    std::printf("scaletrain: note: %s holds no FP8 scaling state (saved without delayed FP8 scaling): the scales "
+                "start again from 1\n", from.c_str());
+  } else if (r.lead && !index.state.fp8_scaling.empty()) {
+    std::printf("scaletrain: note: the FP8 scaling state in %s is not used (this run has no delayed FP8 scaling)\n",
+                from.c_str());
+  }
   return index.state.step;
 }
 
@@ -576,7 +588,9 @@ StepMetrics train_step(Run& r, int64_t step) {
 void save_checkpoint(Run& r, int64_t done) {
   checkpoint::SaveState st{
       {done, r.opt->steps(), r.scaler ? r.scaler->state().to_map() : std::map<std::string, double>{},
-       checkpoint::cpu_rng_state()},
+       checkpoint::cpu_rng_state(),
+       // Note [FP8 scaling state]: agreed over the whole job (pipeline stages hold different layers).
+       precision::fp8_scaling_state(r.fp8, {r.world->group().get()})},
       model_shape(r.plan.model)};
   st.model.finetune = r.finetune;
   r.ckpt->save(r.layout, r.opt.get(), st);

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "scaletrain/models/linear.h"
 #include "scaletrain/precision/fp8.h"
@@ -238,6 +239,40 @@ TEST(Fp8Linear, UseFp8ReachesEveryModelsLinear) {
   EXPECT_TRUE(torch::allclose(fp8, plain, 0.2, 0.05)) << "FP8 is an approximation, not noise";
   // The bias is added in full precision after the FP8 product.
   EXPECT_TRUE(torch::allclose(a(x) - a->bias, layers[0]->matmul(x, a->weight), 0, 1e-6));
+}
+
+// Note [FP8 scaling state]: a restored history (only the entries larger than
+// every younger one, the rest 0) gives the same scale as the original after
+// every further record, and the state of layers round-trips; a state for
+// another model or with a bad number is refused.
+TEST(Fp8Scaling, RestoredStateGivesTheSameScales) {
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<double> amax(0.0, 10.0);
+  for (int64_t length : {1, 5, 16}) {
+    Fp8LinearOptions o;
+    o.history = length;
+    auto a = std::make_shared<Fp8Linear>(o), b = std::make_shared<Fp8Linear>(o);
+    for (int s = 0; s < 11; ++s) a->end_step({amax(gen), amax(gen), s % 4 == 0 ? 0.0 : amax(gen)});
+    const std::vector<double> state = fp8_scaling_state({a}, {});
+    // Compressed: never more than the history, usually far less.
+    EXPECT_LE(state.size(), 3 * (3 + 2 * static_cast<size_t>(length)));
+    fp8_restore_scaling({b}, state);
+    for (int s = 0; s < 25; ++s) {
+      for (auto op : {Fp8Linear::Input, Fp8Linear::Weight, Fp8Linear::Grad})
+        ASSERT_EQ(a->scale(op), b->scale(op)) << "history " << length << ", step " << s << ", operand " << op;
+      const std::array<double, 3> next{amax(gen), amax(gen), amax(gen) * (s % 3)};
+      a->end_step(next);
+      b->end_step(next);
+    }
+  }
+  Fp8LinearOptions o;
+  auto one = std::make_shared<Fp8Linear>(o), other = std::make_shared<Fp8Linear>(o);
+  one->end_step({1, 2, 3});
+  std::vector<double> state = fp8_scaling_state({one}, {});
+  EXPECT_THROW(fp8_restore_scaling({one, other}, state), std::invalid_argument);  // another model
+  EXPECT_THROW(fp8_restore_scaling({}, state), std::invalid_argument);
+  state[0] = std::nan("");
+  EXPECT_THROW(fp8_restore_scaling({one}, state), std::invalid_argument);
 }
 
 }  // namespace

@@ -265,11 +265,35 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   EXPECT_NE(o1, fp8);
 }
 
+// Note [FP8 scaling state]: a checkpoint keeps the delayed scaling state, so
+// an FP8 run stopped at step 3 and resumed on the same layout continues bit
+// for bit; stopped under a pipeline (each stage records only its layers) and
+// resumed under DDP, it continues within the invariant's 1e-5. Ports 30718-30722.
+TEST(TrainerStrategies, Fp8ScalingStateResumes) {
+  const std::string fp8 = " --precision.fp8=true --train.sample_tokens=0 --model.n_layer=4";
+  const fs::path same = scratch() / "fp8_same_ckpt", pp = scratch() / "fp8_pp_ckpt";
+  fs::remove_all(same);
+  fs::remove_all(pp);
+  const auto whole = train(2, "fp8_whole", "--parallel.strategy=ddp" + fp8, 30718);
+  ASSERT_EQ(whole.size(), 6u);
+  const std::string stop = " --train.stop_at=3 --checkpoint.dir=";
+  ASSERT_EQ(train(2, "fp8_first", "--parallel.strategy=ddp" + stop + same.string() + fp8, 30719).size(), 3u);
+  const auto second = train(2, "fp8_second", "--parallel.strategy=ddp --checkpoint.dir=" + same.string() + fp8, 30720);
+  ASSERT_EQ(train(2, "fp8_pp_first", "--parallel.pp=2" + stop + pp.string() + fp8, 30721).size(), 3u);
+  const auto from_pp = train(2, "fp8_from_pp", "--parallel.strategy=ddp --checkpoint.dir=" + pp.string() + fp8, 30722);
+  ASSERT_EQ(second.size(), 3u);
+  ASSERT_EQ(from_pp.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(second[i], whole[i + 3]) << "step " << i + 4 << " (bit for bit on the same layout)";
+    EXPECT_NEAR(from_pp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "pp2 -> ddp, step " << i + 4;
+  }
+}
+
 // O2's Adam moments are checkpointed as fp32 values (Note [FP8 moments]): a
 // ZeRO-2 run stopped at step 3 resumes under DDP and continues the
 // uninterrupted curve, and a run that lost its moments would not. Not to
 // 1e-5: the FP8 amax histories start again after a resume, and the moments
-// are cast again at the new layout's scales. Ports 30714-30717.
+// are cast again at the new layout's scales. Ports 30714-30716.
 TEST(TrainerStrategies, Fp8MomentsResumeUnderAnotherLayout) {
   const std::string o2 = " --precision.fp8=true --precision.fp8_opt_level=O2 --train.sample_tokens=0";
   const fs::path dir = scratch() / "o2_ckpt";
