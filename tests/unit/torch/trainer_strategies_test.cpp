@@ -292,8 +292,8 @@ TEST(TrainerStrategies, Fp8ScalingStateResumes) {
 // O2's Adam moments are checkpointed as fp32 values (Note [FP8 moments]): a
 // ZeRO-2 run stopped at step 3 resumes under DDP and continues the
 // uninterrupted curve, and a run that lost its moments would not. Not to
-// 1e-5: the FP8 amax histories start again after a resume, and the moments
-// are cast again at the new layout's scales. Ports 30714-30716.
+// 1e-5: the moments are cast again at the new layout's scales (one per
+// parameter under DDP, one per flat shard under ZeRO-2). Ports 30714-30716.
 TEST(TrainerStrategies, Fp8MomentsResumeUnderAnotherLayout) {
   const std::string o2 = " --precision.fp8=true --precision.fp8_opt_level=O2 --train.sample_tokens=0";
   const fs::path dir = scratch() / "o2_ckpt";
