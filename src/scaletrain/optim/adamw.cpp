@@ -49,7 +49,6 @@ AdamW::AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, A
 
 namespace {
 constexpr double kFp16Max = 65504.0;
-double amax_of(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
 }  // namespace
 
 at::Tensor AdamW::exp_avg_value(size_t i) const {
@@ -64,9 +63,9 @@ at::Tensor AdamW::exp_avg_sq_value(size_t i) const {
 
 void AdamW::store_moments(size_t i, const at::Tensor& m, const at::Tensor& v) {
   // Note [FP8 moments]. The scales keep the previous value for an all-zero moment.
-  m_scale_[i] = precision::fp8_scale(amax_of(m), precision::Fp8Format::E4M3, 0, m_scale_[i]);
+  m_scale_[i] = precision::fp8_scale(precision::reduce_amax(m), precision::Fp8Format::E4M3, 0, m_scale_[i]);
   m_[i].copy_(precision::fp8_quantize(m, precision::Fp8Format::E4M3, m_scale_[i]).view(m_[i].sizes()));
-  const double va = amax_of(v);
+  const double va = precision::reduce_amax(v);
   if (va > 0 && std::isfinite(va)) v_scale_[i] = kFp16Max / va;
   v_[i].copy_((v * v_scale_[i]).to(at::kHalf).view(v_[i].sizes()));
 }

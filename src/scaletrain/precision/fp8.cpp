@@ -53,8 +53,7 @@ struct HostEncoder {
   int min_exponent;    // 1 - bias
   float subnormal;     // 2^(bias - 1 + m)
   uint32_t largest;    // the largest finite code (no sign)
-  uint8_t overflowed;  // the code of a finite overflow (no sign)
-  uint8_t infinite;    // the code of an infinite input (no sign)
+  uint8_t overflowed;  // the code of an overflow, finite or infinite (no sign)
 
   HostEncoder(Fp8Format f, bool saturate) {
     const Fp8Spec s = fp8_spec(f);
@@ -64,7 +63,6 @@ struct HostEncoder {
     subnormal = std::ldexp(1.0f, s.bias - 1 + m);
     largest = f == Fp8Format::E4M3 ? 0x7E : 0x7B;
     overflowed = static_cast<uint8_t>(saturate ? largest : (s.has_inf ? 0x7C : 0x7F));
-    infinite = overflowed;
   }
 
   uint8_t operator()(float y) const {
@@ -73,7 +71,7 @@ struct HostEncoder {
     const auto sign = static_cast<uint8_t>((u >> 24) & 0x80);
     u &= 0x7FFFFFFFu;
     if (u > 0x7F800000u) return sign | 0x7F;        // NaN
-    if (u == 0x7F800000u) return sign | infinite;   // +-inf
+    if (u == 0x7F800000u) return sign | overflowed;  // +-inf
     uint32_t code;
     if (static_cast<int>(u >> 23) - 127 < min_exponent) {
       float a;
