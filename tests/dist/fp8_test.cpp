@@ -10,6 +10,7 @@
 
 #include "dist_env.h"
 #include "scaletrain/comm/mesh.h"
+#include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/precision/fp8.h"
 
 namespace scaletrain::test {
@@ -115,6 +116,45 @@ TEST(Fp8Dist, ANonFiniteGradientReachesEveryRank) {
   precision::fp8_all_reduce_avg(*world().group(), flat, precision::Fp8Format::E5M2).wait();
   EXPECT_FALSE(torch::isfinite(flat).all().item<bool>()) << "an overflow was hidden by the cast";
   EXPECT_EQ(precision::fp8_all_reduce_bytes(1 << 20, 2), 2 * 2 * ((1 << 19) + 8));
+}
+
+// Note [FP8 weight gathers]: a flat buffer gathered as FP8 gives, on every
+// rank and at any world size, each parameter cast by the scalar codec at
+// 448 / amax of the whole parameter (agreed from the pieces the ranks hold),
+// decoded and divided by that scale; an exact gather gives the values.
+TEST(Fp8Dist, WeightGatherEqualsTheCodecReference) {
+  torch::manual_seed(5);  // the same values on every rank
+  // 35 + 11 + 12 elements: shard boundaries fall inside parameters at w = 2 and 3.
+  std::vector<at::Tensor> values{torch::randn({7, 5}) * 0.02, torch::randn({11}) * 3, torch::randn({3, 4}) * 1e-3};
+  values[1][9] = -9.5;  // the largest magnitude sits in the last rank's shard
+  std::vector<at::Tensor> params;
+  for (auto& v : values) params.push_back(v.clone().requires_grad_(true));
+  parallel::fsdp::FlatParamOptions o;
+  o.fp8_gather = precision::Fp8Format::E4M3;
+  parallel::fsdp::FlatParam flat("unit", {"a", "b", "c"}, params, 1, *world().group(), o);
+  at::Tensor amax = torch::tensor(flat.fp8_local_amax(), at::kDouble);
+  world().group()->all_reduce(amax, comm::ReduceOp::Max).wait();
+  flat.set_fp8_amax(std::vector<double>(amax.data_ptr<double>(), amax.data_ptr<double>() + amax.numel()));
+  flat.start_unshard().wait();
+  for (size_t i = 0; i < values.size(); ++i) {
+    const double scale = 448.0 / values[i].abs().max().item<double>();
+    EXPECT_DOUBLE_EQ(flat.fp8_scales()[i], scale) << "parameter " << i;
+    const at::Tensor v = values[i].reshape({-1}).contiguous(), got = params[i].detach().reshape({-1}).contiguous();
+    int wrong = 0;
+    for (int64_t j = 0; j < v.numel(); ++j) {
+      const float x = v.data_ptr<float>()[j];
+      const float want = precision::fp8_decode(precision::fp8_encode(x * static_cast<float>(scale),
+                                                                     precision::Fp8Format::E4M3, true),
+                                               precision::Fp8Format::E4M3) /
+                         static_cast<float>(scale);
+      wrong += got.data_ptr<float>()[j] != want ? 1 : 0;
+    }
+    EXPECT_EQ(wrong, 0) << "parameter " << i << ": elements that differ from the codec's cast";
+    EXPECT_FALSE(at::equal(params[i].detach(), values[i])) << "parameter " << i << " was not cast";
+  }
+  flat.reshard();
+  flat.start_unshard(/*exact=*/true).wait();
+  for (size_t i = 0; i < values.size(); ++i) EXPECT_TRUE(at::equal(params[i].detach(), values[i])) << i;
 }
 
 }  // namespace

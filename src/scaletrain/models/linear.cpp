@@ -48,6 +48,14 @@ std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const prec
   return out;
 }
 
+std::vector<std::string> fp8_weight_names(torch::nn::Module& root) {
+  std::vector<std::string> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/true))
+    if (auto* l = item.value()->as<LinearImpl>(); l != nullptr && !l->quantized())
+      out.push_back(item.key().empty() ? "weight" : item.key() + ".weight");
+  return out;
+}
+
 torch::Tensor LinearImpl::adapter(const torch::Tensor& x, const std::function<torch::Tensor(const torch::Tensor&)>& middle) {
   if (!has_adapter()) return {};
   const torch::Tensor in = dropout_ > 0 ? torch::dropout(x, dropout_, is_training()) : x;

@@ -77,6 +77,9 @@ TORCH_MODULE(Linear);
 // returns them in module order, the same on every rank that built the same
 // model. A quantized (NF4) layer is refused.
 std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const precision::Fp8LinearOptions& o);
+// The names (relative to `root`) of the weights use_fp8 would cast: what
+// MS-AMP's O3 gathers as FP8 (Note [FP8 weight gathers] in parallel/fsdp).
+std::vector<std::string> fp8_weight_names(torch::nn::Module& root);
 
 // The suffixes of Note [NF4 parameters], in registration order.
 const std::vector<std::string>& nf4_parameter_suffixes();

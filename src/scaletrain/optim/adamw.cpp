@@ -31,8 +31,8 @@ AdamW::AdamW(std::vector<at::Tensor> params, std::vector<int64_t> decay_numel, A
       throw std::invalid_argument("AdamW: a partial decay count needs a flat (1-D) tensor");
   const bool fp8 = options_.fp8_moments;
   for (auto& p : params_) {
-    if (fp8 && p.scalar_type() != at::kFloat)
-      throw std::invalid_argument("AdamW: FP8 moments update fp32 (master) parameters");
+    if (fp8 && p.scalar_type() != at::kFloat && p.scalar_type() != at::kHalf)
+      throw std::invalid_argument("AdamW: FP8 moments update fp32 or fp16 (master) parameters");
     const at::ScalarType m_dtype = fp8 ? at::kByte : p.scalar_type(), v_dtype = fp8 ? at::kHalf : p.scalar_type();
     if (options_.state_dir.empty()) {
       m_.push_back(at::zeros(p.sizes(), p.options().dtype(m_dtype)));
@@ -87,9 +87,13 @@ void AdamW::step(double lr) {
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step_));
   const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, static_cast<double>(step_)));
   for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& p = params_[i];
-    const at::Tensor& g = p.grad();
+    at::Tensor& master = params_[i];
+    const at::Tensor& g = master.grad();
     if (!g.defined()) continue;
+    // Note [FP8 moments]: an fp16 master (O3) is updated on an fp32 copy and
+    // rounded back once.
+    const bool narrow = options_.fp8_moments && master.scalar_type() != at::kFloat;
+    at::Tensor p = narrow ? master.to(at::kFloat) : master;
     const int64_t nd = decay_numel_[i];
     if (nd > 0 && options_.weight_decay != 0) {
       if (nd == p.numel())
@@ -104,6 +108,7 @@ void AdamW::step(double lr) {
     v.mul_(b2).addcmul_(g, g, 1.0 - b2);
     at::Tensor denom = (v.sqrt() / bc2_sqrt).add_(options_.eps);
     p.addcdiv_(m, denom, -lr / bc1);
+    if (narrow) master.copy_(p);
     if (options_.fp8_moments) store_moments(i, m, v);
   }
 }

@@ -36,6 +36,11 @@ struct AdamWOptions {
 // 2^17 of range below a tensor's largest |m|; fp16's range below the largest
 // v reaches 2^-40 with subnormals. Checkpoints hold the moments' fp32 values
 // (exp_avg_value), so they reload under any layout and either format.
+// With FP8 moments the parameters may be fp16 (MS-AMP's O3: sharded fp16
+// master weights): the decay and the update are applied to an fp32 copy and
+// the result is rounded to fp16 once, so an update smaller than half an fp16
+// step of its weight is lost (the price of 2 bytes per master weight). Their
+// gradients may be fp32.
 
 class AdamW {
  public:

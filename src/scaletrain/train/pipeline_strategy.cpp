@@ -48,7 +48,9 @@ class PipelineStrategy final : public DataParallel {
       label_ = setup.label;
       shard_group_ = setup.shard;
       for (const auto& ch : pipe_->chunks()) {
-        auto r = std::make_shared<pl::ShardedRunner>(ch, world, *setup.shard, setup.replicate, setup.options);
+        parallel::fsdp::ShardedOptions o = setup.options;
+        select_fp8_weights(o, *ch.ptr());
+        auto r = std::make_shared<pl::ShardedRunner>(ch, world, *setup.shard, setup.replicate, o);
         for (auto& s : r->engine().shards()) params_.push_back(s);
         for (auto d : r->engine().shard_decay_numel()) decay_.push_back(d);
         engines_.push_back(r);

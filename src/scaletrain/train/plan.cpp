@@ -176,10 +176,16 @@ void check_fp8(const Config& c, Problems& problems) {
   }
   if (!p.fp8_opt_level.empty() && !p.fp8)
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level + " needs precision.fp8=true (every level has FP8 linears)");
-  if (p.fp8_opt_level == "O3")
-    problems.add("precision.fp8_opt_level=O3 is not available yet: FP8 weight all-gathers and fp16 sharded master "
-                 "weights are not built; O1 (FP8 linears and FP8 gradient communication) and O2 (O1 with FP8/fp16 "
-                 "Adam moments) are");
+  // O3 gathers FP8 weights and keeps fp16 masters in the shards (Note [FP8
+  // weight gathers] in parallel/fsdp): it needs parameters that are sharded.
+  const bool sharded_params = c.parallel.strategy == "zero3" ||
+                              (c.parallel.strategy == "fsdp" && c.parallel.fsdp.sharding_strategy != "NO_SHARD");
+  if (p.fp8_opt_level == "O3" && !sharded_params)
+    problems.add("precision.fp8_opt_level=O3 gathers FP8 weights and shards fp16 master weights: it needs "
+                 "parallel.strategy=zero3 or fsdp with a sharding_strategy other than NO_SHARD (it is " +
+                 c.parallel.strategy +
+                 (c.parallel.strategy == "fsdp" ? " " + c.parallel.fsdp.sharding_strategy : std::string()) +
+                 "; O2 works with every strategy)");
   // O1 and up, and parallel.comm_dtype=fp8: gradients travel as FP8 (Note
   // [FP8 on the wire]), cast from fp32 sums.
   const std::string why = !p.fp8_opt_level.empty() ? "precision.fp8_opt_level=" + p.fp8_opt_level

@@ -471,6 +471,14 @@ void set_offload(const Config& c, const Plan& plan, parallel::fsdp::ShardedOptio
 }  // namespace
 
 
+void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& module) {
+  if (!o.fp8_gather) return;
+  const auto names = models::fp8_weight_names(module);
+  o.fp8_gather_param = [set = std::set<std::string>(names.begin(), names.end())](const std::string& name) {
+    return set.count(name) > 0;
+  };
+}
+
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
 ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) {
   const auto& p = c.parallel;
@@ -511,6 +519,15 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
   }
   o.reduce_dtype = plan.policy.reduce;
   o.fp8_reduce = fp8_wire_format(c.parallel, c.precision);
+  if (c.precision.fp8_opt_level == "O3") {
+    // MS-AMP's O3: fp16 masters (fp32 gradient shards), and the FP8 linears'
+    // weights gathered as E4M3 (Note [FP8 weight gathers] in parallel/fsdp);
+    // select_fp8_weights() names them once the model exists.
+    o.master_dtype = at::kHalf;
+    o.grad_dtype = at::kFloat;
+    o.fp8_gather = precision::Fp8Format::E4M3;
+    if (p.tp > 1) o.fp8_amax_groups = {&mesh.tp()};
+  }
   set_offload(c, plan, o);
   // zero3 always, fsdp with cpu_ram_efficient_loading (like DeepSpeed's
   // zero.Init): never build the whole model; make_plan says when it cannot.
@@ -572,6 +589,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   }
   if (o.deferred_init) o.deferred_init = drawn_on_host(std::move(o.deferred_init));
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
+  select_fp8_weights(o, *out.model);
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,
                                                setup.label, std::move(tp_plan));

@@ -88,6 +88,9 @@ struct ShardedSetup {
   std::string label;                 // for describe()
 };
 ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& mesh);
+// With FP8 weight gathers (precision.fp8_opt_level=O3), selects the weights
+// of `module`'s FP8 linears (models::fp8_weight_names) as the ones to gather in FP8.
+void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& module);
 // DDP's options from the parallel section (bucket caps, unused parameters,
 // comm dtype) and the precision section (FP8 gradient communication).
 parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision);

@@ -61,7 +61,9 @@ std::string fp8_description(const Config& c) {
            (p.fp8_recipe == "delayed" ? "delayed scaling over " + std::to_string(p.fp8_amax_history) + " steps"
                                       : std::string("current scaling")) +
            ", margin " + std::to_string(p.fp8_margin) + ")" + (p.fp8_opt_level.empty() ? "" : ", " + p.fp8_opt_level) +
-           (p.fp8_opt_level == "O2" ? " (Adam moments in FP8 and fp16)" : "");
+           (p.fp8_opt_level == "O2"   ? " (Adam moments in FP8 and fp16)"
+            : p.fp8_opt_level == "O3" ? " (Adam moments in FP8 and fp16, fp16 master weights, FP8 weight gathers)"
+                                      : "");
   if (const auto wire = fp8_wire_format(c.parallel, p))
     out += std::string("; gradients travel as FP8 ") + (*wire == precision::Fp8Format::E5M2 ? "E5M2" : "E4M3");
   return out;

@@ -66,6 +66,12 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
     shard_ = mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
   }
   if (options_.reduce_dtype == at::ScalarType::Undefined) options_.reduce_dtype = full_.scalar_type();
+  if (options_.grad_dtype == at::ScalarType::Undefined) options_.grad_dtype = options_.master_dtype;
+  if (options_.fp8_gather) {
+    if (options_.replicated_params)
+      throw std::invalid_argument("FlatParam: FP8 weight gathers need sharded parameters (unit " + unit_ + ")");
+    fp8_scales_.assign(params_.size(), 1.0);
+  }
   if (trainable_) {
     grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
     for (size_t i = 0; i < params_.size(); ++i)
@@ -152,18 +158,64 @@ int64_t FlatParam::shard_decay_numel() const {
 
 int64_t FlatParam::full_bytes() const { return static_cast<int64_t>(full_.storage().nbytes()); }
 
-comm::Work FlatParam::start_unshard() {
+std::vector<double> FlatParam::fp8_local_amax() const {
+  torch::NoGradGuard no_grad;
+  std::vector<double> out(params_.size(), 0.0);
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t lo = std::max(offsets_[i], begin), hi = std::min(offsets_[i] + params_[i].numel(), begin + k_);
+    if (lo < hi) out[i] = shard_.narrow(0, lo - begin, hi - lo).abs().max().item<double>();
+  }
+  return out;
+}
+
+void FlatParam::set_fp8_amax(const std::vector<double>& amax) {
+  if (!options_.fp8_gather) return;
+  TORCH_CHECK(amax.size() == fp8_scales_.size(), "FlatParam: one amax per parameter of unit ", unit_);
+  for (size_t i = 0; i < amax.size(); ++i)
+    fp8_scales_[i] = precision::fp8_scale(amax[i], *options_.fp8_gather, /*margin=*/0, fp8_scales_[i]);
+}
+
+comm::Work FlatParam::start_unshard(bool exact) {
   if (unsharded()) return comm::Work();
   models::alloc_storage(full_);
   torch::NoGradGuard no_grad;
   at::Tensor src;
+  const bool fp8 = options_.fp8_gather && !exact;
+  const at::ScalarType wire = fp8 ? at::kFloat : full_.scalar_type();
   if (device_shard_.defined())
     src = device_shard_;
   else if (offloaded())  // parameter offload: host to device, every gather (a copy even when they are one memory)
-    src = shard_.to(full_.device(), full_.scalar_type(), /*non_blocking=*/shard_.is_pinned(), /*copy=*/true);
+    src = shard_.to(full_.device(), wire, /*non_blocking=*/shard_.is_pinned(), /*copy=*/true);
   else
-    src = shard_.scalar_type() == full_.scalar_type() ? shard_ : shard_.to(full_.scalar_type());
-  return group_.all_gather(src.detach(), full_);
+    src = shard_.scalar_type() == wire ? shard_ : shard_.to(wire);
+  if (!fp8) return group_.all_gather(src.detach(), full_);
+  // Note [FP8 weight gathers]: this rank's pieces as codes, each with its
+  // parameter's scale; the padding stays code 0 (+0).
+  const precision::Fp8Format format = *options_.fp8_gather;
+  at::Tensor codes = at::zeros({k_}, full_.options().dtype(at::kByte).requires_grad(false));
+  const int64_t begin = static_cast<int64_t>(group_.rank()) * k_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t lo = std::max(offsets_[i], begin), hi = std::min(offsets_[i] + params_[i].numel(), begin + k_);
+    if (lo < hi)
+      codes.narrow(0, lo - begin, hi - lo)
+          .copy_(precision::fp8_quantize(src.narrow(0, lo - begin, hi - lo), format, fp8_scales_[i]));
+  }
+  at::Tensor gathered = at::empty({padded_numel()}, codes.options());
+  std::vector<int64_t> sizes;
+  for (const auto& p : params_) sizes.push_back(p.numel());
+  comm::Work w = group_.all_gather(codes, gathered);
+  w.and_then([full = full_, gathered, offsets = offsets_, sizes, scales = fp8_scales_, format, numel = numel_]() {
+    torch::NoGradGuard guard;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const int64_t n = sizes[i];
+      full.narrow(0, offsets[i], n)
+          .copy_(precision::fp8_dequantize(gathered.narrow(0, offsets[i], n), format, scales[i], full.scalar_type()));
+    }
+    full.narrow(0, numel, full.numel() - numel).zero_();
+    return comm::Work();
+  });
+  return w;
 }
 
 void FlatParam::reshard() {
@@ -220,10 +272,10 @@ void FlatParam::finish_reduce() {
   at::Tensor& g = shard_.mutable_grad();
   if (!g.defined()) {
     if (offloaded()) {  // Note [Offloaded shards]: the gradient lives with its shard
-      g = options_.offload_alloc(k_, shard_.scalar_type(), /*gradient=*/true);
+      g = options_.offload_alloc(k_, options_.grad_dtype, /*gradient=*/true);
       g.copy_(reduce_out_);
     } else {
-      g = reduce_out_.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      g = reduce_out_.to(options_.grad_dtype, /*non_blocking=*/false, /*copy=*/true);
     }
   } else {
     g.add_(reduce_out_.to(g.device()));

@@ -38,6 +38,19 @@
 //     gathered (read_ahead()), so the copy finds them in memory.
 // On a CPU device "host" and "device" are the same memory: the same code runs,
 // with host-to-host copies, so CI exercises every path.
+//
+// Note [FP8 weight gathers] (MS-AMP's O3): a buffer of sharded parameters can
+// be gathered as FP8 codes, a quarter of fp32's bytes on the wire. Each
+// parameter has one scale, fp8_max / amax of the whole parameter, and every
+// rank must cast with it: the amax of a parameter spread over several shards
+// is agreed with a MAX all-reduce (the engine does it once per optimizer
+// step, for every buffer at once, from fp8_local_amax()). Because the scale
+// belongs to the parameter and not to the chunk a rank holds, the gathered
+// values do not depend on the world size: a parameter decodes to the same
+// values on 1 rank as on 8. The codes arrive in a uint8 buffer and are
+// decoded into `full`, which keeps the parameter dtype (compute reads it).
+// Gathers that must see the exact values (FullParams: evaluation, export)
+// ask for them (start_unshard(exact=true)).
 #include <ATen/ATen.h>
 
 #include <functional>
@@ -67,6 +80,13 @@ struct FlatParamOptions {
   // replicas) as FP8 codes in this format (Note [FP8 on the wire] in
   // precision/fp8.h); needs an fp32 reduce_dtype. Unset: reduce_dtype on the wire.
   std::optional<precision::Fp8Format> fp8_reduce;
+  // Note [FP8 weight gathers]: parameters are all-gathered as FP8 codes in
+  // this format, each parameter with its own scale (set_fp8_amax()); unset:
+  // in the parameter dtype.
+  std::optional<precision::Fp8Format> fp8_gather;
+  // Dtype of the gradient shard; Undefined = master_dtype (fp16 masters keep
+  // fp32 gradients, whose small values fp16 would flush to zero).
+  at::ScalarType grad_dtype = at::ScalarType::Undefined;
   // Note [Offloaded shards]: allocates `numel` elements of `dtype` off the
   // device for the shard, or for its gradient (`gradient`: never a file);
   // null keeps them beside the parameters.
@@ -128,9 +148,18 @@ class FlatParam {
   using SliceFill = std::function<void(const std::string& name, int64_t begin, int64_t count, at::Tensor& out)>;
   void load_param_slice(size_t i, const SliceFill& fill);
 
-  // Starts gathering `full` from every rank's shard (allocates it first).
+  // Starts gathering `full` from every rank's shard (allocates it first), as
+  // FP8 codes with fp8_gather unless `exact` (Note [FP8 weight gathers]).
   // A replicated buffer is always unsharded: nothing to do.
-  [[nodiscard]] comm::Work start_unshard();
+  [[nodiscard]] comm::Work start_unshard(bool exact = false);
+  // Note [FP8 weight gathers]: the largest magnitude of each parameter within
+  // this rank's shard (0 for one the shard does not hold); after they are
+  // reduced with MAX over the group, set_fp8_amax() sets the scales from them.
+  bool fp8_gathered() const { return options_.fp8_gather.has_value(); }
+  std::vector<double> fp8_local_amax() const;
+  void set_fp8_amax(const std::vector<double>& amax);
+  const std::vector<double>& fp8_scales() const { return fp8_scales_; }
+  at::ScalarType grad_dtype() const { return options_.grad_dtype; }
   // Releases `full`'s bytes (unless replicated).
   void reshard();
   // Offloaded file-backed shards: starts reading the shard's pages into
@@ -191,6 +220,7 @@ class FlatParam {
   at::Tensor reduce_in_;   // grad_full cast to reduce_dtype while its reduce is in flight
   at::Tensor reduce_out_;  // [k] scratch of the reduce in flight (ZeRO-1: the shard's chunk)
   bool reduced_ = false;   // ZeRO-1: the chunk holds reduced values until zero_grad()
+  std::vector<double> fp8_scales_;  // per parameter (Note [FP8 weight gathers])
 };
 
 }  // namespace scaletrain::parallel::fsdp

@@ -9,9 +9,11 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/optim/adamw.h"
@@ -126,6 +128,10 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   void reshard_flats(size_t u, bool trainable);
   void release_frozen(size_t u);
   void wait_gathers();
+  // Note [FP8 weight gathers]: agrees every FP8-gathered parameter's amax
+  // (collective over the shard group and fp8_amax_groups) and sets the scales.
+  void refresh_fp8_scales();
+  bool exact_gathers = false;  // FullParams: gather exact values
   // Starts gathering units from `u` on in direction `dir` (+1 forward, -1
   // backward) within the prefetch budget.
   void prefetch(size_t u, int dir);
@@ -152,7 +158,7 @@ void ShardedDataParallel::State::start_unshard(size_t u) {
     unit.stale = false;
   } else {
     if (unit.unsharded()) return;
-    for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard());
+    for (auto& f : unit.flats) unit.gathers.push_back(f->start_unshard(exact_gathers));
     // File-backed shards of the units next in either direction (Note [Offloaded shards]).
     for (size_t v : {u + 1, u - 1})
       if (v < units.size())
@@ -171,6 +177,33 @@ int64_t ShardedDataParallel::State::live_numel() const {
   for (auto& unit : units)
     if (unit.gathering || unit.unsharded()) n += unit.numel;
   return n;
+}
+
+void ShardedDataParallel::State::refresh_fp8_scales() {
+  if (!options.fp8_gather) return;
+  std::vector<FlatParam*> flats;
+  std::vector<double> amax;
+  for (auto& unit : units)
+    for (auto& f : unit.flats)
+      if (f->fp8_gathered()) {
+        flats.push_back(f.get());
+        for (double a : f->fp8_local_amax()) amax.push_back(a);
+      }
+  if (flats.empty()) return;
+  at::Tensor t = at::tensor(amax, at::TensorOptions().dtype(at::kDouble));
+  // NaN would be lost by MAX on some backends: it goes as infinity, which
+  // keeps the previous scale all the same (Note [FP8 scaling] in precision/fp8.h).
+  t = at::nan_to_num(t, std::numeric_limits<double>::infinity()).to(flats.front()->shard().device());
+  shard->all_reduce(t, comm::ReduceOp::Max).wait();
+  for (comm::Group* g : options.fp8_amax_groups)
+    if (g != nullptr && g->size() > 1) g->all_reduce(t, comm::ReduceOp::Max).wait();
+  t = t.cpu();
+  const double* a = t.data_ptr<double>();
+  for (FlatParam* f : flats) {
+    const size_t n = f->params().size();
+    f->set_fp8_amax(std::vector<double>(a, a + n));
+    a += n;
+  }
 }
 
 // Before anything may write into the shards (the optimizer step), no gather
@@ -441,20 +474,28 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   fo.keep_full_grads = options_.sharding == Sharding::Zero1;
   fo.reduce_dtype = options_.reduce_dtype;
   fo.fp8_reduce = options_.fp8_reduce;
+  if (options_.fp8_gather && replicated_params(options_.sharding))
+    throw std::invalid_argument(to_string(options_.sharding) + " keeps parameters whole: FP8 weight gathers need "
+                                "sharded parameters");
   std::vector<Slot> where(named.size());  // every parameter's place, for deferred init
   for (size_t u = 0; u < s.units.size(); ++u) {
-    // key: (dtype, trainable) -> (decayed, not decayed) indices into `named`
-    std::map<std::pair<int, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
+    // key: (dtype, trainable, FP8-gathered) -> (decayed, not decayed) indices into `named`
+    std::map<std::tuple<int, bool, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
     for (size_t i = 0; i < named.size(); ++i) {
       const int64_t b = block_of_param[i];
       const size_t owner = b < 0 ? 0 : s.unit_of_block[static_cast<size_t>(b)];
       if (owner != u) continue;
       const at::Tensor& p = named[i].value();
-      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad()}];
+      const bool fp8 = options_.fp8_gather && p.requires_grad() && options_.fp8_gather_param &&
+                       options_.fp8_gather_param(named[i].key());
+      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad(), fp8}];
       (p.requires_grad() && p.dim() >= 2 ? g.first : g.second).push_back(i);
     }
     Unit& unit = s.units[u];
-    for (auto& [key, members] : groups) {
+    for (auto& [key_fp8, members] : groups) {
+      const std::pair<int, bool> key{std::get<0>(key_fp8), std::get<1>(key_fp8)};
+      fo.fp8_gather = std::get<2>(key_fp8) ? options_.fp8_gather : std::nullopt;
+      fo.grad_dtype = key.second ? options_.grad_dtype : at::ScalarType::Undefined;
       std::vector<size_t> order = members.first;
       order.insert(order.end(), members.second.begin(), members.second.end());
       std::vector<std::string> names;
@@ -510,6 +551,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   if (deferred)  // optimizer offload's device copies of the values just loaded
     for (auto& unit : s.units)
       for (auto& f : unit.flats) f->refresh_device_copy();
+  s.refresh_fp8_scales();
 
   // 4. Hooks: after each gradient's accumulation, and around every block.
   std::weak_ptr<State> weak = state_;
@@ -557,7 +599,7 @@ void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor&
       for (const ShardPiece& piece : f->pieces()) {
         if (piece.name != name) continue;
         at::Tensor& g = f->shard().mutable_grad();
-        if (!g.defined()) g = at::zeros_like(f->shard());
+        if (!g.defined()) g = at::zeros_like(f->shard(), f->shard().options().dtype(f->grad_dtype()));
         g.narrow(0, piece.shard_offset, piece.numel)
             .add_(flat.narrow(0, piece.param_offset, piece.numel).to(g.scalar_type()));
       }
@@ -626,6 +668,7 @@ void ShardedDataParallel::after_step() {
     // Optimizer offload keeps a device copy of each stepped host shard.
     for (auto& unit : state_->units)
       for (auto& f : unit.flats) f->refresh_device_copy();
+    state_->refresh_fp8_scales();
     return;
   }
   state_->wait_gathers();
@@ -639,8 +682,10 @@ void ShardedDataParallel::zero_grad() {
 
 ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
   std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
+  e_.state_->exact_gathers = true;
   for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->start_unshard(u);
   for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->unshard(u);
+  e_.state_->exact_gathers = false;
   e_.state_->summoned = true;
 }
 

@@ -89,6 +89,17 @@ struct ShardedOptions {
   at::ScalarType reduce_dtype = at::ScalarType::Undefined;
   // FP8 gradient reduction (FlatParamOptions::fp8_reduce); unset: reduce_dtype.
   std::optional<precision::Fp8Format> fp8_reduce;
+  // Note [FP8 weight gathers] (flat_param.h), sharded strategies only: the
+  // trainable parameters fp8_gather_param selects travel as FP8 codes in
+  // every gather of a step (FullParams gathers exact values). They get flat
+  // buffers of their own, so the others keep the parameter dtype. Each
+  // parameter's amax is agreed over the shard group and `fp8_amax_groups`
+  // (tensor parallelism: the pieces of a split weight) after every step.
+  std::optional<precision::Fp8Format> fp8_gather;
+  std::function<bool(const std::string& name)> fp8_gather_param;
+  std::vector<comm::Group*> fp8_amax_groups;
+  // Dtype of the trainable gradient shards; Undefined = master_dtype.
+  at::ScalarType grad_dtype = at::ScalarType::Undefined;
   // Memory-efficient initialization: the model was built without parameter
   // bytes (models/deferred.h); each parameter is initialized by this function
   // into a temporary, one at a time in registration order (on rank 0 only and
