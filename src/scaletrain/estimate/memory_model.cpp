@@ -363,6 +363,12 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     e.params = shard_weights ? weight_bytes / N : weight_bytes;
     e.gradients = Tr * w.grad / (shard_grad ? N : 1);
     e.master = Tr * w.master / (shard_opt ? N : 1);
+    if (l.fp16_masters) {  // O3: the trainable shards (or the separate masters) are fp16
+      if (w.master > 0)
+        e.master = Tr * 2.0 / (shard_opt ? N : 1);
+      else if (shard_weights)
+        e.params -= Tr * (w.weight - 2.0) / N;
+    }
     e.optimizer = Tr * (l.fp8_moments ? 3.0 : w.optimizer) / (shard_opt ? N : 1);
     if (l.offload_optimizer) {
       e.host += e.master + e.optimizer;

@@ -91,6 +91,10 @@ struct Layout {
   // Adam's moments as FP8 (m) and fp16 (v) with per-tensor scales (MS-AMP O2,
   // Note [FP8 moments] in optim/adamw.h): 3 bytes per parameter, not 8.
   bool fp8_moments = false;
+  // Sharded master weights in fp16 with fp32 gradient shards (MS-AMP O3,
+  // Note [FP8 weight gathers] in parallel/fsdp): 2 bytes per trainable
+  // parameter where the master took 4; gathered weights keep their width.
+  bool fp16_masters = false;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)

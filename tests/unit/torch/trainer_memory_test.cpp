@@ -156,6 +156,16 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_fp8_ddp", 1, "--parallel.strategy=ddp --precision.fp8=true"},
       {"oos_fp8_ddp_bf16", 1, "--parallel.strategy=ddp --precision.mode=bf16 --precision.fp8=true"},
       {"oos_fp8_zero3", 2, "--parallel.strategy=zero3 --precision.fp8=true"},
+      // MS-AMP's O2 (3 bytes of Adam state per parameter) and O3 (and fp16
+      // master shards): their model states are checked exactly below. O3 is
+      // over-predicted (measured 1.117): the estimator does not count the
+      // buffer Gloo flattens a ZeRO-3 gather's output into (4 bytes per
+      // gathered fp32 element, which hides under the under-predictions of
+      // oos_fp8_zero3 and the ZeRO-3 fine-tuning runs), and O3's FP8 gathers
+      // shrink that buffer to 1 byte per element of the linears' weights.
+      // Held to 15% until the estimator counts gather staging.
+      {"oos_fp8_o2_zero3", 2, "--parallel.strategy=zero3 --precision.fp8=true --precision.fp8_opt_level=O2"},
+      {"oos_fp8_o3_zero3", 2, "--parallel.strategy=zero3 --precision.fp8=true --precision.fp8_opt_level=O3", 0.15},
       // The llama family's block (RMSNorm, SwiGLU, grouped-query attention,
       // an untied head): Note [Activations of a block] in estimate/. Both
       // under-predict by about 1 MiB here (measured 0.926 and 0.865): some
@@ -165,7 +175,14 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_llama_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --model.preset=llama-tiny --model.n_kv_head=2",
        0.15},
   };
-  expect_predictions(cases, shape, 29740);
+  const auto ends = expect_predictions(cases, shape, 29740);
+  ASSERT_EQ(ends.size(), cases.size());
+  for (size_t i = 0; i < ends.size(); ++i) {
+    if (std::string(cases[i].name).rfind("oos_fp8_o", 0) != 0) continue;
+    EXPECT_NEAR(mib(ends[i], "measured_mib", "states"), mib(ends[i], "predicted_mib", "states"),
+                0.02 * mib(ends[i], "predicted_mib", "states"))
+        << cases[i].name;
+  }
 }
 
 // Fine-tuning runs, out of sample in the same sense: the adapters' states

@@ -232,9 +232,12 @@ TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
 // sum to FP8 before sending it (Note [FP8 on the wire]), which one process
 // never does, and E5M2 keeps 2 significand bits. Measured over the 6 steps:
 // at most 1.2e-4 (O1, O2) and 4.0e-4 (O3), against 5.9e-4 between O2 and O3
-// on one rank; a scale that ranks did not agree on is off by orders more.
-// O3 (FP8 weight gathers, fp16 masters) needs sharded parameters, so it runs
-// under ZeRO-3, FSDP and ZeRO-3 with tp=2 instead of DDP. Ports 30724-30735.
+// on one rank; gather scales the data-parallel ranks did not agree on give
+// 4.8e-2. O3 (FP8 weight gathers, fp16 masters) needs sharded parameters, so
+// it runs under ZeRO-3, FSDP and ZeRO-3 with tp=2 instead of DDP; tp=2 on 2
+// ranks has no data parallelism, so nothing is cast for the wire: measured
+// 7.2e-5, and 4.5e-4 when the tensor-parallel ranks do not agree the scales
+// of the weights they split. Ports 30724-30735.
 TEST(TrainerStrategies, Fp8LevelsOnTwoRanksFollowOneRank) {
   const std::string fp8 = "--precision.fp8=true --train.sample_tokens=0 --model.n_layer=4 --precision.fp8_opt_level=";
   int port = 30724;
@@ -248,15 +251,17 @@ TEST(TrainerStrategies, Fp8LevelsOnTwoRanksFollowOneRank) {
     one[level] = train(1, "one_" + level, fp8 + level + " --parallel.strategy=zero3", port++);
     ASSERT_EQ(one[level].size(), 6u);
     EXPECT_LT(one[level].back(), one[level].front()) << level << " did not learn";
-    std::vector<std::pair<std::string, std::string>> layouts{{"zero3", "--parallel.strategy=zero3"},
-                                                             {"fsdp", "--parallel.strategy=fsdp"}};
-    layouts.push_back(level == "O3" ? std::pair{std::string("zero3_tp2"), std::string("--parallel.strategy=zero3 --parallel.tp=2")}
-                                    : std::pair{std::string("ddp"), std::string("--parallel.strategy=ddp")});
-    for (auto& [name, flags] : layouts) {
+    std::vector<std::tuple<std::string, std::string, double>> layouts{
+        {"zero3", "--parallel.strategy=zero3", 1e-3}, {"fsdp", "--parallel.strategy=fsdp", 1e-3}};
+    if (level != "O3")
+      layouts.emplace_back("ddp", "--parallel.strategy=ddp", 1e-3);
+    else  // dp = 1: no gradient goes on the wire, only the split weights' scales must agree
+      layouts.emplace_back("zero3_tp2", "--parallel.strategy=zero3 --parallel.tp=2", 2e-4);
+    for (auto& [name, flags, tol] : layouts) {
       const auto two = train(2, level + "_" + name, fp8 + level + " " + flags, port++);
       ASSERT_EQ(two.size(), 6u) << level << " " << name;
       std::printf("[fp8 levels] %s %s on 2 ranks vs 1: %.3g\n", level.c_str(), name.c_str(), gap(two, one[level]));
-      EXPECT_LT(gap(two, one[level]), 1e-3) << level << " " << name;
+      EXPECT_LT(gap(two, one[level]), tol) << level << " " << name;
     }
   }
   std::printf("[fp8 levels] O3 vs O2 on one rank: %.3g\n", gap(one["O3"], one["O2"]));
