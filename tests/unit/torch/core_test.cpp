@@ -246,3 +246,28 @@ TEST(AdamW, Fp8MomentsTrackFp32Moments) {
   oa.set_moments(0, m32 * 2, v32);
   EXPECT_TRUE(torch::equal(oa.exp_avg()[0], m32));  // the same storage: written through
 }
+
+// O3's fp16 master shards (Note [FP8 moments]): a step decays and updates an
+// fp32 copy of the fp16 weights from fp32 gradients and rounds the result
+// once, so it equals the fp32 master's step from the same values, rounded to
+// fp16 (and an update made in fp16 arithmetic would not).
+TEST(AdamW, Fp16MastersRoundAnFp32UpdateOnce) {
+  for (int trial = 0; trial < 3; ++trial) {
+    torch::manual_seed(9 + trial);
+    auto w16 = (torch::randn({40, 24}) * 0.05).to(at::kHalf).requires_grad_(true);
+    auto w32 = w16.detach().to(at::kFloat).requires_grad_(true);
+    const auto w0 = w16.detach().clone();
+    scaletrain::optim::AdamWOptions o;
+    o.fp8_moments = true;
+    o.weight_decay = 0.1;
+    scaletrain::optim::AdamW opt16({w16}, std::vector<bool>{true}, o), opt32({w32}, std::vector<bool>{true}, o);
+    auto g = torch::randn({40, 24}) * std::pow(10.0, -2 - trial);
+    w16.mutable_grad() = g.clone();
+    w32.mutable_grad() = g.clone();
+    opt16.step(3e-3);
+    opt32.step(3e-3);
+    EXPECT_EQ(w16.scalar_type(), at::kHalf);
+    EXPECT_TRUE(torch::equal(w16.detach(), w32.detach().to(at::kHalf))) << "trial " << trial;
+    EXPECT_FALSE(torch::equal(w16.detach(), w0)) << "trial " << trial << ": the step moved nothing";
+  }
+}

@@ -81,7 +81,14 @@ TEST(Plan, Fp8CombinationsAndLevels) {
   EXPECT_EQ(refusal({"precision.fp8=true", "precision.mode=bf16", "precision.scale_bf16=true"}), "");
   expect_refused({"precision.fp8_opt_level=O1"}, "needs precision.fp8=true");
   EXPECT_EQ(refusal({"precision.fp8=true", "precision.fp8_opt_level=O2", "parallel.strategy=zero3"}), "");
-  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O3"}, "O3 is not available yet");
+  // O3 gathers FP8 weights and shards fp16 masters: sharded parameters only.
+  EXPECT_EQ(refusal({"precision.fp8=true", "precision.fp8_opt_level=O3", "parallel.strategy=zero3"}), "");
+  EXPECT_EQ(refusal({"precision.fp8=true", "precision.fp8_opt_level=O3", "parallel.strategy=fsdp"}), "");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O3"}, "it needs parallel.strategy=zero3 or fsdp");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O3", "parallel.strategy=zero2"}, "(it is zero2;");
+  expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O3", "parallel.strategy=fsdp",
+                  "parallel.fsdp.sharding_strategy=NO_SHARD"},
+                 "(it is fsdp NO_SHARD;");
   expect_refused({"precision.fp8=true", "precision.fp8_opt_level=O1", "parallel.comm_dtype=bf16"},
                  "not as parallel.comm_dtype=bf16");
   expect_refused({"parallel.comm_dtype=fp8", "parallel.strategy=zero2", "precision.mode=bf16",

@@ -291,8 +291,9 @@ TEST(TrainerStrategies, Fp8O3ResumesUnderAnotherLayout) {
 // The tiny GPT on the King James Bible (Genesis to Ruth, bytes) for 300
 // steps: FP8 linears under bf16 autocast (what Accelerate's mixed_precision
 // fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16
-// Adam moments too (O2, under ZeRO-2), end within 3% of the bf16 run's loss.
-// Ports 30710-30713.
+// Adam moments too (O2, under ZeRO-2), and with FP8 weight gathers and fp16
+// master shards too (O3, under ZeRO-3), end within 3% of the bf16 run's loss.
+// Ports 30710-30713 and 30717.
 TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const fs::path txt = scratch() / "kjv_gen_ruth.txt", tok = scratch() / "kjv_gen_ruth.tok";
   ASSERT_EQ(std::system(("bible 'gen1:1-ruth4:22' > " + txt.string()).c_str()), 0);
@@ -306,7 +307,10 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const auto o1 = train(2, "kjv_fp8_o1", common + " --precision.fp8=true --precision.fp8_opt_level=O1", 30712);
   const auto o2 = train(2, "kjv_fp8_o2",
                         common + " --precision.fp8=true --precision.fp8_opt_level=O2 --parallel.strategy=zero2", 30713);
+  const auto o3 = train(2, "kjv_fp8_o3",
+                        common + " --precision.fp8=true --precision.fp8_opt_level=O3 --parallel.strategy=zero3", 30717);
   ASSERT_EQ(bf16.size(), 300u);
+  ASSERT_EQ(o3.size(), 300u);
   ASSERT_EQ(fp8.size(), 300u);
   ASSERT_EQ(o1.size(), 300u);
   ASSERT_EQ(o2.size(), 300u);
@@ -317,8 +321,9 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
     return s / 20;
   };
   std::printf("[fp8] final loss bf16 %.4f, fp8 linears %.4f, O1 (and FP8 gradients on the wire) %.4f, "
-              "O2 (and FP8/fp16 Adam moments, zero2) %.4f\n",
-              tail(bf16), tail(fp8), tail(o1), tail(o2));
+              "O2 (and FP8/fp16 Adam moments, zero2) %.4f, O3 (and FP8 weight gathers, fp16 masters, zero3) %.4f\n",
+              tail(bf16), tail(fp8), tail(o1), tail(o2), tail(o3));
+  EXPECT_NEAR(tail(o3), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NEAR(tail(fp8), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NEAR(tail(o1), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NEAR(tail(o2), tail(bf16), 0.03 * tail(bf16));
