@@ -9,9 +9,13 @@
 #        times; the table takes medians over repeats. Needs root.
 #  emu   one rank on loopback, FP8 linears off and on (emulated, Note [FP8
 #        linears]): the median step time, alternating, REPEATS times.
+#  zero3 ZeRO-3 on 2 ranks over the same shaped link: fp32, MS-AMP O2 and O3
+#        (FP8 weight gathers, fp16 master shards): bytes per step and rank,
+#        the median step time, and the model states per rank from the
+#        trainer's end-of-run line, alternating, REPEATS times.
 # Each run prints one JSON line; the summary table is printed at the end.
 #
-# usage: scripts/bench-fp8.sh [--build DIR] [--repeats K] [--rate MBIT] [--parts wire,emu]
+# usage: scripts/bench-fp8.sh [--build DIR] [--repeats K] [--rate MBIT] [--parts wire,emu,zero3]
 #                             [--short S] [--long L] [--model "OVERRIDES"] [--out FILE]
 set -euo pipefail
 
@@ -28,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     --long) LONG=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "bench-fp8.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -60,12 +64,13 @@ print(round(statistics.median(s[2:]), 1))" "$1"
 
 tx_bytes() { ip netns exec "$1" cat "/sys/class/net/$2/statistics/tx_bytes"; }
 
-# One DDP run across the namespaces; echoes "tx0 tx1 metrics-file".
+# One 2-rank run across the namespaces with the extra trainer flags "$4";
+# echoes "tx0 tx1 metrics-file" (rank 0's log stays in $WORK/r0.log).
 wire_run() {
   local mode=$1 steps=$2 port=$3 m=$WORK/wire-$1-$2.jsonl
   local env="WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=$IP0 MASTER_PORT=$port \
 SCALETRAIN_STORE_SECRET=bench-fp8 SCALETRAIN_THREADS=1 OMP_NUM_THREADS=1"
-  local args="train $COMMON --train.steps=$steps --parallel.comm_dtype=$mode"
+  local args="train $COMMON --train.steps=$steps $4"
   local a0 a1 b0 b1
   a0=$(tx_bytes $NS0 $IF0) a1=$(tx_bytes $NS1 $IF1)
   ip netns exec $NS1 env $env RANK=1 GLOO_SOCKET_IFNAME=$IF1 timeout 900 "$ST" $args --metrics.path= >"$WORK/r1.log" 2>&1 &
@@ -88,10 +93,30 @@ for part in "${parts[@]}"; do
       ((k % 2)) && modes=(fp8 bf16 fp32)
       for mode in "${modes[@]}"; do
         wait_quiet
-        read -r s0 s1 _ < <(wire_run "$mode" "$SHORT" $((port++)))
-        read -r l0 l1 m < <(wire_run "$mode" "$LONG" $((port++)))
+        read -r s0 s1 _ < <(wire_run "$mode" "$SHORT" $((port++)) "--parallel.comm_dtype=$mode")
+        read -r l0 l1 m < <(wire_run "$mode" "$LONG" $((port++)) "--parallel.comm_dtype=$mode")
         per_step=$(( ((l0 - s0) + (l1 - s1)) / 2 / (LONG - SHORT) ))
         echo "{\"part\": \"wire\", \"mode\": \"$mode\", \"repeat\": $k, \"bytes_per_step\": $per_step, \"step_ms\": $(median_step "$m"), \"rate_mbit\": $RATE}" | tee -a "$RESULTS"
+      done
+    done
+    netns_cleanup
+  elif [[ $part == zero3 ]]; then
+    netns_setup
+    echo "bench-fp8.sh: link $SHAPER" >&2
+    for ((k = 0; k < REPEATS; k++)); do
+      levels=(fp32 O2 O3)
+      ((k % 2)) && levels=(O3 O2 fp32)
+      for level in "${levels[@]}"; do
+        flags="--parallel.strategy=zero3"
+        [[ $level != fp32 ]] && flags+=" --precision.fp8=true --precision.fp8_opt_level=$level"
+        wait_quiet
+        read -r s0 s1 _ < <(wire_run "z3$level" "$SHORT" $((port++)) "$flags")
+        read -r l0 l1 m < <(wire_run "z3$level" "$LONG" $((port++)) "$flags")
+        per_step=$(( ((l0 - s0) + (l1 - s1)) / 2 / (LONG - SHORT) ))
+        # "model states at the end X MiB/rank (params+grads A, optimizer B)"
+        states=$(sed -n 's/.*model states at the end \([0-9.]*\) MiB\/rank (params+grads \([0-9.]*\), optimizer \([0-9.]*\)).*/\1 \2 \3/p' "$WORK/r0.log" | tail -1)
+        read -r st pg op <<<"$states"
+        echo "{\"part\": \"zero3\", \"level\": \"$level\", \"repeat\": $k, \"bytes_per_step\": $per_step, \"step_ms\": $(median_step "$m"), \"states_mib\": $st, \"params_grads_mib\": $pg, \"optimizer_mib\": $op, \"rate_mbit\": $RATE}" | tee -a "$RESULTS"
       done
     done
     netns_cleanup
@@ -124,6 +149,17 @@ if wire:
     print("| --- | ---: | ---: | ---: | ---: |")
     for m, (b, t) in med.items():
         print(f"| {m} | {b:,.0f} | {b / med['fp32'][0]:.3f}x | {t:.1f} | {t / med['bf16'][1]:.3f}x |")
+z3 = [r for r in rows if r["part"] == "zero3"]
+if z3:
+    print("\n| ZeRO-3, 2 ranks | bytes sent per step and rank | vs fp32 | step ms (median) | vs fp32 | params+grads MiB/rank | optimizer MiB/rank | states MiB/rank |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    med = {}
+    for lv in ("fp32", "O2", "O3"):
+        rs = [r for r in z3 if r["level"] == lv]
+        if rs:
+            med[lv] = {k: statistics.median(r[k] for r in rs) for k in ("bytes_per_step", "step_ms", "params_grads_mib", "optimizer_mib", "states_mib")}
+    for lv, m in med.items():
+        print(f"| {lv} | {m['bytes_per_step']:,.0f} | {m['bytes_per_step'] / med['fp32']['bytes_per_step']:.3f}x | {m['step_ms']:.1f} | {m['step_ms'] / med['fp32']['step_ms']:.3f}x | {m['params_grads_mib']:.1f} | {m['optimizer_mib']:.1f} | {m['states_mib']:.1f} |")
 emu = [r for r in rows if r["part"] == "emu"]
 if emu:
     off = statistics.median(r["step_ms"] for r in emu if not r["fp8_linears"])
