@@ -256,7 +256,9 @@ double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec,
   // tensors. And the attention scores' factor.
   const double norm = spec.norm == Norm::kLayerNorm ? 1 : 2;
   const double rep = 4 * norm + 4 + (dropout ? 2 : 0);
-  const double hidden = (spec.gated_mlp ? 8 : 4) * static_cast<double>(spec.intermediate_size) / h;
+  // An MoE block runs each token through k experts: k MLPs' hidden tensors.
+  const double routes = spec.num_experts > 0 ? static_cast<double>(spec.experts_per_token) : 1.0;
+  const double hidden = routes * (spec.gated_mlp ? 8 : 4) * static_cast<double>(spec.intermediate_size) / h;
   const double tp = 8 + hidden, att = dropout ? 5 : 2;
   switch (recompute) {
     case Recompute::kNone:

@@ -44,7 +44,7 @@ int64_t max_of(std::initializer_list<int64_t> v) { return *std::max_element(v.be
 ParamCounts count_params(const ModelSpec& s) {
   ParamCounts c;
   if (s.shapeless()) {
-    c.total = c.base_model = s.raw_params;
+    c.total = c.base_model = c.active = s.raw_params;
     return c;
   }
   if (s.hidden_size <= 0 || s.num_layers <= 0 || s.num_heads <= 0 || s.vocab_size <= 0)
@@ -68,14 +68,19 @@ ParamCounts count_params(const ModelSpec& s) {
     column.push_back(linear(h, kv_out, s.qkv_bias));
   }
   row.push_back(linear(q_out, h, s.o_bias));
-  column.push_back(linear(h, I, s.mlp_bias));
-  if (s.gated_mlp) column.push_back(linear(h, I, s.mlp_bias));
-  row.push_back(linear(I, h, s.mlp_bias));
+  // The MLP, once per expert in an MoE block.
+  const int64_t E = std::max<int64_t>(1, s.num_experts);
+  for (int64_t e = 0; e < E; ++e) {
+    column.push_back(linear(h, I, s.mlp_bias));
+    if (s.gated_mlp) column.push_back(linear(h, I, s.mlp_bias));
+    row.push_back(linear(I, h, s.mlp_bias));
+  }
+  const int64_t mlp = linear(h, I, s.mlp_bias) * (s.gated_mlp ? 2 : 1) + linear(I, h, s.mlp_bias);
 
-  c.per_layer = 2 * norm;
+  c.per_layer = 2 * norm + (s.num_experts > 0 ? h * s.num_experts : 0);  // an MoE block's router
   for (int64_t x : column) c.per_layer += x, c.per_layer_tp_split += x;
   for (int64_t x : row) c.per_layer += x;
-  c.per_layer_tp_split += q_out * h + I * h;  // the row-parallel weights
+  c.per_layer_tp_split += q_out * h + E * I * h;  // the row-parallel weights
   c.embedding = V * h + (s.learned_positions ? P * h : 0) + T * h + (s.encoder ? norm : 0);
   c.embedding_tp_split = V * h;
   c.final_norm = s.encoder ? 0 : norm;
@@ -99,6 +104,7 @@ ParamCounts count_params(const ModelSpec& s) {
                                     4.0 * static_cast<double>(c.pooler)});
   c.total = c.embedding + L * c.per_layer + c.final_norm + c.head + c.pooler;
   c.base_model = c.total - c.head;
+  c.active = c.total - (s.num_experts > 0 ? L * (s.num_experts - s.experts_per_token) * mlp : 0);
   return c;
 }
 

@@ -47,6 +47,11 @@ struct ModelSpec {
   bool mlp_bias = false;          // biases on the MLP projections
   bool learned_positions = false; // a max_positions x h position table
   bool encoder = false;           // an encoder: embedding norm, a pooler (h x h + h), no final norm, no LM head
+  // Sparse Mixture of Experts (Mixtral): each block's MLP is num_experts
+  // copies plus a router (h x num_experts, no bias); a token runs
+  // experts_per_token of them. 0: dense.
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;
 
   // Buffers, as Accelerate's size accounting sees them (Note [What is counted]).
   bool causal_mask_buffers = false;  // per block: a bool max_positions^2 mask and an fp32 scalar
@@ -69,6 +74,7 @@ struct ParamCounts {
   int64_t head = 0;                  // untied LM head; 0 when tied or absent (encoders)
   int64_t pooler = 0;                // an encoder's pooler dense
   int64_t total = 0;                 // unique parameters of the training model (tied counted once)
+  int64_t active = 0;                // of those, what one token computes with (MoE: k of E experts)
   int64_t base_model = 0;            // what transformers' AutoModel builds (no LM head): Accelerate's model
   int64_t largest_module = 0;        // most direct parameters of one module: DeepSpeed's largest_layer_params
   int64_t largest_linear = 0;        // biggest single matrix inside a block (LoRA / bucket sizing)

@@ -27,6 +27,8 @@
 
 namespace scaletrain::models {
 
+struct MoeContext;  // models/moe.h
+
 // Llama 3.1's frequency-dependent stretch of the rotary embedding (Hugging
 // Face's rope_scaling {"rope_type": "llama3", ...}); type "" is none.
 struct RopeScaling {
@@ -59,6 +61,13 @@ struct ModelConfig {
   bool attention_bias = false;      // llama: biases on q, k, v and o
   bool mlp_bias = false;            // llama: biases on gate, up and down
   bool qkv_bias = false;            // llama: biases on q, k and v only (Qwen2)
+  // Sparse Mixture of Experts (family mixtral; Note [MoE routing] in models/moe.h).
+  int64_t num_local_experts = 0;      // experts per MoE layer (0: dense MLPs)
+  int64_t num_experts_per_tok = 2;    // k
+  double router_aux_loss_coef = 0.0;  // load-balancing loss coefficient
+  double router_z_loss_coef = 0.0;    // router z-loss coefficient
+  double capacity_factor = 0.0;       // 0: dropless
+  std::string moe_drop_policy = "probs";  // probs | position (with a capacity factor)
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t mlp_width() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
@@ -208,6 +217,11 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // gradient is still counted (a small overcount: the head is not a Linear).
   double step_flops_per_token(int64_t seq_len) const;
 
+  // A model with Mixture-of-Experts layers: what they share (the auxiliary
+  // losses' gradient multiplier, the routing statistics: models/moe.h);
+  // null for a dense model.
+  const std::shared_ptr<MoeContext>& moe() const { return moe_; }
+
  protected:
   // Without materialization each module's bytes go as soon as it is built
   // (its constructor's own random draws still happen, so the generator is
@@ -223,6 +237,7 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // The sequence must fit the model's position table / rope cache.
   void check_length(int64_t T) const;
   TensorParallelHooksPtr tp_;
+  std::shared_ptr<MoeContext> moe_;
 
  private:
   ModelConfig config_;

@@ -105,6 +105,8 @@ class ReplayForward {
   at::Tensor rng_;
 };
 
+thread_local int recompute_depth = 0;
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   // Inputs as autograd sees them: x, every parameter, then the capsule (not
   // a tensor, so it gets no gradient slot of its own in CppNode's check).
@@ -125,7 +127,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     {
       ReplayForward replay(*r);
       torch::AutoGradMode grad_on(true);
-      y = r->body(x);
+      ++recompute_depth;
+      try {
+        y = r->body(x);
+      } catch (...) {
+        --recompute_depth;
+        throw;
+      }
+      --recompute_depth;
     }
     // Differentiate with respect to what needs a gradient; the rest get none.
     std::vector<torch::Tensor> wrt;
@@ -146,6 +155,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 };
 
 }  // namespace
+
+bool recomputing() { return recompute_depth > 0; }
 
 torch::Tensor checkpoint(const Body& body, const torch::Tensor& x, const std::vector<torch::Tensor>& params,
                          const CheckpointOptions& options) {

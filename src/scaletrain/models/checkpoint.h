@@ -51,4 +51,8 @@ struct CheckpointOptions {
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& body, const torch::Tensor& x,
                          const std::vector<torch::Tensor>& params, const CheckpointOptions& options = {});
 
+// True while this thread recomputes a checkpointed block in backward: what a
+// body records on the side (MoE routing statistics) was recorded in forward.
+bool recomputing();
+
 }  // namespace scaletrain::models

@@ -111,12 +111,24 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const ModelConfig& c) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.n_embd, c.norm_eps));
   self_attn = register_module("self_attn", LlamaAttention(c));
   post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.norm_eps));
-  mlp = register_module("mlp", LlamaMLP(c));
+  if (c.num_local_experts > 0) {
+    MoeOptions o;
+    o.num_experts = c.num_local_experts;
+    o.experts_per_token = c.num_experts_per_tok;
+    o.capacity_factor = c.capacity_factor;
+    o.drop_policy = c.moe_drop_policy;
+    o.aux_loss_coef = c.router_aux_loss_coef;
+    o.z_loss_coef = c.router_z_loss_coef;
+    block_sparse_moe = register_module("block_sparse_moe", SparseMoeBlock(c.n_embd, c.mlp_width(), o));
+  } else {
+    mlp = register_module("mlp", LlamaMLP(c));
+  }
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x) {
   x = x + self_attn(input_layernorm(x));
-  return x + mlp(post_attention_layernorm(x));
+  const torch::Tensor h = post_attention_layernorm(x);
+  return x + (block_sparse_moe ? block_sparse_moe(h) : mlp(h));
 }
 
 LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
@@ -128,6 +140,11 @@ LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
   for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(settle(LlamaDecoderLayer(c), materialize));
   norm = trunk->register_module("norm", settle(RMSNorm(c.n_embd, c.norm_eps), materialize));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", settle(head(c.n_embd, c.vocab_size), materialize));
+  if (c.num_local_experts > 0) {
+    moe_ = std::make_shared<MoeContext>();
+    moe_->layers = c.n_layer;
+    for (auto& m : *layers) m->as<LlamaDecoderLayer>()->block_sparse_moe->context = moe_;
+  }
   finish_construction(materialize);
 }
 
@@ -190,6 +207,9 @@ std::vector<std::string> LlamaImpl::tensor_parallel_problems(const ModelConfig& 
   if (c.vocab_size % tp != 0)
     out.push_back(degree + " does not divide model.vocab_size=" + std::to_string(c.vocab_size) +
                   " (pad the vocabulary to a multiple of " + std::to_string(tp) + ")");
+  if (c.num_local_experts > 0)
+    out.push_back(degree + " with MoE layers (model.num_local_experts) is not available: experts are not split "
+                  "across tp ranks in this build (use data or expert parallelism)");
   return out;
 }
 
@@ -198,7 +218,7 @@ void LlamaImpl::set_tensor_parallel(TensorParallelHooksPtr hooks) {
   for (auto& m : *layers) {
     auto* layer = m->as<LlamaDecoderLayer>();
     layer->self_attn->tp = hooks;
-    layer->mlp->tp = hooks;
+    if (layer->mlp) layer->mlp->tp = hooks;
   }
 }
 
@@ -221,6 +241,8 @@ double LlamaImpl::flops_per_token(int64_t seq_len) const {
   double N = static_cast<double>(num_parameters());
   if (lm_head) N -= static_cast<double>(embed_tokens->weight.numel());
   const auto& c = config();
+  if (c.num_local_experts > 0)  // a token runs k of each layer's E experts (3 matrices each)
+    N -= static_cast<double>(c.n_layer * (c.num_local_experts - c.num_experts_per_tok) * 3 * c.n_embd * c.mlp_width());
   return 6.0 * N + 12.0 * c.n_layer * c.n_head * c.head_dim() * seq_len;
 }
 

@@ -15,13 +15,15 @@
 //   optionally stretched by rope_scaling type "llama3" (Note [Llama 3 rope]).
 // - Attention: k and v heads repeated n_head / n_kv_head times, causal,
 //   softmax in fp32.
-// - MLP: down(silu(gate(x)) * up(x)).
+// - MLP: down(silu(gate(x)) * up(x)), or for family mixtral a sparse MoE
+//   block of such experts (block_sparse_moe: models/moe.h).
 #include <torch/torch.h>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/linear.h"
+#include "scaletrain/models/moe.h"
 
 namespace scaletrain::models {
 
@@ -68,7 +70,8 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
-  LlamaMLP mlp{nullptr};
+  LlamaMLP mlp{nullptr};                      // dense models
+  SparseMoeBlock block_sparse_moe{nullptr};  // mixtral
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
@@ -100,7 +103,8 @@ class LlamaImpl : public CausalLM {
   NamedModule block_module(int64_t i) override;
   std::pair<std::string, at::Tensor> tied_head() override;
 
-  // 6N + 12*L*(n_head*head_dim)*T, N without an untied embedding (a lookup).
+  // 6N + 12*L*(n_head*head_dim)*T, N without an untied embedding (a lookup)
+  // and, for MoE models, with the k experts a token uses of each layer's E.
   double flops_per_token(int64_t seq_len) const override;
 
   torch::nn::Embedding embed_tokens{nullptr};

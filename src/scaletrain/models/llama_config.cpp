@@ -42,13 +42,28 @@ std::vector<std::pair<std::string, ModelConfig>> llama_presets() {
   ModelConfig l31 = llama(128256, 131072, 32, 32, 8, 4096, 14336, 1e-5, 500000.0, false);
   l31.rope_scaling = {"llama3", 8.0, 1.0, 4.0, 8192};
   p.emplace_back("llama-3.1-8b", l31);
+  // Mixtral (models/moe.h): for tests, 4 experts of which each token takes 2;
+  // and Mixtral-8x7B's published config.json.
+  ModelConfig mt = llama(256, 128, 2, 4, 2, 64, 96, 1e-5, 10000.0, false);
+  mt.family = "mixtral";
+  mt.num_local_experts = 4;
+  mt.num_experts_per_tok = 2;
+  mt.router_aux_loss_coef = 0.02;
+  p.emplace_back("mixtral-tiny", mt);
+  ModelConfig m87 = llama(32000, 32768, 32, 32, 8, 4096, 14336, 1e-5, 1000000.0, false);
+  m87.family = "mixtral";
+  m87.num_local_experts = 8;
+  m87.num_experts_per_tok = 2;
+  m87.router_aux_loss_coef = 0.02;
+  p.emplace_back("mixtral-8x7b", m87);
   return p;
 }
 
 ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& file) {
   auto fail = [&](const std::string& what) { throw UsageError(file + ": " + what); };
   const std::string type = j.value("model_type", "");
-  if (type != "llama" && type != "mistral" && type != "qwen2") fail("model_type '" + type + "' is not of the llama family");
+  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "mixtral")
+    fail("model_type '" + type + "' is not of the llama family");
   auto get = [&](const char* key) -> int64_t {
     if (!j.contains(key) || !j[key].is_number_integer()) fail(std::string("missing integer '") + key + "'");
     return j[key].get<int64_t>();
@@ -61,6 +76,14 @@ ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& fil
     c.family = "qwen2";
     c.qkv_bias = true;
   }
+  if (type == "mixtral") {
+    c.family = "mixtral";
+    c.num_local_experts = get("num_local_experts");
+    c.num_experts_per_tok = get("num_experts_per_tok");
+    c.router_aux_loss_coef = j.value("router_aux_loss_coef", 0.001);
+    // transformers' Mixtral trains dropless with no z-loss: nothing to read for those.
+    if (j.value("router_jitter_noise", 0.0) != 0.0) fail("router_jitter_noise is not supported (0 is)");
+  }
   c.attention_bias = j.value("attention_bias", false);
   c.mlp_bias = j.value("mlp_bias", false);
   const std::string act = j.value("hidden_act", "silu");
@@ -69,7 +92,7 @@ ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& fil
     fail("head_dim other than hidden_size / num_attention_heads is not supported");
   // A sliding window that is on changes attention: refused, never ignored.
   const bool window = j.contains("sliding_window") && !j["sliding_window"].is_null() &&
-                      (type == "mistral" || j.value("use_sliding_window", false));
+                      (type == "mistral" || type == "mixtral" || j.value("use_sliding_window", false));
   if (window && j["sliding_window"].get<int64_t>() < c.block_size)
     fail("sliding_window attention is not supported (set it to null, or above max_position_embeddings)");
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
@@ -87,10 +110,10 @@ ModelConfig llama_config_from_hf(const nlohmann::json& j, const std::string& fil
 }
 
 nlohmann::json llama_config_to_hf(const ModelConfig& c) {
-  const bool qwen = c.family == "qwen2";
+  const bool qwen = c.family == "qwen2", mixtral = c.family == "mixtral";
   nlohmann::json j = {
-      {"architectures", {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-      {"model_type", qwen ? "qwen2" : "llama"},
+      {"architectures", {qwen ? "Qwen2ForCausalLM" : mixtral ? "MixtralForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", qwen ? "qwen2" : mixtral ? "mixtral" : "llama"},
       {"vocab_size", c.vocab_size},
       {"max_position_embeddings", c.block_size},
       {"hidden_size", c.n_embd},
@@ -105,9 +128,15 @@ nlohmann::json llama_config_to_hf(const ModelConfig& c) {
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"torch_dtype", "float32"},
   };
-  if (!qwen) {
+  if (!qwen && !mixtral) {
     j["attention_bias"] = c.attention_bias;
     j["mlp_bias"] = c.mlp_bias;
+  }
+  if (mixtral) {
+    j["num_local_experts"] = c.num_local_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    j["sliding_window"] = nullptr;
   }
   if (c.rope_scaling.type == "llama3")
     j["rope_scaling"] = {{"rope_type", "llama3"},

@@ -1,6 +1,7 @@
 // The families this build has, their presets, and the checks of a config
 // against the family that reads it. Adding a family is a row here, its
 // presets, and its model class.
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -34,6 +35,9 @@ const std::vector<Family>& families() {
        LlamaImpl::tensor_parallel_problems, {"q_proj", "v_proj"}},
       // Qwen2 is Llama with biases on q, k and v (qkv_bias).
       {"qwen2", true, {"qwen2"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
+       LlamaImpl::tensor_parallel_problems, {"q_proj", "v_proj"}},
+      // Mixtral is Llama with sparse MoE blocks in place of the MLPs (models/moe.h).
+      {"mixtral", true, {"mixtral"}, llama_config_from_hf, llama_config_to_hf, [](const ModelConfig& c, bool m) { return std::make_shared<LlamaImpl>(c, m); },
        LlamaImpl::tensor_parallel_problems, {"q_proj", "v_proj"}},
   };
   return f;
@@ -79,6 +83,29 @@ void ModelConfig::validate() const {
   if (dropout < 0 || dropout >= 1) throw UsageError("model.dropout must be in [0, 1)");
   if (!(norm_eps > 0)) throw UsageError("model.norm_eps must be positive");
   const std::string who = std::string(" (model family ") + fam.name + ")";
+  // Note [MoE routing]: only the mixtral family reads the expert fields, and it needs experts.
+  const bool moe = std::string(fam.name) == "mixtral";
+  const ModelConfig dense;
+  if (!moe && (num_local_experts != 0 || num_experts_per_tok != dense.num_experts_per_tok ||
+               router_aux_loss_coef != dense.router_aux_loss_coef || router_z_loss_coef != dense.router_z_loss_coef ||
+               capacity_factor != dense.capacity_factor || moe_drop_policy != dense.moe_drop_policy))
+    throw UsageError("model.num_local_experts / num_experts_per_tok / router_*_coef / capacity_factor / "
+                     "moe_drop_policy are read by model.family=mixtral only" + who);
+  if (moe) {
+    if (num_local_experts < 1) throw UsageError("model.num_local_experts must be at least 1" + who);
+    if (num_experts_per_tok < 1 || num_experts_per_tok > num_local_experts)
+      throw UsageError("model.num_experts_per_tok=" + std::to_string(num_experts_per_tok) +
+                       " must be between 1 and model.num_local_experts=" + std::to_string(num_local_experts) + who);
+    if (!(capacity_factor >= 0) || !std::isfinite(capacity_factor))
+      throw UsageError("model.capacity_factor must be positive (leave it unset, 0, for dropless routing)" + who);
+    if (moe_drop_policy != "probs" && moe_drop_policy != "position")
+      throw UsageError("model.moe_drop_policy must be probs or position, got '" + moe_drop_policy + "'" + who);
+    if (capacity_factor == 0 && moe_drop_policy != dense.moe_drop_policy)
+      throw UsageError("model.moe_drop_policy would have no effect: routing is dropless (model.capacity_factor unset)" + who);
+    if (!(router_aux_loss_coef >= 0) || !(router_z_loss_coef >= 0) || !std::isfinite(router_aux_loss_coef) ||
+        !std::isfinite(router_z_loss_coef))
+      throw UsageError("model.router_aux_loss_coef and router_z_loss_coef must be finite and not negative" + who);
+  }
   if (!fam.llama_like) {
     // Fields only the llama family reads: refused, never ignored.
     if (kv_heads() != n_head) throw UsageError("model.n_kv_head is not read by GPT-2's attention" + who);
@@ -140,6 +167,8 @@ estimate::ModelSpec estimator_spec(const ModelConfig& c) {
   s.intermediate_size = c.mlp_width();
   s.max_positions = c.block_size;
   s.tie_word_embeddings = c.tie_word_embeddings;
+  s.num_experts = c.num_local_experts;
+  s.experts_per_token = c.num_local_experts > 0 ? c.num_experts_per_tok : 0;
   if (fam.llama_like) {
     s.qkv_bias = c.attention_bias || c.qkv_bias;
     s.o_bias = c.attention_bias;

@@ -156,7 +156,7 @@ ModelSpec estimator_structure(const std::string& family) {
     s.fused_qkv = s.qkv_bias = s.o_bias = s.mlp_bias = true;
     s.learned_positions = s.causal_mask_buffers = true;
     s.tie_word_embeddings = true;
-  } else if (family == "llama" || family == "mistral" || family == "qwen2") {
+  } else if (family == "llama" || family == "mistral" || family == "qwen2" || family == "mixtral") {
     s.norm = Norm::kRMSNorm;
     s.gated_mlp = s.rotary_buffer = true;
     s.qkv_bias = family == "qwen2";
@@ -166,7 +166,7 @@ ModelSpec estimator_structure(const std::string& family) {
     s.position_id_buffers = 2;
   } else {
     throw UsageError("unknown architecture '" + (family.empty() ? std::string("(no model_type)") : family) +
-                     "' (known: gpt2, llama, mistral, qwen2, bert)");
+                     "' (known: gpt2, llama, mistral, qwen2, mixtral, bert)");
   }
   return s;
 }
