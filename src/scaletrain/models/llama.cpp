@@ -143,6 +143,7 @@ LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
   if (c.num_local_experts > 0) {
     moe_ = std::make_shared<MoeContext>();
     moe_->layers = c.n_layer;
+    moe_->experts = c.num_local_experts;
     for (auto& m : *layers) m->as<LlamaDecoderLayer>()->block_sparse_moe->context = moe_;
   }
   finish_construction(materialize);

@@ -72,6 +72,7 @@ struct MoeStats {
 struct MoeContext {
   double multiplier = 1.0;  // Note [Auxiliary losses]
   int64_t layers = 1;       // MoE layers of the model (the losses are their mean)
+  int64_t experts = 0;      // experts per layer
   MoeStats stats;
   MoeStats take() { return std::exchange(stats, MoeStats{}); }
 };

@@ -94,6 +94,7 @@ const std::map<std::string, Choice>& choices() {
 #define ST_CHOICE(section, name, ...) \
   t[#section "." #name] = Choice{__VA_ARGS__, [](const Config& c) -> const std::string& { return c.section.name; }};
     ST_CHOICE(model, activation_checkpointing, {"none", "full"})
+    ST_CHOICE(model, moe_drop_policy, {"probs", "position"})
     ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
     ST_CHOICE(train, warmup_type, {"linear", "log"})
     ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
@@ -131,6 +132,15 @@ void check_choice(const std::string& key, const std::string& value) {
 }
 
 std::string show_int(int64_t v) { return std::to_string(v); }
+// model.capacity_factor: dropless routing is the key left unset, so an
+// explicit value must be a capacity.
+double positive_capacity(const std::string& v) {
+  const double x = to_double("model.capacity_factor", v);
+  if (!(x > 0))
+    throw UsageError("model.capacity_factor must be positive, got " + v + " (leave it unset for dropless routing)");
+  return x;
+}
+
 std::string show_double(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.17g", v);
@@ -168,6 +178,12 @@ const std::map<std::string, Field>& fields() {
     ST_INT(model, block_size)
     ST_INT(model, vocab_size)
     ST_DBL(model, dropout)
+    ST_INT(model, num_local_experts)
+    ST_INT(model, num_experts_per_tok)
+    ST_DBL(model, router_aux_loss_coef)
+    ST_DBL(model, router_z_loss_coef)
+    ST_FIELD(model, capacity_factor, positive_capacity(v), show_double)
+    ST_ENUM(model, moe_drop_policy)
     ST_STR(model, init_from)
     ST_ENUM(model, activation_checkpointing)
     // data

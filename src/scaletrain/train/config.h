@@ -27,6 +27,15 @@ struct ModelOptions {
   int64_t block_size = 0;  // sequence length trained on
   int64_t vocab_size = 0;
   double dropout = 0.0;  // dropout probability
+  // Mixture of Experts (model family mixtral, e.g. model.preset=mixtral-tiny;
+  // Note [MoE routing] in models/moe.h). 0 (-1 for the aux coefficient)
+  // keeps the preset's or the config.json's value.
+  int64_t num_local_experts = 0;     // experts per MoE layer
+  int64_t num_experts_per_tok = 0;   // experts each token runs (k)
+  double router_aux_loss_coef = -1;  // load-balancing loss coefficient
+  double router_z_loss_coef = 0.0;   // router z-loss coefficient
+  double capacity_factor = 0.0;      // > 0: each expert takes at most ceil(cf * T * k / E) slots of a sequence; unset: dropless
+  std::string moe_drop_policy = "probs";  // probs | position: which slots over capacity are dropped
   std::string init_from;  // Hugging Face GPT-2 safetensors file to start from ("" = random init)
   // none | full: full keeps only each block's input for backward and
   // recomputes the block there (less activation memory, one more forward).

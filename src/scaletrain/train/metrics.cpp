@@ -47,6 +47,12 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
       j["device_max_allocated_mb"] = m.device_max_allocated_mb;
       j["device_max_reserved_mb"] = m.device_max_reserved_mb;
     }
+    if (!m.moe_tokens_per_expert.empty()) {
+      j["moe_aux_loss"] = m.moe_aux_loss;
+      j["moe_z_loss"] = m.moe_z_loss;
+      j["moe_tokens_per_expert"] = m.moe_tokens_per_expert;
+      j["moe_dropped"] = m.moe_dropped;
+    }
     file_ << j.dump() << "\n";
     file_.flush();
   }
@@ -59,6 +65,13 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
     if (m.device_max_allocated_mb >= 0)
       std::printf("           device max allocated %.0f MB | max reserved %.0f MB\n", m.device_max_allocated_mb,
                   m.device_max_reserved_mb);
+    if (!m.moe_tokens_per_expert.empty()) {
+      int64_t lo = m.moe_tokens_per_expert.front(), hi = lo;
+      for (int64_t n : m.moe_tokens_per_expert) lo = std::min(lo, n), hi = std::max(hi, n);
+      std::printf("           moe aux loss %.4f | z loss %.4f | tokens per expert %lld..%lld | dropped %lld\n",
+                  m.moe_aux_loss, m.moe_z_loss, static_cast<long long>(lo), static_cast<long long>(hi),
+                  static_cast<long long>(m.moe_dropped));
+    }
   }
   if (bar_) {
     const int width = 30;

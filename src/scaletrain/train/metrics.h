@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace scaletrain::train {
 
@@ -23,6 +24,14 @@ struct StepMetrics {
   // The device allocator's peaks (a GPU run; negative: no device allocator, RSS is the figure).
   double device_max_allocated_mb = -1;
   double device_max_reserved_mb = -1;
+  // MoE models (Note [MoE routing] in models/moe.h), over the whole job: the
+  // load-balancing and z losses (means over sequences and MoE layers, before
+  // their coefficients), slots each expert took (summed over layers), and
+  // slots the capacity limit dropped. Empty tokens_per_expert: a dense model.
+  double moe_aux_loss = 0;
+  double moe_z_loss = 0;
+  std::vector<int64_t> moe_tokens_per_expert;
+  int64_t moe_dropped = 0;
 };
 
 class MetricsSink {

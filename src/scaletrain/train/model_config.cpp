@@ -16,6 +16,15 @@ void agree(const char* key, int64_t given, int64_t from_file, const std::string&
                      std::to_string(from_file) + ")");
 }
 
+// The MoE keys that choose how to train rather than what the model is.
+void with_training_moe_keys(models::ModelConfig& c, const ModelOptions& m) {
+  const ModelOptions defaults;
+  if (m.router_aux_loss_coef != defaults.router_aux_loss_coef) c.router_aux_loss_coef = m.router_aux_loss_coef;
+  if (m.router_z_loss_coef != defaults.router_z_loss_coef) c.router_z_loss_coef = m.router_z_loss_coef;
+  if (m.capacity_factor != defaults.capacity_factor) c.capacity_factor = m.capacity_factor;
+  if (m.moe_drop_policy != defaults.moe_drop_policy) c.moe_drop_policy = m.moe_drop_policy;
+}
+
 // A config.json's model with the run's keys on top: the dimensions may only
 // repeat the file's, block_size may shorten the sequence.
 models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, const std::string& what) {
@@ -30,6 +39,9 @@ models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, cons
                      " allows (" + std::to_string(f.block_size) + " positions)");
   if (m.block_size) f.block_size = m.block_size;
   f.dropout = m.dropout;
+  agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
+  agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
+  with_training_moe_keys(f, m);
   f.validate();
   return f;
 }
@@ -53,6 +65,9 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
     if (m.block_size) c.block_size = m.block_size;
     if (m.vocab_size) c.vocab_size = m.vocab_size;
     c.dropout = m.dropout;
+    if (m.num_local_experts) c.num_local_experts = m.num_local_experts;
+    if (m.num_experts_per_tok) c.num_experts_per_tok = m.num_experts_per_tok;
+    with_training_moe_keys(c, m);
     c.validate();
     return c;
   }
@@ -91,6 +106,9 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
                      m.init_from + "'s position table (" + std::to_string(f.block_size) + ")");
   if (m.block_size) f.block_size = m.block_size;
   f.dropout = m.dropout;
+  agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
+  agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
+  with_training_moe_keys(f, m);
   f.validate();
   return f;
 }

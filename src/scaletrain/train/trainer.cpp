@@ -26,6 +26,7 @@
 #include "scaletrain/comm/activity.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/moe.h"
 #include "scaletrain/models/linear.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/loss_scaler.h"
@@ -491,6 +492,26 @@ std::string first_nonfinite_grad(Run& r) {
   }
 }
 
+// The step's MoE statistics of every rank, summed over the job: each rank
+// recorded its own layers' forwards on its own micro-batches, so the sums
+// cover every layer and sequence once (any dp, ep or pp layout).
+void moe_metrics(models::MoeContext& moe, comm::Group& world, StepMetrics& m) {
+  const models::MoeStats s = moe.take();
+  const int64_t experts = moe.experts;  // the same on every rank, whatever it recorded
+  std::vector<double> v{s.aux_sum, s.z_sum, static_cast<double>(s.forwards), static_cast<double>(s.dropped)};
+  for (int64_t j = 0; j < experts; ++j)
+    v.push_back(j < static_cast<int64_t>(s.tokens_per_expert.size()) ? static_cast<double>(s.tokens_per_expert[j]) : 0.0);
+  at::Tensor t = torch::tensor(v, torch::kDouble);
+  world.all_reduce(t, comm::ReduceOp::Sum).wait();
+  const double* a = t.data_ptr<double>();
+  const double forwards = std::max(1.0, a[2]);
+  m.moe_aux_loss = a[0] / forwards;
+  m.moe_z_loss = a[1] / forwards;
+  m.moe_dropped = std::llround(a[3]);
+  m.moe_tokens_per_expert.clear();
+  for (int64_t j = 0; j < experts; ++j) m.moe_tokens_per_expert.push_back(std::llround(a[4 + j]));
+}
+
 // Note [Training step]: forward and backward of every micro-batch (the
 // strategy reduces gradients as it goes), the loss scaler's overflow check,
 // clipping and the optimizer step unless the step overflowed, the mean loss.
@@ -511,6 +532,12 @@ StepMetrics train_step(Run& r, int64_t step) {
     return xy;
   };
   for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
+  // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
+  const std::shared_ptr<models::MoeContext> moe = r.model().moe();
+  if (moe) {
+    moe->multiplier = loss_scale / static_cast<double>(accum);
+    moe->take();  // what forwards outside training steps recorded
+  }
   double loss_sum = 0;
   if (dp.runs_whole_steps()) {  // a pipeline: every micro-batch of the step at once
     std::vector<at::Tensor> xs, ys;
@@ -582,6 +609,7 @@ StepMetrics train_step(Run& r, int64_t step) {
     m.device_max_reserved_mb = dm.max_reserved_mb;
   }
   m.comm_wait_ms = dp.comm_wait_ms();
+  if (moe) moe_metrics(*moe, *r.world->group(), m);
   m.loss_scale = loss_scale;
   m.skipped_steps = r.scaler ? r.scaler->skipped_steps() : 0;
   return m;
