@@ -2,7 +2,8 @@
 """Independent reference loss of a Hugging Face causal LM directory (semantics: hf_models.py).
 
   loss MODEL_DIR IDS_FILE OUT_JSON [--dtype float32|float64] [--logits] [--logits-safetensors PATH]
-      MODEL_DIR: config.json + model.safetensors, or model.safetensors.index.json + shards
+      MODEL_DIR: config.json (model_type llama, mistral, qwen2, mixtral or gpt2) +
+      model.safetensors, or model.safetensors.index.json + shards
       (fp32/fp16/bf16 tensors; converted to --dtype, default float32).
       IDS_FILE: JSON, a list of equal-length lists of token ids ([[1, 5, 9], [2, 7, 3]]),
       or one flat list for a single sequence.
@@ -17,8 +18,10 @@
       HF's q/k permutation, the llama3 frequency scaling on hand-computed wavelengths,
       the attention against a per-position loop, GQA against MHA with k/v heads copied
       explicitly, the GPT-2 path against tests/unit/torch/hf_gpt2_reference.py, sharded
-      vs single file, fp32 vs bf16 files, fp32 vs fp64 compute, Qwen2 biases and
-      Mistral's sliding window in use.
+      vs single file, fp32 vs bf16 files, fp32 vs fp64 compute, Qwen2 biases,
+      Mistral's sliding window in use; Mixtral's MoE block against the dense mixture
+      (k = E) and a per-token loop, identical experts = the dense llama model, and the
+      loss command's errors on mixtral directories.
 """
 import argparse
 import json
@@ -126,6 +129,129 @@ def _tiny(arch, **over):
         base = {"n_layer": 2, "n_embd": 48, "n_head": 4, "vocab_size": 97, "n_positions": 64}
     base.update(over)
     return hub_configs.make_config(arch, base, "float32")
+
+
+def _expert(x, w1, w2, w3):
+    return torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t()
+
+
+def _loop_moe(x, gate, experts, k):
+    """MixtralSparseMoeBlock token by token: softmax, the k most probable experts (lower index first
+    on a tie), their probabilities renormalized to sum 1, the weighted sum of those experts' outputs."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        logits = [float(x[t] @ gate[j]) for j in range(gate.shape[0])]
+        m = max(logits)
+        e = [math.exp(v - m) for v in logits]
+        probs = [v / sum(e) for v in e]
+        chosen = sorted(range(len(probs)), key=lambda j: (-probs[j], j))[:k]
+        total = sum(probs[j] for j in chosen)
+        for j in chosen:
+            out[t] += probs[j] / total * _expert(x[t:t + 1], *experts[j])[0]
+    return out
+
+
+def _mixtral_checks(check, tmp, llama_dir, llama_cfg, ids):
+    """Mixtral's sparse MoE block and the mixtral directories (called by selftest)."""
+    f64 = torch.float64
+    # The block alone, fp64: k = E is the dense softmax-weighted mixture; k = 2 of 4 the per-token loop.
+    E, C, I = 4, 16, 24
+    h = torch.randn(2, 5, C, dtype=f64)
+    gate = torch.randn(E, C, dtype=f64)
+    experts = [tuple(torch.randn(*s, dtype=f64) * s[1] ** -0.5 for s in ((I, C), (C, I), (I, C))) for _ in range(E)]
+    bw = {"m.gate.weight": gate}
+    for j, (w1, w2, w3) in enumerate(experts):
+        bw.update({"m.experts.%d.w1.weight" % j: w1, "m.experts.%d.w2.weight" % j: w2, "m.experts.%d.w3.weight" % j: w3})
+    x = h.reshape(-1, C)
+    probs = (x @ gate.t()).softmax(-1)
+    dense = sum(probs[:, j:j + 1] * _expert(x, *experts[j]) for j in range(E))
+    full = hm.moe_block(h, bw, "m.", E, E).reshape(-1, C)
+    check(torch.allclose(full, dense, atol=1e-12, rtol=0),
+          "mixtral block: k = E (4 of 4) = sum_j softmax(x gate^T)_j w2_j(silu(w1_j x) * w3_j x)")
+    sparse = hm.moe_block(h, bw, "m.", E, 2).reshape(-1, C)
+    loop = _loop_moe(x, gate, experts, 2)
+    top1 = hm.moe_block(h, bw, "m.", E, 1).reshape(-1, C)
+    check(torch.allclose(sparse, loop, atol=1e-12, rtol=0) and not torch.allclose(sparse, dense, atol=1e-3),
+          "mixtral block: k = 2 of 4 = per-token loop (top 2 probabilities renormalized to 1), != dense")
+    check(torch.allclose(top1, _loop_moe(x, gate, experts, 1), atol=1e-12, rtol=0),
+          "mixtral block: k = 1: each token's output is its most probable expert's, weight 1")
+    b32 = {n: t.float() for n, t in bw.items()}
+    s32 = hm.moe_block(h.float(), b32, "m.", E, 2)
+    check(s32.dtype == torch.float32 and torch.allclose(s32.double().reshape(-1, C), sparse, atol=1e-5, rtol=0),
+          "mixtral block: fp32 in, fp32 out, within 1e-5 of fp64")
+    # A mixtral model whose experts are all the llama model's dense MLP (random router) = that llama model.
+    lw = st.load_checkpoint_dir(llama_dir)
+    over = {n: llama_cfg.get(n, hub_configs.LLAMA[n]) for n in ("rope_theta", "rms_norm_eps")}
+    xcfg = _tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, **over)
+    xw = {n: t for n, t in lw.items() if ".mlp." not in n}
+    for i in range(llama_cfg["num_hidden_layers"]):
+        p = "model.layers.%d." % i
+        xw[p + "block_sparse_moe.gate.weight"] = torch.randn(4, 64)
+        for j in range(4):
+            for wn, dn in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+                xw[p + "block_sparse_moe.experts.%d.%s.weight" % (j, wn)] = lw[p + "mlp.%s.weight" % dn]
+    a = hm.causal_lm_logits(llama_cfg, lw, ids, f64)
+    b = hm.causal_lm_logits(xcfg, xw, ids, f64)
+    xw2 = dict(xw, **{"model.layers.0.block_sparse_moe.experts.2.w2.weight":
+                      1.5 * xw["model.layers.0.block_sparse_moe.experts.2.w2.weight"]})
+    c = hm.causal_lm_logits(xcfg, xw2, ids, f64)
+    check(torch.allclose(a, b, atol=1e-12, rtol=0) and not torch.allclose(a, c, atol=1e-6),
+          "mixtral: 4 copies of llama's MLP as experts (top 2, random router) = llama (max diff %.1e); "
+          "changing one expert changes it" % float((a - b).abs().max()))
+    # A random mixtral directory through the loss command; errors about its tensors.
+    md = os.path.join(tmp, "mixtral")
+    hub_checkpoint.write_checkpoint(md, _tiny("mixtral", num_local_experts=4, num_experts_per_tok=2), "float32", seed=5)
+    with open(os.path.join(tmp, "ids.json"), "w") as f:
+        json.dump(ids.tolist(), f)
+
+    def cli(d, dtype="float32"):
+        out = os.path.join(tmp, "out.json")
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "loss", d, os.path.join(tmp, "ids.json"), out,
+                            "--dtype", dtype], capture_output=True, text=True)
+        if r.returncode != 0:
+            return r.returncode, r.stderr
+        with open(out) as f:
+            return 0, json.load(f)
+
+    rc32, o32 = cli(md)
+    rc64, o64 = cli(md, "float64")
+    l32 = float(model_loss(md, ids)[2])
+    check(rc32 == 0 and rc64 == 0 and o32["model_type"] == "mixtral" and o32["loss"] == l32
+          and abs(o32["loss"] - o64["loss"]) < 1e-5 * o64["loss"] and abs(l32 - math.log(97)) < 3,
+          "mixtral directory (4 experts, top 2): loss command %s (fp32) vs %s (fp64), model_type %s"
+          % (o32 if rc32 else o32["loss"], o64 if rc64 else o64["loss"], None if rc32 else o32["model_type"]))
+    mw = st.load_checkpoint_dir(md)
+    mcfg = _tiny("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    full = hm.causal_lm_logits(mcfg, mw, ids)
+    narrow = hm.causal_lm_logits(dict(mcfg, sliding_window=4), mw, ids)
+    same = hm.causal_lm_logits(dict(mcfg, sliding_window=13), mw, ids)
+    # allclose, not equal: an expert's matmul over another set of tokens may round differently
+    check(torch.allclose(full, same, atol=1e-6, rtol=0) and torch.allclose(full[:, :4], narrow[:, :4], atol=1e-6, rtol=0)
+          and not torch.allclose(full[:, 4], narrow[:, 4], atol=1e-3),
+          "mixtral: sliding_window as mistral's (13 = none on 13 tokens; 4 differs from position 4 on)")
+    import hub_corrupt
+    results = []
+    for kind, name in (("missing_tensor", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+                       ("extra_tensor", "model.layers.0.mlp.gate_proj.weight"),
+                       ("wrong_shape", "model.layers.0.block_sparse_moe.gate.weight")):
+        bad = os.path.join(tmp, "bad-" + kind)
+        shutil.copytree(md, bad)
+        ns = dict(dir=bad, out=None, missing_shard=False, index_names_missing_file=False, header_lies=None,
+                  extra_tensor=None, missing_tensor=None, wrong_shape=None)
+        ns[kind] = name
+        hub_corrupt.run(argparse.Namespace(**ns))
+        rc, err = cli(bad)
+        results.append(rc == 1 and name in err and err.count("\n") == 1)
+    check(all(results), "mixtral: missing expert tensor, extra dense mlp tensor, gate of the wrong shape: "
+          "one line naming it, exit 1 (%s)" % results)
+    with open(os.path.join(md, "config.json")) as f:
+        kcfg = json.load(f)
+    kd = os.path.join(tmp, "mixtral-k5")
+    shutil.copytree(md, kd)
+    with open(os.path.join(kd, "config.json"), "w") as f:
+        f.write(hub_configs.config_json_text(dict(kcfg, num_experts_per_tok=5)))
+    rc, err = cli(kd)
+    check(rc == 1 and "num_experts_per_tok" in err, "mixtral: num_experts_per_tok 5 > num_local_experts 4 refused")
 
 
 def selftest():
@@ -259,6 +385,7 @@ def selftest():
         except ValueError as e:
             msg = str(e)
         check("model.norm.weight" in msg, "a missing tensor is an error naming it: %r" % msg)
+        _mixtral_checks(check, tmp, gqa, cfg, ids)
     finally:
         shutil.rmtree(tmp)
     print("selftest: " + ("PASS" if ok else "FAIL"))

@@ -1,7 +1,7 @@
 """Forward passes of Hugging Face causal LMs, written from transformers' documented semantics.
 
-LlamaForCausalLM (and the two families that differ from it only in details,
-MistralForCausalLM and Qwen2ForCausalLM), following modeling_llama.py:
+LlamaForCausalLM (and the families that differ from it only in details,
+MistralForCausalLM, Qwen2ForCausalLM and MixtralForCausalLM), following modeling_llama.py:
   x = embed_tokens[ids]
   per layer:  h = RMSNorm(x); q,k,v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)
               q,k <- RoPE(q,k); k,v repeated num_heads/num_kv_heads times
@@ -23,6 +23,15 @@ MistralForCausalLM and Qwen2ForCausalLM), following modeling_llama.py:
     always, never o; Mistral: none.
   - Mistral's sliding_window W: query t sees keys t-W+1..t (HF's mask: key <= t - W is
     masked). Qwen2 with use_sliding_window=true is refused.
+MixtralForCausalLM (modeling_mixtral.py) is the Mistral model above (no biases, the same
+sliding_window) with each layer's mlp replaced by block_sparse_moe, MixtralSparseMoeBlock,
+dropless, as in evaluation (router_jitter_noise and router_aux_loss_coef play no part in
+the forward loss); E = num_local_experts, k = num_experts_per_tok:
+  x = h.view(-1, C); router_logits = x gate^T               (gate.weight [E, C], no bias)
+  p = softmax(router_logits) computed in fp32 (fp64 in fp64 mode)
+  top-k of p per token; r = topk values / their sum, cast to x's dtype
+  out[token] = sum over its k experts j of r_j * w2_j(silu(w1_j x) * w3_j x)
+  (experts.J.w1 / w3 [I, C], w2 [C, I], no biases); the layer adds out to the residual.
 GPT2LMHeadModel (modeling_gpt2.py), as tests/unit/torch/hf_gpt2_reference.py: learned
 positions, pre-LayerNorm (eps = layer_norm_epsilon), Conv1D weights [in, out] used as
 x W + b, fused c_attn split q|k|v, activation_function (gelu_new = tanh GELU), lm_head
@@ -125,6 +134,26 @@ def _check_weights(cfg, w):
     return w
 
 
+def moe_block(h, w, p, E, k):
+    """MixtralSparseMoeBlock on h [B, T, C] with the tensors of prefix p (".../block_sparse_moe.")."""
+    B, T, C = h.shape
+    x = h.reshape(-1, C)
+    router_logits = F.linear(x, w[p + "gate.weight"])
+    probs = router_logits.softmax(-1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    top_p, top_e = probs.topk(k, dim=-1)
+    r = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    for j in range(E):
+        tok, slot = (top_e == j).nonzero(as_tuple=True)  # the tokens that chose expert j, and in which slot
+        if tok.numel() == 0:
+            continue
+        e = p + "experts.%d." % j
+        xj = x[tok]
+        y = F.linear(F.silu(F.linear(xj, w[e + "w1.weight"])) * F.linear(xj, w[e + "w3.weight"]), w[e + "w2.weight"])
+        out.index_add_(0, tok, y * r[tok, slot, None])
+    return out.view(B, T, C)
+
+
 def llama_logits(cfg, w, ids, dtype):
     arch, c = hub_configs.resolved(cfg)
     if c.get("hidden_act", "silu") != "silu":
@@ -134,7 +163,12 @@ def llama_logits(cfg, w, ids, dtype):
     w = {k: v.to(dtype) for k, v in _check_weights(cfg, w).items()}
     B, T = ids.shape
     nh, nkv, hd, eps = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
-    window = c.get("sliding_window") if arch == "mistral" else None
+    window = c.get("sliding_window") if arch in ("mistral", "mixtral") else None
+    if arch == "mixtral":
+        n_exp, top_k = c["num_local_experts"], c["num_experts_per_tok"]
+        if not (isinstance(n_exp, int) and isinstance(top_k, int) and 1 <= top_k <= n_exp):
+            raise ValueError("mixtral needs 1 <= num_experts_per_tok <= num_local_experts, got %r and %r"
+                             % (top_k, n_exp))
     cos, sin = rope_cos_sin(inv_freq_of(c, dtype), torch.arange(T), dtype)
     mask = causal_mask(T, window)
 
@@ -151,7 +185,10 @@ def llama_logits(cfg, w, ids, dtype):
         a = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask, hd ** -0.5)
         x = x + lin(a.transpose(1, 2).reshape(B, T, nh * hd), p + "self_attn.o_proj")
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        x = x + lin(F.silu(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+        if arch == "mixtral":
+            x = x + moe_block(h, w, p + "block_sparse_moe.", n_exp, top_k)
+        else:
+            x = x + lin(F.silu(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
     x = rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
     return x @ head.t()

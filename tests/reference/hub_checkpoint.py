@@ -189,6 +189,9 @@ def selftest():
     for name, expect in hub_configs.PUBLISHED_COUNTS.items():
         got = hub_configs.param_count(load_config(os.path.join(FIXTURES, name)))
         check(got == expect, "params %s: %d (published %d)" % (name, got, expect))
+    # Mixtral-8x7B (MixtralConfig's defaults are its dimensions): "46.7B" on the model card.
+    got = hub_configs.param_count(hub_configs.make_config("mixtral", {}, "bfloat16"))
+    check(got == 46702792704, "params mixtral-8x7b: %d (model card: 46.7B)" % got)
     check(split_shards([("a", 5), ("b", 3), ("c", 3), ("d", 12), ("e", 2)], 8) == [["a", "b"], ["d"], ["c", "e"]],
           "shard split follows huggingface_hub (oversized tensor gets its own shard, appended at once)")
     check(parse_size("1GB") == 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("123") == 123, "size units")
@@ -200,13 +203,15 @@ def selftest():
           "header: metadata first, larger dtype first then by name, compact JSON, space padding to 8")
     tmp = tempfile.mkdtemp(prefix="hub_ckpt_selftest_")
     try:
-        for arch in ("llama", "qwen2", "mistral", "gpt2"):
+        for arch in ("llama", "qwen2", "mistral", "mixtral", "gpt2"):
             over = {"tie_word_embeddings": arch == "gpt2"}
             if arch != "gpt2":
                 over.update(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
             else:
                 over.update(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64)
+            if arch == "mixtral":
+                over.update(num_local_experts=3, num_experts_per_tok=2)
             cfg = hub_configs.make_config(arch, over, "float32")
             one, many, bf = (os.path.join(tmp, arch + s) for s in ("-one", "-many", "-bf16"))
             write_checkpoint(one, cfg, "float32", seed=3)

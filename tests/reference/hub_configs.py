@@ -1,9 +1,9 @@
 """Hugging Face config.json contents and parameter lists for the families scaletrain reads.
 
 Written from transformers' documented configuration classes (LlamaConfig,
-MistralConfig, Qwen2Config, GPT2Config; key set as transformers 4.46 writes
-them) and the models' module trees (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, GPT2LMHeadModel):
+MistralConfig, Qwen2Config, MixtralConfig, GPT2Config; key set as transformers
+4.46 writes them) and the models' module trees (LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, GPT2LMHeadModel):
 
 - config.json is PretrainedConfig.to_json_string(use_diff=True): every
   model-specific attribute, plus the common ones (bos/eos/pad_token_id,
@@ -11,8 +11,9 @@ Qwen2ForCausalLM, GPT2LMHeadModel):
   default or the class's default; json.dumps(indent=2, sort_keys=True) + "\\n".
 - param_specs() lists the state_dict that save_pretrained writes, in module
   registration order (which is the order the shard splitter walks): embedding,
-  per layer q,k,v,o (weight then bias), gate, up, down, input_layernorm,
-  post_attention_layernorm, final norm, lm_head unless tie_word_embeddings
+  per layer q,k,v,o (weight then bias), gate, up, down (Mixtral instead:
+  block_sparse_moe.gate, then per expert J experts.J.w1, w2, w3, no biases),
+  input_layernorm, post_attention_layernorm, final norm, lm_head unless tie_word_embeddings
   (tied weights are saved once, under the embedding's name). Non-persistent
   buffers (rotary_emb.inv_freq, GPT-2's attn.bias masks) are not saved.
 - param_count() is the sum over param_specs(), i.e. model.num_parameters().
@@ -42,6 +43,13 @@ QWEN2 = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, 
          "use_cache": True, "rope_theta": 10000.0, "rope_scaling": None, "use_sliding_window": False,
          "sliding_window": 4096, "max_window_layers": 28, "attention_dropout": 0.0,
          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "tie_word_embeddings": False}
+MIXTRAL = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+           "max_position_embeddings": 131072, "initializer_range": 0.02, "rms_norm_eps": 1e-05,
+           "use_cache": True, "rope_theta": 1000000.0, "sliding_window": None, "attention_dropout": 0.0,
+           "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
+           "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "tie_word_embeddings": False}
 GPT2 = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
         "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
         "layer_norm_epsilon": 1e-05, "initializer_range": 0.02, "summary_type": "cls_index",
@@ -54,6 +62,7 @@ ARCHS = {  # --arch -> (model_type, architectures[0], class defaults)
     "llama": ("llama", "LlamaForCausalLM", LLAMA),
     "mistral": ("mistral", "MistralForCausalLM", MISTRAL),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", QWEN2),
+    "mixtral": ("mixtral", "MixtralForCausalLM", MIXTRAL),
     "gpt2": ("gpt2", "GPT2LMHeadModel", GPT2),
 }
 MODEL_TYPE_TO_ARCH = {v[0]: k for k, v in ARCHS.items()}
@@ -136,10 +145,17 @@ def param_specs(cfg, gpt2_prefix="transformer."):
         specs.append((p + "self_attn.o_proj.weight", [H, nh * hd]))
         if o_bias:
             specs.append((p + "self_attn.o_proj.bias", [H]))
-        for proj, shape in (("gate_proj", [I, H]), ("up_proj", [I, H]), ("down_proj", [H, I])):
-            specs.append((p + "mlp.%s.weight" % proj, shape))
-            if mlp_bias:
-                specs.append((p + "mlp.%s.bias" % proj, [shape[0]]))
+        if arch == "mixtral":  # MixtralSparseMoeBlock: router, then the experts (w1, w2, w3 each)
+            E = c["num_local_experts"]
+            specs.append((p + "block_sparse_moe.gate.weight", [E, H]))
+            for j in range(E):
+                for proj, shape in (("w1", [I, H]), ("w2", [H, I]), ("w3", [I, H])):
+                    specs.append((p + "block_sparse_moe.experts.%d.%s.weight" % (j, proj), shape))
+        else:
+            for proj, shape in (("gate_proj", [I, H]), ("up_proj", [I, H]), ("down_proj", [H, I])):
+                specs.append((p + "mlp.%s.weight" % proj, shape))
+                if mlp_bias:
+                    specs.append((p + "mlp.%s.bias" % proj, [shape[0]]))
         specs += [(p + "input_layernorm.weight", [H]), (p + "post_attention_layernorm.weight", [H])]
     specs.append(("model.norm.weight", [H]))
     if not c["tie_word_embeddings"]:

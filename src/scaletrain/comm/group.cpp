@@ -766,6 +766,42 @@ Work Group::all_to_all(at::Tensor input, at::Tensor output) {
   return start("all_to_all", ST_LAUNCH("all_to_all", backend_->alltoall_base(out, in, equal_splits, equal_splits, o)));
 }
 
+Work Group::all_to_all_v(at::Tensor input, at::Tensor output, const std::vector<int64_t>& in_rows,
+                         const std::vector<int64_t>& out_rows) {
+  check_contiguous(input, "all_to_all_v");
+  check_contiguous(output, "all_to_all_v");
+  if (foreign(input) || foreign(output))
+    return staged({input, output}, {false, true},
+                  [&](const auto& t) { return all_to_all_v(t[0], t[1], in_rows, out_rows); });
+  const auto n = static_cast<size_t>(size());
+  TORCH_CHECK(in_rows.size() == n && out_rows.size() == n, "scaletrain all_to_all_v: one split per rank expected");
+  int64_t in_total = 0, out_total = 0;
+  for (size_t j = 0; j < n; ++j) {
+    TORCH_CHECK(in_rows[j] >= 0 && out_rows[j] >= 0, "scaletrain all_to_all_v: negative split");
+    in_total += in_rows[j];
+    out_total += out_rows[j];
+  }
+  TORCH_CHECK(input.dim() >= 1 && output.dim() >= 1 && input.size(0) == in_total && output.size(0) == out_total &&
+                  input.sizes().slice(1) == output.sizes().slice(1) && input.scalar_type() == output.scalar_type(),
+              "scaletrain all_to_all_v: ", input.sizes(), " -> ", output.sizes(), " does not match the splits");
+  if (size() == 1) {
+    output.copy_(input);
+    return start("all_to_all_v", compat::WorkPtr());
+  }
+  describe("all_to_all_v", {input, output});
+  int64_t row_bytes = static_cast<int64_t>(input.element_size());
+  for (int64_t d = 1; d < input.dim(); ++d) row_bytes *= input.size(d);
+  std::vector<int64_t> in_bytes, out_bytes;
+  for (size_t j = 0; j < n; ++j) {
+    in_bytes.push_back(in_rows[j] * row_bytes);
+    out_bytes.push_back(out_rows[j] * row_bytes);
+  }
+  at::Tensor out = bytes_of(output), in = bytes_of(input);
+  c10d::AllToAllOptions o;
+  o.timeout = timeout_;
+  return start("all_to_all_v", ST_LAUNCH("all_to_all_v", backend_->alltoall_base(out, in, out_bytes, in_bytes, o)));
+}
+
 Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
   check_contiguous(tensor, "reduce");
   if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return reduce(t[0], root, op); });

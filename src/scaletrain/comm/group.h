@@ -187,6 +187,12 @@ class Group {
   [[nodiscard]] Work all_gather(at::Tensor shard, at::Tensor full);
   // Equal splits: chunk j of `input` goes to rank j, chunk i of `output` comes from rank i.
   [[nodiscard]] Work all_to_all(at::Tensor input, at::Tensor output);
+  // Uneven splits along dim 0: rows [sum(in_rows[<j]), +in_rows[j]) of `input`
+  // go to rank j; rank i's rows land at [sum(out_rows[<i]), +out_rows[i]) of
+  // `output`. Every rank's in_rows[j] must be rank j's out_rows[rank] (send
+  // the counts first, e.g. with all_to_all). Rows have the same shape and dtype on both sides.
+  [[nodiscard]] Work all_to_all_v(at::Tensor input, at::Tensor output, const std::vector<int64_t>& in_rows,
+                                  const std::vector<int64_t>& out_rows);
   // On root, outputs has size() tensors shaped like input; elsewhere ignored.
   [[nodiscard]] Work gather(at::Tensor input, std::vector<at::Tensor> outputs, int root);
   // On root, inputs has size() tensors shaped like output; elsewhere ignored.

@@ -4,6 +4,9 @@
 
 #include <functional>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "scaletrain/comm/world.h"
 #include "scaletrain/util/error.h"
@@ -87,6 +90,33 @@ Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), ra
                          c.dp_shard = i % S;
                        },
                        dims_.dp()));
+}
+
+void Mesh::add_expert_parallel(World& world, int ep) {
+  const std::vector<int>& dp = dp_->ranks();
+  const int n = static_cast<int>(dp.size());
+  if (ep < 1 || n % ep != 0)
+    throw std::invalid_argument("expert parallel degree " + std::to_string(ep) + " does not divide the " +
+                                std::to_string(n) + " data-parallel ranks");
+  if (ep_) throw std::logic_error("Mesh: expert parallelism added twice");
+  const int i = dp_->rank();
+  std::vector<int> ep_ranks, edp_ranks;
+  for (int j = (i / ep) * ep; j < (i / ep + 1) * ep; ++j) ep_ranks.push_back(dp[static_cast<size_t>(j)]);
+  for (int j = i % ep; j < n; j += ep) edp_ranks.push_back(dp[static_cast<size_t>(j)]);
+  static std::atomic<int> instances{0};
+  const std::string prefix = "experts" + std::to_string(instances.fetch_add(1)) + "/ep" + std::to_string(ep) + "/";
+  auto make = [&](const std::string& dim, std::vector<int> ranks) {
+    if (static_cast<int>(ranks.size()) == world.size()) return world.group();
+    const std::string name = prefix + dim + "/" + std::to_string(ranks.front());
+    return world.new_group(name, std::move(ranks));
+  };
+  ep_ = make("ep", ep_ranks);
+  expert_dp_ = make("edp", edp_ranks);
+}
+
+Group& Mesh::ep() const {
+  if (!ep_) throw std::logic_error("Mesh: no expert parallelism (add_expert_parallel)");
+  return *ep_;
 }
 
 }  // namespace scaletrain::comm

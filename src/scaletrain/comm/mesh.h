@@ -53,6 +53,18 @@ class Mesh {
   Group& tp() const { return *tp_; }
   Group& pp() const { return *pp_; }
 
+  // Note [Expert groups]: expert parallelism of degree `ep` splits the
+  // data-parallel ranks (in dp order) into consecutive ep groups, which hold
+  // one copy of every expert between them, and expert-data-parallel groups
+  // of the ranks at the same position in each ep group, which hold the same
+  // experts: with dp = 8 and ep = 2, ep groups {0,1} {2,3} {4,5} {6,7} and
+  // expert-data groups {0,2,4,6} {1,3,5,7} (DeepSpeed-MoE's layout). ep must
+  // divide dp. Collective: every rank calls it once with the same degree.
+  void add_expert_parallel(World& world, int ep);
+  Group& ep() const;  // after add_expert_parallel
+  Group& expert_dp() const { return expert_dp_ ? *expert_dp_ : *dp_; }
+  int ep_size() const { return ep_ ? ep_->size() : 1; }
+
   // Pure grid arithmetic, usable without a world (tests, the estimator).
   static int rank_of(const MeshDims& d, const MeshCoord& c);
   static MeshCoord coord_of(const MeshDims& d, int rank);
@@ -61,7 +73,7 @@ class Mesh {
   MeshDims dims_;
   MeshCoord coord_;
   int rank_ = 0;
-  std::shared_ptr<Group> world_, dp_, dp_shard_, dp_replicate_, tp_, pp_;
+  std::shared_ptr<Group> world_, dp_, dp_shard_, dp_replicate_, tp_, pp_, ep_, expert_dp_;
 };
 
 }  // namespace scaletrain::comm

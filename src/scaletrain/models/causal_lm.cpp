@@ -120,4 +120,10 @@ torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const Tenso
   return proj.bias.defined() ? out + proj.bias : out;
 }
 
+bool CausalLM::is_expert_parameter(const std::string&) const { return false; }
+
+void CausalLM::set_expert_parallel(std::shared_ptr<const ExpertParallelHooks>) {
+  throw std::invalid_argument("expert parallelism needs a model with MoE layers (model family " + config_.family + ")");
+}
+
 }  // namespace scaletrain::models

@@ -27,7 +27,8 @@
 
 namespace scaletrain::models {
 
-struct MoeContext;  // models/moe.h
+struct MoeContext;           // models/moe.h
+struct ExpertParallelHooks;  // models/moe.h
 
 // Llama 3.1's frequency-dependent stretch of the rotary embedding (Hugging
 // Face's rope_scaling {"rope_type": "llama3", ...}); type "" is none.
@@ -221,6 +222,13 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // losses' gradient multiplier, the routing statistics: models/moe.h);
   // null for a dense model.
   const std::shared_ptr<MoeContext>& moe() const { return moe_; }
+  // Expert parallelism (parallel/expert, Note [Expert parallelism]): whether
+  // a parameter belongs to an expert (its gradient is averaged over the
+  // ranks holding the same experts), and keeping only the hooks' experts of
+  // every MoE layer while tokens move through the hooks. A dense model has no
+  // expert parameters and refuses the hooks.
+  virtual bool is_expert_parameter(const std::string& name) const;
+  virtual void set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks);
 
  protected:
   // Without materialization each module's bytes go as soon as it is built

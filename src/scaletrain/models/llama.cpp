@@ -238,12 +238,23 @@ std::pair<std::string, at::Tensor> LlamaImpl::tied_head() {
   return {"model.embed_tokens.weight", embed_tokens->weight};
 }
 
+bool LlamaImpl::is_expert_parameter(const std::string& name) const {
+  return name.find(".block_sparse_moe.experts.") != std::string::npos;
+}
+
+void LlamaImpl::set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks) {
+  if (!moe_) CausalLM::set_expert_parallel(hooks);  // refuses
+  for (auto& m : *layers) m->as<LlamaDecoderLayer>()->block_sparse_moe->set_expert_parallel(hooks);
+}
+
 double LlamaImpl::flops_per_token(int64_t seq_len) const {
   double N = static_cast<double>(num_parameters());
   if (lm_head) N -= static_cast<double>(embed_tokens->weight.numel());
   const auto& c = config();
-  if (c.num_local_experts > 0)  // a token runs k of each layer's E experts (3 matrices each)
-    N -= static_cast<double>(c.n_layer * (c.num_local_experts - c.num_experts_per_tok) * 3 * c.n_embd * c.mlp_width());
+  if (moe_) {  // a token runs k of each layer's experts (3 matrices each); this rank may hold fewer than E
+    const int64_t held = layers->ptr(0)->as<LlamaDecoderLayer>()->block_sparse_moe->local_experts();
+    N -= static_cast<double>(c.n_layer * (held - c.num_experts_per_tok) * 3 * c.n_embd * c.mlp_width());
+  }
   return 6.0 * N + 12.0 * c.n_layer * c.n_head * c.head_dim() * seq_len;
 }
 

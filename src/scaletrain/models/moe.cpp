@@ -93,8 +93,26 @@ torch::Tensor MoeExpertImpl::forward(const torch::Tensor& x) { return w2(torch::
 
 SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t width, int64_t inner, MoeOptions o) : o_(std::move(o)) {
   gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(width, o_.num_experts).bias(false)));
-  experts = register_module("experts", torch::nn::ModuleList());
-  for (int64_t j = 0; j < o_.num_experts; ++j) experts->push_back(MoeExpert(width, inner));
+  experts = register_module("experts", std::make_shared<torch::nn::Module>());
+  for (int64_t j = 0; j < o_.num_experts; ++j)
+    local_.push_back(experts->register_module(std::to_string(j), MoeExpert(width, inner)));
+}
+
+void SparseMoeBlockImpl::set_expert_parallel(ExpertParallelHooksPtr hooks) {
+  TORCH_CHECK(hooks && hooks->local_experts > 0 && hooks->first_expert >= 0 &&
+                  hooks->first_expert + hooks->local_experts <= o_.num_experts && first_ == 0 &&
+                  static_cast<int64_t>(local_.size()) == o_.num_experts,
+              "SparseMoeBlock: expert parallelism is set once, on a block holding every expert");
+  std::vector<MoeExpert> kept;
+  for (int64_t j = 0; j < o_.num_experts; ++j) {
+    if (j >= hooks->first_expert && j < hooks->first_expert + hooks->local_experts)
+      kept.push_back(local_[static_cast<size_t>(j)]);
+    else
+      experts->unregister_module(std::to_string(j));
+  }
+  local_ = std::move(kept);
+  first_ = hooks->first_expert;
+  ep_ = std::move(hooks);
 }
 
 torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
@@ -118,11 +136,11 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
 
   const torch::Tensor xs = flat.index_select(0, token);
   auto run_expert = [this](int64_t j, const torch::Tensor& in) {
-    return experts->ptr<MoeExpertImpl>(static_cast<size_t>(j))->forward(in);
+    return local_.at(static_cast<size_t>(j - first_))->forward(in);
   };
   torch::Tensor ys;
-  if (ep) {
-    ys = ep->run(xs, counts, [&](int64_t j, const torch::Tensor& in) { return run_expert(j - ep->first_expert, in); });
+  if (ep_) {
+    ys = ep_->run(xs, counts, run_expert);
   } else {
     // Every expert runs, an empty one on no rows: each parameter gets a
     // gradient every step (zeros when unused), as data-parallel engines expect.

@@ -121,13 +121,21 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   SparseMoeBlockImpl(int64_t width, int64_t inner, MoeOptions o);
   // x [B, T, C] -> [B, T, C]
   torch::Tensor forward(const torch::Tensor& x);
+  // Expert parallelism: keeps only the hooks' experts (the others are
+  // unregistered and freed) and moves tokens through the hooks from now on.
+  void set_expert_parallel(ExpertParallelHooksPtr hooks);
+  int64_t local_experts() const { return static_cast<int64_t>(local_.size()); }
   torch::nn::Linear gate{nullptr};  // the router: never FP8, never adapted
-  torch::nn::ModuleList experts{nullptr};
-  MoeContextPtr context;      // set by the model
-  ExpertParallelHooksPtr ep;  // null: single process
+  // Holds the experts under their global index ("experts.J"): only this
+  // rank's under expert parallelism.
+  std::shared_ptr<torch::nn::Module> experts;
+  MoeContextPtr context;  // set by the model
 
  private:
   MoeOptions o_;
+  std::vector<MoeExpert> local_;  // experts [first_, first_ + local_.size())
+  int64_t first_ = 0;
+  ExpertParallelHooksPtr ep_;  // null: every expert is here
 };
 TORCH_MODULE(SparseMoeBlock);
 

@@ -214,6 +214,7 @@ const std::map<std::string, Field>& fields() {
     ST_INT(parallel, dp_replicate)
     ST_INT(parallel, dp_shard)
     ST_INT(parallel, tp)
+    ST_INT(parallel, ep)
     ST_INT(parallel, pp)
     ST_ENUM(parallel, schedule)
     ST_INT(parallel, microbatches)

@@ -108,6 +108,7 @@ struct ParallelOptions {
   int dp_shard = -1;                    // mesh: inner data-parallel degree; -1 = the rest of the world
   int tp = 1;                           // tensor-parallel degree (Megatron style; composes with ddp)
   int pp = 1;                           // pipeline stages (parallel/pipeline)
+  int ep = 1;                           // expert-parallel degree: MoE experts split over this many data-parallel ranks
   std::string schedule = "1f1b";        // with pp > 1: gpipe | 1f1b | interleaved
   int microbatches = 0;                 // with pp > 1: micro-batches per step; 0 = global / (micro_batch x dp)
   int virtual_stages = 1;               // model chunks per stage (interleaved only)

@@ -202,6 +202,31 @@ void check_fp8(const Config& c, Problems& problems) {
                  "(use finetune.method=lora)");
 }
 
+// Expert parallelism (parallel/expert): what it needs and what it composes with.
+void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
+  const auto& p = c.parallel;
+  if (p.ep < 1) return problems.add("parallel.ep must be at least 1, got " + std::to_string(p.ep));
+  if (p.ep == 1) return;
+  const std::string ep = "parallel.ep=" + std::to_string(p.ep);
+  if (m.num_local_experts == 0)
+    return problems.add(ep + " would have no effect: the model has no MoE layers (model family " + m.family + ")");
+  if (m.num_local_experts % p.ep != 0)
+    problems.add(ep + " does not divide model.num_local_experts=" + std::to_string(m.num_local_experts) +
+                 " (each rank holds the same number of experts)");
+  if (dp > 0 && dp % p.ep != 0)
+    problems.add(ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks");
+  if (p.strategy != "ddp")
+    problems.add(ep + " with parallel.strategy=" + p.strategy +
+                 " is not available yet: expert parallelism composes with ddp in this build");
+  if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
+  if (!c.checkpoint.dir.empty())
+    problems.add(ep + " with checkpoint.dir is not available yet: checkpoints of experts split over ranks are not written");
+  if (c.train.sample_tokens > 0)
+    problems.add(ep + " with train.sample_tokens > 0 is not available yet: sampling does not move tokens between "
+                 "ranks (set train.sample_tokens=0)");
+  if (c.finetune.method != "full") problems.add(ep + " with finetune.method=" + c.finetune.method + " is not available yet");
+}
+
 // What this build can fine-tune with adapters.
 void check_finetune(const Config& c, Problems& problems) {
   // NF4 blocks run along the flattened weight: a row-parallel split would
@@ -318,6 +343,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
     plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp}.resolved(world_size);
   });
   if (model_ok && p.tp > 1) problems.check([&] { parallel::tensor::check_tensor_parallel(plan.model, p.tp); });
+  if (model_ok) check_expert_parallel(c, plan.model, dims_ok ? plan.dims.dp() : 0, problems);
   if (model_ok && dims_ok) {
     check_pipeline(c, plan.model, plan.dims.dp(), problems);
     // A pipeline's parallel.microbatches, when set, decides the micro-batch size.

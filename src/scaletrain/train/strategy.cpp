@@ -1,5 +1,6 @@
 #include "scaletrain/train/strategy.h"
 
+#include "scaletrain/parallel/expert/expert_parallel.h"
 #include "scaletrain/precision/fp8.h"
 
 #include <map>
@@ -44,13 +45,24 @@ class DDPStrategy final : public DataParallel {
  public:
   // `plan`: the model is tensor-parallel (clipping counts split and
   // replicated parameters over tp; see parallel/tensor).
+  // `experts`: the mesh with expert parallelism added (Note [Expert
+  // parallelism]): expert gradients are averaged over its expert-data groups.
   DDPStrategy(models::ModelPtr model, comm::Group& group, const ParallelOptions& p,
               const precision::PrecisionOptions& precision,
-              std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt)
+              std::optional<parallel::tensor::TensorParallelPlan> plan = std::nullopt, comm::Mesh* experts = nullptr)
       : model_(std::move(model)), plan_(std::move(plan)), rank_(group.rank()), find_unused_(p.find_unused_parameters) {
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, ddp_options(p, precision));
-    for (auto& p : model_->parameters())
-      if (p.requires_grad()) params_.push_back(p);  // frozen ones (finetune) do not train
+    parallel::DDPOptions o = ddp_options(p, precision);
+    if (experts) {
+      ep_ = &experts->ep();
+      o.expert_group = &experts->expert_dp();
+      o.expert_param = [m = model_.get()](const std::string& name) { return m->is_expert_parameter(name); };
+    }
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, o);
+    for (auto& item : model_->named_parameters()) {
+      if (!item.value().requires_grad()) continue;  // frozen ones (finetune) do not train
+      params_.push_back(item.value());
+      (ep_ && model_->is_expert_parameter(item.key()) ? expert_params_ : shared_params_).push_back(item.value());
+    }
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
     at::Tensor loss = fn();
@@ -72,10 +84,12 @@ class DDPStrategy final : public DataParallel {
     if (plan_)
       return parallel::tensor::clip_grad_norm(parallel::tensor::grad_norm_params(*model_, *plan_), max_norm,
                                               *plan_->tp);
+    if (ep_) return expert_clip_grad_norm(max_norm);
     return optim::clip_grad_norm(params_, max_norm);
   }
   std::vector<comm::Group*> grad_groups() override {
     if (plan_) return {plan_->tp};
+    if (ep_) return {ep_};  // the ranks of an ep group hold different experts' gradients
     return {};
   }
   void after_step() override {}
@@ -111,8 +125,32 @@ class DDPStrategy final : public DataParallel {
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   int rank_;
   bool find_unused_;
+  // The global norm under expert parallelism: the shared parameters' squares
+  // are the same on every rank; the experts' add over the ep group (which
+  // holds each expert once).
+  double expert_clip_grad_norm(double max_norm) {
+    torch::NoGradGuard no_grad;
+    auto squares = [](const std::vector<at::Tensor>& ps) {
+      at::Tensor sq = at::zeros({1}, at::kDouble);
+      for (auto& p : ps)
+        if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().cpu();
+      return sq;
+    };
+    at::Tensor experts = squares(expert_params_);
+    ep_->all_reduce(experts).wait();
+    const double norm = std::sqrt((squares(shared_params_) + experts).item<double>());
+    if (max_norm > 0 && norm > max_norm) {
+      const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
+      for (auto& p : params_)
+        if (p.grad().defined()) p.mutable_grad().mul_(scale);
+    }
+    return norm;
+  }
+
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::vector<at::Tensor> params_;
+  comm::Group* ep_ = nullptr;  // expert parallelism's group
+  std::vector<at::Tensor> shared_params_, expert_params_;
 };
 
 class ShardedStrategy final : public DataParallel {
@@ -548,7 +586,13 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
     ParallelOptions dp_options = p;
     if (plan.policy.reduce == at::kBFloat16) dp_options.comm_dtype = "bf16";  // DDP sums in fp32 either way
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, c.precision, std::move(tp_plan));
+    comm::Mesh* experts = nullptr;
+    if (p.ep > 1) {  // Note [Expert parallelism]: each rank keeps its experts of the whole model built above
+      mesh.add_expert_parallel(world, p.ep);
+      out.model->set_expert_parallel(parallel::expert::expert_parallel_hooks(mesh.ep(), mcfg.num_local_experts));
+      experts = &mesh;
+    }
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, c.precision, std::move(tp_plan), experts);
     return out;
   }
   ShardedSetup setup = sharded_setup(c, plan, mesh);

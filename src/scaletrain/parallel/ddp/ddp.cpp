@@ -35,6 +35,7 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   DDPOptions options;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
+  std::vector<comm::Group*> group_of;  // each parameter's averaging group (expert parameters: expert_group)
   std::vector<at::Tensor> views;  // params[i]'s gradient slot in its bucket
   std::vector<size_t> bucket_of;
   std::vector<bool> ready;
@@ -69,10 +70,14 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
 namespace {
 
 // Parameters (indices into params) of each bucket, in bucket order.
-std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
-                                               const DDPOptions& options) {
+std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& params,
+                                               const std::vector<comm::Group*>& group_of,
+                                               const std::vector<size_t>& order, const DDPOptions& options) {
   auto bytes_of = [&](size_t k) { return params[k].numel() * params[k].element_size(); };
-  auto same_dtype = [&](size_t a, size_t b) { return params[a].scalar_type() == params[b].scalar_type(); };
+  // A bucket holds one dtype, averaged over one group.
+  auto same_dtype = [&](size_t a, size_t b) {
+    return params[a].scalar_type() == params[b].scalar_type() && group_of[a] == group_of[b];
+  };
   // Note [Bucket tail]: from the end of the order, buckets of at most
   // last_bucket_cap_bytes, then tail_growth times that, ..., while below
   // bucket_cap_bytes (a parameter larger than its cap gets a bucket of its own).
@@ -125,7 +130,7 @@ std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& pa
 }  // namespace
 
 void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& order) {
-  const std::vector<std::vector<size_t>> groups = bucket_groups(params, order, options);
+  const std::vector<std::vector<size_t>> groups = bucket_groups(params, group_of, order, options);
   torch::NoGradGuard no_grad;
   std::vector<Bucket> fresh;
   views.assign(params.size(), at::Tensor());
@@ -220,11 +225,12 @@ void DistributedDataParallel::State::on_grad_ready(size_t i) {
 void DistributedDataParallel::State::start_ready_buckets() {
   while (next_to_start < buckets.size() && buckets[next_to_start].pending == 0) {
     Bucket& b = buckets[next_to_start++];
+    comm::Group* g = group_of[b.params.front()];
     if (options.fp8_comm) {
-      b.work = precision::fp8_all_reduce_avg(*group, b.flat, *options.fp8_comm);
-      bytes += precision::fp8_all_reduce_bytes(b.flat.numel(), group->size());
+      b.work = precision::fp8_all_reduce_avg(*g, b.flat, *options.fp8_comm);
+      bytes += precision::fp8_all_reduce_bytes(b.flat.numel(), g->size());
     } else {
-      b.work = ddp_comm::start_bucket_average(*group, b.flat, b.staging);
+      b.work = ddp_comm::start_bucket_average(*g, b.flat, b.staging);
       bytes += (b.staging.defined() ? b.staging : b.flat).nbytes();
     }
     b.started = true;
@@ -292,18 +298,25 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   s.group = &group;
   s.options = options_;
 
-  // 1. Every rank starts from rank 0's weights.
-  std::vector<at::Tensor> states;
-  for (auto& p : module_->parameters()) states.push_back(p);
+  if (static_cast<bool>(options_.expert_param) != (options_.expert_group != nullptr))
+    throw std::invalid_argument("DDP: expert_param and expert_group go together");
+  auto is_expert = [&](const std::string& name) { return options_.expert_param && options_.expert_param(name); };
+
+  // 1. Every rank starts from rank 0's weights (an expert's from the first
+  // rank of its expert group).
+  std::vector<at::Tensor> states, expert_states;
+  for (auto& item : module_->named_parameters()) (is_expert(item.key()) ? expert_states : states).push_back(item.value());
   if (options_.broadcast_buffers)
     for (auto& b : module_->buffers()) states.push_back(b);
   ddp_comm::broadcast_coalesced(group, states, 0);
+  if (!expert_states.empty()) ddp_comm::broadcast_coalesced(*options_.expert_group, expert_states, 0);
 
   // 2. Buckets, in reverse registration order until rebuilt (Note [Bucket rebuild]).
   for (auto& item : module_->named_parameters()) {
     if (!item.value().requires_grad()) continue;
     s.names.push_back(item.key());
     s.params.push_back(item.value());
+    s.group_of.push_back(is_expert(item.key()) ? options_.expert_group : &group);
   }
   if (s.params.empty()) throw std::invalid_argument("DDP: the module has no trainable parameters");
   std::vector<size_t> reverse;

@@ -68,6 +68,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -106,6 +107,12 @@ struct DDPOptions {
   // order gradients became ready (on rank 0) instead of reverse registration
   // order. See Note [Bucket rebuild].
   bool rebuild_buckets = true;
+  // Expert parallelism (parallel/expert, Note [Expert parallelism]): the
+  // parameters `expert_param` selects are averaged over `expert_group` (the
+  // ranks that hold the same experts) instead of the engine's group, in
+  // buckets of their own, and start from that group's first rank.
+  std::function<bool(const std::string& name)> expert_param;
+  comm::Group* expert_group = nullptr;
 };
 
 class DistributedDataParallel {
