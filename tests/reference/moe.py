@@ -2,7 +2,7 @@
 """Reference of scaletrain's MoE routing: top-k choice, capacity dropping, auxiliary losses.
 
 Plain Python floats (IEEE double) and explicit loops over sequences, tokens and slots;
-no torch. The definitions are the project's (the MoE issue), spelled out here:
+no torch. The definitions are the project's (Note [MoE routing] in src/scaletrain/models/moe.h), spelled out here:
 
   route IN_JSON OUT_JSON
       IN_JSON: {"logits": [[E floats] per token, N rows], "seq_len": T, "k": k,
