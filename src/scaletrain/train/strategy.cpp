@@ -56,6 +56,7 @@ class DDPStrategy final : public DataParallel {
       ep_ = &experts->ep();
       o.expert_group = &experts->expert_dp();
       o.expert_param = [m = model_.get()](const std::string& name) { return m->is_expert_parameter(name); };
+      o.expert_scale = 1.0 / static_cast<double>(ep_->size());
     }
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, o);
     for (auto& item : model_->named_parameters()) {

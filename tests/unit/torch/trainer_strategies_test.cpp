@@ -288,6 +288,94 @@ TEST(TrainerStrategies, Fp8O3ResumesUnderAnotherLayout) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(second[i], ref[i + 3], 2e-3 * ref[i + 3]) << "step " << i + 4;
 }
 
+// The last step record of a run's metrics file.
+nlohmann::json last_step(const std::string& name) {
+  std::ifstream in(scratch() / (name + ".jsonl"));
+  nlohmann::json last;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("record")) last = j;
+  }
+  return last;
+}
+
+// A Mixtral model (4 experts, top 2, capacity factor 1 so slots are dropped,
+// load-balancing and z losses on) follows the single-process curve under
+// expert parallelism (ep 2 and 4, and dp 2 x ep 2), plain data parallelism,
+// ZeRO-3, a pipeline and recomputed blocks: routing, dropping and the
+// auxiliary losses are defined per sequence (Note [MoE routing]), so no
+// split of the batch changes them, and every layout routes the same slots.
+// Ports 30750-30759.
+TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
+  // A clip below the gradient norm makes the norm part of every update: Adam
+  // alone would hide a gradient that is off by a constant factor.
+  const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
+                          "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05";
+  const auto ref = train(1, "moe_one", moe, 30750);
+  ASSERT_EQ(ref.size(), 6u);
+  EXPECT_LT(ref.back(), ref.front()) << "the MoE run did not learn";
+  const nlohmann::json one = last_step("moe_one");
+  ASSERT_TRUE(one.contains("moe_tokens_per_expert"));
+  EXPECT_GT(one["moe_dropped"].get<int64_t>(), 0) << "capacity 1 dropped nothing: the test would not see dropping";
+  EXPECT_GT(one["grad_norm"].get<double>(), 0.05) << "the clip is not active: the test would not see a scaled gradient";
+  const std::vector<std::tuple<int, std::string, std::string>> runs{
+      {2, "moe_ep2", "--parallel.ep=2"},
+      {4, "moe_ep4", "--parallel.ep=4"},
+      {4, "moe_dp2_ep2", "--parallel.ep=2"},
+      {2, "moe_ddp", "--parallel.strategy=ddp"},
+      {2, "moe_zero3", "--parallel.strategy=zero3"},
+      {2, "moe_pp2", "--parallel.pp=2"},
+      {2, "moe_ep2_recompute", "--parallel.ep=2 --model.activation_checkpointing=full"},
+  };
+  int port = 30751;
+  for (auto& [n, name, flags] : runs) {
+    expect_same_curve(train(n, name, moe + " " + flags, port++), ref, name);
+    const nlohmann::json last = last_step(name);
+    EXPECT_EQ(last.value("moe_tokens_per_expert", nlohmann::json()), one["moe_tokens_per_expert"]) << name;
+    EXPECT_EQ(last.value("moe_dropped", -1), one["moe_dropped"].get<int64_t>()) << name;
+    EXPECT_NEAR(last.value("moe_aux_loss", 0.0), one["moe_aux_loss"].get<double>(), 1e-5) << name;
+  }
+  EXPECT_LE(port, 30759);
+}
+
+// The load-balancing loss does its job: 100 steps of a Mixtral model with
+// router_aux_loss_coef 0 and 0.5, the same data and initial weights; over the
+// last 20 steps the busiest expert's share of the slots (max / mean) and the
+// loss's own value are clearly lower with it. Ports 30760-30761.
+TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
+  const std::string common = "--model.preset=mixtral-tiny --model.n_embd=64 --model.n_head=4 --train.steps=100 "
+                             "--train.global_batch=8 --train.micro_batch=8 --train.sample_tokens=0 --data.path=" +
+                             wordy_tokens().string() + " --model.router_aux_loss_coef=";
+  auto tail_stats = [](const std::string& name) {
+    std::ifstream in(scratch() / (name + ".jsonl"));
+    std::vector<nlohmann::json> steps;
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (!j.contains("record")) steps.push_back(j);
+    }
+    double imbalance = 0, aux = 0;
+    const size_t from = steps.size() >= 20 ? steps.size() - 20 : 0;
+    for (size_t i = from; i < steps.size(); ++i) {
+      const auto t = steps[i]["moe_tokens_per_expert"].get<std::vector<double>>();
+      double sum = 0, most = 0;
+      for (double v : t) sum += v, most = std::max(most, v);
+      imbalance += most / (sum / static_cast<double>(t.size()));
+      aux += steps[i]["moe_aux_loss"].get<double>();
+    }
+    const double n = static_cast<double>(steps.size() - from);
+    return std::pair{imbalance / n, aux / n};
+  };
+  ASSERT_EQ(train(1, "moe_lb_off", common + "0", 30760).size(), 100u);
+  ASSERT_EQ(train(1, "moe_lb_on", common + "0.5", 30761).size(), 100u);
+  const auto [off_imbalance, off_aux] = tail_stats("moe_lb_off");
+  const auto [on_imbalance, on_aux] = tail_stats("moe_lb_on");
+  std::printf("[moe load balance] busiest expert / mean over the last 20 steps: %.3f without the loss, %.3f with it; "
+              "aux loss %.4f and %.4f (1 = uniform)\n",
+              off_imbalance, on_imbalance, off_aux, on_aux);
+  EXPECT_LT(on_imbalance, off_imbalance - 0.1);
+  EXPECT_LT(on_aux, off_aux);
+}
+
 // The tiny GPT on the King James Bible (Genesis to Ruth, bytes) for 300
 // steps: FP8 linears under bf16 autocast (what Accelerate's mixed_precision
 // fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16

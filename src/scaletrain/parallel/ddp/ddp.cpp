@@ -226,6 +226,10 @@ void DistributedDataParallel::State::start_ready_buckets() {
   while (next_to_start < buckets.size() && buckets[next_to_start].pending == 0) {
     Bucket& b = buckets[next_to_start++];
     comm::Group* g = group_of[b.params.front()];
+    if (g == options.expert_group && options.expert_scale != 1.0) {
+      torch::NoGradGuard no_grad;
+      b.flat.mul_(options.expert_scale);
+    }
     if (options.fp8_comm) {
       b.work = precision::fp8_all_reduce_avg(*g, b.flat, *options.fp8_comm);
       bytes += precision::fp8_all_reduce_bytes(b.flat.numel(), g->size());

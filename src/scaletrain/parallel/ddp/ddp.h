@@ -113,6 +113,11 @@ struct DDPOptions {
   // buckets of their own, and start from that group's first rank.
   std::function<bool(const std::string& name)> expert_param;
   comm::Group* expert_group = nullptr;
+  // An expert's local gradient already sums the contributions of every rank
+  // of its ep group (their tokens came to it), where the other gradients
+  // hold this rank's alone: expert buckets are multiplied by this (1 / ep)
+  // before their average, so both end as the mean over all data-parallel ranks.
+  double expert_scale = 1.0;
 };
 
 class DistributedDataParallel {
