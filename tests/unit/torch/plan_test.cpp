@@ -100,6 +100,34 @@ TEST(Plan, Fp8CombinationsAndLevels) {
   expect_refused({"precision.fp8=true", "finetune.method=qlora"}, "NF4 base weight is not cast to FP8");
 }
 
+// Mixture of Experts and expert parallelism: bad degrees and settings are
+// one-line refusals, every problem named.
+TEST(Plan, MoeAndExpertParallelism) {
+  const std::string moe = "model.preset=mixtral-tiny";
+  EXPECT_EQ(refusal({moe, "parallel.ep=2", "train.sample_tokens=0"}), "");
+  EXPECT_EQ(refusal({moe, "parallel.ep=4", "train.sample_tokens=0"}, 4), "");
+  expect_refused({moe, "parallel.ep=3", "train.sample_tokens=0"}, "parallel.ep=3 does not divide model.num_local_experts=4", 3);
+  expect_refused({moe, "parallel.ep=4", "train.sample_tokens=0"}, "parallel.ep=4 does not divide the 2 data-parallel ranks");
+  expect_refused({moe, "parallel.ep=0"}, "parallel.ep must be at least 1");
+  expect_refused({"parallel.ep=2", "train.sample_tokens=0"}, "would have no effect: the model has no MoE layers");
+  expect_refused({moe, "model.num_experts_per_tok=5"}, "model.num_experts_per_tok=5 must be between 1 and model.num_local_experts=4");
+  expect_refused({moe, "parallel.ep=2", "parallel.strategy=zero3", "train.sample_tokens=0"}, "composes with ddp");
+  expect_refused({moe, "parallel.ep=2"}, "train.sample_tokens");
+  expect_refused({moe, "parallel.tp=2"}, "with MoE layers (model.num_local_experts) is not available");
+  expect_refused({moe, "model.moe_drop_policy=position"}, "routing is dropless");
+  expect_refused({"model.num_local_experts=4"}, "read by model.family=mixtral only");
+  expect_refused({moe, "model.router_aux_loss_coef=nan"}, "router_aux_loss_coef");
+  // A capacity factor is positive: dropless routing is the key left unset.
+  for (const char* bad : {"model.capacity_factor=0", "model.capacity_factor=-1"}) {
+    try {
+      base({moe, bad});
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("model.capacity_factor must be positive"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Plan, RefusesSettingsThatWouldHaveNoEffect) {
   expect_refused({"parallel.strategy=zero2", "parallel.fsdp.forward_prefetch=true"},
                  "parallel.fsdp.forward_prefetch=true would have no effect: parallel.fsdp applies to "
