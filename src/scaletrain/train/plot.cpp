@@ -60,6 +60,13 @@ MetricsRecord parse_record(const std::string& text, const std::string& path, int
   r.mfu = number_field(obj, "mfu", false, path, line);
   r.peak_rss_mb = number_field(obj, "peak_rss_mb", false, path, line);
   r.comm_wait_ms = number_field(obj, "comm_wait_ms", false, path, line);
+  if (const auto it = obj.find("moe_tokens_per_expert"); it != obj.end()) {
+    if (!it->is_array()) fail_line(path, line, "key \"moe_tokens_per_expert\" is not an array: " + it->dump());
+    for (const auto& v : *it) {
+      if (!v.is_number()) fail_line(path, line, "key \"moe_tokens_per_expert\" holds a non-number: " + v.dump());
+      r.moe_tokens_per_expert.push_back(v.get<double>());
+    }
+  }
   return r;
 }
 
@@ -154,11 +161,15 @@ struct Series {
   std::vector<double> x, y;  // y may hold NaN: drawn as a gap
 };
 
-// One panel: frame, grid, ticks, labels, then the curve. (left, top) is the
+template <typename SX, typename SY>
+void draw_curve(std::ostringstream& svg, const Series& s, const std::string& color, const SX& sx, const SY& sy);
+
+// One panel: frame, grid, ticks, labels, then the curves (and a dashed guide line at `guide`). (left, top) is the
 // corner of the whole panel; the plot area sits inside fixed margins that
 // leave room for the tick labels.
-void draw_panel(std::ostringstream& svg, const Series& s, const std::string& title, const std::string& color,
-                bool include_zero, double left, double top, double width, double height) {
+void draw_panel(std::ostringstream& svg, const std::vector<Series>& all, const std::vector<std::string>& colors,
+                const std::string& title, bool include_zero, double left, double top, double width, double height,
+                double guide = kNaN) {
   constexpr double kMarginLeft = 72, kMarginRight = 24, kMarginTop = 30, kMarginBottom = 44;
   const double px0 = left + kMarginLeft, px1 = left + width - kMarginRight;
   const double py0 = top + kMarginTop, py1 = top + height - kMarginBottom;
@@ -168,22 +179,25 @@ void draw_panel(std::ostringstream& svg, const Series& s, const std::string& tit
 
   double xmin = std::numeric_limits<double>::infinity(), xmax = -xmin;
   double ymin = xmin, ymax = -xmin;
-  for (std::size_t i = 0; i < s.x.size(); ++i) {
-    if (!std::isfinite(s.y[i])) continue;
-    xmin = std::min(xmin, s.x[i]);
-    xmax = std::max(xmax, s.x[i]);
-    ymin = std::min(ymin, s.y[i]);
-    ymax = std::max(ymax, s.y[i]);
-  }
+  for (const Series& s : all)
+    for (std::size_t i = 0; i < s.x.size(); ++i) {
+      if (!std::isfinite(s.y[i])) continue;
+      xmin = std::min(xmin, s.x[i]);
+      xmax = std::max(xmax, s.x[i]);
+      ymin = std::min(ymin, s.y[i]);
+      ymax = std::max(ymax, s.y[i]);
+    }
   const bool has_data = std::isfinite(xmin);
   if (!has_data) xmin = 0, xmax = 1, ymin = 0, ymax = 1;
   // The x range covers every record, so panels share a step scale even when
   // one series has gaps at the ends.
-  if (!s.x.empty()) {
-    xmin = std::min(xmin, s.x.front());
-    xmax = std::max(xmax, s.x.back());
-  }
+  for (const Series& s : all)
+    if (!s.x.empty()) {
+      xmin = std::min(xmin, s.x.front());
+      xmax = std::max(xmax, s.x.back());
+    }
   if (include_zero) ymin = std::min(ymin, 0.0);
+  if (std::isfinite(guide)) ymin = std::min(ymin, guide), ymax = std::max(ymax, guide);
   const Axis ax = make_axis(xmin, xmax, 8);
   const Axis ay = make_axis(ymin, ymax, 5);
   auto sx = [&](double v) { return px0 + (v - ax.lo) / (ax.hi - ax.lo) * (px1 - px0); };
@@ -219,8 +233,16 @@ void draw_panel(std::ostringstream& svg, const Series& s, const std::string& tit
         << "\" text-anchor=\"middle\" font-size=\"13\" fill=\"#888\">no data</text>\n";
     return;
   }
-  // One polyline per run of finite points; a lone point gets a dot, since a
-  // one-vertex polyline draws nothing.
+  if (std::isfinite(guide))
+    svg << "<line x1=\"" << coord(px0) << "\" y1=\"" << coord(sy(guide)) << "\" x2=\"" << coord(px1) << "\" y2=\""
+        << coord(sy(guide)) << "\" stroke=\"#555\" stroke-dasharray=\"4 3\"/>\n";
+  for (std::size_t c = 0; c < all.size(); ++c) draw_curve(svg, all[c], colors[c % colors.size()], sx, sy);
+}
+
+// One polyline per run of finite points; a lone point gets a dot, since a
+// one-vertex polyline draws nothing.
+template <typename SX, typename SY>
+void draw_curve(std::ostringstream& svg, const Series& s, const std::string& color, const SX& sx, const SY& sy) {
   std::size_t i = 0;
   while (i < s.x.size()) {
     if (!std::isfinite(s.y[i])) {
@@ -267,17 +289,30 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
   std::map<int64_t, const MetricsRecord*> by_step;
   for (const auto& r : records) by_step[r.step] = &r;
   Series loss, tput;
+  size_t experts = 0;
   for (const auto& [step, r] : by_step) {
     loss.x.push_back(static_cast<double>(step));
     loss.y.push_back(r->loss);
     tput.x.push_back(static_cast<double>(step));
     tput.y.push_back(r->tokens_per_s);
+    experts = std::max(experts, r->moe_tokens_per_expert.size());
+  }
+  // MoE: each expert's share of the step's slots.
+  std::vector<Series> shares(experts);
+  for (const auto& [step, r] : by_step) {
+    double total = 0;
+    for (double v : r->moe_tokens_per_expert) total += v;
+    for (size_t e = 0; e < experts; ++e) {
+      shares[e].x.push_back(static_cast<double>(step));
+      shares[e].y.push_back(e < r->moe_tokens_per_expert.size() && total > 0 ? r->moe_tokens_per_expert[e] / total
+                                                                               : kNaN);
+    }
   }
 
   const double width = std::max(options.width, 200);
   const double panel = std::max(options.panel_height, 120);
   const double header = options.title.empty() ? 0 : 32;
-  const double height = header + 2 * panel;
+  const double height = header + (experts > 0 ? 3 : 2) * panel;
 
   std::ostringstream svg;
   svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -288,10 +323,16 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
     svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
         << "font-size=\"17\" font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
   }
-  draw_panel(svg, loss, "Loss", "#1f77b4", /*include_zero=*/false, 0, header, width, panel);
+  draw_panel(svg, {loss}, {"#1f77b4"}, "Loss", /*include_zero=*/false, 0, header, width, panel);
   // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
   // the 10% it is, not like a collapse.
-  draw_panel(svg, tput, "Throughput (tokens/s)", "#d62728", /*include_zero=*/true, 0, header + panel, width, panel);
+  draw_panel(svg, {tput}, {"#d62728"}, "Throughput (tokens/s)", /*include_zero=*/true, 0, header + panel, width, panel);
+  if (experts > 0)
+    draw_panel(svg, shares,
+               {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+                "#17becf"},
+               "Share of slots per expert (" + std::to_string(experts) + " experts; dashed: uniform)",
+               /*include_zero=*/true, 0, header + 2 * panel, width, panel, 1.0 / static_cast<double>(experts));
   svg << "</svg>\n";
   return svg.str();
 }

@@ -4,7 +4,9 @@
 // The input is the trainer's JSON-lines metrics file: one object per line with
 // keys step, loss, lr, step_ms, tokens_per_s, mfu, peak_rss_mb, comm_wait_ms.
 // The output has two stacked panels, loss vs step and tokens/s vs step, each
-// with axes, grid, tick labels and a title. The SVG is written by hand (it is
+// with axes, grid, tick labels and a title; a log of an MoE model (key
+// moe_tokens_per_expert) gets a third: each expert's share of the step's
+// slots, one curve per expert, with the uniform share 1/E marked. The SVG is written by hand (it is
 // a few dozen elements), so this file needs neither libtorch nor a plotting
 // library and `scaletrain plot` works on a laptop with just the log.
 #include <cstdint>
@@ -25,6 +27,8 @@ struct MetricsRecord {
   double mfu = 0;            // model FLOPs utilization, 0..1 (optional)
   double peak_rss_mb = 0;    // peak resident memory in MiB (optional)
   double comm_wait_ms = 0;   // time blocked on collectives in ms (optional)
+  // MoE models (optional): slots each expert took this step (models/moe.h).
+  std::vector<double> moe_tokens_per_expert;
 };
 
 struct PlotOptions {

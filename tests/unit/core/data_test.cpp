@@ -468,6 +468,32 @@ TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
   EXPECT_NE(train::render_svg({}, {}).find("no data"), std::string::npos);
 }
 
+// An MoE run's log gets a third panel: one curve per expert of its share of
+// the step's slots, and the uniform share as a dashed line.
+TEST(PlotTest, MoeRunsGetTheirExpertsShares) {
+  TempDir dir;
+  const auto path = dir.file("moe.jsonl");
+  std::string log;
+  for (int s = 1; s <= 5; ++s)
+    log += "{\"step\":" + std::to_string(s) + ",\"loss\":" + std::to_string(3.0 - 0.1 * s) +
+           ",\"tokens_per_s\":100,\"moe_tokens_per_expert\":[" + std::to_string(10 + s) + ",20,30," +
+           std::to_string(40 - s) + "]}\n";
+  write_raw(path, log);
+  const auto records = train::read_metrics(path);
+  ASSERT_EQ(records.size(), 5u);
+  EXPECT_EQ(records[0].moe_tokens_per_expert, (std::vector<double>{11, 20, 30, 39}));
+  const std::string svg = train::render_svg(records, {});
+  std::size_t polylines = 0;
+  for (auto p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) ++polylines;
+  EXPECT_EQ(polylines, 2u + 4u);  // loss, throughput, 4 experts
+  EXPECT_NE(svg.find("Share of slots per expert (4 experts"), std::string::npos);
+  EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);
+  // A dense run's log keeps two panels.
+  std::vector<train::MetricsRecord> dense = records;
+  for (auto& r : dense) r.moe_tokens_per_expert.clear();
+  EXPECT_EQ(train::render_svg(dense, {}).find("Share of slots"), std::string::npos);
+}
+
 TEST(PlotTest, RejectsMalformedLines) {
   TempDir dir;
   const auto path = dir.file("bad.jsonl");
@@ -480,6 +506,8 @@ TEST(PlotTest, RejectsMalformedLines) {
       {"{\"step\":2,\"loss\":\"high\",\"tokens_per_s\":1}", "not a number"},
       {"{\"step\":2.5,\"loss\":1,\"tokens_per_s\":1}", "not an integer"},
       {"{\"step\":2,\"loss\":1,\"tokens_per_s\":1,\"mfu\":true}", "\"mfu\""},
+      {"{\"step\":2,\"loss\":1,\"tokens_per_s\":1,\"moe_tokens_per_expert\":3}", "not an array"},
+      {"{\"step\":2,\"loss\":1,\"tokens_per_s\":1,\"moe_tokens_per_expert\":[1,\"x\"]}", "non-number"},
   };
   for (const auto& [line, problem] : cases) {
     write_raw(path, good + "\n" + line + "\n");
