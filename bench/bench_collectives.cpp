@@ -18,6 +18,9 @@
 //                   (what one writes without the all_to_all trick: 2x volume)
 //   all_gather      raw: list-form allgather into views of the output (Gloo
 //                   has no _allgather_base)
+//   all_to_all      raw: alltoall_base, equal splits
+//   all_to_all_v    raw: alltoall_base with uneven split sizes (expert
+//                   parallelism's token exchange: Group::all_to_all_v)
 // For each size the implementations take turns within every repetition, so
 // a disturbance (another process on the machine) hits all of them alike.
 // A repetition times `iters` back-to-back synchronous operations; its time
@@ -49,6 +52,7 @@ struct Args {
   int reps = 9;
   int64_t bytes_per_rep = 32ll << 20;  // iters per repetition ~ this / size
   bool naive = true;                   // add the allreduce-based reduce_scatter
+  std::vector<std::string> ops{"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v"};
 };
 
 Args parse(int argc, char** argv) {
@@ -67,10 +71,18 @@ Args parse(int argc, char** argv) {
     else if (k == "--reps") a.reps = std::stoi(next());
     else if (k == "--bytes-per-rep") a.bytes_per_rep = std::stoll(next());
     else if (k == "--no-naive") a.naive = false;
-    else {
+    else if (k == "--ops") {
+      a.ops.clear();
+      std::string list = next();
+      for (size_t at = 0; at <= list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        a.ops.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
+    } else {
       std::fprintf(stderr,
                    "usage: bench_collectives [--min-bytes N] [--max-bytes N] [--reps R] [--bytes-per-rep N] "
-                   "[--no-naive]\n");
+                   "[--no-naive] [--ops all_reduce,reduce_scatter,all_gather,all_to_all,all_to_all_v]\n");
       std::exit(2);
     }
   }
@@ -143,9 +155,7 @@ int main(int argc, char** argv) {
     std::printf("| op | size | ours time (us) | raw time (us) | ours busbw (GB/s) | raw busbw (GB/s) | ours/raw busbw |\n");
     std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   }
-  const char* ops[] = {"all_reduce", "reduce_scatter", "all_gather"};
-  for (const char* opname : ops) {
-    const std::string op = opname;
+  for (const std::string& op : args.ops) {
     for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= 4) {
       // S = bytes of the full buffer, a multiple of n floats.
       const int64_t numel = std::max<int64_t>(n, (bytes / 4) / n * n);
@@ -174,6 +184,46 @@ int main(int argc, char** argv) {
                              raw->allreduce(ts)->wait();
                              shard.copy_(full2.narrow(0, rank * k, k));
                            }, {}});
+      } else if (op == "all_to_all") {
+        impls.push_back({"ours", [&] { g.all_to_all(full, out).wait(); }, {}});
+        impls.push_back({"raw", [&] {
+                           std::vector<int64_t> even;
+                           raw->alltoall_base(out, full2, even, even)->wait();
+                         }, {}});
+      } else if (op == "all_to_all_v") {
+        // Uneven rows, as expert parallelism sends them: rank r sends rank j a
+        // share proportional to 1 + (r + j) % n of its buffer (rows of 64
+        // floats), and every rank's counts are known to its peers.
+        const int64_t row = 64, rows = numel / row;
+        auto split = [&](int from) {
+          std::vector<int64_t> s(static_cast<size_t>(n));
+          int64_t weight = 0, given = 0;
+          for (int j = 0; j < n; ++j) weight += 1 + (from + j) % n;
+          for (int j = 0; j < n; ++j) {
+            s[static_cast<size_t>(j)] = j + 1 < n ? rows * (1 + (from + j) % n) / weight : rows - given;
+            given += s[static_cast<size_t>(j)];
+          }
+          return s;
+        };
+        const std::vector<int64_t> in_rows = split(rank);
+        std::vector<int64_t> out_rows(static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) out_rows[static_cast<size_t>(i)] = split(i)[static_cast<size_t>(rank)];
+        int64_t received = 0;
+        for (int64_t v : out_rows) received += v;
+        auto x = full.narrow(0, 0, rows * row).view({rows, row});
+        auto y = torch::empty({received, row});
+        auto y2 = torch::empty({received, row});
+        std::vector<int64_t> in_elems, out_elems;
+        for (int j = 0; j < n; ++j) {
+          in_elems.push_back(in_rows[static_cast<size_t>(j)] * row);
+          out_elems.push_back(out_rows[static_cast<size_t>(j)] * row);
+        }
+        impls.push_back({"ours", [&, x, y, in_rows, out_rows] { g.all_to_all_v(x, y, in_rows, out_rows).wait(); }, {}});
+        impls.push_back({"raw", [&, x, y2, in_elems, out_elems] {
+                           auto xf = x.reshape({-1}), yf = y2.view({-1});
+                           std::vector<int64_t> in_s = in_elems, out_s = out_elems;
+                           raw->alltoall_base(yf, xf, out_s, in_s)->wait();
+                         }, {}});
       } else {
         impls.push_back({"ours", [&] { g.all_gather(shard, full).wait(); }, {}});
         impls.push_back({"raw", [&] {
@@ -198,6 +248,7 @@ int main(int argc, char** argv) {
           im.secs.push_back(max_over_ranks(s));
         }
       }
+      // all_to_all (nccl-tests' alltoall): S = bytes each rank sends, (n-1)/n of them cross the wire.
       const double factor = op == "all_reduce" ? 2.0 * (n - 1) / n : 1.0 * (n - 1) / n;
       auto busbw = [&](double t) { return S / t * factor / 1e9; };
       const double t_ours = median(impls[0].secs), t_raw = median(impls[1].secs);

@@ -14,6 +14,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ -x $BUILD/bench/bench_collectives ]] || { echo "build it: cmake --build $BUILD --target scaletrain bench_collectives" >&2; exit 2; }
+ST=$BUILD/scaletrain  # its own runs are not disturbances (bench-common.sh)
 source "$ROOT/scripts/bench-common.sh"
 IFS=, read -r -a worlds <<<"$WORLDS"
 port=$((29600 + RANDOM % 100))

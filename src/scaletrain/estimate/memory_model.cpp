@@ -340,7 +340,8 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     const bool first = stage == 0, last = stage == pp - 1;
     const int64_t nl = raw ? 0 : stage_layers[stage];
     // Parameters of this stage's TP slice.
-    const int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
+    int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
+    if (l.ep > 1) layer_tp -= c.per_layer_experts - ceil_div(c.per_layer_experts, l.ep);  // this rank's experts
     const int64_t emb_tp = ceil_div(c.embedding_tp_split, t) + (c.embedding - c.embedding_tp_split);
     const int64_t head_full = c.head > 0 ? c.head : (spec.tie_word_embeddings && pp > 1 ? c.embedding_tp_split : 0);
     const int64_t head_tp = ceil_div(head_full, t);
@@ -399,6 +400,14 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
         if (l.fp8_linears)
           bytes += fp8_linear_activation_change(seq, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
                                                 shape.layer_params);
+        if (spec.num_experts > 0 && r != Recompute::kFull) {
+          // An MoE block (models/moe.h) keeps each token k times as an expert
+          // input (the dense count has it once) and k expert outputs for their
+          // weighting, and the router's logits and probabilities in fp32.
+          const double k = static_cast<double>(spec.experts_per_token);
+          const double sb = static_cast<double>(seq) * l.micro_batch;
+          bytes += sb * spec.hidden_size * (2 * k - 1) * w.compute + 2 * sb * static_cast<double>(spec.num_experts) * 4.0;
+        }
         return bytes;
       };
       shape.act_layer = layer(l.recompute);

@@ -95,6 +95,9 @@ struct Layout {
   // Note [FP8 weight gathers] in parallel/fsdp): 2 bytes per trainable
   // parameter where the master took 4; gathered weights keep their width.
   bool fp16_masters = false;
+  // Expert parallelism (parallel.ep): each rank holds 1/ep of every MoE
+  // layer's experts, with their gradients and optimizer states.
+  int64_t ep = 1;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)

@@ -105,6 +105,7 @@ ParamCounts count_params(const ModelSpec& s) {
   c.total = c.embedding + L * c.per_layer + c.final_norm + c.head + c.pooler;
   c.base_model = c.total - c.head;
   c.active = c.total - (s.num_experts > 0 ? L * (s.num_experts - s.experts_per_token) * mlp : 0);
+  c.per_layer_experts = s.num_experts > 0 ? s.num_experts * mlp : 0;
   return c;
 }
 

@@ -70,6 +70,7 @@ struct ParamCounts {
   int64_t embedding_tp_split = 0;    // part of `embedding` split by tensor parallelism (vocab-parallel)
   int64_t per_layer = 0;             // one transformer block
   int64_t per_layer_tp_split = 0;    // part of a block split by TP (the big matrices, column biases)
+  int64_t per_layer_experts = 0;     // part of a block in its MoE experts (split by expert parallelism)
   int64_t final_norm = 0;            // last norm (decoders); 0 for encoders
   int64_t head = 0;                  // untied LM head; 0 when tied or absent (encoders)
   int64_t pooler = 0;                // an encoder's pooler dense
