@@ -57,6 +57,7 @@ class DDPStrategy final : public DataParallel {
       o.expert_group = &experts->expert_dp();
       o.expert_param = [m = model_.get()](const std::string& name) { return m->is_expert_parameter(name); };
       o.expert_scale = 1.0 / static_cast<double>(ep_->size());
+      ddp_options_expert_dp_ = experts->expert_dp().size();
     }
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, o);
     for (auto& item : model_->named_parameters()) {
@@ -109,6 +110,9 @@ class DDPStrategy final : public DataParallel {
   std::string describe() const override {
     std::string s = "ddp, " + std::to_string(ddp_->num_buckets()) + " buckets";
     if (find_unused_) s += ", unused parameters found after each forward";
+    if (ep_)
+      s += ", experts split over ep=" + std::to_string(ep_->size()) + " (expert gradients averaged over " +
+           std::to_string(ddp_options_expert_dp_) + " ranks)";
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
@@ -151,6 +155,7 @@ class DDPStrategy final : public DataParallel {
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::vector<at::Tensor> params_;
   comm::Group* ep_ = nullptr;  // expert parallelism's group
+  int ddp_options_expert_dp_ = 1;  // ranks holding the same experts
   std::vector<at::Tensor> shared_params_, expert_params_;
 };
 
