@@ -129,7 +129,7 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
     const torch::Tensor sel_expert = r.experts.masked_select(r.kept);
     order = std::get<1>(sel_expert.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
     token = tokens.masked_select(r.kept).index_select(0, order);
-    const torch::Tensor hist = torch::bincount(sel_expert, {}, e).cpu();
+    const torch::Tensor hist = torch::bincount(sel_expert, {}, e).cpu();  // host: E counts, read one by one
     for (int64_t j = 0; j < e; ++j) counts[static_cast<size_t>(j)] = hist[j].item<int64_t>();
   }
   const torch::Tensor weight = r.weights.masked_select(r.kept).index_select(0, order);

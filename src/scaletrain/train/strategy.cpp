@@ -138,7 +138,7 @@ class DDPStrategy final : public DataParallel {
     auto squares = [](const std::vector<at::Tensor>& ps) {
       at::Tensor sq = at::zeros({1}, at::kDouble);
       for (auto& p : ps)
-        if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().cpu();
+        if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().cpu();  // host: one scalar per tensor
       return sq;
     };
     at::Tensor experts = squares(expert_params_);

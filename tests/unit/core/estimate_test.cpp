@@ -570,7 +570,7 @@ TEST(EstimateOutput, ScaletrainAndPlanJsonCarryEveryFigure) {
 TEST(EstimateErrors, UnknownArchitectureIsOneLineListingKnownOnes) {
   auto msg = usage_error([] { cat::load_estimator_config(data_path("t5_config.json")); });
   EXPECT_TRUE(contains(msg, "unknown architecture 't5'")) << msg;
-  EXPECT_TRUE(contains(msg, "gpt2, llama, mistral, qwen2, bert")) << msg;
+  EXPECT_TRUE(contains(msg, "gpt2, llama, mistral, qwen2, mixtral, bert")) << msg;
   EXPECT_FALSE(contains(msg, "\n"));
   msg = usage_error([] { cat::resolve_estimator_model("not-a-model"); });
   EXPECT_TRUE(contains(msg, "known: ")) << msg;

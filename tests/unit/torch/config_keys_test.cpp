@@ -87,6 +87,7 @@ const std::map<std::string, Check>& table() {
     {"parallel.dp_replicate", {"2", What::Line, "mesh", {}, 2}},
     {"parallel.dp_shard", {"1", What::Refused, "(replicate=1 x shard=1) x tp=1 = 1 ranks does not match world size 2", {}, 2}},
     {"parallel.tp", {"2", What::Line, "mesh", {}, 2}},
+    {"parallel.ep", {"2", What::Line, "strategy", {"model.preset=mixtral-tiny", "train.sample_tokens=0"}, 2}},
     {"parallel.pp", {"2", What::Line, "mesh", {"model.n_layer=2"}, 2}},
     {"parallel.schedule", {"gpipe", What::Line, "strategy", {"parallel.pp=2", "model.n_layer=2"}, 2}},
     {"parallel.microbatches", {"4", What::Line, "global batch", {"parallel.pp=2", "model.n_layer=2"}, 2}},

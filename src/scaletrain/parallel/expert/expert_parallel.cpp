@@ -60,6 +60,7 @@ models::ExpertParallelHooksPtr expert_parallel_hooks(comm::Group& ep, int64_t nu
                    const torch::Tensor& sorted, const std::vector<int64_t>& counts,
                    const std::function<torch::Tensor(int64_t, const torch::Tensor&)>& expert) {
     // 1. Slot counts per expert: recv[s * local + e] = rows rank s has for local expert e.
+    // host: E counts, read one by one (Group stages them through an NCCL device)
     torch::Tensor send = torch::tensor(counts, torch::kLong), recv = torch::empty({num_experts}, torch::kLong);
     g->all_to_all(send, recv).wait();
     const int64_t* r = recv.data_ptr<int64_t>();

@@ -197,7 +197,7 @@ void ShardedDataParallel::State::refresh_fp8_scales() {
   shard->all_reduce(t, comm::ReduceOp::Max).wait();
   for (comm::Group* g : options.fp8_amax_groups)
     if (g != nullptr && g->size() > 1) g->all_reduce(t, comm::ReduceOp::Max).wait();
-  t = t.cpu();
+  t = t.cpu();  // host: one scalar per parameter, read element by element
   const double* a = t.data_ptr<double>();
   for (FlatParam* f : flats) {
     const size_t n = f->params().size();
