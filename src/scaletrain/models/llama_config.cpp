@@ -44,18 +44,15 @@ std::vector<std::pair<std::string, ModelConfig>> llama_presets() {
   p.emplace_back("llama-3.1-8b", l31);
   // Mixtral (models/moe.h): for tests, 4 experts of which each token takes 2;
   // and Mixtral-8x7B's published config.json.
-  ModelConfig mt = llama(256, 128, 2, 4, 2, 64, 96, 1e-5, 10000.0, false);
-  mt.family = "mixtral";
-  mt.num_local_experts = 4;
-  mt.num_experts_per_tok = 2;
-  mt.router_aux_loss_coef = 0.02;
-  p.emplace_back("mixtral-tiny", mt);
-  ModelConfig m87 = llama(32000, 32768, 32, 32, 8, 4096, 14336, 1e-5, 1000000.0, false);
-  m87.family = "mixtral";
-  m87.num_local_experts = 8;
-  m87.num_experts_per_tok = 2;
-  m87.router_aux_loss_coef = 0.02;
-  p.emplace_back("mixtral-8x7b", m87);
+  auto mixtral = [](ModelConfig c, int64_t experts) {
+    c.family = "mixtral";
+    c.num_local_experts = experts;
+    c.num_experts_per_tok = 2;
+    c.router_aux_loss_coef = 0.02;
+    return c;
+  };
+  p.emplace_back("mixtral-tiny", mixtral(llama(256, 128, 2, 4, 2, 64, 96, 1e-5, 10000.0, false), 4));
+  p.emplace_back("mixtral-8x7b", mixtral(llama(32000, 32768, 32, 32, 8, 4096, 14336, 1e-5, 1000000.0, false), 8));
   return p;
 }
 
