@@ -291,9 +291,9 @@ std::string load_error(const fs::path& dir, const models::ModelConfig& c) {
   return "(loaded)";
 }
 
-TEST(LlamaHub, ShardedBf16DirectoryLoadsAndGivesTheReferenceLoss) {
-  const fs::path dir = write_hub("hub_load");
-  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+// Loads a Hub directory into the model its config.json describes; the loss
+// on random ids equals the Python reference's on the same directory.
+void expect_hub_loss_matches(const fs::path& dir) {
   const models::ModelConfig c = hub_config(dir);
   auto model = models::make_model(c);
   train::load_hub_weights(*model, dir.string());
@@ -312,6 +312,23 @@ TEST(LlamaHub, ShardedBf16DirectoryLoadsAndGivesTheReferenceLoss) {
   std::ifstream in(dir.parent_path() / "out.json");
   const double ref = nlohmann::json::parse(in).at("loss").get<double>();
   EXPECT_NEAR(our_loss(*model, ids), ref, 1e-5 * ref);
+}
+
+TEST(LlamaHub, ShardedBf16DirectoryLoadsAndGivesTheReferenceLoss) {
+  const fs::path dir = write_hub("hub_load");
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  expect_hub_loss_matches(dir);
+}
+
+// A Mixtral directory (MixtralForCausalLM names: block_sparse_moe.gate,
+// experts.J.w1/w2/w3) written by the Python tool loads under its own names.
+TEST(LlamaHub, MixtralDirectoryLoadsAndGivesTheReferenceLoss) {
+  const fs::path dir =
+      write_hub("hub_mixtral", "--arch mixtral --set num_local_experts=4 --set num_experts_per_tok=2");
+  const models::ModelConfig c = hub_config(dir);
+  EXPECT_EQ(c.family, "mixtral");
+  EXPECT_EQ(c.num_local_experts, 4);
+  expect_hub_loss_matches(dir);
 }
 
 // What a sharded rank reads (train::hub_slice_init): any range of the
