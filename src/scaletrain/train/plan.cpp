@@ -219,8 +219,6 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
     problems.add(ep + " with parallel.strategy=" + p.strategy +
                  " is not available yet: expert parallelism composes with ddp in this build");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
-  if (!c.checkpoint.dir.empty())
-    problems.add(ep + " with checkpoint.dir is not available yet: checkpoints of experts split over ranks are not written");
   if (c.train.sample_tokens > 0)
     problems.add(ep + " with train.sample_tokens > 0 is not available yet: sampling does not move tokens between "
                  "ranks (set train.sample_tokens=0)");

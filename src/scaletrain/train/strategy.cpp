@@ -58,6 +58,7 @@ class DDPStrategy final : public DataParallel {
       o.expert_param = [m = model_.get()](const std::string& name) { return m->is_expert_parameter(name); };
       o.expert_scale = 1.0 / static_cast<double>(ep_->size());
       ddp_options_expert_dp_ = experts->expert_dp().size();
+      expert_dp_rank_ = experts->expert_dp().rank();
     }
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_, group, o);
     for (auto& item : model_->named_parameters()) {
@@ -120,8 +121,16 @@ class DDPStrategy final : public DataParallel {
   }
   // Parameters are identical on every data-parallel rank: rank 0 saves,
   // every rank loads.
+  // Under expert parallelism the first rank of each expert-data group saves
+  // its experts, and only dp rank 0 the parameters every rank shares; every
+  // rank loads what it holds (Note [Expert parallelism]).
   checkpoint::Layout checkpoint_layout() const override {
-    return in_full_coordinates(checkpoint::replicated_layout(*model_, rank_ == 0), plan_);
+    if (!ep_) return in_full_coordinates(checkpoint::replicated_layout(*model_, rank_ == 0), plan_);
+    checkpoint::Layout l = checkpoint::replicated_layout(*model_, expert_dp_rank_ == 0);
+    if (rank_ != 0)
+      for (auto& slot : l.slots)
+        for (auto& piece : slot.pieces) piece.saved = model_->is_expert_parameter(piece.name);
+    return l;
   }
   void after_load() override {}
 
@@ -156,6 +165,7 @@ class DDPStrategy final : public DataParallel {
   std::vector<at::Tensor> params_;
   comm::Group* ep_ = nullptr;  // expert parallelism's group
   int ddp_options_expert_dp_ = 1;  // ranks holding the same experts
+  int expert_dp_rank_ = 0;         // this rank's place among them
   std::vector<at::Tensor> shared_params_, expert_params_;
 };
 
