@@ -219,9 +219,6 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
     problems.add(ep + " with parallel.strategy=" + p.strategy +
                  " is not available yet: expert parallelism composes with ddp in this build");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
-  if (c.train.sample_tokens > 0)
-    problems.add(ep + " with train.sample_tokens > 0 is not available yet: sampling does not move tokens between "
-                 "ranks (set train.sample_tokens=0)");
   if (c.finetune.method != "full") problems.add(ep + " with finetune.method=" + c.finetune.method + " is not available yet");
 }
 

@@ -631,11 +631,14 @@ void save_checkpoint(Run& r, int64_t done) {
 }
 
 // Collective: sharded strategies gather every unit; data-parallel rank 0
-// samples (with its tensor-parallel peers, which compute with it), rank 0 prints.
+// samples (with its tensor-parallel peers, which compute with it, and under
+// expert parallelism the rest of its ep group, which hold the other experts:
+// each samples the same prompt with the same seed, so all route and draw
+// alike), rank 0 prints.
 void print_sample(Run& r, data::Tokenizer& tok) {
   const Config& cfg = r.cfg;
   r.dp().with_full_parameters([&] {
-    if (r.mesh->coord().dp(r.dims) != 0 || r.mesh->coord().pp != 0) return;
+    if (r.mesh->coord().dp(r.dims) >= r.mesh->ep_size() || r.mesh->coord().pp != 0) return;
     r.model().eval();
     auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
     std::vector<int64_t> ids64(ids.begin(), ids.end());

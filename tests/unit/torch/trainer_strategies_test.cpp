@@ -293,7 +293,7 @@ TEST(TrainerStrategies, Fp8O3ResumesUnderAnotherLayout) {
 // on dp 2 x ep 2 stopped at step 3 resumes on the same layout bit for bit,
 // and on 2 ranks with ep 2 (other experts per rank) and on one process (all
 // experts) within the invariant's 1e-5 of the uninterrupted curve.
-// Ports 30743-30748.
+// Ports 30743-30747.
 TEST(TrainerStrategies, MoeCheckpointsResumeUnderAnyExpertLayout) {
   const std::string moe = " --model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1";
   const fs::path dir = scratch() / "moe_ep_ckpt";
@@ -371,6 +371,20 @@ TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
     EXPECT_NEAR(last.value("moe_aux_loss", 0.0), one["moe_aux_loss"].get<double>(), 1e-5) << name;
   }
   EXPECT_LE(port, 30759);
+}
+
+// Sampling under expert parallelism: the ranks of data-parallel rank 0's ep
+// group sample the same prompt together (their experts serve each other's
+// tokens), and the text equals what one process samples after the same
+// training. Ports 30748-30749.
+TEST(TrainerStrategies, MoeSamplesUnderExpertParallelismAsOneProcessDoes) {
+  const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=24";
+  std::string one, ep2;
+  ASSERT_EQ(train(1, "moe_sample_one", moe, 30748, &one).size(), 6u);
+  ASSERT_EQ(train(2, "moe_sample_ep2", moe + " --parallel.ep=2", 30749, &ep2).size(), 6u);
+  EXPECT_NE(one.find("sample: "), std::string::npos) << one;
+  EXPECT_GT(one.size(), std::string("sample: ").size() + 10);
+  EXPECT_EQ(ep2, one);
 }
 
 // The load-balancing loss does its job: 100 steps of a Mixtral model with
