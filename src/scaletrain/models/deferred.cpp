@@ -3,6 +3,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
+#include <memory>
+#include <stdexcept>
+
 namespace scaletrain::models {
 
 void alloc_storage(const at::Tensor& t) {
@@ -49,6 +52,29 @@ InitFn init_through(at::ScalarType dtype, InitFn init) {
     torch::NoGradGuard no_grad;
     out.copy_(tmp);
   };
+}
+
+InitFn replaying_draws(InitFn init, ParamShapes order) {
+  auto next = std::make_shared<size_t>(0);  // the first parameter of `order` not drawn yet
+  return [init = std::move(init), order = std::move(order), next](const std::string& name, at::Tensor& out) {
+    size_t i = *next;
+    while (i < order.size() && order[i].first != name) ++i;
+    if (i == order.size())
+      throw std::logic_error("replaying_draws: parameter '" + name +
+                             "' is not in the whole model, or was asked for out of registration order");
+    for (; *next < i; ++*next) {
+      at::Tensor skipped = at::empty(order[*next].second, out.options());
+      init(order[*next].first, skipped);
+    }
+    init(name, out);
+    *next = i + 1;
+  };
+}
+
+ParamShapes param_shapes(const torch::nn::Module& module) {
+  ParamShapes out;
+  for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value().sizes().vec());
+  return out;
 }
 
 }  // namespace scaletrain::models

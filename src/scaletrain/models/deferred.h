@@ -13,6 +13,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace scaletrain::models {
 
@@ -38,5 +40,17 @@ void set_deferred_dtype(torch::nn::Module& module, at::ScalarType dtype,
 // into the parameter's dtype: the values an eager model built in `dtype` and
 // converted by `to()` would hold, so deferred 16-bit parameters equal eager ones.
 InitFn init_through(at::ScalarType dtype, InitFn init);
+
+// The draws of a whole model on a rank that holds only some of its
+// parameters (expert parallelism keeps one place's experts). `order` names
+// every parameter of the whole model with its shape, in registration order.
+// Asked for a parameter, the result first draws into a temporary, and drops,
+// each parameter before it in `order` that this rank has not drawn yet, so
+// every value is the one the whole model's draws give it, whichever
+// parameters this rank was asked for before (a rank is asked only for those
+// it sends). Parameters must be asked for in registration order.
+using ParamShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+InitFn replaying_draws(InitFn init, ParamShapes order);
+ParamShapes param_shapes(const torch::nn::Module& module);
 
 }  // namespace scaletrain::models

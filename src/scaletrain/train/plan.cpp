@@ -215,9 +215,11 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
                  " (each rank holds the same number of experts)");
   if (dp > 0 && dp % p.ep != 0)
     problems.add(ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks");
-  if (p.strategy != "ddp")
-    problems.add(ep + " with parallel.strategy=" + p.strategy +
-                 " is not available yet: expert parallelism composes with ddp in this build");
+  // Note [Experts in the sharded engine] (parallel/fsdp): experts shard over
+  // their expert-data group, which a second data-parallel dimension would split.
+  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD")
+    problems.add(ep + " with parallel.fsdp.sharding_strategy=HYBRID_SHARD is not available: experts are sharded "
+                 "over all the ranks that hold them (use FULL_SHARD or SHARD_GRAD_OP)");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
   if (c.finetune.method != "full") problems.add(ep + " with finetune.method=" + c.finetune.method + " is not available yet");
 }

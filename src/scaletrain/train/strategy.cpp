@@ -3,6 +3,7 @@
 #include "scaletrain/parallel/expert/expert_parallel.h"
 #include "scaletrain/precision/fp8.h"
 
+#include <cmath>
 #include <map>
 #include <unistd.h>
 
@@ -236,6 +237,9 @@ class ShardedStrategy final : public DataParallel {
            (o.offload_params ? (o.read_ahead ? "parameters in files, read ahead" : "parameters, gathered from host")
                              : "optimizer: a device copy of each shard for gathers") +
            "; " + std::to_string(engine_->offloaded_bytes() >> 10) + " KiB off the device)";
+    if (o.expert_shard)  // Note [Experts in the sharded engine]
+      s += ", experts split over ep=" + std::to_string(std::lround(1.0 / o.expert_scale)) + " and sharded over " +
+           std::to_string(o.expert_shard->size()) + " ranks";
     if (plan_)
       s += ", tensor parallel x" + std::to_string(plan_->tp->size()) +
            (plan_->options.sequence_parallel ? " (sequence parallel)" : "");
@@ -646,6 +650,16 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
     }
   } else {
     out.model = whole_model(c, mcfg, param_dtype, plan.device);
+  }
+  if (p.ep > 1) {  // Note [Experts in the sharded engine] (parallel/fsdp): each rank keeps its experts
+    // Drawn values are those of the whole model, whose experts this rank no longer has.
+    if (o.deferred_init && c.model.init_from.empty())
+      o.deferred_init = models::replaying_draws(std::move(o.deferred_init), models::param_shapes(*out.model));
+    mesh.add_expert_parallel(world, p.ep);
+    out.model->set_expert_parallel(parallel::expert::expert_parallel_hooks(mesh.ep(), mcfg.num_local_experts));
+    o.expert_shard = &mesh.expert_dp();
+    o.expert_param = [m = out.model.get()](const std::string& name) { return m->is_expert_parameter(name); };
+    o.expert_scale = 1.0 / static_cast<double>(p.ep);
   }
   if (o.deferred_init) o.deferred_init = drawn_on_host(std::move(o.deferred_init));
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);

@@ -111,7 +111,12 @@ TEST(Plan, MoeAndExpertParallelism) {
   expect_refused({moe, "parallel.ep=0"}, "parallel.ep must be at least 1");
   expect_refused({"parallel.ep=2", "train.sample_tokens=0"}, "would have no effect: the model has no MoE layers");
   expect_refused({moe, "model.num_experts_per_tok=5"}, "model.num_experts_per_tok=5 must be between 1 and model.num_local_experts=4");
-  expect_refused({moe, "parallel.ep=2", "parallel.strategy=zero3", "train.sample_tokens=0"}, "composes with ddp");
+  for (const char* strategy : {"parallel.strategy=zero1", "parallel.strategy=zero2", "parallel.strategy=zero3",
+                               "parallel.strategy=fsdp"})
+    EXPECT_EQ(refusal({moe, "parallel.ep=2", strategy, "train.sample_tokens=0"}), "") << strategy;
+  expect_refused({moe, "parallel.ep=2", "parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=HYBRID_SHARD",
+                  "parallel.dp_replicate=2", "train.sample_tokens=0"},
+                 "parallel.ep=2 with parallel.fsdp.sharding_strategy=HYBRID_SHARD is not available", 4);
   expect_refused({moe, "parallel.tp=2"}, "with MoE layers (model.num_local_experts) is not available");
   expect_refused({moe, "model.moe_drop_policy=position"}, "routing is dropless");
   expect_refused({"model.num_local_experts=4"}, "read by model.family=mixtral only");

@@ -323,6 +323,40 @@ TEST(TrainerStrategies, MoeCheckpointsResumeUnderAnyExpertLayout) {
   }
 }
 
+// Checkpoints of experts sharded by ZeRO-3 (Note [Experts in the sharded
+// engine]): every rank saves the pieces it holds, experts named by their
+// global index. A dp 2 x ep 2 ZeRO-3 run stopped at step 3 resumes under DDP
+// with ep 2 on 2 ranks, under FSDP with ep 2 on 4 ranks and on one process,
+// each within the invariant's 1e-5 of the uninterrupted curve. Ports 30778-30782.
+TEST(TrainerStrategies, MoeShardedCheckpointsResumeUnderAnyLayout) {
+  const std::string moe = " --model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1";
+  const std::string zero3 = "--parallel.strategy=zero3 --parallel.ep=2";
+  const fs::path dir = scratch() / "moe_zero3_ckpt";
+  fs::remove_all(dir);
+  const auto whole = train(4, "moe_zero3_ckpt_whole", zero3 + moe, 30778);
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(
+      train(4, "moe_zero3_ckpt_first", zero3 + " --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe, 30779).size(),
+      3u);
+  auto from = [&](const std::string& name) {
+    const fs::path copy = scratch() / (name + "_ckpt");
+    fs::remove_all(copy);
+    fs::copy(dir, copy, fs::copy_options::recursive);
+    return " --checkpoint.dir=" + copy.string() + moe;
+  };
+  const std::vector<std::tuple<int, std::string, std::string>> resumes{
+      {2, "moe_zero3_to_ddp_ep2", "--parallel.strategy=ddp --parallel.ep=2"},
+      {4, "moe_zero3_to_fsdp_ep2", "--parallel.strategy=fsdp --parallel.ep=2"},
+      {1, "moe_zero3_to_one", "--parallel.strategy=ddp"},
+  };
+  int port = 30780;
+  for (auto& [n, name, flags] : resumes) {
+    const auto got = train(n, name, flags + from(name), port++);
+    ASSERT_EQ(got.size(), 3u) << name;
+    for (int i = 0; i < 3; ++i) EXPECT_NEAR(got[i], whole[i + 3], 1e-5 * whole[i + 3]) << name << ", step " << i + 4;
+  }
+}
+
 // The last step record of a run's metrics file.
 nlohmann::json last_step(const std::string& name) {
   std::ifstream in(scratch() / (name + ".jsonl"));
@@ -371,6 +405,34 @@ TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
     EXPECT_NEAR(last.value("moe_aux_loss", 0.0), one["moe_aux_loss"].get<double>(), 1e-5) << name;
   }
   EXPECT_LE(port, 30759);
+}
+
+// Note [Experts in the sharded engine] (parallel/fsdp): under ZeRO-1/2/3 and
+// FSDP the experts are sharded over their expert-data group, the rest over
+// all data-parallel ranks. On 2 ranks (ep 2: each rank holds two whole
+// experts) and on 4 (dp 2 x ep 2: each expert sharded over 2 ranks) every
+// sharded strategy follows the single-process curve of the MoE model the
+// layout test above uses; zero3 and FSDP with cpu_ram_efficient_loading draw
+// their deferred weights as the whole model does although each rank builds
+// only its own experts. Ports 30770-30777.
+TEST(TrainerStrategies, MoeShardedEnginesFollowTheSingleProcessCurve) {
+  const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
+                          "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05 ";
+  const auto ref = train(1, "moe_sharded_one", moe, 30770);
+  ASSERT_EQ(ref.size(), 6u);
+  const std::vector<std::tuple<int, std::string, std::string>> runs{
+      {2, "moe_zero3_ep2", "--parallel.strategy=zero3"},
+      {4, "moe_zero3_dp2_ep2", "--parallel.strategy=zero3"},
+      {4, "moe_zero1_dp2_ep2", "--parallel.strategy=zero1"},
+      {4, "moe_zero2_dp2_ep2", "--parallel.strategy=zero2 --model.activation_checkpointing=full"},
+      {4, "moe_fsdp_dp2_ep2",
+       "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true "
+       "--parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
+  };
+  int port = 30771;
+  for (auto& [n, name, flags] : runs)
+    expect_same_curve(train(n, name, moe + "--parallel.ep=2 " + flags, port++), ref, name);
+  EXPECT_LE(port, 30777);
 }
 
 // Sampling under expert parallelism: the ranks of data-parallel rank 0's ep

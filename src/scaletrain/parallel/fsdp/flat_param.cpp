@@ -22,6 +22,8 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
       options_(options),
       n_(group.size()) {
   if (params_.empty()) throw std::invalid_argument("FlatParam: no parameters in unit " + unit_);
+  if (options_.reduce_group != nullptr && options_.reduce_group->ranks() != group.ranks())
+    throw std::invalid_argument("FlatParam: the reduce group of unit " + unit_ + " has other ranks than its group");
   const at::TensorOptions topt = params_.front().options();
   trainable_ = params_.front().requires_grad();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -246,9 +248,12 @@ comm::Work FlatParam::start_reduce(comm::Group* replicate) {
                            "): run the micro-batches before the last under no_sync(), and zero_grad() after the step");
   alloc_grad_full();  // a unit none of whose parameters got a gradient contributes zeros
   reduce_in_ = grad_full_.scalar_type() == options_.reduce_dtype ? grad_full_ : grad_full_.to(options_.reduce_dtype);
+  // grad_full is spent by this reduce (ZeRO-1 keeps only the chunk it receives): scaled in place.
+  if (options_.grad_scale != 1.0) reduce_in_.mul_(options_.grad_scale);
   const auto fp8 = options_.fp8_reduce;
-  comm::Work w = fp8 ? precision::fp8_reduce_scatter_avg(group_, reduce_in_, reduce_out_, *fp8)
-                     : group_.reduce_scatter(reduce_in_, reduce_out_, comm::ReduceOp::Avg);
+  comm::Group& g = options_.reduce_group != nullptr ? *options_.reduce_group : group_;
+  comm::Work w = fp8 ? precision::fp8_reduce_scatter_avg(g, reduce_in_, reduce_out_, *fp8)
+                     : g.reduce_scatter(reduce_in_, reduce_out_, comm::ReduceOp::Avg);
   if (replicate != nullptr && replicate->size() > 1) {
     at::Tensor out = reduce_out_;
     w.and_then([replicate, out, fp8]() mutable {

@@ -95,6 +95,13 @@ struct FlatParamOptions {
   bool gather_from_host = false;
   // With offload_alloc: read_ahead() asks the kernel for the shard's pages (file-backed shards).
   bool read_ahead = false;
+  // Reduce-scatters run here: the buffer's ranks over a second communicator,
+  // so they never interleave with its gathers (Note [Unit order] in fsdp.h).
+  // Null: the buffer's own group.
+  comm::Group* reduce_group = nullptr;
+  // The averaged gradient is multiplied by this before it is sent (an
+  // expert's: 1 / ep, Note [Experts in the sharded engine] in fsdp.h).
+  double grad_scale = 1.0;
 };
 
 // The part of one parameter that lies in this rank's shard: elements
@@ -169,6 +176,7 @@ class FlatParam {
   // shard to its device copy (after every optimizer step, before a gather).
   void refresh_device_copy();
   bool offloaded() const { return static_cast<bool>(options_.offload_alloc); }
+  comm::Group& group() const { return group_; }
 
   // Called from the AccumulateGrad post-hook of params()[i]: makes sure its
   // .grad is the view into grad_full (allocating grad_full if needed).

@@ -104,6 +104,9 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   comm::Group* shard = nullptr;
   comm::Group* replicate = nullptr;
   std::shared_ptr<comm::Group> grads_group;  // reduce-scatters (Note [Unit order])
+  // Note [Experts in the sharded engine]: experts' buffers and their reduces.
+  comm::Group* expert_shard = nullptr;
+  std::shared_ptr<comm::Group> expert_grads_group;
   std::vector<Unit> units;                   // 0 = root, then block units in forward order
   std::vector<size_t> unit_of_block;         // 0 = in the root unit
   std::vector<size_t> reduce_order;          // block units last to first, then root
@@ -181,28 +184,33 @@ int64_t ShardedDataParallel::State::live_numel() const {
 
 void ShardedDataParallel::State::refresh_fp8_scales() {
   if (!options.fp8_gather) return;
-  std::vector<FlatParam*> flats;
-  std::vector<double> amax;
-  for (auto& unit : units)
-    for (auto& f : unit.flats)
-      if (f->fp8_gathered()) {
-        flats.push_back(f.get());
-        for (double a : f->fp8_local_amax()) amax.push_back(a);
-      }
-  if (flats.empty()) return;
-  at::Tensor t = at::tensor(amax, at::TensorOptions().dtype(at::kDouble));
-  // NaN would be lost by MAX on some backends: it goes as infinity, which
-  // keeps the previous scale all the same (Note [FP8 scaling] in precision/fp8.h).
-  t = at::nan_to_num(t, std::numeric_limits<double>::infinity()).to(flats.front()->shard().device());
-  shard->all_reduce(t, comm::ReduceOp::Max).wait();
-  for (comm::Group* g : options.fp8_amax_groups)
-    if (g != nullptr && g->size() > 1) g->all_reduce(t, comm::ReduceOp::Max).wait();
-  t = t.cpu();  // host: one scalar per parameter, read element by element
-  const double* a = t.data_ptr<double>();
-  for (FlatParam* f : flats) {
-    const size_t n = f->params().size();
-    f->set_fp8_amax(std::vector<double>(a, a + n));
-    a += n;
+  // Each buffer's amax is agreed over the group it is sharded over: the
+  // shard group, then (Note [Experts in the sharded engine]) the experts'.
+  for (comm::Group* group : {shard, expert_shard}) {
+    if (group == nullptr) continue;
+    std::vector<FlatParam*> flats;
+    std::vector<double> amax;
+    for (auto& unit : units)
+      for (auto& f : unit.flats)
+        if (f->fp8_gathered() && &f->group() == group) {
+          flats.push_back(f.get());
+          for (double a : f->fp8_local_amax()) amax.push_back(a);
+        }
+    if (flats.empty()) continue;
+    at::Tensor t = at::tensor(amax, at::TensorOptions().dtype(at::kDouble));
+    // NaN would be lost by MAX on some backends: it goes as infinity, which
+    // keeps the previous scale all the same (Note [FP8 scaling] in precision/fp8.h).
+    t = at::nan_to_num(t, std::numeric_limits<double>::infinity()).to(flats.front()->shard().device());
+    group->all_reduce(t, comm::ReduceOp::Max).wait();
+    for (comm::Group* g : options.fp8_amax_groups)
+      if (g != nullptr && g->size() > 1) g->all_reduce(t, comm::ReduceOp::Max).wait();
+    t = t.cpu();  // host: one scalar per parameter, read element by element
+    const double* a = t.data_ptr<double>();
+    for (FlatParam* f : flats) {
+      const size_t n = f->params().size();
+      f->set_fp8_amax(std::vector<double>(a, a + n));
+      a += n;
+    }
   }
 }
 
@@ -432,16 +440,29 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   // Every engine gets its own reduce group; members create engines in the
   // same order, so the counter agrees across them.
   static std::atomic<int> instances{0};
-  s.grads_group = world.new_group(shard.name() + "/grads/" + std::to_string(instances.fetch_add(1)), shard.ranks());
+  const std::string instance = std::to_string(instances.fetch_add(1));
+  s.grads_group = world.new_group(shard.name() + "/grads/" + instance, shard.ranks());
+  if (static_cast<bool>(options_.expert_param) != (options_.expert_shard != nullptr))
+    throw std::invalid_argument("sharded data parallel: expert_param and expert_shard go together");
+  if (options_.expert_shard != nullptr) {  // Note [Experts in the sharded engine]
+    if (options_.sharding == Sharding::HybridShard)
+      throw std::invalid_argument("HYBRID_SHARD does not shard experts; use FULL_SHARD or SHARD_GRAD_OP");
+    s.expert_shard = options_.expert_shard;
+    s.expert_grads_group =
+        world.new_group(s.expert_shard->name() + "/grads/" + instance, s.expert_shard->ranks());
+  }
+  auto is_expert = [&](const std::string& name) { return s.expert_shard != nullptr && options_.expert_param(name); };
 
-  // 1. Rank 0's weights everywhere (over the shard group, then across replicas).
+  // 1. Rank 0's weights everywhere (over the shard group, then across
+  // replicas); an expert's from the first rank of its expert-data group.
   auto named = module_->named_parameters();
   const bool deferred = static_cast<bool>(options_.deferred_init) || static_cast<bool>(options_.deferred_slice_init);
   if (options_.sync_module_states && !deferred) {
-    std::vector<at::Tensor> all;
-    for (auto& item : named) all.push_back(item.value());
-    ddp_comm::broadcast_coalesced(shard, all, 0);
-    if (s.replicate) ddp_comm::broadcast_coalesced(*s.replicate, all, 0);
+    std::vector<at::Tensor> shared, experts;
+    for (auto& item : named) (is_expert(item.key()) ? experts : shared).push_back(item.value());
+    ddp_comm::broadcast_coalesced(shard, shared, 0);
+    if (s.replicate) ddp_comm::broadcast_coalesced(*s.replicate, shared, 0);
+    if (!experts.empty()) ddp_comm::broadcast_coalesced(*s.expert_shard, experts, 0);
   }
 
   // 2. Units: the wrap policy over blocks, the rest in the root.
@@ -479,8 +500,8 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
                                 "sharded parameters");
   std::vector<Slot> where(named.size());  // every parameter's place, for deferred init
   for (size_t u = 0; u < s.units.size(); ++u) {
-    // key: (dtype, trainable, FP8-gathered) -> (decayed, not decayed) indices into `named`
-    std::map<std::tuple<int, bool, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
+    // key: (dtype, trainable, FP8-gathered, expert) -> (decayed, not decayed) indices into `named`
+    std::map<std::tuple<int, bool, bool, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
     for (size_t i = 0; i < named.size(); ++i) {
       const int64_t b = block_of_param[i];
       const size_t owner = b < 0 ? 0 : s.unit_of_block[static_cast<size_t>(b)];
@@ -488,7 +509,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       const at::Tensor& p = named[i].value();
       const bool fp8 = options_.fp8_gather && p.requires_grad() && options_.fp8_gather_param &&
                        options_.fp8_gather_param(named[i].key());
-      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad(), fp8}];
+      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad(), fp8, is_expert(named[i].key())}];
       (p.requires_grad() && p.dim() >= 2 ? g.first : g.second).push_back(i);
     }
     Unit& unit = s.units[u];
@@ -496,6 +517,10 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       const std::pair<int, bool> key{std::get<0>(key_fp8), std::get<1>(key_fp8)};
       fo.fp8_gather = std::get<2>(key_fp8) ? options_.fp8_gather : std::nullopt;
       fo.grad_dtype = key.second ? options_.grad_dtype : at::ScalarType::Undefined;
+      const bool expert = std::get<3>(key_fp8);
+      comm::Group& group = expert ? *s.expert_shard : shard;
+      fo.reduce_group = expert ? s.expert_grads_group.get() : s.grads_group.get();
+      fo.grad_scale = expert ? options_.expert_scale : 1.0;
       std::vector<size_t> order = members.first;
       order.insert(order.end(), members.second.begin(), members.second.end());
       std::vector<std::string> names;
@@ -516,7 +541,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
       fo.gather_from_host = offload && options_.offload_params;
       fo.read_ahead = fo.gather_from_host && options_.read_ahead;
       unit.flats.push_back(
-          std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), shard, fo, deferred));
+          std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), group, fo, deferred));
       for (size_t j = 0; j < order.size(); ++j) where[order[j]] = {u, unit.flats.size() - 1, j};
       if (key.second) {
         for (size_t j = 0; j < params.size(); ++j) s.slots.push_back({u, unit.flats.size() - 1, j});
@@ -535,13 +560,18 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     for (size_t i = 0; i < named.size(); ++i)
       s.units[where[i].unit].flats[where[i].flat]->load_param_slice(where[i].index, options_.deferred_slice_init);
   } else if (deferred) {
-    // One parameter at a time: the peak is the shards plus one tensor.
+    // One parameter at a time: the peak is the shards plus one tensor. An
+    // expert comes from the first rank of its expert-data group.
     const bool source = shard.rank() == 0 && (s.replicate == nullptr || s.replicate->rank() == 0);
     for (size_t i = 0; i < named.size(); ++i) {
       const at::Tensor& p = named[i].value();
       at::Tensor value = at::empty(p.sizes(), p.options().requires_grad(false));
-      if (source || !options_.sync_module_states) options_.deferred_init(named[i].key(), value);
-      if (options_.sync_module_states) {
+      const bool expert = is_expert(named[i].key());
+      if ((expert ? s.expert_shard->rank() == 0 : source) || !options_.sync_module_states)
+        options_.deferred_init(named[i].key(), value);
+      if (options_.sync_module_states && expert) {
+        s.expert_shard->broadcast(value, 0).wait();
+      } else if (options_.sync_module_states) {
         shard.broadcast(value, 0).wait();
         if (s.replicate) s.replicate->broadcast(value, 0).wait();
       }

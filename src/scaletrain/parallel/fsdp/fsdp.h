@@ -48,6 +48,26 @@
 // ranks, so they never interleave with gathers, and are issued strictly in
 // the expected backward order (last block's unit first, root last): a unit
 // that completes early waits for those before it.
+//
+// Note [Experts in the sharded engine]: under expert parallelism
+// (parallel/expert) a rank holds only the experts of its place in its ep
+// group; the ranks holding the same experts form its expert-data group
+// (comm::Mesh::expert_dp). Expert parameters get flat buffers of their own,
+// sharded over that group (`expert_shard`), beside the unit's other buffers
+// sharded over the shard group; each of the two groups has its own pair of
+// communicators (gathers, reduces), and every member of a group runs the same
+// graph, so each keeps one issue order. An expert's local gradient already
+// sums the gradients of every token its ep group routed to it, so the
+// average over the expert-data group is multiplied by `expert_scale` (1/ep)
+// to become the mean over all data-parallel ranks. Nothing else changes:
+//   - the global norm sums squares over the shard group (all data-parallel
+//     ranks), where expert shards partition each place's experts and the
+//     places hold different experts, so every expert counts once;
+//   - checkpoint pieces name experts by their global index, so each rank
+//     saves what it holds and every element is saved once;
+//   - starting weights: shared parameters from rank 0 of the shard group,
+//     experts from rank 0 of their expert-data group.
+// HYBRID_SHARD (a second data-parallel dimension) does not take experts.
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -100,6 +120,12 @@ struct ShardedOptions {
   std::vector<comm::Group*> fp8_amax_groups;
   // Dtype of the trainable gradient shards; Undefined = master_dtype.
   at::ScalarType grad_dtype = at::ScalarType::Undefined;
+  // Note [Experts in the sharded engine]: the parameters `expert_param`
+  // selects are sharded over `expert_shard` (the ranks holding the same
+  // experts), and their averaged gradients multiplied by `expert_scale`.
+  std::function<bool(const std::string& name)> expert_param;
+  comm::Group* expert_shard = nullptr;
+  double expert_scale = 1.0;
   // Memory-efficient initialization: the model was built without parameter
   // bytes (models/deferred.h); each parameter is initialized by this function
   // into a temporary, one at a time in registration order (on rank 0 only and
