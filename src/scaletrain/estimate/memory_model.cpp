@@ -362,17 +362,23 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     const double P = static_cast<double>(params) - Q + Pq, Tr = static_cast<double>(e.trainable_params);
 
     // Model states (ZeRO paper accounting; frozen LoRA bases have weights only).
-    const double weight_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.weight;
-    e.params = shard_weights ? weight_bytes / N : weight_bytes;
-    e.gradients = Tr * w.grad / (shard_grad ? N : 1);
-    e.master = Tr * w.master / (shard_opt ? N : 1);
+    // Under expert parallelism a rank's experts are sharded over the N/ep
+    // ranks that hold them (Note [Experts in the sharded engine]), so its
+    // share of a sharded state counts them ep times before dividing by N.
+    const double experts = l.ep > 1 && !raw ? static_cast<double>(nl * ceil_div(c.per_layer_experts, l.ep)) : 0.0;
+    auto count = [&](double n, bool sharded) {
+      return sharded ? (n + experts * static_cast<double>(l.ep - 1)) / static_cast<double>(N) : n;
+    };
+    e.params = count(P + (l.lora_rank > 0 ? Tr : 0), shard_weights) * w.weight;
+    e.gradients = count(Tr, shard_grad) * w.grad;
+    e.master = count(Tr, shard_opt) * w.master;
     if (l.fp16_masters) {  // O3: the trainable shards (or the separate masters) are fp16
       if (w.master > 0)
-        e.master = Tr * 2.0 / (shard_opt ? N : 1);
+        e.master = count(Tr, shard_opt) * 2.0;
       else if (shard_weights)
-        e.params -= Tr * (w.weight - 2.0) / N;
+        e.params -= count(Tr, true) * (w.weight - 2.0);
     }
-    e.optimizer = Tr * (l.fp8_moments ? 3.0 : w.optimizer) / (shard_opt ? N : 1);
+    e.optimizer = count(Tr, shard_opt) * (l.fp8_moments ? 3.0 : w.optimizer);
     if (l.offload_optimizer) {
       e.host += e.master + e.optimizer;
       e.master = e.optimizer = 0;
