@@ -230,6 +230,18 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
       fail("pp=" + std::to_string(l.pp) + " exceeds num_layers=" + std::to_string(s.num_layers));
   }
   if (l.sequence_parallel && l.tp < 2) fail("sequence parallelism needs tp > 1");
+  // Expert parallelism, as the trainer takes it (train/plan.cpp).
+  if (l.ep < 1) fail("ep must be >= 1");
+  if (l.ep > 1) {
+    const int64_t dp = l.world_size / (l.tp * l.pp);
+    const std::string ep = "ep=" + std::to_string(l.ep);
+    if (s.num_experts == 0) fail(ep + " needs a model with MoE layers (num_local_experts in its config)");
+    if (s.num_experts % l.ep != 0) fail(ep + " does not divide num_experts=" + std::to_string(s.num_experts));
+    if (dp % l.ep != 0) fail(ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks");
+    if (l.tp > 1 || l.pp > 1) fail(ep + " with tensor or pipeline parallelism is not available in this build");
+    if (l.sharding == Sharding::kHybrid) fail(ep + " with hybrid sharding is not available in this build");
+    if (l.lora_rank > 0) fail(ep + " with LoRA is not available in this build");
+  }
   if (l.offload_params && l.sharding != Sharding::kZero3 && l.sharding != Sharding::kHybrid)
     fail("parameter offload needs ZeRO-3 / FSDP full or hybrid sharding");
   if (l.lora_rank < 0) fail("LoRA rank must be >= 0");
@@ -497,7 +509,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
 
 std::string describe(const Layout& l, const RankEstimate& e) {
   std::ostringstream o;
-  o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp << " " << sharding_name(l.sharding, l.fsdp_names);
+  o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp;
+  if (l.ep > 1) o << " ep=" << l.ep;
+  o << " " << sharding_name(l.sharding, l.fsdp_names);
   if (l.sharding == Sharding::kHybrid) o << "(shard=" << e.shard << ")";
   if (l.offload_optimizer) o << " offload-opt";
   if (l.offload_params) o << " offload-param";

@@ -105,6 +105,10 @@ const std::map<std::string, ModelSpec>& presets() {
     add(llama("llama-3-70b", "llama", 128256, 8192, 28672, 80, 64, 8, 8192));
     add(llama("llama-3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 131072, /*tied=*/true));
     add(llama("mistral-7b", "mistral", 32000, 4096, 14336, 32, 32, 8, 32768));
+    ModelSpec mixtral = llama("mixtral-8x7b", "mixtral", 32000, 4096, 14336, 32, 32, 8, 32768);
+    mixtral.num_experts = 8;
+    mixtral.experts_per_token = 2;
+    add(mixtral);
     add(bert("bert-base-uncased", 30522, 768, 12, 12));
     add(bert("bert-base-cased", 28996, 768, 12, 12));
     add(bert("bert-large-uncased", 30522, 1024, 24, 16));
@@ -120,6 +124,7 @@ const std::map<std::string, std::string>& aliases() {
       {"llama3-8b", "llama-3-8b"},     {"meta-llama-3-70b", "llama-3-70b"},
       {"llama-3.1-8b", "llama-3-8b"},  {"mistral-7b-v0.1", "mistral-7b"},
       {"llama2-7b", "llama-2-7b"},     {"llama-3.2-1b-instruct", "llama-3.2-1b"},
+      {"mixtral-8x7b-v0.1", "mixtral-8x7b"},
   };
   return table;
 }
@@ -227,6 +232,13 @@ ModelSpec estimator_spec_from_hf(const nlohmann::json& j, const std::string& nam
     s.qkv_bias = s.qkv_bias || attention_bias;
     s.o_bias = attention_bias;
     s.mlp_bias = get_bool(j, "mlp_bias", false);
+    if (type == "mixtral") {  // sparse MoE blocks: both counts are part of the architecture
+      s.num_experts = get_int(j, {"num_local_experts"}, name);
+      s.experts_per_token = get_int(j, {"num_experts_per_tok"}, name);
+      if (s.num_experts < 1 || s.experts_per_token < 1 || s.experts_per_token > s.num_experts)
+        throw UsageError("config '" + name + "': num_experts_per_tok=" + std::to_string(s.experts_per_token) +
+                         " must be between 1 and num_local_experts=" + std::to_string(s.num_experts));
+    }
   }
   estimate::count_params(s);  // validates divisibility now, with the config's name in the message
   return s;

@@ -286,6 +286,59 @@ TEST(EstimateModel, ZeroPaperExample) {
   }
 }
 
+// Mixtral-8x7B, from the preset and from its published config.json: 46.7B
+// parameters, 12.9B active per token. Under expert parallelism a rank holds
+// 1/ep of each MoE layer's experts; sharded states split them over the N/ep
+// ranks holding the same experts (Note [Experts in the sharded engine] in
+// parallel/fsdp), so ZeRO-3's share is the whole model over N whatever ep is,
+// while ZeRO-1 keeps the rank's own weights whole and shards only the rest.
+TEST(EstimateModel, MixtralExpertsUnderExpertParallelism) {
+  const auto preset = cat::estimator_preset("mistralai/Mixtral-8x7B-v0.1");
+  const auto file = cat::load_estimator_config(data_path("mixtral_8x7b_config.json"));
+  for (const auto& spec : {preset, file}) {
+    const auto c = est::count_params(spec);
+    EXPECT_EQ(c.total, 46702792704);
+    EXPECT_EQ(c.active, 12879925248);
+    EXPECT_EQ(c.per_layer_experts, 8LL * 3 * 4096 * 14336);
+  }
+  const auto c = est::count_params(preset);
+  const double experts = 32.0 * static_cast<double>(c.per_layer_experts), total = static_cast<double>(c.total);
+  est::Layout l;
+  l.world_size = 8;
+  l.precision = est::Precision::kFp32;
+  l.ep = 2;
+  auto e = est::estimate_rank(preset, l);  // DDP: half the experts, whole
+  EXPECT_EQ(static_cast<double>(e.stage_params), total - experts / 2);
+  EXPECT_DOUBLE_EQ(e.params, (total - experts / 2) * 4);
+  l.sharding = est::Sharding::kZero1;
+  e = est::estimate_rank(preset, l);
+  EXPECT_DOUBLE_EQ(e.params, (total - experts / 2) * 4);
+  EXPECT_DOUBLE_EQ(e.optimizer, total / 8 * 8);  // Adam's two fp32 states of 1/8 of everything
+  l.sharding = est::Sharding::kZero3;
+  for (int64_t ep : {2, 4, 8}) {
+    l.ep = ep;
+    e = est::estimate_rank(preset, l);
+    EXPECT_DOUBLE_EQ(e.params, total / 8 * 4) << "ep " << ep;
+    EXPECT_DOUBLE_EQ(e.gradients, total / 8 * 4) << "ep " << ep;
+  }
+  EXPECT_TRUE(contains(est::describe(l, e), "dp=8 ep=8 zero-3")) << est::describe(l, e);
+  // What the trainer refuses, the estimator refuses.
+  l.ep = 3;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(preset, l); }), "ep=3 does not divide num_experts=8"));
+  l.ep = 4;
+  l.world_size = 6;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(preset, l); }), "ep=4 does not divide the 6 data-parallel"));
+  l.ep = 2;
+  l.world_size = 8;
+  l.tp = 2;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(preset, l); }), "not available in this build"));
+  l.tp = 1;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(cat::estimator_preset("mistral-7b"), l); }),
+                       "needs a model with MoE layers"));
+  l.ep = 0;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(preset, l); }), "ep must be >= 1"));
+}
+
 // The block Korthikanti et al. count: LayerNorm, fused attention, a 4h MLP.
 est::ModelSpec korthikanti_block(int64_t h, int64_t a) {
   est::ModelSpec k = cat::estimator_structure("gpt2");

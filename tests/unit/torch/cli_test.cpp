@@ -51,6 +51,14 @@ TEST(Cli, MeshThatDoesNotFitTheWorld) {
   EXPECT_NE(r.err.find("dp_replicate"), std::string::npos);
 }
 
+// estimate-memory --ep: an expert-parallel degree the trainer would refuse is
+// refused in one line; one it takes is estimated.
+TEST(Cli, EstimateMemoryExpertParallelDegree) {
+  EXPECT_EQ(run("estimate-memory mixtral-8x7b --world-size 8 --zero-stage 3 --ep 4").code, 0);
+  expect_usage_error(run("estimate-memory mixtral-8x7b --world-size 8 --ep 3"), "ep=3 does not divide num_experts=8");
+  expect_usage_error(run("estimate-memory mistral-7b --world-size 8 --ep 2"), "needs a model with MoE layers");
+}
+
 TEST(Cli, UnsupportedStrategy) {
   auto cfg = write("strategy.yaml", "data:\n  path: " + tokens().string() + "\nparallel:\n  strategy: zero9\n");
   expect_usage_error(run("train " + cfg.string()), "zero9");
