@@ -7,6 +7,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev libgloo-dev          # libtorch 1.13 with c10d; Gloo headers for ProcessGroupGloo.hpp
+  libtensorpipe-dev                 # TensorPipe: the transport of rpc/
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   zlib1g-dev                        # crc32 of checkpoint files

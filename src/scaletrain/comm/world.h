@@ -47,6 +47,8 @@ class World {
 
   const WorldInfo& info() const { return info_; }
   int rank() const { return info_.rank; }
+  // The rendezvous store (other services rendezvous through it: rpc/).
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   int size() const { return info_.world_size; }
   BackendKind backend() const { return kind_; }
   std::chrono::milliseconds timeout() const { return options_.timeout; }
