@@ -169,7 +169,10 @@ void register_stage_functions() {
       auto& m = stage_model();
       std::vector<at::Tensor> out;
       for (const auto& p : (a[1].to_int() == 1 ? m.l1->parameters() : m.l2->parameters()))
-        out.push_back(da::gradient(a[0].to_int(), p));
+      {
+        const at::Tensor g = da::gradient(a[0].to_int(), p);
+        out.push_back(g.defined() ? g : torch::zeros_like(p));  // none: zeros, seen as wrong below
+      }
       return Value(out);
     });
   });
@@ -226,6 +229,37 @@ TEST(Rpc, DistributedAutogradEqualsOneProcess) {
           << "the parameters of stage " << stage << " did not move";
     }
   }
+}
+
+}  // namespace
+}  // namespace scaletrain::test
+
+namespace scaletrain::test {
+namespace {
+
+// A worker that dies (worker2 exits in a handler, with calls pending on it
+// from the two others): every pending call fails at once with an error
+// naming it, long before its timeout, and shutdown() on the survivors
+// returns. Run alone: it ends worker2's process.
+TEST(RpcFaults, AWorkerThatDiesFailsItsPendingCallsAndShutdownReturns) {
+  if (world().size() != 3) GTEST_SKIP() << "needs 3 workers";
+  register_test_functions();
+  rpc::register_function("die", {}, [](const Args&) -> Value {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    std::_Exit(0);
+  });
+  RpcSession session;
+  if (world().rank() == 2) return;  // serves until its own handler ends the process
+  const auto t0 = std::chrono::steady_clock::now();
+  rpc::Future pending = rpc::rpc_async("worker2", "sleep_ms", {Value(20000)});
+  if (world().rank() == 0) rpc::rpc_async("worker2", "die", {});
+  const std::string e = error_of([&] { pending.wait(); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(e.find("worker 'worker2' is gone"), std::string::npos) << e;
+  EXPECT_LT(s, 10.0) << "the pending call failed only after " << s << " s (timeout 30 s)";
+  // New calls to it fail at once; the survivors still talk.
+  EXPECT_NE(error_of([&] { rpc::rpc_sync("worker2", "whoami", {}); }).find("worker2"), std::string::npos);
+  EXPECT_EQ(rpc::rpc_sync(name_of(1 - world().rank()), "whoami", {}).str(), name_of(1 - world().rank()));
 }
 
 }  // namespace
