@@ -157,6 +157,11 @@ void register_stage_functions() {
   std::call_once(once, [] {
     rpc::register_function("stage1", {K::Tensor}, [](const Args& a) { return Value(torch::tanh(stage_model().l1(a[0].tensor()))); });
     rpc::register_function("stage2", {K::Tensor}, [](const Args& a) { return Value(stage_model().l2(a[0].tensor())); });
+    // Both stages from worker1, which calls worker2 itself: the context follows the nested call.
+    rpc::register_function("stages12", {K::Tensor}, [](const Args& a) {
+      const at::Tensor h = torch::tanh(stage_model().l1(a[0].tensor()));
+      return rpc::rpc_sync("worker2", "stage2", {Value(h)});
+    });
     rpc::register_function("stage_params", {K::Int}, [](const Args& a) {
       auto& m = stage_model();
       auto ps = a[0].to_int() == 1 ? m.l1->parameters() : m.l2->parameters();
@@ -181,8 +186,9 @@ void register_stage_functions() {
 }
 
 // A model split over 3 workers (worker1: linear + tanh, worker2: linear,
-// worker0: the loss) equals the model in one process: the gradients of one
-// backward, and the parameters after 4 SGD steps, fp64, within 1e-10.
+// worker0: the loss), driven from worker0 (calling each stage, or worker1
+// calling worker2 itself), equals the model in one process: the gradients of
+// the first backward, and the parameters after 4 SGD steps, fp64, within 1e-10.
 TEST(Rpc, DistributedAutogradEqualsOneProcess) {
   if (world().size() != 3) GTEST_SKIP() << "needs 3 workers";
   register_stage_functions();
@@ -201,8 +207,10 @@ TEST(Rpc, DistributedAutogradEqualsOneProcess) {
     for (int step = 0; step < 4; ++step) {
       const auto x = torch::randn({5, 4}, torch::kDouble), y = torch::randn({5, 3}, torch::kDouble);
       da::Context ctx;
-      const auto h = rpc::rpc_sync("worker1", "stage1", {Value(x)}).tensor();
-      const auto out = rpc::rpc_sync("worker2", "stage2", {Value(h)}).tensor();
+      // Odd steps: worker1 calls worker2 (a nested call), even ones: worker0 calls each.
+      const auto out = step % 2 ? rpc::rpc_sync("worker1", "stages12", {Value(x)}).tensor()
+                                : rpc::rpc_sync("worker2", "stage2",
+                                                {rpc::rpc_sync("worker1", "stage1", {Value(x)})}).tensor();
       const auto loss = torch::mse_loss(out, y);
       da::backward(ctx.id(), {loss});
       ref_opt.zero_grad();
