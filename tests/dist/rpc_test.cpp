@@ -52,7 +52,13 @@ struct RpcSession {
     o.timeout = std::chrono::milliseconds(30000);
     rpc::init_rpc(name_of(world().rank()), world().rank(), world().size(), world().store(), o);
   }
-  ~RpcSession() { rpc::shutdown(); }
+  ~RpcSession() {
+    try {
+      rpc::shutdown();
+    } catch (const rpc::RpcError& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
 };
 
 std::string error_of(const std::function<void()>& fn) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -167,6 +168,15 @@ namespace {
 
 thread_local std::string t_caller;
 
+// SCALETRAIN_RPC_TRACE=1: one stderr line per message sent and received.
+bool tracing() {
+  static const bool on = [] {
+    const char* v = std::getenv("SCALETRAIN_RPC_TRACE");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+
 class Pool {
  public:
   explicit Pool(int n) {
@@ -245,6 +255,7 @@ struct Agent : std::enable_shared_from_this<Agent> {
   std::map<std::string, std::string> urls;
 
   std::mutex mu;
+  std::mutex connect_mu;            // pipe_to(): one connect at a time
   std::condition_variable idle_cv;  // pending emptied
   std::map<std::string, std::shared_ptr<tp::Pipe>> out_pipes;
   std::vector<std::shared_ptr<tp::Pipe>> in_pipes;
@@ -256,6 +267,8 @@ struct Agent : std::enable_shared_from_this<Agent> {
   uint64_t next_id = 1;
   int64_t next_rref = 1;
   bool closing = false;
+  bool ready = false;  // names and addresses known (the end of init_rpc)
+  std::condition_variable ready_cv;
   std::unique_ptr<Pool> pool;
   std::thread watchdog;
 
@@ -398,6 +411,9 @@ void Agent::write(const std::shared_ptr<tp::Pipe>& pipe, const json& header, std
                   std::function<void(const std::string&)> on_error) {
   tp::Message msg;
   msg.metadata = header.dump();
+  if (tracing())
+    std::fprintf(stderr, "[rpc %s] send %s %s #%s\n", name.c_str(), header.value("kind", "").c_str(),
+                 header.value("fn", "").c_str(), header.at("id").dump().c_str());
   for (auto& t : tensors) {
     tp::Message::Tensor mt;
     mt.buffer = tp::CpuBuffer{t.data_ptr()};
@@ -410,21 +426,35 @@ void Agent::write(const std::shared_ptr<tp::Pipe>& pipe, const json& header, std
   });
 }
 
+// TensorPipe may run callbacks on the thread that calls into it (connect,
+// read, write), and ours take `mu`: no call into TensorPipe holds it.
+// `connect_mu` (which no callback takes) makes one pipe per peer.
 std::shared_ptr<tp::Pipe> Agent::pipe_to(const std::string& to) {
-  std::lock_guard<std::mutex> lock(mu);
-  if (closing) throw RpcError("rpc: shutting down; no new calls to '" + to + "'");
-  if (dead.count(to)) throw RpcError("rpc: worker '" + to + "' is gone (its connection broke)");
-  auto it = out_pipes.find(to);
-  if (it != out_pipes.end()) return it->second;
-  auto url = urls.find(to);
-  if (url == urls.end()) {
-    std::string known;
-    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-    throw RpcError("rpc: unknown worker '" + to + "' (workers: " + known + ")");
+  std::lock_guard<std::mutex> connecting(connect_mu);
+  std::string url;
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    // A handler may call out while this worker still learns the others' addresses.
+    if (!ready_cv.wait_for(lock, opts.timeout, [&] { return ready || closing; }))
+      throw RpcError("rpc: worker '" + name + "' did not learn the other workers' addresses in time");
+    if (closing) throw RpcError("rpc: shutting down; no new calls to '" + to + "'");
+    if (dead.count(to)) throw RpcError("rpc: worker '" + to + "' is gone (its connection broke)");
+    auto it = out_pipes.find(to);
+    if (it != out_pipes.end()) return it->second;
+    auto u = urls.find(to);
+    if (u == urls.end()) {
+      std::string known;
+      for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+      throw RpcError("rpc: unknown worker '" + to + "' (workers: " + known + ")");
+    }
+    url = u->second;
   }
-  auto pipe = ctx->connect(url->second, tp::PipeOptions().remoteName(to));
-  out_pipes[to] = pipe;
-  peer_of[pipe.get()] = to;
+  auto pipe = ctx->connect(url, tp::PipeOptions().remoteName(to));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    out_pipes[to] = pipe;
+    peer_of[pipe.get()] = to;
+  }
   read_loop(pipe);
   return pipe;
 }
@@ -511,6 +541,9 @@ void Agent::read_loop(const std::shared_ptr<tp::Pipe>& pipe) {
 void Agent::dispatch(const std::shared_ptr<tp::Pipe>& pipe, json header, std::vector<at::Tensor> tensors) {
   const std::string kind = header.at("kind").get<std::string>();
   const std::string from = header.at("from").get<std::string>();
+  if (tracing())
+    std::fprintf(stderr, "[rpc %s] recv %s %s #%s from %s\n", name.c_str(), kind.c_str(),
+                 header.value("fn", "").c_str(), header.at("id").dump().c_str(), from.c_str());
   {
     std::lock_guard<std::mutex> lock(mu);
     peer_of[pipe.get()] = from;
@@ -868,22 +901,6 @@ void init_rpc(const std::string& name, int rank, int world_size, const c10::intr
   a->ctx->registerChannel(0, "basic", tp::channel::basic::create());
   a->listener = a->ctx->listen({"uv://" + host});
   const std::string url = a->listener->url("uv");
-  auto key = [&](const std::string& k) { return a->prefix + k; };
-  auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
-  auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
-  store->set(key("name/" + std::to_string(rank)), bytes(name));
-  store->set(key("url/" + name), bytes(url));
-  for (int r = 0; r < world_size; ++r) {
-    const std::string k = key("name/" + std::to_string(r));
-    store->wait({k}, options.timeout);
-    a->names.push_back(text(store->get(k)));
-  }
-  for (const auto& n : a->names) {
-    if (a->urls.count(n)) throw std::invalid_argument("rpc: two workers are named '" + n + "'");
-    const std::string k = key("url/" + n);
-    store->wait({k}, options.timeout);
-    a->urls[n] = text(store->get(k));
-  }
   a->pool = std::make_unique<Pool>(std::max(2, options.threads));
   std::weak_ptr<Agent> weak = a;
   struct Acceptor {
@@ -915,14 +932,64 @@ void init_rpc(const std::string& name, int rank, int world_size, const c10::intr
       self->check_timeouts();
     }
   });
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_agent = a;
+  // Published before this worker's address: a peer may call as soon as it
+  // reads it, and the handlers reach the agent through g_agent.
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_agent = a;
+  }
+  auto key = [&](const std::string& k) { return a->prefix + k; };
+  auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+  auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  try {
+    store->set(key("name/" + std::to_string(rank)), bytes(name));
+    store->set(key("url/" + name), bytes(url));
+    std::vector<std::string> names;
+    for (int r = 0; r < world_size; ++r) {
+      const std::string k = key("name/" + std::to_string(r));
+      store->wait({k}, options.timeout);
+      names.push_back(text(store->get(k)));
+    }
+    std::map<std::string, std::string> urls;
+    for (const auto& n : names) {
+      if (urls.count(n)) throw std::invalid_argument("rpc: two workers are named '" + n + "'");
+      const std::string k = key("url/" + n);
+      store->wait({k}, options.timeout);
+      urls[n] = text(store->get(k));
+    }
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->names = std::move(names);
+      a->urls = std::move(urls);
+      a->ready = true;
+    }
+    a->ready_cv.notify_all();
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      g_agent.reset();
+    }
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->closing = true;
+    }
+    a->ctx->close();
+    a->ctx->join();
+    a->pool->stop();
+    a->watchdog.join();
+    throw;
+  }
 }
 
 bool initialized() { return agent_or_null() != nullptr; }
 const std::string& worker_name() { return agent()->name; }
 int worker_rank() { return agent()->rank; }
-std::vector<std::string> worker_names() { return agent()->names; }
+std::vector<std::string> worker_names() {
+  auto a = agent();
+  std::unique_lock<std::mutex> lock(a->mu);
+  a->ready_cv.wait(lock, [&] { return a->ready || a->closing; });
+  return a->names;
+}
 
 void shutdown() {
   auto a = agent();
