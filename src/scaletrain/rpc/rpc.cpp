@@ -897,8 +897,13 @@ void init_rpc(const std::string& name, int rank, int world_size, const c10::intr
     }
   }
   a->ctx = std::make_shared<tp::Context>(tp::ContextOptions().name(name));
+  // uv (TCP) carries the headers; tensors go by cross-memory attach between
+  // processes of one host where the kernel allows it (TensorPipe picks the
+  // highest priority both ends can use), else over the connection. The shm
+  // transport is left out: its loop polls, a core's worth of spinning.
   a->ctx->registerTransport(0, "uv", tp::transport::uv::create());
   a->ctx->registerChannel(0, "basic", tp::channel::basic::create());
+  if (auto cma = tp::channel::cma::create(); cma->isViable()) a->ctx->registerChannel(10, "cma", cma);
   a->listener = a->ctx->listen({"uv://" + host});
   const std::string url = a->listener->url("uv");
   a->pool = std::make_unique<Pool>(std::max(2, options.threads));
