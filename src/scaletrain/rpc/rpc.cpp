@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "scaletrain/comm/world.h"
 #include "scaletrain/rpc/dist_autograd.h"
 
 namespace scaletrain::rpc {
@@ -984,6 +985,10 @@ void init_rpc(const std::string& name, int rank, int world_size, const c10::intr
     a->watchdog.join();
     throw;
   }
+}
+
+void init_rpc(const std::string& name, const comm::World& world, const Options& options) {
+  init_rpc(name, world.rank(), world.size(), world.store(), options);
 }
 
 bool initialized() { return agent_or_null() != nullptr; }

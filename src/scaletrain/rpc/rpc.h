@@ -45,6 +45,9 @@
 namespace c10d {
 class Store;
 }
+namespace scaletrain::comm {
+class World;
+}
 
 namespace scaletrain::rpc {
 
@@ -109,6 +112,9 @@ struct Options {
 // the same world size and a store all of them reach (comm::World::store()).
 void init_rpc(const std::string& name, int rank, int world_size, const c10::intrusive_ptr<c10d::Store>& store,
               const Options& options = {});
+// The same from a job's world (the launcher's environment): this process's
+// rank and world size, rendezvous through the world's store.
+void init_rpc(const std::string& name, const comm::World& world, const Options& options = {});
 // Graceful: see Note [RPC failures]. Pending work of this worker is waited for.
 void shutdown();
 bool initialized();
