@@ -18,6 +18,7 @@ packages=(
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
   bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
   iproute2 procps
+  librsvg2-bin                      # rsvg-convert: tests render the SVGs `scaletrain plot` writes
 )
 
 missing=()

@@ -37,7 +37,8 @@ struct PrepareArgs {
 };
 
 struct PlotArgs {
-  std::string metrics;                // JSON-lines metrics log
+  std::vector<std::string> metrics;   // JSON-lines metrics logs (several: compared)
+  std::vector<std::string> labels;    // one per log, for the legend
   std::string output = "curves.svg";  // SVG to write
   std::string title;                  // heading; defaults to the metrics path
 };
@@ -112,8 +113,13 @@ int run_prepare(const PrepareArgs& args) {
 
 int run_plot(const PlotArgs& args) {
   train::PlotOptions options;
-  options.title = args.title.empty() ? args.metrics : args.title;
-  train::plot_metrics(args.metrics, args.output, options);
+  if (args.metrics.size() == 1 && args.labels.empty()) {
+    options.title = args.title.empty() ? args.metrics.front() : args.title;
+    train::plot_metrics(args.metrics.front(), args.output, options);
+  } else {
+    options.title = args.title;
+    train::plot_runs(args.metrics, args.labels, args.output, options);
+  }
   std::printf("plot: wrote %s\n", args.output.c_str());
   return 0;
 }
@@ -139,8 +145,11 @@ void add_prepare(CLI::App& app, Runner& run) {
 void add_plot(CLI::App& app, Runner& run) {
   auto args = std::make_shared<PlotArgs>();
   CLI::App* sub =
-      app.add_subcommand("plot", "Plot loss and tokens/s against step from a metrics log");
-  sub->add_option("metrics", args->metrics, "Metrics file (JSON lines)")->required();
+      app.add_subcommand("plot", "Plot a metrics log's curves against step, or compare several runs' logs");
+  sub->add_option("metrics", args->metrics, "Metrics file(s) (JSON lines); several are drawn on one picture")
+      ->required();
+  sub->add_option("--labels", args->labels, "Legend names, one per metrics file (default: the file names)")
+      ->delimiter(',');
   sub->add_option("-o,--output", args->output, "SVG to write")->capture_default_str();
   sub->add_option("--title", args->title, "Heading (default: the metrics path)");
   sub->callback([&run, args] { run = [args] { return run_plot(*args); }; });

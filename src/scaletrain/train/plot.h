@@ -27,6 +27,8 @@ struct MetricsRecord {
   double mfu = 0;            // model FLOPs utilization, 0..1 (optional)
   double peak_rss_mb = 0;    // peak resident memory in MiB (optional)
   double comm_wait_ms = 0;   // time blocked on collectives in ms (optional)
+  double grad_norm = 0;      // global gradient norm before clipping (optional)
+  double loss_scale = 0;     // dynamic loss scale (optional)
   // MoE models (optional): slots each expert took this step (models/moe.h).
   std::vector<double> moe_tokens_per_expert;
 };
@@ -60,5 +62,20 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
 // has no records or the SVG cannot be written.
 void plot_metrics(const std::string& metrics_path, const std::string& svg_path,
                   const PlotOptions& options = {});
+
+// Several runs on one picture (fp32 against bf16, DDP against ZeRO-3): one
+// panel per quantity (loss, learning rate, tokens/s, MFU, peak RSS, gradient
+// norm, loss scale), each run's curve in its own color, a legend naming the
+// runs. A quantity no run logged says "no data".
+struct Run {
+  std::string label;
+  std::vector<MetricsRecord> records;
+};
+std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOptions& options);
+// Reads each log (labels: one per path, or empty for the file names) and
+// writes the comparison. UsageError on a log with no records, or labels
+// that do not match the paths.
+void plot_runs(const std::vector<std::string>& metrics_paths, const std::vector<std::string>& labels,
+               const std::string& svg_path, const PlotOptions& options = {});
 
 }  // namespace scaletrain::train

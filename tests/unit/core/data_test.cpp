@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -492,6 +493,48 @@ TEST(PlotTest, MoeRunsGetTheirExpertsShares) {
   std::vector<train::MetricsRecord> dense = records;
   for (auto& r : dense) r.moe_tokens_per_expert.clear();
   EXPECT_EQ(train::render_svg(dense, {}).find("Share of slots"), std::string::npos);
+}
+
+// Two runs on one picture: seven panels, one curve per run in each, a legend
+// naming both; Debian's SVG renderer (rsvg-convert, librsvg2-bin) parses it.
+TEST(PlotTest, ComparesRunsOnOnePictureWithALegend) {
+  TempDir dir;
+  auto log = [&](const std::string& name, double loss0, double scale) {
+    std::string text;
+    for (int s = 1; s <= 20; ++s)
+      text += "{\"step\":" + std::to_string(s) + ",\"loss\":" + std::to_string(loss0 / s) +
+              ",\"lr\":0.001,\"tokens_per_s\":" + std::to_string(1000 + 10 * s) +
+              ",\"mfu\":0.3,\"peak_rss_mb\":512,\"grad_norm\":" + std::to_string(2.0 / s) +
+              ",\"loss_scale\":" + std::to_string(scale) + "}\n";
+    const auto path = dir.file(name);
+    write_raw(path, text);
+    return path;
+  };
+  const auto fp32 = log("fp32.jsonl", 5.0, 1.0), bf16 = log("bf16.jsonl", 5.2, 65536.0);
+  const auto svg_path = dir.file("compare.svg");
+  train::plot_runs({fp32, bf16}, {"fp32", "bf16 <mixed>"}, svg_path);
+  const std::string svg = read_raw(svg_path);
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (auto p = svg.find(needle); p != std::string::npos; p = svg.find(needle, p + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("<polyline"), 14u);  // 7 panels x 2 runs
+  EXPECT_EQ(count("<polyline fill=\"none\" stroke=\"#1f77b4\""), 7u);
+  EXPECT_EQ(count("<polyline fill=\"none\" stroke=\"#d62728\""), 7u);
+  EXPECT_EQ(count("class=\"legend\""), 2u);
+  EXPECT_NE(svg.find(">bf16 &lt;mixed&gt;</text>"), std::string::npos);
+  for (const char* panel : {"Loss", "Learning rate", "Throughput (tokens/s)", "MFU", "Peak RSS (MiB)",
+                            "Gradient norm", "Loss scale"})
+    EXPECT_NE(svg.find(std::string(">") + panel + "</text>"), std::string::npos) << panel;
+  const auto png = dir.file("compare.png");
+  const int rc = std::system(("rsvg-convert -o " + png + " " + svg_path + " 2>&1").c_str());
+  ASSERT_EQ(rc, 0) << "rsvg-convert could not render the SVG (is librsvg2-bin installed?)";
+  EXPECT_EQ(read_raw(png).substr(1, 3), "PNG");
+  // Default labels are the file names; labels that do not match are refused.
+  train::plot_runs({fp32, bf16}, {}, svg_path);
+  EXPECT_NE(read_raw(svg_path).find(">fp32.jsonl</text>"), std::string::npos);
+  EXPECT_THROW(train::plot_runs({fp32, bf16}, {"only one"}, svg_path), UsageError);
 }
 
 TEST(PlotTest, RejectsMalformedLines) {
