@@ -40,6 +40,7 @@
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/comm/env.h"
 #include "scaletrain/comm/world.h"
+#include "raw_gloo.h"
 
 namespace {
 
@@ -89,23 +90,6 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// The raw baseline: a ProcessGroupGloo built the way a c10d user would.
-c10::intrusive_ptr<c10d::ProcessGroupGloo> make_raw(const comm::WorldInfo& info) {
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(info.master_port + 1);
-  so.isServer = info.rank == 0;
-  so.numWorkers = info.world_size;
-  so.timeout = std::chrono::seconds(120);
-  auto store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, so);
-  auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(300));
-  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-  if (ifname && *ifname)
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  else
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(info.master_addr));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, info.rank, info.world_size, opts);
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -132,7 +116,7 @@ int main(int argc, char** argv) {
   comm::WorldInfo info = comm::world_info_from_env();
   auto world = comm::World::init(info, {});
   comm::Group& g = *world->group();
-  auto raw = make_raw(info);
+  auto raw = bench::make_raw_gloo(info);
   const int n = info.world_size, rank = info.rank;
   if (n < 2) {
     std::fprintf(stderr, "bench_collectives: run it under `scaletrain launch --nproc-per-node N` with N >= 2\n");

@@ -19,23 +19,13 @@
 
 #include "scaletrain/comm/env.h"
 #include "scaletrain/comm/world.h"
+#include "raw_gloo.h"
 #include "scaletrain/rpc/rpc.h"
 
 using namespace scaletrain;
 
 namespace {
 
-c10::intrusive_ptr<c10d::ProcessGroupGloo> make_raw(const comm::WorldInfo& info) {
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(info.master_port + 1);
-  so.isServer = info.rank == 0;
-  so.numWorkers = info.world_size;
-  so.timeout = std::chrono::seconds(120);
-  auto store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, so);
-  auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(300));
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(info.master_addr));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, info.rank, info.world_size, opts);
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -75,7 +65,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto world = comm::World::init(info, {});
-  auto raw = make_raw(info);
+  auto raw = bench::make_raw_gloo(info);
   rpc::register_function("echo", {rpc::Value::Kind::Tensor}, [](const rpc::Args& a) { return a[0]; });
   rpc::init_rpc("worker" + std::to_string(info.rank), info.rank, 2, world->store());
   const int peer = 1 - info.rank;

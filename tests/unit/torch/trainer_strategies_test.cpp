@@ -288,6 +288,15 @@ TEST(TrainerStrategies, Fp8O3ResumesUnderAnotherLayout) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(second[i], ref[i + 3], 2e-3 * ref[i + 3]) << "step " << i + 4;
 }
 
+// Flags resuming run `name` from a copy of checkpoint directory `dir` (a
+// resume writes checkpoints of its own, so each gets its own copy).
+std::string resume_from(const fs::path& dir, const std::string& name) {
+  const fs::path copy = scratch() / (name + "_ckpt");
+  fs::remove_all(copy);
+  fs::copy(dir, copy, fs::copy_options::recursive);
+  return " --checkpoint.dir=" + copy.string();
+}
+
 // Checkpoints under expert parallelism: each expert is saved once, by the
 // first rank of its expert-data group, the shared parameters by rank 0. A run
 // on dp 2 x ep 2 stopped at step 3 resumes on the same layout bit for bit,
@@ -304,12 +313,7 @@ TEST(TrainerStrategies, MoeCheckpointsResumeUnderAnyExpertLayout) {
                 .size(),
             3u);
   // Each resume writes its own checkpoints: one copy of the step-3 directory each.
-  auto from = [&](const std::string& name) {
-    const fs::path copy = scratch() / (name + "_ckpt");
-    fs::remove_all(copy);
-    fs::copy(dir, copy, fs::copy_options::recursive);
-    return " --checkpoint.dir=" + copy.string() + moe;
-  };
+  auto from = [&](const std::string& name) { return resume_from(dir, name) + moe; };
   const auto same = train(4, "moe_ckpt_same", "--parallel.ep=2" + from("moe_ckpt_same"), 30745);
   const auto ep2 = train(2, "moe_ckpt_ep2", "--parallel.ep=2" + from("moe_ckpt_ep2"), 30746);
   const auto one = train(1, "moe_ckpt_one", from("moe_ckpt_one"), 30747);
@@ -338,12 +342,7 @@ TEST(TrainerStrategies, MoeShardedCheckpointsResumeUnderAnyLayout) {
   ASSERT_EQ(
       train(4, "moe_zero3_ckpt_first", zero3 + " --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe, 30779).size(),
       3u);
-  auto from = [&](const std::string& name) {
-    const fs::path copy = scratch() / (name + "_ckpt");
-    fs::remove_all(copy);
-    fs::copy(dir, copy, fs::copy_options::recursive);
-    return " --checkpoint.dir=" + copy.string() + moe;
-  };
+  auto from = [&](const std::string& name) { return resume_from(dir, name) + moe; };
   const std::vector<std::tuple<int, std::string, std::string>> resumes{
       {2, "moe_zero3_to_ddp_ep2", "--parallel.strategy=ddp --parallel.ep=2"},
       {4, "moe_zero3_to_fsdp_ep2", "--parallel.strategy=fsdp --parallel.ep=2"},
