@@ -148,7 +148,7 @@ if [ -z "${BUILD:-}" ]; then
   [ -n "$nvcc_version" ] && cuda_root=(-DCUDA_TOOLKIT_ROOT_DIR="$cuda_home" -DCMAKE_CUDA_COMPILER="$(command -v nvcc)")
   t0=$(date +%s)
   if cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$(get prefix);$prefix" \
-       -DCMAKE_CXX_FLAGS="$flags -I$prefix/include" -DSCALETRAIN_BUILD_BENCH=OFF \
+       -DCMAKE_CXX_FLAGS="$flags -I$prefix/include" -DSCALETRAIN_BUILD_BENCH=OFF -DSCALETRAIN_RPC=OFF \
        -DSCALETRAIN_NCCL_INCLUDE_DIR="$(get nccl_include)" "${cuda_root[@]}" > "$out/configure.log" 2>&1 &&
      cmake --build "$BUILD" -j"$jobs" --target scaletrain st_unit st_dist > "$out/build.log" 2>&1; then
     record build 1 "seconds=$(($(date +%s) - t0))" \
