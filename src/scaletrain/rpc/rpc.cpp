@@ -1043,6 +1043,16 @@ void shutdown() {
   a->ctx->close();
   a->ctx->join();
   a->pool->stop();
+  // Calls started after step 1 (a handler's, a reference's decrement) get no
+  // reply any more: they fail now rather than at their timeout.
+  std::vector<Pending> left;
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    for (auto& [id, p] : a->pending) left.push_back(std::move(p));
+    a->pending.clear();
+  }
+  for (auto& p : left)
+    p.state->finish(Value(), "rpc: call to '" + p.fn + "' on worker '" + p.to + "' ended by shutdown()");
   if (a->watchdog.joinable()) a->watchdog.join();
   {
     std::lock_guard<std::mutex> lock(a->mu);
