@@ -26,10 +26,9 @@ namespace tp = tensorpipe;
 
 // ---------------------------------------------------------------- values
 
-struct Slot;
 struct RRefState {
   std::string owner, id;
-  std::shared_ptr<Slot> slot;  // set on the owner: the value itself
+  std::shared_ptr<Future::State> slot;  // set on the owner: the value itself
   ~RRefState();
 };
 
@@ -147,23 +146,9 @@ bool Future::done() const {
 
 // ---------------------------------------------------------------- the agent
 
-// A value owned here (Note [RRef counting]): filled when its remote() has run.
-struct Slot {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool ready = false;
-  Value value;
-  std::string error;
-  void fill(Value v, std::string err) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      value = std::move(v);
-      error = std::move(err);
-      ready = true;
-    }
-    cv.notify_all();
-  }
-};
+// A value owned here (Note [RRef counting]): a future's state, finished when
+// its remote() has run.
+using Slot = Future::State;
 
 namespace {
 
@@ -640,7 +625,7 @@ void Agent::handle(const std::shared_ptr<tp::Pipe>& pipe, const json& header, co
   }
   t_caller = previous_caller;
   if (kind == "remote") {
-    slot->fill(result, error);
+    slot->finish(result, error);
     result = Value();  // the value stays here; the reply only says it is done
   }
   if (error.empty()) {
@@ -780,10 +765,7 @@ Value RRef::to_here(std::chrono::milliseconds timeout) const {
 
 Value RRef::local_value() const {
   if (!s_ || !s_->slot) throw RpcError("rpc: local_value() on a worker that does not own the value");
-  std::unique_lock<std::mutex> lock(s_->slot->mu);
-  s_->slot->cv.wait(lock, [&] { return s_->slot->ready; });
-  if (!s_->slot->error.empty()) throw RpcError(s_->slot->error);
-  return s_->slot->value;
+  return Future(s_->slot).wait();
 }
 
 RRef owned(Value v) {
@@ -791,7 +773,7 @@ RRef owned(Value v) {
   auto s = std::make_shared<RRefState>();
   s->owner = a->name;
   s->slot = std::make_shared<Slot>();
-  s->slot->fill(std::move(v), "");
+  s->slot->finish(std::move(v), "");
   {
     std::lock_guard<std::mutex> lock(a->mu);
     s->id = a->name + "#" + std::to_string(a->next_rref++);
@@ -855,11 +837,7 @@ void register_builtins() {
     });
     register_function("__rref_fetch", {K::String}, [](const Args& a) {
       auto self = agent();
-      auto slot = self->find_owned(a[0].str(), self->opts.timeout);
-      std::unique_lock<std::mutex> lock(slot->mu);
-      slot->cv.wait(lock, [&] { return slot->ready; });
-      if (!slot->error.empty()) throw RpcError(slot->error);
-      return slot->value;
+      return Future(self->find_owned(a[0].str(), self->opts.timeout)).wait();
     });
     dist_autograd::detail::register_builtins();
   });
