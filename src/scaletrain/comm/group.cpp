@@ -2,6 +2,7 @@
 #include "scaletrain/comm/group.h"
 
 #include "scaletrain/comm/activity.h"
+#include "scaletrain/util/trace.h"
 
 #include <c10/util/Exception.h>
 #if defined(SCALETRAIN_WITH_CUDA)
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <sstream>
 
@@ -395,6 +397,95 @@ std::string CollectiveTracker::explain(const std::string& what) const {
   return t.str();
 }
 
+// --- Communication profile (Note [Communication profile] in group.h) -------
+
+namespace detail {
+struct CommProfile {
+  const char* op = "";
+  std::string group;
+  int size = 0;
+  uint64_t seq = 0;
+  int64_t bytes = 0;
+  int64_t launch_ns = 0;
+  std::atomic<int64_t> done_ns{0};  // set by the backend's completion callback (0: none came)
+};
+}  // namespace detail
+
+namespace {
+
+struct ProfileTotals {
+  std::mutex mu;
+  std::map<std::tuple<std::string, std::string, int>, CommTotals> by_key;  // (group, op, size)
+};
+
+ProfileTotals& totals() {
+  static ProfileTotals* t = new ProfileTotals();  // never destroyed: collectives may end during exit
+  return *t;
+}
+
+// Counts a collective whose backend work has completed; `wait_*`: the
+// waiting thread's blocked interval.
+void count_collective(const detail::CommProfile& p, int64_t wait_start, int64_t wait_end) {
+  int64_t done = p.done_ns.load();
+  if (done == 0) done = wait_end;
+  const double factor = bus_factor(p.op, p.size);
+  {
+    ProfileTotals& t = totals();
+    std::lock_guard<std::mutex> lock(t.mu);
+    CommTotals& c = t.by_key[{p.group, p.op, p.size}];
+    if (c.count == 0) {
+      c.op = p.op;
+      c.group = p.group;
+      c.group_size = p.size;
+    }
+    ++c.count;
+    c.bytes += p.bytes;
+    c.bus_bytes += static_cast<double>(p.bytes) * factor;
+    c.seconds += static_cast<double>(std::max<int64_t>(0, done - p.launch_ns)) / 1e9;
+    c.exposed_seconds += static_cast<double>(wait_end - wait_start) / 1e9;
+  }
+  if (!trace::on()) return;
+  trace::CommEvent e;
+  e.group = p.group;
+  e.op = p.op;
+  e.group_size = p.size;
+  e.seq = p.seq;
+  e.bytes = p.bytes;
+  e.bus_factor = factor;
+  e.launch_ns = p.launch_ns;
+  e.done_ns = done;
+  e.wait_start_ns = wait_start;
+  e.wait_end_ns = wait_end;
+  e.wait_lane = trace::thread_lane();
+  trace::comm_event(std::move(e));
+}
+
+}  // namespace
+
+std::vector<CommTotals> comm_profile() {
+  ProfileTotals& t = totals();
+  std::lock_guard<std::mutex> lock(t.mu);
+  std::vector<CommTotals> out;
+  for (const auto& [key, c] : t.by_key) out.push_back(c);
+  return out;
+}
+
+void reset_comm_profile() {
+  ProfileTotals& t = totals();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.by_key.clear();
+}
+
+double bus_factor(const std::string& op, int n) {
+  if (n <= 1) return 0;
+  const double frac = static_cast<double>(n - 1) / n;
+  if (op == "all_reduce") return 2 * frac;
+  if (op == "reduce_scatter" || op == "all_gather" || op == "all_to_all" || op == "all_to_all_v" || op == "gather" ||
+      op == "scatter")
+    return frac;
+  return 1;
+}
+
 // --- Work -------------------------------------------------------------------
 
 namespace {
@@ -413,9 +504,13 @@ void Work::wait() {
   WaitingScope waiting;
   std::shared_ptr<CollectiveTracker> tracker = std::move(tracker_);
   tracker_ = nullptr;
+  std::shared_ptr<detail::CommProfile> profile = std::move(profile_);
+  profile_ = nullptr;
   if (tracker && !pending_.empty()) tracker->waiting(seq_);
   try {
+    const int64_t wait_start = profile && !pending_.empty() ? trace::now_ns() : 0;
     for (auto& w : pending_) timeout_.count() > 0 ? w->wait(timeout_) : w->wait();
+    if (wait_start) count_collective(*profile, wait_start, trace::now_ns());
     pending_.clear();
     if (then_) {
       auto then = std::move(then_);
@@ -517,10 +612,34 @@ void Group::launching(const char* op) {
   }
 }
 
-Work Group::start(const char* op, std::vector<compat::WorkPtr> ws) {
+Work Group::start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes, const char* moved_as) {
   Work w;
   const bool p2p = point_to_point(op);
   const uint64_t seq = p2p ? p2p_seq_++ : seq_++;
+  if (!ws.empty()) {  // Note [Communication profile]
+    auto p = std::make_shared<detail::CommProfile>();
+    p->op = moved_as ? moved_as : op;
+    p->group = name_;
+    p->size = size();
+    p->seq = seq;
+    p->bytes = bytes;
+    p->launch_ns = trace::now_ns();
+    // Gloo completes a collective's future on its worker thread when the
+    // data has arrived; NCCL's future completes at launch (the device work is
+    // only enqueued), so there the end of the wait stands for completion.
+    if (gloo()) {
+      for (auto& work : ws) {
+        try {
+          std::weak_ptr<detail::CommProfile> weak = p;
+          work->getFuture()->addCallback([weak](c10::ivalue::Future&) {
+            if (auto q = weak.lock()) q->done_ns.store(trace::now_ns());
+          });
+        } catch (const std::exception&) {  // send/recv works have no future
+        }
+      }
+    }
+    w.profile_ = std::move(p);
+  }
   w.label_ = label(op, seq);
   // NCCL's wait with a timeout polls on the host until the kernel is done
   // (no overlap); its watchdog enforces the group's timeout instead. Zero
@@ -535,10 +654,10 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws) {
   return w;
 }
 
-Work Group::start(const char* op, compat::WorkPtr w) {
+Work Group::start(const char* op, compat::WorkPtr w, int64_t bytes, const char* moved_as) {
   std::vector<compat::WorkPtr> ws;
   if (w) ws.push_back(std::move(w));
-  return start(op, std::move(ws));
+  return start(op, std::move(ws), bytes, moved_as);
 }
 
 // Launching can throw too (a closed connection is noticed on send): wrap it.
@@ -594,7 +713,7 @@ Work Group::broadcast(at::Tensor tensor, int root) {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = timeout_;
-  return start("broadcast", ST_LAUNCH("broadcast", backend_->broadcast(ts, o)));
+  return start("broadcast", ST_LAUNCH("broadcast", backend_->broadcast(ts, o)), tensor.nbytes());
 }
 
 Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
@@ -630,7 +749,7 @@ Work Group::all_reduce(at::Tensor tensor, ReduceOp op) {
   o.timeout = timeout_;
   bool local_avg = gloo() && op == ReduceOp::Avg;
   o.reduceOp = local_avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : to_c10d(op);
-  Work w = start("all_reduce", ST_LAUNCH("all_reduce", backend_->allreduce(ts, o)));
+  Work w = start("all_reduce", ST_LAUNCH("all_reduce", backend_->allreduce(ts, o)), tensor.nbytes());
   if (local_avg) {
     int n = size();
     w.then_ = [tensor, n]() mutable {
@@ -661,7 +780,8 @@ Work Group::reduce_scatter_by_all_to_all(at::Tensor full, at::Tensor shard, Redu
   c10d::AllToAllOptions o;
   o.timeout = timeout_;
   Work w =
-      start(op_name, ST_LAUNCH(op_name, backend_->alltoall_base(out_bytes, in_bytes, equal_splits, equal_splits, o)));
+      start(op_name, ST_LAUNCH(op_name, backend_->alltoall_base(out_bytes, in_bytes, equal_splits, equal_splits, o)),
+            full.nbytes(), "reduce_scatter");
   std::shared_ptr<ScratchPool> pool = scratch_;
   w.then_ = [pool, out_lease, in_lease, shard, n, k, op]() {
     reduce_rows_into(out_lease->tensor().view({n, k}), op, shard.reshape({-1}), *pool);
@@ -696,7 +816,7 @@ Work Group::reduce_scatter(at::Tensor full, at::Tensor shard, ReduceOp op) {
   c10d::ReduceScatterOptions o;
   o.reduceOp = to_c10d(op);
   o.timeout = timeout_;
-  Work w = start("reduce_scatter", ST_LAUNCH("reduce_scatter", backend_->_reduce_scatter_base(out, in, o)));
+  Work w = start("reduce_scatter", ST_LAUNCH("reduce_scatter", backend_->_reduce_scatter_base(out, in, o)), full.nbytes());
   if (in_lease) {
     w.then_ = [in_lease]() {  // keeps the padded input checked out until done
       in_lease->finish();
@@ -732,10 +852,10 @@ Work Group::all_gather(at::Tensor shard, at::Tensor full) {
     std::vector<std::vector<at::Tensor>> outs(1);
     for (int i = 0; i < n; ++i) outs[0].push_back(bytes_of(dst.narrow(0, i * k, k)));
     std::vector<at::Tensor> ins{bytes_of(shard)};
-    w = start("all_gather", ST_LAUNCH("all_gather", backend_->allgather(outs, ins, o)));
+    w = start("all_gather", ST_LAUNCH("all_gather", backend_->allgather(outs, ins, o)), full.nbytes());
   } else {
     at::Tensor in = shard.reshape({-1});
-    w = start("all_gather", ST_LAUNCH("all_gather", backend_->_allgather_base(dst, in, o)));
+    w = start("all_gather", ST_LAUNCH("all_gather", backend_->_allgather_base(dst, in, o)), full.nbytes());
   }
   if (!exact) {
     w.then_ = [dst_lease, full]() {
@@ -763,7 +883,8 @@ Work Group::all_to_all(at::Tensor input, at::Tensor output) {
   std::vector<int64_t> equal_splits;
   c10d::AllToAllOptions o;
   o.timeout = timeout_;
-  return start("all_to_all", ST_LAUNCH("all_to_all", backend_->alltoall_base(out, in, equal_splits, equal_splits, o)));
+  return start("all_to_all", ST_LAUNCH("all_to_all", backend_->alltoall_base(out, in, equal_splits, equal_splits, o)),
+               input.nbytes());
 }
 
 Work Group::all_to_all_v(at::Tensor input, at::Tensor output, const std::vector<int64_t>& in_rows,
@@ -799,7 +920,8 @@ Work Group::all_to_all_v(at::Tensor input, at::Tensor output, const std::vector<
   at::Tensor out = bytes_of(output), in = bytes_of(input);
   c10d::AllToAllOptions o;
   o.timeout = timeout_;
-  return start("all_to_all_v", ST_LAUNCH("all_to_all_v", backend_->alltoall_base(out, in, out_bytes, in_bytes, o)));
+  return start("all_to_all_v", ST_LAUNCH("all_to_all_v", backend_->alltoall_base(out, in, out_bytes, in_bytes, o)),
+               input.nbytes());
 }
 
 Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
@@ -834,7 +956,7 @@ Work Group::reduce(at::Tensor tensor, int root, ReduceOp op) {
   o.rootRank = root;
   o.reduceOp = to_c10d(op);
   o.timeout = timeout_;
-  return start("reduce", ST_LAUNCH("reduce", backend_->reduce(ts, o)));
+  return start("reduce", ST_LAUNCH("reduce", backend_->reduce(ts, o)), tensor.nbytes());
 }
 
 Work Group::gather(at::Tensor input, std::vector<at::Tensor> outputs, int root) {
@@ -857,7 +979,7 @@ Work Group::gather(at::Tensor input, std::vector<at::Tensor> outputs, int root) 
   c10d::GatherOptions o;
   o.rootRank = root;
   o.timeout = timeout_;
-  return start("gather", ST_LAUNCH("gather", backend_->gather(outs, ins, o)));
+  return start("gather", ST_LAUNCH("gather", backend_->gather(outs, ins, o)), input.nbytes() * size());
 }
 
 Work Group::scatter(std::vector<at::Tensor> inputs, at::Tensor output, int root) {
@@ -878,21 +1000,21 @@ Work Group::scatter(std::vector<at::Tensor> inputs, at::Tensor output, int root)
   c10d::ScatterOptions o;
   o.rootRank = root;
   o.timeout = timeout_;
-  return start("scatter", ST_LAUNCH("scatter", backend_->scatter(outs, ins, o)));
+  return start("scatter", ST_LAUNCH("scatter", backend_->scatter(outs, ins, o)), output.nbytes() * size());
 }
 
 Work Group::send(at::Tensor tensor, int dst, int tag) {
   check_contiguous(tensor, "send");
   if (foreign(tensor)) return staged({tensor}, {false}, [&](const auto& t) { return send(t[0], dst, tag); });
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
-  return start("send", ST_LAUNCH("send", backend_->send(ts, dst, tag)));
+  return start("send", ST_LAUNCH("send", backend_->send(ts, dst, tag)), tensor.nbytes());
 }
 
 Work Group::recv(at::Tensor tensor, int src, int tag) {
   check_contiguous(tensor, "recv");
   if (foreign(tensor)) return staged({tensor}, {true}, [&](const auto& t) { return recv(t[0], src, tag); });
   std::vector<at::Tensor> ts{gloo() ? bytes_of(tensor) : tensor};
-  return start("recv", ST_LAUNCH("recv", backend_->recv(ts, src, tag)));
+  return start("recv", ST_LAUNCH("recv", backend_->recv(ts, src, tag)), tensor.nbytes());
 }
 
 Work Group::barrier() {

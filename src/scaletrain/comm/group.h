@@ -64,6 +64,42 @@ class CommError : public std::runtime_error {
 
 class CollectiveTracker;  // below: Note [Which rank, which collective]
 
+// Note [Communication profile]: every collective that moves data (a group of
+// more than one rank) is counted when it is waited on, per (op, group):
+// calls, bytes, the time from launch to completion, and the time the waiting
+// thread was blocked on it (exposed: what overlap did not hide). Bytes are
+// the collective's data size as nccl-tests count it (the tensor for
+// all_reduce and broadcast, the whole input of reduce_scatter, the whole
+// output of all_gather, this rank's input of all_to_all); bus bytes are bytes
+// times the op's factor (2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter,
+// all_gather and all_to_all, 1 for the rest), so bus bytes over time is the
+// bus bandwidth, comparable across group sizes. Completion is the backend's
+// (Gloo's future); where a backend gives none, the end of the wait. Time runs
+// from launch, so a collective queued behind others on its group counts its
+// queueing too: busbw here is what the run achieved, not what the link can.
+// A 16-bit all_reduce on Gloo (Note [Gloo 1.13 gaps]) counts as what moved:
+// a reduce_scatter and an all_gather. The same events feed the trace
+// (util/trace.h) while a step is traced. Counting costs two clock reads and a
+// map update per collective; the trainer resets the counts after setup.
+struct CommTotals {
+  std::string op, group;
+  int group_size = 0;
+  int64_t count = 0;
+  int64_t bytes = 0;
+  double bus_bytes = 0;
+  double seconds = 0;          // launch to completion, summed
+  double exposed_seconds = 0;  // blocked in wait(), summed
+};
+// This process's totals since the last reset, ordered by group then op.
+std::vector<CommTotals> comm_profile();
+void reset_comm_profile();
+// nccl-tests' bus bandwidth factor of `op` on `n` ranks.
+double bus_factor(const std::string& op, int n);
+
+namespace detail {
+struct CommProfile;  // one collective's record (group.cpp)
+}
+
 // Handle of an operation in flight. Move-only; waiting twice is a no-op.
 class Work {
  public:
@@ -87,6 +123,8 @@ class Work {
   std::shared_ptr<CollectiveTracker> tracker_;
   uint64_t seq_ = 0;
   const char* op_ = "";
+  // Note [Communication profile]: set for a collective that moves data.
+  std::shared_ptr<detail::CommProfile> profile_;
   std::vector<compat::WorkPtr> pending_;
   // Runs after `pending_` completed; may start a further stage (a Work).
   std::function<Work()> then_;
@@ -202,8 +240,10 @@ class Group {
   [[nodiscard]] Work barrier();
 
  private:
-  Work start(const char* op, compat::WorkPtr w);
-  Work start(const char* op, std::vector<compat::WorkPtr> ws);
+  // `bytes`: the data size (Note [Communication profile]); `moved_as`: the op
+  // it counts as when that is not `op` (a stage of a composite).
+  Work start(const char* op, compat::WorkPtr w, int64_t bytes = 0, const char* moved_as = nullptr);
+  Work start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes = 0, const char* moved_as = nullptr);
   std::string label(const char* op, uint64_t seq) const;
   static bool point_to_point(const char* op);
   // Called right before the backend launches `op`: the tracker's record and

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/trace.h"
 
 namespace scaletrain::models {
 
@@ -27,15 +28,42 @@ torch::Tensor CausalLM::loss(const torch::Tensor& idx, const torch::Tensor& targ
   return head_loss(x, targets);
 }
 
+namespace {
+
+// Note [Tracing] (util/trace.h): block i's forward as a span, and its
+// backward as the interval from the gradient of its output (the block's
+// backward begins) to the gradient of its input (it has ended). Only while
+// a step is traced: otherwise the body runs as it is.
+BlockBody traced(BlockBody body, int64_t i) {
+  if (!trace::on()) return body;
+  return [body = std::move(body), i](const torch::Tensor& in) {
+    trace::Span span("forward", "forward block", i);
+    torch::Tensor out = body(in);
+    span.end();
+    if (torch::GradMode::is_enabled() && in.requires_grad() && out.requires_grad()) {
+      auto begun = std::make_shared<int64_t>(0);
+      out.register_hook([begun](const torch::Tensor&) { *begun = trace::now_ns(); });
+      // `in` is a non-leaf shared with the previous block's hook; this one
+      // fires once its whole gradient (residual path included) is known.
+      torch::Tensor(in).register_hook([begun, i](const torch::Tensor&) {
+        if (*begun) trace::span("backward", "backward block", i, *begun, trace::now_ns());
+      });
+    }
+    return out;
+  };
+}
+
+}  // namespace
+
 BlockBody CausalLM::block_body(int64_t i) {
   BlockBody body = [this, i](const torch::Tensor& in) { return run_block(i, in); };
-  if (checkpointing_ != ActivationCheckpointing::Full) return body;
+  if (checkpointing_ != ActivationCheckpointing::Full) return traced(std::move(body), i);
   CheckpointOptions ckpt;
   ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
   std::vector<at::Tensor> params = block_module(i).second->parameters();
-  return [plain = std::move(body), params, ckpt](const torch::Tensor& in) {
-    return checkpoint(plain, in, params, ckpt);
-  };
+  return traced(
+      [plain = std::move(body), params, ckpt](const torch::Tensor& in) { return checkpoint(plain, in, params, ckpt); },
+      i);
 }
 
 torch::Tensor CausalLM::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature, int64_t top_k) {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "scaletrain/train/accelerate_config.h"
 #include "scaletrain/train/config_values.h"
@@ -148,6 +149,19 @@ std::string show_double(double v) {
 }
 std::string show_bool(bool v) { return v ? "true" : "false"; }
 std::string show_str(const std::string& v) { return v; }
+// metrics.trace_steps: "N" or "FIRST,LAST" (a YAML list arrives joined by commas).
+std::vector<int64_t> to_step_range(const std::string& key, const std::string& v) {
+  std::vector<int64_t> steps;
+  std::stringstream ss(v);
+  for (std::string item; std::getline(ss, item, ',');) steps.push_back(to_int(key, item));
+  if (steps.size() == 1) steps.push_back(steps[0]);
+  if (steps.size() != 2 || steps[0] < 1 || steps[1] < steps[0])
+    throw UsageError(key + " must be one step or a range [first, last] of steps counted from 1, got '" + v + "'");
+  return steps;
+}
+std::string show_steps(const std::vector<int64_t>& s) {
+  return s.empty() ? "" : std::to_string(s[0]) + "," + std::to_string(s[1]);
+}
 std::string checked_choice(const std::string& key, const std::string& v) {
   check_choice(key, v);
   return v;
@@ -276,6 +290,8 @@ const std::map<std::string, Field>& fields() {
     ST_DBL(metrics, peak_flops)
     ST_INT(metrics, log_every)
     ST_BOOL(metrics, progress)
+    ST_FIELD(metrics, trace_steps, v.empty() ? std::vector<int64_t>{} : to_step_range("metrics.trace_steps", v), show_steps)
+    ST_STR(metrics, trace_dir)
     // checkpoint
     ST_STR(checkpoint, dir)
     ST_INT(checkpoint, every)
@@ -346,10 +362,10 @@ void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::
         load_map(c, kv.second, key, given, problems);
         continue;
       }
-      if (kv.second.IsSequence() && key == "finetune.target_modules") {  // the one list-valued key
+      if (kv.second.IsSequence() && (key == "finetune.target_modules" || key == "metrics.trace_steps")) {  // lists
         std::string joined;
         for (const auto& item : kv.second) {
-          if (!item.IsScalar()) throw UsageError(key + " must be a list of layer names");
+          if (!item.IsScalar()) throw UsageError(key + " must be a list of " + (key[0] == 'f' ? "layer names" : "steps"));
           joined += (joined.empty() ? "" : ",") + item.Scalar();
         }
         set_key(c, key, joined);
@@ -439,6 +455,10 @@ void validate_config(const Config& c) {
   if (p.fp8_amax_history < 1) fail("precision.fp8_amax_history must be at least 1");
   if (p.fp8_margin < 0 || p.fp8_margin > 60) fail("precision.fp8_margin must be in [0, 60]");
   if (c.metrics.log_every < 1) fail("metrics.log_every must be at least 1");
+  if (!c.metrics.trace_steps.empty() && c.metrics.trace_steps[1] > c.train.steps)
+    fail("metrics.trace_steps ends at step " + std::to_string(c.metrics.trace_steps[1]) + ", after the run's last (train.steps " +
+         std::to_string(c.train.steps) + ")");
+  if (!c.metrics.trace_steps.empty() && c.metrics.trace_dir.empty()) fail("metrics.trace_dir must name a directory");
   if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps) fail("train.stop_at must be in [0, train.steps]");
   if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");
   if (c.checkpoint.keep < 0) fail("checkpoint.keep must be 0 (keep all) or positive");

@@ -133,6 +133,10 @@ struct MetricsOptions {
   double peak_flops = 0;  // per-rank peak FLOP/s for MFU; 0 = measure a GEMM at start
   int64_t log_every = 1;  // steps between log lines
   bool progress = true;   // progress bar when stdout is a terminal
+  // Steps to trace (1-based, inclusive: {first, last}); empty: none. YAML
+  // `[3, 4]` or a single step, `--metrics.trace_steps=3,4` (train/tracing.h).
+  std::vector<int64_t> trace_steps;
+  std::string trace_dir = "trace";  // rank<N>.json per rank, trace.json merged (rank 0)
 };
 
 // checkpoint: sharded checkpoints (checkpoint/sharded.h).

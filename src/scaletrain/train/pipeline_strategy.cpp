@@ -81,6 +81,9 @@ class PipelineStrategy final : public DataParallel {
     throw std::logic_error("pipeline: call step()");
   }
   bool runs_whole_steps() const override { return true; }
+  std::optional<Bubble> pipeline_bubble() const override {
+    return Bubble{pipe_->last_stats().bubble(), pl::expected_bubble(pipe_->shape())};
+  }
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
               const precision::PrecisionPolicy& policy) override {
     return pipe_->step(inputs, targets, loss_scale, [&](const std::function<at::Tensor()>& fn) {

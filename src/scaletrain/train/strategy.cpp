@@ -26,6 +26,7 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/parallel/zero/zero.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/trace.h"
 
 namespace scaletrain::train {
 namespace {
@@ -69,7 +70,12 @@ class DDPStrategy final : public DataParallel {
     }
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
-    at::Tensor loss = fn();
+    at::Tensor loss;
+    {
+      trace::Span span("forward", "forward micro-batch", micro);
+      loss = fn();
+    }
+    trace::Span span("backward", "backward micro-batch", micro);
     if (micro + 1 < accum) {
       auto guard = ddp_->no_sync();
       loss.backward();
@@ -187,7 +193,12 @@ class ShardedStrategy final : public DataParallel {
     }
   }
   double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) override {
-    at::Tensor loss = engine_->forward(fn);
+    at::Tensor loss;
+    {
+      trace::Span span("forward", "forward micro-batch", micro);
+      loss = engine_->forward(fn);
+    }
+    trace::Span span("backward", "backward micro-batch", micro);
     if (no_sync_ && micro + 1 < accum) {
       auto guard = engine_->no_sync();
       loss.backward();

@@ -56,6 +56,12 @@ class DataParallel {
   // schedule interleaves their forwards and backwards): the trainer then
   // calls step() instead of forward_backward() per micro-batch.
   virtual bool runs_whole_steps() const { return false; }
+  // A pipeline's last step: the fraction of it this stage did not compute
+  // (receives, idle), and the schedule's textbook bubble. Empty otherwise.
+  struct Bubble {
+    double measured = 0, expected = 0;
+  };
+  virtual std::optional<Bubble> pipeline_bubble() const { return std::nullopt; }
   // inputs/targets: the step's micro-batches; each loss is multiplied by
   // loss_scale / m before backward. Returns the mean loss (unscaled).
   virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,

@@ -37,7 +37,9 @@
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/device.h"
 #include "scaletrain/train/strategy.h"
+#include "scaletrain/train/tracing.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/trace.h"
 
 namespace scaletrain::train {
 namespace {
@@ -517,12 +519,14 @@ void moe_metrics(models::MoeContext& moe, comm::Group& world, StepMetrics& m) {
 // clipping and the optimizer step unless the step overflowed, the mean loss.
 StepMetrics train_step(Run& r, int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
+  trace::Span step_span("step", "step", step + 1);
   const int64_t B = r.plan.micro_batch, T = r.plan.model.block_size, accum = r.plan.accum;
   const int dp_rank = r.mesh->coord().dp(r.dims);
   DataParallel& dp = r.dp();
   dp.reset_stats();
   const double loss_scale = r.scaler ? r.scaler->scale() : 1.0;
   auto batch = [&](int64_t k) {
+    trace::Span span("data", "load micro-batch", k);
     auto idx = r.sampler->indices(step, dp_rank, r.dims.dp(), static_cast<int>(k), static_cast<int>(B));
     // Token ids are read into host memory (page-locked on a GPU), then copied to the device.
     const auto host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(r.plan.cuda);
@@ -590,6 +594,7 @@ StepMetrics train_step(Run& r, int64_t step) {
                              first_nonfinite_grad(r));
   m.lr = optim::lr_at(step, r.cfg.train.lr, r.sched);
   if (!skipped) {
+    trace::Span span("optimizer", "clip and optimizer step");
     m.grad_norm = dp.clip_grad_norm(r.cfg.train.grad_clip);
     if (!std::isfinite(m.grad_norm))
       throw std::runtime_error("step " + std::to_string(m.step) + ": the gradient norm is " +
@@ -616,6 +621,7 @@ StepMetrics train_step(Run& r, int64_t step) {
 }
 
 void save_checkpoint(Run& r, int64_t done) {
+  trace::Span span("checkpoint", "save checkpoint", done);
   checkpoint::SaveState st{
       {done, r.opt->steps(), r.scaler ? r.scaler->state().to_map() : std::map<std::string, double>{},
        checkpoint::cpu_rng_state(),
@@ -696,11 +702,27 @@ TrainResult run_training(const Config& cfg) {
   reset_device_peaks(plan.device);
   TensorBytes::reset_peak();
 
+  // Note [Tracing] (util/trace.h), Note [Communication profile] (comm/group.h).
+  StepTracer tracer(cfg.metrics, *r.world, r.dp().describe());
+  if (tracer.active() && r.lead && start >= cfg.metrics.trace_steps[1])
+    std::printf("scaletrain: note: metrics.trace_steps %lld-%lld were done before the resumed step %lld: nothing to "
+                "trace\n",
+                static_cast<long long>(cfg.metrics.trace_steps[0]), static_cast<long long>(cfg.metrics.trace_steps[1]),
+                static_cast<long long>(start + 1));
+  comm::reset_comm_profile();
+  std::vector<double> bubbles;
+  std::optional<double> expected_bubble;
+
   TrainResult result;
   std::vector<double> throughput;
   r.model().train();
   for (int64_t step = start; step < stop; ++step) {
+    tracer.begin_step(step + 1);
     const StepMetrics m = train_step(r, step);
+    if (const auto b = r.dp().pipeline_bubble()) {
+      bubbles.push_back(b->measured);
+      expected_bubble = b->expected;
+    }
     launch::heartbeat();
     result.losses.push_back(m.loss);
     if (step > start) throughput.push_back(m.tokens_per_s);
@@ -711,8 +733,12 @@ TrainResult run_training(const Config& cfg) {
       save_checkpoint(r, m.step);
       launch::heartbeat();
     }
+    tracer.end_step(m.step);
   }
   if (r.ckpt) r.ckpt->finish();  // commits an asynchronous save (collective)
+  tracer.finish();
+  if (bubbles.size() > 1) bubbles.erase(bubbles.begin());  // the first step warms up
+  report_comm_summary(*r.world, stop - start, bubbles, expected_bubble, r.lead, *r.sink);
 
   r.mem.tensor_peak = static_cast<double>(TensorBytes::peak());
   r.mem.rss_peak_mb = rss_peak_mb();

@@ -7,6 +7,7 @@
 
 #include "scaletrain/models/deferred.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/trace.h"
 
 namespace scaletrain::parallel::pipeline {
 
@@ -213,6 +214,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
         head_received = true;
       }
       const auto t0 = Clock::now();
+      trace::Span span("pipeline", "forward micro-batch", a.microbatch);
       at::Tensor tgt = spec.last() ? targets[static_cast<size_t>(a.microbatch)] : at::Tensor();
       auto body = [&] {
         at::Tensor out = chunk->forward(in, tgt);
@@ -247,6 +249,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
         }
       }
       const auto t0 = Clock::now();
+      trace::Span span("pipeline", "backward micro-batch", a.microbatch);
       const bool last = ++backwards[j] == m;
       runners_[j]->backward(
           [&] {

@@ -104,6 +104,7 @@ class Pipeline {
   const PipelineOptions& options() const { return options_; }
   int stage() const { return pp_.rank(); }
   int stages() const { return pp_.size(); }
+  const ScheduleShape& shape() const { return shape_; }
 
  private:
   at::Tensor recv_activation(int mb, int chunk, bool grad, const at::Tensor& like);
