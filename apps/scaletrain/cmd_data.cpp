@@ -9,7 +9,10 @@
 //       16-bit ids up to 65,536 ids, 32-bit ids above. Each file is encoded
 //       as one text (--add-special-tokens: with the post-processor's BOS/EOS).
 //   scaletrain plot METRICS.jsonl [-o curves.svg] [--title TEXT]
-//       Draws loss and tokens/s against step from a trainer metrics log.
+//       Draws loss and tokens/s against step from a trainer metrics log;
+//       several logs (--labels a,b) are compared on one picture.
+//   scaletrain plot --timeline TRACE.json [-o timeline.svg]
+//       Draws a Chrome trace (metrics.trace_steps) as per-rank lanes.
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -41,6 +44,7 @@ struct PlotArgs {
   std::vector<std::string> labels;    // one per log, for the legend
   std::string output = "curves.svg";  // SVG to write
   std::string title;                  // heading; defaults to the metrics path
+  bool timeline = false;              // the file is a Chrome trace
 };
 
 // Reads a whole file as bytes. Checked here rather than with CLI11's
@@ -113,6 +117,15 @@ int run_prepare(const PrepareArgs& args) {
 
 int run_plot(const PlotArgs& args) {
   train::PlotOptions options;
+  if (args.timeline) {
+    if (args.metrics.size() != 1 || !args.labels.empty())
+      throw UsageError("plot --timeline draws one trace file (no --labels)");
+    options.title = args.title.empty() ? args.metrics.front() : args.title;
+    options.width = 1400;
+    train::plot_timeline(args.metrics.front(), args.output, options);
+    std::printf("plot: wrote %s\n", args.output.c_str());
+    return 0;
+  }
   if (args.metrics.size() == 1 && args.labels.empty()) {
     options.title = args.title.empty() ? args.metrics.front() : args.title;
     train::plot_metrics(args.metrics.front(), args.output, options);
@@ -152,6 +165,8 @@ void add_plot(CLI::App& app, Runner& run) {
       ->delimiter(',');
   sub->add_option("-o,--output", args->output, "SVG to write")->capture_default_str();
   sub->add_option("--title", args->title, "Heading (default: the metrics path)");
+  sub->add_flag("--timeline", args->timeline,
+                "The file is a Chrome trace (metrics.trace_steps): draw each rank's compute and comm lanes");
   sub->callback([&run, args] { run = [args] { return run_plot(*args); }; });
 }
 

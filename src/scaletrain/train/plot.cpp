@@ -444,4 +444,187 @@ void plot_runs(const std::vector<std::string>& metrics_paths, const std::vector<
   write_svg(render_comparison_svg(runs, options), svg_path);
 }
 
+namespace {
+
+struct Box {
+  int pid = 0, tid = 0;
+  std::string name, cat, op;
+  double ts = 0, dur = 0;  // microseconds
+  int depth = 0;           // nesting level in its lane
+};
+
+// Fill of a box: collectives by op, everything else by kind (a pipeline
+// action by its direction).
+std::string box_color(const Box& b) {
+  static const std::map<std::string, std::string> by_cat{
+      {"step", "#e8e8e8"},      {"forward", "#4e79a7"}, {"backward", "#f28e2b"},  {"optimizer", "#59a14f"},
+      {"data", "#b07aa1"},      {"checkpoint", "#9c755f"}, {"wait", "#7a0019"}};
+  static const std::map<std::string, std::string> by_op{
+      {"all_reduce", "#e15759"}, {"all_gather", "#76b7b2"}, {"reduce_scatter", "#edc948"}, {"broadcast", "#bab0ac"},
+      {"all_to_all", "#ff9da7"}, {"all_to_all_v", "#ff9da7"}, {"send", "#d4a6c8"}, {"recv", "#d4a6c8"}};
+  if (b.cat == "comm") {
+    auto it = by_op.find(b.op);
+    return it == by_op.end() ? "#bab0ac" : it->second;
+  }
+  if (b.cat == "pipeline") return b.name.rfind("backward", 0) == 0 ? "#f28e2b" : "#4e79a7";
+  auto it = by_cat.find(b.cat);
+  return it == by_cat.end() ? "#cccccc" : it->second;
+}
+
+std::string duration_text(double us) {
+  char buf[48];
+  if (us >= 1000)
+    std::snprintf(buf, sizeof buf, "%.3f ms", us / 1000);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f us", us);
+  return buf;
+}
+
+}  // namespace
+
+std::string render_timeline_svg(const std::string& trace_json, const std::string& source, const PlotOptions& options) {
+  nlohmann::json trace;
+  try {
+    trace = nlohmann::json::parse(trace_json);
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError("trace " + source + ": not JSON (" + std::string(e.what()) + ")");
+  }
+  const nlohmann::json* events = nullptr;
+  if (trace.is_object() && trace.contains("traceEvents") && trace["traceEvents"].is_array())
+    events = &trace["traceEvents"];
+  else if (trace.is_array())
+    events = &trace;  // the bare array form is a Chrome trace too
+  if (!events) throw UsageError("trace " + source + ": not a Chrome trace (no traceEvents array)");
+  std::map<int, std::string> processes;
+  std::map<std::pair<int, int>, std::string> threads;
+  std::map<std::pair<int, int>, std::vector<Box>> lanes;
+  for (const auto& e : *events) {
+    if (!e.is_object() || !e.contains("ph") || !e.contains("pid")) continue;
+    try {
+      const std::string ph = e["ph"].get<std::string>();
+      const int pid = e["pid"].get<int>(), tid = e.value("tid", 0);
+      if (ph == "M") {
+        const std::string what = e.value("name", "");
+        const std::string name = e.contains("args") ? e["args"].value("name", "") : "";
+        if (what == "process_name") processes[pid] = name;
+        if (what == "thread_name") threads[{pid, tid}] = name;
+        continue;
+      }
+      if (ph != "X") continue;
+      Box b;
+      b.pid = pid;
+      b.tid = tid;
+      b.name = e.value("name", "");
+      b.cat = e.value("cat", "");
+      b.ts = e.at("ts").get<double>();
+      b.dur = e.value("dur", 0.0);
+      if (e.contains("args") && e["args"].is_object()) b.op = e["args"].value("op", "");
+      lanes[{pid, tid}].push_back(std::move(b));
+    } catch (const nlohmann::json::exception& ex) {
+      throw UsageError("trace " + source + ": an event has a field of the wrong type (" + std::string(ex.what()) +
+                       ")");
+    }
+  }
+  if (lanes.empty()) throw UsageError("trace " + source + ": no complete (\"X\") events to draw");
+
+  // Nesting: a box inside the one before it in its lane goes a row lower.
+  double t0 = std::numeric_limits<double>::infinity(), t1 = -t0;
+  std::map<std::pair<int, int>, int> rows;
+  for (auto& [key, boxes] : lanes) {
+    std::stable_sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
+      return a.ts != b.ts ? a.ts < b.ts : a.dur > b.dur;
+    });
+    std::vector<double> open_ends;  // ends of the boxes enclosing the current one
+    int most = 1;
+    for (auto& b : boxes) {
+      // A box that is not inside the enclosing one is not its child.
+      while (!open_ends.empty() && (b.ts >= open_ends.back() - 1e-9 || b.ts + b.dur > open_ends.back() + 1e-9))
+        open_ends.pop_back();
+      b.depth = static_cast<int>(open_ends.size());
+      open_ends.push_back(b.ts + b.dur);
+      most = std::max(most, b.depth + 1);
+      t0 = std::min(t0, b.ts);
+      t1 = std::max(t1, b.ts + b.dur);
+    }
+    rows[key] = most;
+  }
+  if (!(t1 > t0)) t1 = t0 + 1;
+
+  const double width = std::max(options.width, 400);
+  const double label_w = 150, right = 20, row_h = 14, lane_gap = 6;
+  const double title_h = options.title.empty() ? 0 : 30;
+  const double legend_h = 44, axis_h = 30;
+  double lanes_h = 0;
+  for (const auto& [key, n] : rows) lanes_h += n * row_h + lane_gap;
+  const double top = title_h + legend_h;
+  const double height = top + lanes_h + axis_h;
+  const double plot_w = width - label_w - right;
+  auto sx = [&](double us) { return label_w + (us - t0) / (t1 - t0) * plot_w; };
+
+  std::ostringstream svg;
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
+      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  if (!options.title.empty())
+    svg << "<text x=\"" << coord(width / 2) << "\" y=\"21\" text-anchor=\"middle\" font-size=\"16\" "
+        << "font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
+  // Legend: the kinds of box.
+  const std::vector<std::pair<std::string, std::string>> legend{
+      {"forward", "#4e79a7"},       {"backward", "#f28e2b"}, {"optimizer", "#59a14f"},   {"data", "#b07aa1"},
+      {"checkpoint", "#9c755f"},    {"wait (exposed)", "#7a0019"}, {"all_reduce", "#e15759"}, {"all_gather", "#76b7b2"},
+      {"reduce_scatter", "#edc948"}, {"all_to_all", "#ff9da7"}, {"send/recv", "#d4a6c8"}, {"other", "#bab0ac"}};
+  for (size_t i = 0; i < legend.size(); ++i) {
+    const double x = label_w + static_cast<double>(i % 6) * (plot_w / 6);
+    const double y = title_h + 8 + 18.0 * static_cast<double>(i / 6);
+    svg << "<g class=\"legend\"><rect x=\"" << coord(x) << "\" y=\"" << coord(y) << "\" width=\"12\" height=\"12\" "
+        << "fill=\"" << legend[i].second << "\"/><text x=\"" << coord(x + 16) << "\" y=\"" << coord(y + 10)
+        << "\" font-size=\"11\">" << legend[i].first << "</text></g>\n";
+  }
+  // Grid and time axis (milliseconds from the first event).
+  const Axis axis = make_axis(0, (t1 - t0) / 1000, 8);
+  for (double v = axis.lo; v <= axis.hi + axis.step / 2; v += axis.step) {
+    const double us = t0 + v * 1000;
+    if (us > t1 + 1e-6) break;
+    const double x = sx(us);
+    svg << "<line x1=\"" << coord(x) << "\" y1=\"" << coord(top) << "\" x2=\"" << coord(x) << "\" y2=\""
+        << coord(top + lanes_h) << "\" stroke=\"#dddddd\"/>"
+        << "<text x=\"" << coord(x) << "\" y=\"" << coord(top + lanes_h + 16) << "\" text-anchor=\"middle\" "
+        << "font-size=\"11\">" << tick_label(v) << "</text>\n";
+  }
+  svg << "<text x=\"" << coord(label_w + plot_w / 2) << "\" y=\"" << coord(height - 2)
+      << "\" text-anchor=\"middle\" font-size=\"11\">time (ms)</text>\n";
+  double y = top;
+  for (const auto& [key, boxes] : lanes) {
+    const auto& [pid, tid] = key;
+    const int n = rows[key];
+    const std::string process = processes.count(pid) ? processes[pid] : "pid " + std::to_string(pid);
+    const std::string thread = threads.count(key) ? threads[key] : "tid " + std::to_string(tid);
+    svg << "<g class=\"lane\" data-pid=\"" << pid << "\" data-tid=\"" << tid << "\">\n"
+        << "<rect x=\"" << coord(label_w) << "\" y=\"" << coord(y) << "\" width=\"" << coord(plot_w) << "\" height=\""
+        << coord(n * row_h) << "\" fill=\"#f7f7f7\"/>"
+        << "<text x=\"" << coord(label_w - 6) << "\" y=\"" << coord(y + row_h - 3) << "\" text-anchor=\"end\" "
+        << "font-size=\"11\">" << xml_escape(process + " " + thread) << "</text>\n";
+    for (const auto& b : boxes) {
+      const double x = sx(b.ts), w = std::max(0.5, sx(b.ts + b.dur) - x);
+      svg << "<rect class=\"span\" data-cat=\"" << xml_escape(b.cat) << "\" x=\"" << coord(x) << "\" y=\""
+          << coord(y + b.depth * row_h + 1) << "\" width=\"" << coord(w) << "\" height=\"" << coord(row_h - 2)
+          << "\" fill=\"" << box_color(b) << "\"><title>" << xml_escape(b.name) << " (" << duration_text(b.dur)
+          << ")</title></rect>\n";
+    }
+    svg << "</g>\n";
+    y += n * row_h + lane_gap;
+  }
+  svg << "</svg>\n";
+  return svg.str();
+}
+
+void plot_timeline(const std::string& trace_path, const std::string& svg_path, const PlotOptions& options) {
+  std::ifstream in(trace_path, std::ios::binary);
+  if (!in) throw UsageError("trace " + trace_path + " cannot be read");
+  std::stringstream text;
+  text << in.rdbuf();
+  write_svg(render_timeline_svg(text.str(), trace_path, options), svg_path);
+}
+
 }  // namespace scaletrain::train

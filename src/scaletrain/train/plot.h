@@ -78,4 +78,16 @@ std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOption
 void plot_runs(const std::vector<std::string>& metrics_paths, const std::vector<std::string>& labels,
                const std::string& svg_path, const PlotOptions& options = {});
 
+// A Chrome trace (what metrics.trace_steps writes, train/tracing.h) as a
+// timeline: one lane per rank and thread (compute, then the comm lanes), time
+// running left to right in milliseconds, each span a box colored by its kind
+// (forward, backward, optimizer, data, checkpoint, a collective, a wait on
+// one), nested spans stacked below their parent. Overlap shows as a comm box
+// under a compute box; an exposed wait as a dark box on the compute lane.
+// Every box carries its name and duration as a tooltip. `trace_json` is the
+// file's text. Throws UsageError naming the problem for a file that is not a
+// Chrome trace or holds no complete ("X") events.
+std::string render_timeline_svg(const std::string& trace_json, const std::string& source, const PlotOptions& options);
+void plot_timeline(const std::string& trace_path, const std::string& svg_path, const PlotOptions& options = {});
+
 }  // namespace scaletrain::train

@@ -141,13 +141,47 @@ std::string to_chrome_events(const Recording& r, int pid, const std::string& pro
              json{{"group", c->group}, {"seq", c->seq}});
   }
   // Per thread, in time order; a parent before the spans it contains.
-  std::stable_sort(events.begin(), events.end(), [](const json& a, const json& b) {
+  auto in_order = [](const json& a, const json& b) {
     const int ta = a["tid"].get<int>(), tb = b["tid"].get<int>();
     if (ta != tb) return ta < tb;
     const double sa = a["ts"].get<double>(), sb = b["ts"].get<double>();
     if (sa != sb) return sa < sb;
     return a["dur"].get<double>() > b["dur"].get<double>();
-  });
+  };
+  std::stable_sort(events.begin(), events.end(), in_order);
+  // Spans measured by autograd hooks can end a few nanoseconds after the
+  // next one began (two hooks on one tensor fire one after the other, and the
+  // first is the next span's start). Such a span is the next one's sibling,
+  // not its parent: the later one starts where the earlier ends, so every
+  // lane nests properly (what trace viewers require of "X" events).
+  {
+    std::vector<json*> open;  // enclosing spans on the current lane
+    int lane = -1;
+    for (auto& e : events) {
+      const int tid = e["tid"].get<int>();
+      if (tid != lane) {
+        open.clear();
+        lane = tid;
+      }
+      double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
+      while (!open.empty()) {
+        const double top_end = (*open.back())["ts"].get<double>() + (*open.back())["dur"].get<double>();
+        if (ts >= top_end) {
+          open.pop_back();
+        } else if (ts + dur > top_end) {  // overlaps the top's end: starts after it
+          dur = std::max(0.0, ts + dur - top_end);
+          ts = top_end;
+          e["ts"] = ts;
+          e["dur"] = dur;
+          open.pop_back();
+        } else {
+          break;
+        }
+      }
+      open.push_back(&e);
+    }
+  }
+  std::stable_sort(events.begin(), events.end(), in_order);
   json out = json::array();
   out.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"name", process_name}}}});
   out.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"sort_index", pid}}}});
