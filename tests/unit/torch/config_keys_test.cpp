@@ -147,6 +147,8 @@ const std::map<std::string, Check>& table() {
     {"metrics.peak_flops", {"2e11", What::Line, "GFLOP/s"}},
     {"metrics.log_every", {"2", What::Line, "step     1 |"}},
     {"metrics.progress", {"false", What::Tty}},
+    {"metrics.trace_steps", {"2", What::Line, "trace of steps"}},
+    {"metrics.trace_dir", {kDir, What::Line, "trace of steps", {"metrics.trace_steps=2"}}},
     {"checkpoint.dir", {kDir, What::Files}},
     {"checkpoint.every", {"1", What::Files, "", {"checkpoint.dir=" + kDir}}},
     {"checkpoint.keep", {"1", What::Files, "", {"checkpoint.dir=" + kDir, "checkpoint.every=1"}}},
