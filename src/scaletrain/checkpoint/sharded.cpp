@@ -17,6 +17,7 @@
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/trace.h"
 
 namespace scaletrain::checkpoint {
 
@@ -275,6 +276,8 @@ void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const Sav
       Pending* raw = pending.get();
       const int rank = group_.rank();
       raw->thread = std::thread([raw, rank, pieces = std::move(pieces)] {
+        trace::name_thread("checkpoint writer");  // Note [Tracing]
+        trace::Span span("checkpoint", "write shards (async)");
         try {
           write_part(raw->dir, rank, pieces);
         } catch (...) {
@@ -282,6 +285,7 @@ void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const Sav
         }
       });
     } else {
+      trace::Span span("checkpoint", "write shards");
       write_part(pending->dir, group_.rank(), pieces);
     }
   }

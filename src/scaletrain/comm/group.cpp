@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -462,6 +463,14 @@ void count_collective(const detail::CommProfile& p, int64_t wait_start, int64_t 
 
 }  // namespace
 
+bool comm_profile_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SCALETRAIN_COMM_PROFILE");
+    return !(v && std::string(v) == "0");
+  }();
+  return enabled;
+}
+
 std::vector<CommTotals> comm_profile() {
   ProfileTotals& t = totals();
   std::lock_guard<std::mutex> lock(t.mu);
@@ -616,7 +625,7 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes
   Work w;
   const bool p2p = point_to_point(op);
   const uint64_t seq = p2p ? p2p_seq_++ : seq_++;
-  if (!ws.empty()) {  // Note [Communication profile]
+  if (!ws.empty() && comm_profile_enabled()) {  // Note [Communication profile]
     auto p = std::make_shared<detail::CommProfile>();
     p->op = moved_as ? moved_as : op;
     p->group = name_;

@@ -90,6 +90,10 @@ struct CommTotals {
   double seconds = 0;          // launch to completion, summed
   double exposed_seconds = 0;  // blocked in wait(), summed
 };
+// SCALETRAIN_COMM_PROFILE=0 in the environment turns counting off (the
+// summary is then empty, and traces hold no collectives): for measuring what
+// counting costs (bench/RESULTS.md).
+bool comm_profile_enabled();
 // This process's totals since the last reset, ordered by group then op.
 std::vector<CommTotals> comm_profile();
 void reset_comm_profile();

@@ -457,7 +457,7 @@ struct Box {
 // action by its direction).
 std::string box_color(const Box& b) {
   static const std::map<std::string, std::string> by_cat{
-      {"step", "#e8e8e8"},      {"forward", "#4e79a7"}, {"backward", "#f28e2b"},  {"optimizer", "#59a14f"},
+      {"step", "#c8c8c8"},      {"forward", "#4e79a7"}, {"backward", "#f28e2b"},  {"optimizer", "#59a14f"},
       {"data", "#b07aa1"},      {"checkpoint", "#9c755f"}, {"wait", "#7a0019"}};
   static const std::map<std::string, std::string> by_op{
       {"all_reduce", "#e15759"}, {"all_gather", "#76b7b2"}, {"reduce_scatter", "#edc948"}, {"broadcast", "#bab0ac"},
@@ -609,7 +609,7 @@ std::string render_timeline_svg(const std::string& trace_json, const std::string
       const double x = sx(b.ts), w = std::max(0.5, sx(b.ts + b.dur) - x);
       svg << "<rect class=\"span\" data-cat=\"" << xml_escape(b.cat) << "\" x=\"" << coord(x) << "\" y=\""
           << coord(y + b.depth * row_h + 1) << "\" width=\"" << coord(w) << "\" height=\"" << coord(row_h - 2)
-          << "\" fill=\"" << box_color(b) << "\"><title>" << xml_escape(b.name) << " (" << duration_text(b.dur)
+          << "\" fill=\"" << box_color(b) << "\" stroke=\"white\" stroke-width=\"0.6\"><title>" << xml_escape(b.name) << " (" << duration_text(b.dur)
           << ")</title></rect>\n";
     }
     svg << "</g>\n";

@@ -170,6 +170,11 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
   c10d::Store& store = *world.store();
   store.set(prefix + std::to_string(world.rank()), bytes(mine.dump()));
   if (!lead) return;
+  if (!comm::comm_profile_enabled()) {
+    std::printf("scaletrain: communication not counted (SCALETRAIN_COMM_PROFILE=0)\n");
+    std::fflush(stdout);
+    return;
+  }
   json ranks = json::array();
   for (int r = 0; r < world.size(); ++r) ranks.push_back(json::parse(text(store.get(prefix + std::to_string(r)))));
   json record{{"record", "comm"}, {"steps", steps}, {"ranks", ranks}};
