@@ -94,3 +94,23 @@ netns_setup() {
   if command -v ping >/dev/null; then ip netns exec $NS0 ping -c 2 -q $IP1 >/dev/null; fi
 }
 
+
+# The King James Bible as byte tokens in $ROOT/data/kjv.tok (the main job's
+# file; made once, with $ST). Prints the path.
+kjv_tokens() {
+  local tok=$ROOT/data/kjv.tok
+  if [[ ! -s $tok ]]; then
+    mkdir -p "$ROOT/data"
+    bible "gen1:1-rev22:21" > "$ROOT/data/kjv.txt"
+    "$ST" prepare "$ROOT/data/kjv.txt" -o "$tok" >/dev/null
+  fi
+  echo "$tok"
+}
+
+# Median step time (ms) of a metrics file's steps, its first 2 left out.
+median_step() {
+  python3 -c "
+import json, statistics, sys
+s = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'record' not in l]
+print(round(statistics.median(s[2:]), 2))" "$1"
+}

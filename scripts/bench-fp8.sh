@@ -45,22 +45,11 @@ source "$ROOT/scripts/bench-common.sh"
 trap 'netns_cleanup; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
 
-TOK=$ROOT/data/kjv.tok
-if [[ ! -s $TOK ]]; then
-  mkdir -p "$ROOT/data"
-  bible "gen1:1-rev22:21" > "$ROOT/data/kjv.txt"
-  "$ST" prepare "$ROOT/data/kjv.txt" -o "$TOK" >/dev/null
-fi
+TOK=$(kjv_tokens)
 COMMON="$ROOT/examples/main.yaml --data.path=$TOK $MODEL --train.global_batch=16 --train.micro_batch=8 \
 --train.sample_tokens=0 --metrics.log_every=1000 --parallel.timeout_s=600"
 
 # Median of the step_ms of a metrics file, its first 2 steps left out.
-median_step() {
-  python3 -c "
-import json, statistics, sys
-s = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'record' not in l]
-print(round(statistics.median(s[2:]), 1))" "$1"
-}
 
 tx_bytes() { ip netns exec "$1" cat "/sys/class/net/$2/statistics/tx_bytes"; }
 

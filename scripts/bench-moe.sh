@@ -36,23 +36,12 @@ mkdir -p "$OUT"
 RESULTS=$OUT/moe.jsonl
 : > "$RESULTS"
 
-TOK=$ROOT/data/kjv.tok
-if [[ ! -s $TOK ]]; then
-  mkdir -p "$ROOT/data"
-  bible "gen1:1-rev22:21" > "$ROOT/data/kjv.txt"
-  "$ST" prepare "$ROOT/data/kjv.txt" -o "$TOK" >/dev/null
-fi
+TOK=$(kjv_tokens)
 # 4 layers x 256, 8 experts of width 512, top 2: 13.8M parameters, 4.3M used per token.
 MODEL="--model.preset=mixtral-tiny --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --model.n_kv_head=4 \
 --model.intermediate_size=512 --model.num_local_experts=8 --model.block_size=128"
 COMMON="$ROOT/examples/main.yaml --data.path=$TOK $MODEL --train.sample_tokens=0 --metrics.log_every=1000"
 
-median_step() {
-  python3 -c "
-import json, statistics, sys
-s = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'record' not in l]
-print(round(statistics.median(s[2:]), 1))" "$1"
-}
 
 port=$((29400 + RANDOM % 100))
 for ((k = 0; k < REPEATS; k++)); do

@@ -34,20 +34,9 @@ mkdir -p "$OUT"
 RESULTS=$OUT/trace.jsonl
 : > "$RESULTS"
 
-TOK=$ROOT/data/kjv.tok
-if [[ ! -s $TOK ]]; then
-  mkdir -p "$ROOT/data"
-  bible "gen1:1-rev22:21" > "$ROOT/data/kjv.txt"
-  "$ST" prepare "$ROOT/data/kjv.txt" -o "$TOK" >/dev/null
-fi
+TOK=$(kjv_tokens)
 COMMON="$ROOT/examples/main.yaml --data.path=$TOK --train.sample_tokens=0 --metrics.log_every=1000"
 
-median_step() {
-  python3 -c "
-import json, statistics, sys
-s = [json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'record' not in l]
-print(round(statistics.median(s[2:]), 2))" "$1"
-}
 
 port=$((29300 + RANDOM % 100))
 run_one() {  # strategy setting repeat

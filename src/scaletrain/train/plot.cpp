@@ -109,6 +109,17 @@ std::string coord(double v) {
   return buf;
 }
 
+// The start of a white SVG canvas, with `title` (if any) centered on top.
+void open_svg(std::ostringstream& svg, double width, double height, const std::string& title) {
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
+      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  if (!title.empty())
+    svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
+        << "font-size=\"17\" font-weight=\"bold\">" << xml_escape(title) << "</text>\n";
+}
+
 // Tick label: short, with k/M/G suffixes so "1250000 tokens/s" reads "1.25M".
 std::string tick_label(double v) {
   if (std::fabs(v) < 1e-12) return "0";
@@ -317,14 +328,7 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
   const double height = header + (experts > 0 ? 3 : 2) * panel;
 
   std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
-      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  if (!options.title.empty()) {
-    svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
-        << "font-size=\"17\" font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
-  }
+  open_svg(svg, width, height, options.title);
   draw_panel(svg, {loss}, {"#1f77b4"}, "Loss", /*include_zero=*/false, 0, header, width, panel);
   // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
   // the 10% it is, not like a collapse.
@@ -379,13 +383,7 @@ std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOption
   const double header = title_h + legend_h;
   const double height = header + static_cast<double>(quantities.size()) * panel;
   std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
-      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  if (!options.title.empty())
-    svg << "<text x=\"" << coord(width / 2) << "\" y=\"22\" text-anchor=\"middle\" "
-        << "font-size=\"17\" font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
+  open_svg(svg, width, height, options.title);
   // The legend: three runs to a row.
   std::vector<std::string> colors;
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -562,13 +560,7 @@ std::string render_timeline_svg(const std::string& trace_json, const std::string
   auto sx = [&](double us) { return label_w + (us - t0) / (t1 - t0) * plot_w; };
 
   std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << coord(width) << "\" height=\"" << coord(height)
-      << "\" viewBox=\"0 0 " << coord(width) << ' ' << coord(height) << "\" font-family=\"sans-serif\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  if (!options.title.empty())
-    svg << "<text x=\"" << coord(width / 2) << "\" y=\"21\" text-anchor=\"middle\" font-size=\"16\" "
-        << "font-weight=\"bold\">" << xml_escape(options.title) << "</text>\n";
+  open_svg(svg, width, height, options.title);
   // Legend: the kinds of box.
   const std::vector<std::pair<std::string, std::string>> legend{
       {"forward", "#4e79a7"},       {"backward", "#f28e2b"}, {"optimizer", "#59a14f"},   {"data", "#b07aa1"},
