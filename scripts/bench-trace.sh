@@ -11,9 +11,11 @@
 #        `scaletrain plot --timeline` into bench/timeline-main-ddp.svg (and
 #        the trace next to the raw lines).
 # usage: scripts/bench-trace.sh [--build DIR] [--repeats K] [--steps N] [--strategies "ddp zero3"] [--out DIR]
+#                               [--picture SVG (default bench/timeline-main-ddp.svg)]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=$ROOT/build REPEATS=3 STEPS=30 OUT=$ROOT/bench/results STRATEGIES="ddp zero3"
+PICTURE=$ROOT/bench/timeline-main-ddp.svg
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=$2; shift 2 ;;
@@ -21,7 +23,8 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS=$2; shift 2 ;;
     --strategies) STRATEGIES=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --picture) PICTURE=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "bench-trace.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -69,7 +72,7 @@ port=$((port + 1))
   "$ST" train $COMMON --train.steps=21 --parallel.strategy=ddp --metrics.path="$WORK/picture.jsonl" \
   --metrics.trace_steps=20 --metrics.trace_dir="$OUT/trace-main-ddp" >"$WORK/run.log" 2>&1 ||
   { tail -5 "$WORK/run.log" >&2; exit 1; }
-"$ST" plot --timeline "$OUT/trace-main-ddp/trace.json" -o "$ROOT/bench/timeline-main-ddp.svg" \
+"$ST" plot --timeline "$OUT/trace-main-ddp/trace.json" -o "$PICTURE" \
   --title "main job, DDP on 2 ranks: step 20" >/dev/null
 grep -A8 "communication over" "$WORK/logs/rank0.log" | sed 's/^/  /' | tee "$OUT/trace-main-ddp/summary.txt"
 
