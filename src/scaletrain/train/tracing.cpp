@@ -196,6 +196,12 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
       row.seconds += c["seconds"].get<double>();
       row.exposed_max = std::max(row.exposed_max, c["exposed_seconds"].get<double>());
     }
+  if (rows.empty() && !expected_bubble) {
+    std::printf("scaletrain: communication over %lld steps: none (every group has one rank)\n",
+                static_cast<long long>(steps));
+    std::fflush(stdout);
+    return;
+  }
   std::printf("scaletrain: communication over %lld steps, per rank (means over the ranks in each group; exposed: "
               "blocked in wait, the slowest rank's)\n",
               static_cast<long long>(steps));
