@@ -408,7 +408,8 @@ struct CommProfile {
   uint64_t seq = 0;
   int64_t bytes = 0;
   int64_t launch_ns = 0;
-  std::atomic<int64_t> done_ns{0};  // set by the backend's completion callback (0: none came)
+  bool completion_reported = false;  // a completion callback is attached
+  std::atomic<int64_t> done_ns{0};   // set by that callback (0: none came)
 };
 }  // namespace detail
 
@@ -428,7 +429,8 @@ ProfileTotals& totals() {
 // waiting thread's blocked interval.
 void count_collective(const detail::CommProfile& p, int64_t wait_start, int64_t wait_end) {
   int64_t done = p.done_ns.load();
-  if (done == 0) done = wait_end;
+  const bool timed = p.completion_reported && done != 0;
+  if (!timed) done = wait_end;
   const double factor = bus_factor(p.op, p.size);
   {
     ProfileTotals& t = totals();
@@ -442,8 +444,12 @@ void count_collective(const detail::CommProfile& p, int64_t wait_start, int64_t 
     ++c.count;
     c.bytes += p.bytes;
     c.bus_bytes += static_cast<double>(p.bytes) * factor;
-    c.seconds += static_cast<double>(std::max<int64_t>(0, done - p.launch_ns)) / 1e9;
     c.exposed_seconds += static_cast<double>(wait_end - wait_start) / 1e9;
+    if (timed) {
+      ++c.timed;
+      c.seconds += static_cast<double>(std::max<int64_t>(0, done - p.launch_ns)) / 1e9;
+      c.timed_bus_bytes += static_cast<double>(p.bytes) * factor;
+    }
   }
   if (!trace::on()) return;
   trace::CommEvent e;
@@ -455,6 +461,7 @@ void count_collective(const detail::CommProfile& p, int64_t wait_start, int64_t 
   e.bus_factor = factor;
   e.launch_ns = p.launch_ns;
   e.done_ns = done;
+  e.completion_reported = timed;
   e.wait_start_ns = wait_start;
   e.wait_end_ns = wait_end;
   e.wait_lane = trace::thread_lane();
@@ -635,7 +642,8 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes
     p->launch_ns = trace::now_ns();
     // Gloo completes a collective's future on its worker thread when the
     // data has arrived; NCCL's future completes at launch (the device work is
-    // only enqueued), so there the end of the wait stands for completion.
+    // only enqueued), so NCCL calls, like Gloo's send and recv (no future),
+    // go untimed.
     if (gloo()) {
       for (auto& work : ws) {
         try {
@@ -643,6 +651,7 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes
           work->getFuture()->addCallback([weak](c10::ivalue::Future&) {
             if (auto q = weak.lock()) q->done_ns.store(trace::now_ns());
           });
+          p->completion_reported = true;
         } catch (const std::exception&) {  // send/recv works have no future
         }
       }

@@ -74,7 +74,8 @@ class CollectiveTracker;  // below: Note [Which rank, which collective]
 // times the op's factor (2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter,
 // all_gather and all_to_all, 1 for the rest), so bus bytes over time is the
 // bus bandwidth, comparable across group sizes. Completion is the backend's
-// (Gloo's future); where a backend gives none, the end of the wait. Time runs
+// (Gloo's future); a call whose backend reports none (Gloo's send and recv,
+// NCCL) has no time and no bandwidth, only its exposed wait. Time runs
 // from launch, so a collective queued behind others on its group counts its
 // queueing too: busbw here is what the run achieved, not what the link can.
 // A 16-bit all_reduce on Gloo (Note [Gloo 1.13 gaps]) counts as what moved:
@@ -87,8 +88,12 @@ struct CommTotals {
   int64_t count = 0;
   int64_t bytes = 0;
   double bus_bytes = 0;
-  double seconds = 0;          // launch to completion, summed
   double exposed_seconds = 0;  // blocked in wait(), summed
+  // Launch to completion, summed over the calls whose completion the backend
+  // reported (`timed` of them; Gloo's send and recv report none), and their bus bytes.
+  int64_t timed = 0;
+  double seconds = 0;
+  double timed_bus_bytes = 0;
 };
 // SCALETRAIN_COMM_PROFILE=0 in the environment turns counting off (the
 // summary is then empty, and traces hold no collectives): for measuring what

@@ -159,8 +159,10 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
                             {"count", c.count},
                             {"bytes", c.bytes},
                             {"bus_bytes", c.bus_bytes},
+                            {"exposed_seconds", c.exposed_seconds},
+                            {"timed", c.timed},
                             {"seconds", c.seconds},
-                            {"exposed_seconds", c.exposed_seconds}});
+                            {"timed_bus_bytes", c.timed_bus_bytes}});
   if (expected_bubble) {
     std::vector<double> b = bubbles;
     std::sort(b.begin(), b.end());
@@ -183,7 +185,7 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
   // One line per (group, op, size) over the ranks that took part.
   struct Row {
     int ranks = 0;
-    double count = 0, bytes = 0, bus_bytes = 0, seconds = 0, exposed_max = 0;
+    double count = 0, bytes = 0, timed = 0, timed_bus_bytes = 0, seconds = 0, exposed_max = 0;
   };
   std::map<std::tuple<std::string, std::string, int>, Row> rows;
   for (const auto& r : ranks)
@@ -192,7 +194,8 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
       ++row.ranks;
       row.count += c["count"].get<double>();
       row.bytes += c["bytes"].get<double>();
-      row.bus_bytes += c["bus_bytes"].get<double>();
+      row.timed += c["timed"].get<double>();
+      row.timed_bus_bytes += c["timed_bus_bytes"].get<double>();
       row.seconds += c["seconds"].get<double>();
       row.exposed_max = std::max(row.exposed_max, c["exposed_seconds"].get<double>());
     }
@@ -207,13 +210,21 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
               static_cast<long long>(steps));
   std::printf("  %-14s %-14s %5s %8s %10s %10s %11s %10s\n", "group", "op", "ranks", "calls", "MiB", "time ms",
               "exposed ms", "busbw GB/s");
+  bool untimed = false;
   for (const auto& [key, row] : rows) {
     const auto& [group, op, size] = key;
-    const double busbw = row.seconds > 0 ? row.bus_bytes / row.seconds / 1e9 : 0;
-    std::printf("  %-14s %-14s %5d %8.1f %10.2f %10.1f %11.1f %10.3f\n", group.c_str(), op.c_str(), size,
-                row.count / row.ranks, row.bytes / row.ranks / 1048576.0, row.seconds / row.ranks * 1e3,
-                row.exposed_max * 1e3, busbw);
+    char time[32] = "-", busbw[32] = "-";
+    if (row.timed > 0) {
+      std::snprintf(time, sizeof time, "%.1f%s", row.seconds / row.ranks * 1e3, row.timed < row.count ? "*" : "");
+      std::snprintf(busbw, sizeof busbw, "%.3f", row.seconds > 0 ? row.timed_bus_bytes / row.seconds / 1e9 : 0.0);
+    }
+    untimed = untimed || row.timed < row.count;
+    std::printf("  %-14s %-14s %5d %8.1f %10.2f %10s %11.1f %10s\n", group.c_str(), op.c_str(), size,
+                row.count / row.ranks, row.bytes / row.ranks / 1048576.0, time, row.exposed_max * 1e3, busbw);
   }
+  if (untimed)
+    std::printf("  (- and *: calls whose completion the backend does not report, such as Gloo's send and recv, "
+                "have no time and no bandwidth, only their exposed wait)\n");
   if (expected_bubble) {
     std::printf("  pipeline bubble (share of a step a stage does not compute; median of the steps after the first):");
     for (const auto& r : ranks)

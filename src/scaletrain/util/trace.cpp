@@ -134,7 +134,10 @@ std::string to_chrome_events(const Recording& r, int pid, const std::string& pro
     const double wait_us = static_cast<double>(c->wait_end_ns - c->wait_start_ns) / 1000.0;
     json args{{"op", c->op},       {"group", c->group}, {"group_size", c->group_size},
               {"seq", c->seq},     {"bytes", c->bytes}, {"exposed_us", wait_us}};
-    if (secs > 0 && c->bytes > 0) args["busbw_GBps"] = static_cast<double>(c->bytes) * c->bus_factor / secs / 1e9;
+    if (!c->completion_reported)
+      args["completion"] = "not reported by the backend: drawn until its wait returned";
+    else if (secs > 0 && c->bytes > 0)
+      args["busbw_GBps"] = static_cast<double>(c->bytes) * c->bus_factor / secs / 1e9;
     complete(std::string(c->op) + " " + c->group, "comm", kCommTid + static_cast<int>(lane), c->launch_ns, done,
              std::move(args));
     complete(std::string("wait ") + c->op, "wait", c->wait_lane + 1, c->wait_start_ns, c->wait_end_ns,

@@ -59,7 +59,8 @@ struct CommEvent {
   uint64_t seq = 0;
   int64_t bytes = 0;                        // the collective's data size (comm::Group::payload_bytes)
   double bus_factor = 0;                    // bus bytes / bytes (nccl-tests' convention)
-  int64_t launch_ns = 0, done_ns = 0;       // issued; completed by the backend
+  int64_t launch_ns = 0, done_ns = 0;       // issued; completed (or waited, when not reported)
+  bool completion_reported = true;          // false: the backend reports no completion
   int64_t wait_start_ns = 0, wait_end_ns = 0;  // the waiting thread blocked on it
   int wait_lane = 0;
 };

@@ -199,6 +199,7 @@ TEST(Tracing, DdpTraceHoldsEveryRankAndOneAllReducePerBucket) {
     EXPECT_LE(row["bytes"].get<int64_t>(), 6 * 4 * total_numel() + 6 * per_step_small * 8);
     EXPECT_DOUBLE_EQ(row["bus_bytes"].get<double>(), row["bytes"].get<double>());  // 2(n-1)/n = 1 on 2 ranks
     EXPECT_GT(row["seconds"].get<double>(), 0);
+    EXPECT_EQ(row["timed"], row["count"]) << "Gloo reports every all-reduce's completion";
   }
 
   // The timeline: one lane per rank and thread, one box per span; it renders.
@@ -271,8 +272,18 @@ TEST(Tracing, PipelineSendsPerMicroBatchAndReportsItsBubble) {
     EXPECT_EQ(recvs, eight) << "rank " << rank;
     for (const char* name : {"forward micro-batch 3", "backward micro-batch 3"})
       EXPECT_TRUE(has_span(spans, rank, name)) << name << " missing on rank " << rank;
+    // Gloo's send and recv report no completion: no bandwidth is claimed for them.
+    for (const auto& e : of_rank(spans, rank, "comm"))
+      if (e["args"]["op"] == "send" || e["args"]["op"] == "recv") {
+        EXPECT_FALSE(e["args"].contains("busbw_GBps")) << e;
+        EXPECT_TRUE(e["args"].contains("completion")) << e;
+      }
   }
   const json rec = comm_record(metrics);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(summary_row(rec, rank, "send")["timed"], 0);
+    EXPECT_EQ(summary_row(rec, rank, "send")["seconds"], 0.0);
+  }
   for (const auto& r : rec["ranks"]) {
     ASSERT_TRUE(r.contains("pipeline_bubble")) << r;
     EXPECT_DOUBLE_EQ(r["pipeline_bubble"]["expected"].get<double>(), 0.2);
