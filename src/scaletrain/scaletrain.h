@@ -1,0 +1,19 @@
+#pragma once
+// The public C++ API in one include, for programs built against the
+// installed package (find_package(scaletrain), target scaletrain::scaletrain;
+// docs/own-model.md). Each header below can also be included alone.
+//
+//   comm::World::init()            join the job the launcher started (torchrun's variables)
+//   comm::Mesh                     the rank grid: dp / tp / pp / ep subgroups
+//   parallel::DistributedDataParallel   data parallelism over any torch::nn::Module
+//   parallel::fsdp::fully_shard    ZeRO-1/2/3 and FSDP's sharding strategies over any module
+//   parallel::tensor, parallel::pipeline  tensor and pipeline parallelism
+//   checkpoint::                   sharded checkpoints that reload under any layout
+//   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
+//   data::DistributedSampler       sample order that depends on (seed, global batch) only
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/comm/world.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"

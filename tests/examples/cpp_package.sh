@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The installed package as a user meets it: installs the build into a fresh
+# prefix, checks that no installed header includes one that was not
+# installed, builds examples/cpp out of tree against the prefix with
+# find_package(scaletrain), and runs each program on 2 processes with the
+# installed CLI. Each program checks itself against one process.
+# Usage: cpp_package.sh SOURCE_DIR BUILD_DIR WORK_DIR PORT
+set -euo pipefail
+src=$1 build=$2 work=$3 port=$4
+rm -rf "$work"
+mkdir -p "$work"
+prefix=$work/prefix
+cmake --install "$build" --prefix "$prefix" >/dev/null
+
+# Every "scaletrain/..." include of an installed header must be installed too.
+missing=0
+while IFS= read -r -d '' header; do
+  while IFS= read -r inc; do
+    if [ ! -f "$prefix/include/$inc" ]; then
+      echo "installed ${header#"$prefix"/} includes $inc, which is not installed" >&2
+      missing=1
+    fi
+  done < <(sed -n 's/^#include "\(scaletrain\/[^"]*\)".*/\1/p' "$header")
+done < <(find "$prefix/include/scaletrain" -name '*.h' -print0)
+[ "$missing" = 0 ] || exit 1
+test -f "$prefix/lib/cmake/scaletrain/scaletrainConfig.cmake"
+
+# Out of tree: the consumer sees only the prefix.
+cmake -S "$src/examples/cpp" -B "$work/examples" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$work/examples" -j2 >/dev/null
+for example in toy_ddp mnist resnet_fsdp; do
+  echo "== $example on 2 processes"
+  "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 --master-port "$port" \
+    -- "$work/examples/$example"
+done
