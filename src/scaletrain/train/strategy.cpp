@@ -289,6 +289,7 @@ std::optional<precision::Fp8Format> fp8_wire_format(const ParallelOptions& paral
 
 parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision) {
   parallel::DDPOptions o;
+  o.gradient_as_bucket_view = true;  // our optimizers zero in place; no copies
   o.fp8_comm = fp8_wire_format(p, precision);
   o.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
   o.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));

@@ -149,7 +149,7 @@ void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& or
       at::Tensor& p = params[i];
       views[i] = b.flat.narrow(0, off, p.numel()).view(p.sizes());
       if (p.grad().defined()) views[i].copy_(p.grad());
-      p.mutable_grad() = views[i];
+      if (options.gradient_as_bucket_view) p.mutable_grad() = views[i];
       bucket_of[i] = fresh.size();
       off += p.numel();
     }
@@ -209,12 +209,13 @@ void DistributedDataParallel::State::on_grad_ready(size_t i) {
     throw std::runtime_error("DDP: gradient of '" + names[i] +
                              "' became ready twice in one backward (reentrant backward is not supported)");
   // Make .grad the bucket view again if something replaced it (zero_grad
-  // that sets gradients to None, or accumulation that began under no_sync).
+  // that sets gradients to None, or accumulation that began under no_sync);
+  // without views, copy it in.
   at::Tensor& g = params[i].mutable_grad();
   if (!g.is_same(views[i])) {
     torch::NoGradGuard no_grad;
     views[i].copy_(g);
-    g = views[i];
+    if (options.gradient_as_bucket_view) g = views[i];
   }
   ready[i] = true;
   if (recording()) ready_order.push_back(i);
@@ -253,7 +254,9 @@ void DistributedDataParallel::State::finish_backward() {
     // Unused here: contributes zero (another rank may have used it).
     torch::NoGradGuard no_grad;
     views[i].zero_();
-    params[i].mutable_grad() = views[i];
+    at::Tensor& g = params[i].mutable_grad();
+    if (options.gradient_as_bucket_view || !g.defined())
+      g = options.gradient_as_bucket_view ? views[i] : views[i].clone();
     ready[i] = true;
     if (recording()) ready_order.push_back(i);
     --buckets[bucket_of[i]].pending;
@@ -272,6 +275,10 @@ void DistributedDataParallel::State::finish_backward() {
   for (auto& b : buckets) {
     b.work.wait();
     if (b.staging.defined()) b.flat.copy_(b.staging);
+  }
+  if (!options.gradient_as_bucket_view) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad().copy_(views[i]);
   }
   wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   // The first backward that communicated has shown the real gradient order;
@@ -346,6 +353,20 @@ DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp
   ddp_.state_->sync = false;
 }
 DistributedDataParallel::NoSync::~NoSync() { ddp_.state_->sync = previous_; }
+
+void DistributedDataParallel::zero_grad(bool set_to_none) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    at::Tensor& g = s.params[i].mutable_grad();
+    if (set_to_none && !s.options.gradient_as_bucket_view) {
+      g = at::Tensor();
+    } else if (g.defined()) {
+      g.zero_();
+    }
+  }
+}
 
 int DistributedDataParallel::num_buckets() const { return static_cast<int>(state_->buckets.size()); }
 bool DistributedDataParallel::buckets_rebuilt() const { return state_->rebuilt; }

@@ -107,6 +107,13 @@ struct DDPOptions {
   // order gradients became ready (on rank 0) instead of reverse registration
   // order. See Note [Bucket rebuild].
   bool rebuild_buckets = true;
+  // Each parameter's .grad is a view into its bucket (no copies; the
+  // trainer's setting). libtorch 1.13's torch::optim::Optimizer::zero_grad()
+  // calls detach_() on every .grad and throws on a view, so the default, as
+  // PyTorch's gradient_as_bucket_view=False, keeps .grad a tensor of its own:
+  // it is copied into its bucket when ready and the average copied back when
+  // backward ends. Either way DistributedDataParallel::zero_grad() works.
+  bool gradient_as_bucket_view = false;
   // Expert parallelism (parallel/expert, Note [Expert parallelism]): the
   // parameters `expert_param` selects are averaged over `expert_group` (the
   // ranks that hold the same experts) instead of the engine's group, in
@@ -142,6 +149,11 @@ class DistributedDataParallel {
     bool previous_;
   };
   NoSync no_sync() { return NoSync(*this); }
+
+  // Zeroes every gradient (set_to_none: drops it; the next backward brings
+  // it back). Keeps the bucket views under gradient_as_bucket_view, where
+  // torch::optim's own zero_grad() cannot be used.
+  void zero_grad(bool set_to_none = true);
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const DDPOptions& options() const { return options_; }
