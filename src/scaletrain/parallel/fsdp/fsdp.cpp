@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -14,13 +15,22 @@
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
+#include <unordered_map>
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
+#include "scaletrain/parallel/fsdp/gather_on_use.h"
 
 namespace scaletrain::parallel::fsdp {
+
+using engine::ms_since;
+using engine::Slot;
+using engine::Unit;
+using engine::replicated_params;
+using engine::reshard_after_forward;
 
 Sharding parse_sharding(const std::string& s) {
   if (s == "zero1") return Sharding::Zero1;
@@ -58,97 +68,6 @@ BackwardPrefetch parse_backward_prefetch(const std::string& s) {
   throw std::invalid_argument("unknown backward_prefetch '" + s + "' (BACKWARD_PRE | BACKWARD_POST | NONE)");
 }
 
-namespace {
-
-bool replicated_params(Sharding s) { return s == Sharding::Zero1 || s == Sharding::Zero2; }
-bool reshard_after_forward(Sharding s) {
-  return s == Sharding::Zero3 || s == Sharding::FullShard || s == Sharding::HybridShard;
-}
-
-struct Unit {
-  std::string name;
-  int64_t first_block = -1, last_block = -1;  // -1: the root unit
-  std::vector<std::unique_ptr<FlatParam>> flats;
-  std::vector<comm::Work> gathers;  // in flight; empty once waited
-  bool gathering = false;
-  bool stale = false;  // replicated: parameters wait for the deferred gather (Note [Deferred gather])
-  int64_t numel = 0;   // parameter elements of its flat buffers, padded
-  int64_t bytes = 0;
-  int trainable = 0;  // parameters with gradients
-  int pending = 0;    // of those, not yet accumulated in this backward
-  bool reduced = false;
-  // Forwards whose input gradient has not arrived: frozen flats stay gathered
-  // in backward while any is outstanding (Note [Frozen parameters in backward]).
-  int hold_frozen = 0;
-
-  bool unsharded() const {
-    for (auto& f : flats)
-      if (!f->unsharded()) return false;
-    return true;
-  }
-};
-
-// Where a trainable parameter lives.
-struct Slot {
-  size_t unit, flat, index;
-};
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
-
-struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
-  ShardedOptions options;
-  comm::Group* shard = nullptr;
-  comm::Group* replicate = nullptr;
-  std::shared_ptr<comm::Group> grads_group;  // reduce-scatters (Note [Unit order])
-  // Note [Experts in the sharded engine]: experts' buffers and their reduces.
-  comm::Group* expert_shard = nullptr;
-  std::shared_ptr<comm::Group> expert_grads_group;
-  std::vector<Unit> units;                   // 0 = root, then block units in forward order
-  std::vector<size_t> unit_of_block;         // 0 = in the root unit
-  std::vector<size_t> reduce_order;          // block units last to first, then root
-  std::vector<Slot> slots;                   // per trainable parameter (hook index)
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
-  std::deque<std::pair<size_t, std::vector<comm::Work>>> inflight;  // unit, its reduces
-  size_t next_reduce = 0;
-  bool sync = true;
-  bool in_backward = false;
-  bool summoned = false;
-  double wait_ms = 0;
-  Stats stats;
-  std::recursive_mutex mu;
-
-  bool replicated() const { return replicated_params(options.sharding); }
-  // Gathering and freeing units. A replicated unit "unshards" by its
-  // deferred gather when stale (Note [Deferred gather]), else does nothing.
-  void start_unshard(size_t u);
-  void unshard(size_t u);
-  void reshard(size_t u);
-  // Reshards the unit's flats that train (true) or the frozen ones (false).
-  void reshard_flats(size_t u, bool trainable);
-  void release_frozen(size_t u);
-  void wait_gathers();
-  // Note [FP8 weight gathers]: agrees every FP8-gathered parameter's amax
-  // (collective over the shard group and fp8_amax_groups) and sets the scales.
-  void refresh_fp8_scales();
-  bool exact_gathers = false;  // FullParams: gather exact values
-  // Starts gathering units from `u` on in direction `dir` (+1 forward, -1
-  // backward) within the prefetch budget.
-  void prefetch(size_t u, int dir);
-  bool may_prefetch(size_t u) const;
-  int64_t live_numel() const;
-  // Hooks.
-  at::Tensor run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x);
-  void pre_backward(size_t u);
-  void on_grad_ready(size_t slot);
-  void issue_ready_reduces(bool flush);
-  void finish_oldest_reduce();
-  void finish_backward();
-  void begin_backward();
-};
 
 void ShardedDataParallel::State::start_unshard(size_t u) {
   Unit& unit = units[u];
@@ -340,6 +259,7 @@ void ShardedDataParallel::State::begin_backward() {
 }
 
 void ShardedDataParallel::State::pre_backward(size_t u) {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(mu);
   begin_backward();
   if (units[u].gathering) ++stats.prefetched;
@@ -348,6 +268,7 @@ void ShardedDataParallel::State::pre_backward(size_t u) {
 }
 
 void ShardedDataParallel::State::on_grad_ready(size_t s) {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(mu);
   begin_backward();
   const Slot& slot = slots[s];
@@ -405,6 +326,7 @@ void ShardedDataParallel::State::finish_oldest_reduce() {
 }
 
 void ShardedDataParallel::State::finish_backward() {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(mu);
   wait_gathers();
   if (sync) {
@@ -420,12 +342,17 @@ void ShardedDataParallel::State::finish_backward() {
   }
   next_reduce = 0;
   in_backward = false;
+  forward_unit = backward_unit = 0;
 }
 
 ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks,
                                          comm::World& world, comm::Group& shard, comm::Group* replicate,
                                          ShardedOptions options)
-    : module_(std::move(module)), blocks_(blocks), options_(options), state_(std::make_shared<State>()) {
+    : module_(std::move(module)), blocks_(&blocks), options_(options), state_(std::make_shared<State>()) {
+  init(world, shard, replicate);
+}
+
+void ShardedDataParallel::init(comm::World& world, comm::Group& shard, comm::Group* replicate) {
   State& s = *state_;
   s.options = options_;
   s.shard = &shard;
@@ -466,17 +393,17 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   }
 
   // 2. Units: the wrap policy over blocks, the rest in the root.
-  const int64_t nblocks = blocks_.num_blocks();
+  const int64_t nblocks = blocks_->num_blocks();
   std::vector<int64_t> block_numel(static_cast<size_t>(nblocks), 0);
   std::vector<int64_t> block_of_param;
   for (auto& item : named) {
     int64_t b = -1;
     for (int64_t i = 0; i < nblocks && b < 0; ++i)
-      if (item.key().rfind(blocks_.block_prefix(i), 0) == 0) b = i;
+      if (item.key().rfind(blocks_->block_prefix(i), 0) == 0) b = i;
     block_of_param.push_back(b);
     if (b >= 0) block_numel[static_cast<size_t>(b)] += item.value().numel();
   }
-  const std::vector<UnitPlan> plan = plan_units(blocks_, block_numel, options_.wrap);
+  const std::vector<UnitPlan> plan = plan_units(*blocks_, block_numel, options_.wrap);
   s.units.resize(plan.size() + 1);
   s.units[0].name = "root";
   s.unit_of_block.assign(static_cast<size_t>(nblocks), 0);
@@ -594,15 +521,19 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     }));
     s.accumulators.push_back(std::move(acc));
   }
-  blocks_.set_block_runner([weak](int64_t i, const models::BlockBody& body, const at::Tensor& x) {
+  blocks_->set_block_runner([weak](int64_t i, const models::BlockBody& body, const at::Tensor& x) {
     if (auto st = weak.lock()) return st->run_block(i, body, x);
     return body(x);
   });
 }
 
-ShardedDataParallel::~ShardedDataParallel() { blocks_.set_block_runner(nullptr); }
+ShardedDataParallel::~ShardedDataParallel() {
+  gather_on_use_.reset();
+  blocks_->set_block_runner(nullptr);
+}
 
 at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   {
     std::lock_guard<std::recursive_mutex> lock(state_->mu);
     state_->start_unshard(0);
@@ -616,11 +547,13 @@ at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
 }
 
 void ShardedDataParallel::reshard_all() {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(state_->mu);
   for (size_t u = 0; u < state_->units.size(); ++u) state_->reshard(u);
 }
 
 void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor& grad) {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   torch::NoGradGuard no_grad;
   const at::Tensor flat = grad.reshape({-1});
   for (auto& unit : state_->units)
@@ -658,6 +591,7 @@ std::vector<int64_t> ShardedDataParallel::shard_decay_numel() const {
 }
 
 double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& split) {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   // Shards partition the gradient over the shard group; replicas hold the same.
   if (split.group == nullptr || split.group->size() == 1)
     return optim::clip_grad_norm(shards(), max_norm, {state_->shard});
@@ -692,6 +626,7 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
 // Note [Deferred gather]: nothing moves here; the next forward (or a
 // FullParams) gathers each unit.
 void ShardedDataParallel::after_step() {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(state_->mu);
   if (!replicated_params(options_.sharding)) {
     state_->wait_gathers();
@@ -706,11 +641,13 @@ void ShardedDataParallel::after_step() {
 }
 
 void ShardedDataParallel::zero_grad() {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   for (auto& unit : state_->units)
     for (auto& f : unit.flats) f->zero_grad();
 }
 
 ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
+  GatherOnUse::Quiet quiet;
   std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
   e_.state_->exact_gathers = true;
   for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->start_unshard(u);
@@ -720,12 +657,14 @@ ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
 }
 
 ShardedDataParallel::FullParams::~FullParams() {
+  GatherOnUse::Quiet quiet;
   std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
   e_.state_->summoned = false;
   for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->reshard(u);
 }
 
 std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
+  GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   FullParams full(*this);
   std::vector<at::Tensor> out;
   for (auto& p : module_->parameters()) out.push_back(p.detach().clone());

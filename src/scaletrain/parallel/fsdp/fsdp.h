@@ -81,9 +81,12 @@
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
+#include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/parallel/fsdp/wrap.h"
 
 namespace scaletrain::parallel::fsdp {
+
+class GatherOnUse;  // gather_on_use.h
 
 enum class Sharding { Zero1, Zero2, Zero3, FullShard, ShardGradOp, HybridShard };
 
@@ -189,6 +192,13 @@ class ShardedDataParallel {
   // dimension). `world` creates the engine's second group (Note [Unit order]).
   ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks, comm::World& world,
                       comm::Group& shard, comm::Group* replicate, ShardedOptions options = {});
+  // Any module (fully_shard below): `units` picks the submodules gathered and
+  // freed as one (module_units.h); each is gathered when an operator first
+  // reads its parameters (Note [Gather on use] in gather_on_use.h), so the
+  // module's own forward runs unchanged, on the thread that built the engine
+  // (and the threads its backward runs on). options.wrap must stay default.
+  ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, const ModuleUnits& units, comm::World& world,
+                      comm::Group& shard, comm::Group* replicate, ShardedOptions options = {});
   ~ShardedDataParallel();
   ShardedDataParallel(const ShardedDataParallel&) = delete;
   ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -286,10 +296,22 @@ class ShardedDataParallel {
   struct State;  // shared with the autograd hooks (fsdp.cpp)
 
  private:
+  void init(comm::World& world, comm::Group& shard, comm::Group* replicate);
   std::shared_ptr<torch::nn::Module> module_;
-  models::Blockwise& blocks_;
+  std::unique_ptr<models::Blockwise> own_blocks_;  // a user module's units (ModuleBlocks)
+  models::Blockwise* blocks_;
   ShardedOptions options_;
   std::shared_ptr<State> state_;
+  std::unique_ptr<GatherOnUse> gather_on_use_;  // user modules only
 };
+
+// PyTorch's fully_shard for any torch::nn::Module: ZeRO-1/2/3 and every FSDP
+// sharding strategy (options.sharding) over `shard` (and `replicate` for
+// HYBRID_SHARD). The step: call the module as usual, loss.backward(),
+// clip_grad_norm() if wanted, the optimizer over shards() (never over
+// module->parameters()), after_step(), zero_grad(). docs/own-model.md.
+std::unique_ptr<ShardedDataParallel> fully_shard(std::shared_ptr<torch::nn::Module> module, comm::World& world,
+                                                 comm::Group& shard, const ModuleUnits& units,
+                                                 ShardedOptions options = {}, comm::Group* replicate = nullptr);
 
 }  // namespace scaletrain::parallel::fsdp

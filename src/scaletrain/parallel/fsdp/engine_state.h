@@ -1,0 +1,120 @@
+#pragma once
+// The sharded engine's state (internal: fsdp.cpp and fully_shard.cpp).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/parallel/fsdp/fsdp.h"
+
+namespace scaletrain::parallel::fsdp {
+
+namespace engine {
+
+inline bool replicated_params(Sharding s) { return s == Sharding::Zero1 || s == Sharding::Zero2; }
+inline bool reshard_after_forward(Sharding s) {
+  return s == Sharding::Zero3 || s == Sharding::FullShard || s == Sharding::HybridShard;
+}
+
+struct Unit {
+  std::string name;
+  int64_t first_block = -1, last_block = -1;  // -1: the root unit
+  std::vector<std::unique_ptr<FlatParam>> flats;
+  std::vector<comm::Work> gathers;  // in flight; empty once waited
+  bool gathering = false;
+  bool stale = false;  // replicated: parameters wait for the deferred gather (Note [Deferred gather])
+  int64_t numel = 0;   // parameter elements of its flat buffers, padded
+  int64_t bytes = 0;
+  int trainable = 0;  // parameters with gradients
+  int pending = 0;    // of those, not yet accumulated in this backward
+  bool reduced = false;
+  // Forwards whose input gradient has not arrived: frozen flats stay gathered
+  // in backward while any is outstanding (Note [Frozen parameters in backward]).
+  int hold_frozen = 0;
+
+  bool unsharded() const {
+    for (auto& f : flats)
+      if (!f->unsharded()) return false;
+    return true;
+  }
+};
+
+// Where a trainable parameter lives.
+struct Slot {
+  size_t unit, flat, index;
+};
+
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace engine
+
+
+// Everything the autograd hooks touch; fsdp.cpp runs the engine,
+// fully_shard.cpp adds what user modules need (Note [Gather on use]).
+struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
+  using Unit = engine::Unit;
+  using Slot = engine::Slot;
+  ShardedOptions options;
+  comm::Group* shard = nullptr;
+  comm::Group* replicate = nullptr;
+  std::shared_ptr<comm::Group> grads_group;  // reduce-scatters (Note [Unit order])
+  // Note [Experts in the sharded engine]: experts' buffers and their reduces.
+  comm::Group* expert_shard = nullptr;
+  std::shared_ptr<comm::Group> expert_grads_group;
+  std::vector<Unit> units;                   // 0 = root, then block units in forward order
+  std::vector<size_t> unit_of_block;         // 0 = in the root unit
+  std::vector<size_t> reduce_order;          // block units last to first, then root
+  std::vector<Slot> slots;                   // per trainable parameter (hook index)
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::deque<std::pair<size_t, std::vector<comm::Work>>> inflight;  // unit, its reduces
+  size_t next_reduce = 0;
+  bool sync = true;
+  bool in_backward = false;
+  bool summoned = false;
+  double wait_ms = 0;
+  Stats stats;
+  std::recursive_mutex mu;
+
+  bool replicated() const { return engine::replicated_params(options.sharding); }
+  // Gathering and freeing units. A replicated unit "unshards" by its
+  // deferred gather when stale (Note [Deferred gather]), else does nothing.
+  void start_unshard(size_t u);
+  void unshard(size_t u);
+  void reshard(size_t u);
+  // Reshards the unit's flats that train (true) or the frozen ones (false).
+  void reshard_flats(size_t u, bool trainable);
+  void release_frozen(size_t u);
+  void wait_gathers();
+  // Note [FP8 weight gathers]: agrees every FP8-gathered parameter's amax
+  // (collective over the shard group and fp8_amax_groups) and sets the scales.
+  void refresh_fp8_scales();
+  bool exact_gathers = false;  // FullParams: gather exact values
+  // Starts gathering units from `u` on in direction `dir` (+1 forward, -1
+  // backward) within the prefetch budget.
+  void prefetch(size_t u, int dir);
+  bool may_prefetch(size_t u) const;
+  int64_t live_numel() const;
+  // Hooks.
+  at::Tensor run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x);
+  void pre_backward(size_t u);
+  void on_grad_ready(size_t slot);
+  // Note [Gather on use] (user modules): the units' buffers by storage, the
+  // block unit forward used last, and what an operator's read of unit u does.
+  std::unordered_map<const c10::StorageImpl*, size_t> unit_of_storage;
+  size_t forward_unit = 0, backward_unit = 0;
+  void use_unit(size_t u);
+  void issue_ready_reduces(bool flush);
+  void finish_oldest_reduce();
+  void finish_backward();
+  void begin_backward();
+};
+
+}  // namespace scaletrain::parallel::fsdp

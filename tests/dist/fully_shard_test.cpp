@@ -1,0 +1,246 @@
+// fully_shard on modules that are not ours: the ToyModel, the MNIST Net of
+// pytorch/examples, and a small ResNet with BatchNorm, under every sharding
+// strategy, against one process (float64, 1e-10). The modules' forward is
+// theirs: units are gathered when operators read them (Note [Gather on use]).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+
+#include "dist_env.h"
+#include "reference.h"
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+
+namespace scaletrain::test {
+namespace {
+
+using parallel::fsdp::ModuleUnits;
+using parallel::fsdp::ShardedOptions;
+using parallel::fsdp::Sharding;
+
+struct ToyImpl : torch::nn::Module {
+  ToyImpl() {
+    net1 = register_module("net1", torch::nn::Linear(10, 10));
+    net2 = register_module("net2", torch::nn::Linear(10, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return net2(torch::relu(net1(x))); }
+  torch::nn::Linear net1{nullptr}, net2{nullptr};
+};
+TORCH_MODULE(Toy);
+
+// pytorch/examples cpp/mnist, dropout left out (masks are per process).
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 10, 5)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(10, 20, 5)));
+    fc1 = register_module("fc1", torch::nn::Linear(320, 50));
+    fc2 = register_module("fc2", torch::nn::Linear(50, 10));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = torch::relu(torch::max_pool2d(conv1(x), 2));
+    x = torch::relu(torch::max_pool2d(conv2(x), 2));
+    x = torch::relu(fc1(x.view({-1, 320})));
+    return torch::log_softmax(fc2(x), 1);
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct BasicBlockImpl : torch::nn::Module {
+  explicit BasicBlockImpl(int64_t c) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(c, c, 3).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(c));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(c, c, 3).padding(1).bias(false)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(c));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(bn2(conv2(torch::relu(bn1(conv1(x))))) + x); }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+struct ResNetImpl : torch::nn::Module {
+  ResNetImpl() {
+    stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    layer1 = register_module("layer1", torch::nn::Sequential(BasicBlock(8), BasicBlock(8)));
+    fc = register_module("fc", torch::nn::Linear(8, 10));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = layer1->forward(torch::relu(stem(x)));
+    return torch::log_softmax(fc(h.mean({2, 3})), 1);
+  }
+  torch::nn::Conv2d stem{nullptr};
+  torch::nn::Sequential layer1{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ResNet);
+
+struct Case {
+  std::string name;
+  std::function<std::shared_ptr<torch::nn::Module>()> make;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> forward;
+  std::vector<int64_t> input;  // one sample's shape
+  int64_t classes;
+  ModuleUnits units;
+};
+
+template <typename M>
+Case make_case(std::string name, std::vector<int64_t> input, int64_t classes, ModuleUnits units) {
+  return {name,
+          [] {
+            torch::manual_seed(3);
+            auto m = M();
+            m->to(at::kDouble);
+            return std::static_pointer_cast<torch::nn::Module>(m.ptr());
+          },
+          [](torch::nn::Module& m, const at::Tensor& x) { return dynamic_cast<typename M::ContainedType&>(m).forward(x); },
+          input, classes, units};
+}
+
+std::vector<Case> cases() {
+  ModuleUnits toy, net, resnet;
+  toy.names = {"net1", "net2"};
+  net.types = {"torch::nn::Conv2dImpl", "LinearImpl"};
+  resnet.types = {"BasicBlockImpl"};
+  return {make_case<Toy>("toy", {10}, 5, toy), make_case<Net>("mnist", {1, 28, 28}, 10, net),
+          make_case<ResNet>("resnet", {3, 8, 8}, 10, resnet)};
+}
+
+constexpr int64_t kBatch = 24;  // divisible by 1..4 ranks
+constexpr int kSteps = 4;
+
+std::pair<at::Tensor, at::Tensor> batch(const Case& c, int step) {
+  auto g = at::detail::createCPUGenerator(50 + step);
+  std::vector<int64_t> shape{kBatch};
+  shape.insert(shape.end(), c.input.begin(), c.input.end());
+  return {at::randn(shape, g, at::kDouble), at::randint(c.classes, {kBatch}, g, at::kLong)};
+}
+
+// One process. BatchNorm normalizes over each rank's samples, so the
+// reference runs the same `parts` slices one after the other and averages
+// their losses: the single-process form of what data parallelism computes.
+std::vector<at::Tensor> train_alone(const Case& c, int parts) {
+  auto m = c.make();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(c, s);
+    opt.zero_grad();
+    at::Tensor loss = at::zeros({}, at::kDouble);
+    for (int r = 0; r < parts; ++r) {
+      const int64_t n = kBatch / parts;
+      loss = loss + torch::nll_loss(c.forward(*m, x.narrow(0, r * n, n)), y.narrow(0, r * n, n)) / parts;
+    }
+    loss.backward();
+    opt.step();
+  }
+  return m->parameters();
+}
+
+std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mesh* hybrid = nullptr) {
+  auto m = c.make();
+  comm::Group& shard = hybrid ? hybrid->dp_shard() : *world().group();
+  auto engine = parallel::fsdp::fully_shard(m, world(), shard, c.units, o, hybrid ? &hybrid->dp_replicate() : nullptr);
+  torch::optim::Adam opt(engine->shards(), torch::optim::AdamOptions(1e-2));
+  const int64_t n = kBatch / world().size();
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(c, s);
+    engine->zero_grad();
+    auto out = c.forward(*m, x.narrow(0, world().rank() * n, n));  // the module's own forward
+    torch::nll_loss(out, y.narrow(0, world().rank() * n, n)).backward();
+    opt.step();
+    engine->after_step();
+  }
+  return engine->full_parameters();
+}
+
+void expect_parity(const Case& c, const ShardedOptions& o, const std::string& what, comm::Mesh* hybrid = nullptr) {
+  const bool batchnorm = c.name == "resnet";
+  auto want = train_alone(c, batchnorm ? world().size() : 1);
+  auto got = train_sharded(c, o, hybrid);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_LE(relative_diff(got, want, /*per_tensor=*/true), 1e-10) << c.name << " " << what;
+  auto init = c.make()->parameters();
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_GT((got[i] - init[i]).abs().max().item<double>(), 1e-4) << c.name << " " << what << ": tensor " << i;
+}
+
+TEST(FullyShard, UserModulesMatchOneProcessUnderEveryStrategy) {
+  for (const Case& c : cases())
+    for (Sharding s : {Sharding::Zero1, Sharding::Zero2, Sharding::Zero3, Sharding::FullShard, Sharding::ShardGradOp}) {
+      ShardedOptions o;
+      o.sharding = s;
+      expect_parity(c, o, parallel::fsdp::to_string(s));
+    }
+}
+
+TEST(FullyShard, PrefetchingAndHybridShardMatch) {
+  ShardedOptions o;
+  o.sharding = Sharding::FullShard;
+  o.forward_prefetch = true;
+  o.backward_prefetch = parallel::fsdp::BackwardPrefetch::Post;
+  for (const Case& c : cases()) expect_parity(c, o, "FULL_SHARD with prefetch");
+  if (world().size() != 4) return;
+  static comm::Mesh mesh(world(), comm::MeshDims{1, 2, 2, 1});
+  o = {};
+  o.sharding = Sharding::HybridShard;
+  for (const Case& c : cases()) expect_parity(c, o, "HYBRID_SHARD 2x2", &mesh);
+}
+
+TEST(FullyShard, UnitsAreFreedBetweenUses) {
+  const Case c = cases()[2];  // the ResNet: two block units and the root
+  auto m = c.make();
+  ShardedOptions o;
+  o.sharding = Sharding::FullShard;
+  for (auto& b : m->buffers()) b.fill_(world().rank() + 1);  // differ per rank
+  auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+  EXPECT_EQ(engine->num_units(), 3);
+  for (auto& b : m->buffers()) EXPECT_EQ(b.max().item<double>(), 1.0) << "buffers start as rank 0's";
+  auto [x, y] = batch(c, 0);
+  engine->reset_stats();
+  torch::nll_loss(c.forward(*m, x.narrow(0, 0, 4)), y.narrow(0, 0, 4)).backward();
+  // The root once (until backward ends); both blocks in forward; in backward
+  // block 1 again (block 2, the last forward used, was never freed).
+  EXPECT_EQ(engine->stats().all_gathers, 4);
+  // After backward only the shards are held.
+  int64_t shard_bytes = 0;
+  for (auto& s : engine->shards()) shard_bytes += s.nbytes();
+  EXPECT_EQ(engine->param_bytes(), shard_bytes);
+}
+
+TEST(FullyShard, WrapPoliciesNameWhatIsWrong) {
+  auto m = Toy();
+  auto expect_error = [&](ModuleUnits u, const std::string& part) {
+    try {
+      parallel::fsdp::select_units(*m, u);
+      ADD_FAILURE() << "accepted a policy that should name '" << part << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  ModuleUnits u;
+  u.names = {"net3"};
+  expect_error(u, "no submodule 'net3'");
+  u = {};
+  u.types = {"Conv2dImpl"};
+  expect_error(u, "no submodule is of type 'Conv2dImpl'");
+  u = {};
+  u.min_num_params = 1000000;
+  expect_error(u, "chose no submodule");
+  auto r = ResNet();
+  u = {};
+  u.names = {"layer1", "layer1.0"};
+  try {
+    parallel::fsdp::select_units(*r, u);
+    ADD_FAILURE() << "nested units accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer1.0' lies inside 'layer1'"), std::string::npos) << e.what();
+  }
+  u = {};
+  u.min_num_params = 1000;  // each BasicBlock holds 1,184 (a conv 576); the stem 224, fc 90
+  EXPECT_EQ(parallel::fsdp::select_units(*r, u), (std::vector<std::string>{"layer1.0", "layer1.1"}));
+}
+
+}  // namespace
+}  // namespace scaletrain::test
