@@ -188,6 +188,46 @@ TEST(FullyShard, PrefetchingAndHybridShardMatch) {
   for (const Case& c : cases()) expect_parity(c, o, "HYBRID_SHARD 2x2", &mesh);
 }
 
+// Gradient accumulation under no_sync and global-norm clipping, on the Net:
+// two micro-batches per rank and step, the norm clipped to below its value.
+TEST(FullyShard, NoSyncAccumulationAndClippingMatch) {
+  const Case c = cases()[1];
+  for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+    auto m = c.make();
+    ShardedOptions o;
+    o.sharding = s;
+    auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+    torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+    auto ref = c.make();
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    const int64_t n = kBatch / world().size(), micro = n / 2;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(c, step);
+      engine->zero_grad();
+      for (int k = 0; k < 2; ++k) {
+        const int64_t first = world().rank() * n + k * micro;
+        auto loss = torch::nll_loss(c.forward(*m, x.narrow(0, first, micro)), y.narrow(0, first, micro)) / 2;
+        if (k == 0) {
+          auto guard = engine->no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      const double norm = engine->clip_grad_norm(0.05);
+      opt.step();
+      engine->after_step();
+      ref_opt.zero_grad();
+      torch::nll_loss(c.forward(*ref, x), y).backward();
+      const double ref_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.05);
+      ref_opt.step();
+      EXPECT_NEAR(norm, ref_norm, 1e-10 * ref_norm) << parallel::fsdp::to_string(s) << " step " << step;
+      EXPECT_GT(ref_norm, 0.05) << "clipping must act for the test to mean anything";
+    }
+    EXPECT_LE(relative_diff(engine->full_parameters(), ref->parameters(), true), 1e-10) << parallel::fsdp::to_string(s);
+  }
+}
+
 TEST(FullyShard, UnitsAreFreedBetweenUses) {
   const Case c = cases()[2];  // the ResNet: two block units and the root
   auto m = c.make();
@@ -228,6 +268,16 @@ TEST(FullyShard, WrapPoliciesNameWhatIsWrong) {
   u = {};
   u.min_num_params = 1000000;
   expect_error(u, "chose no submodule");
+  // A module wrapped twice.
+  u = {};
+  u.names = {"net1"};
+  auto engine = parallel::fsdp::fully_shard(m.ptr(), world(), *world().group(), u);
+  try {
+    parallel::fsdp::fully_shard(m.ptr(), world(), *world().group(), u);
+    ADD_FAILURE() << "a module wrapped twice was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("wrapped twice"), std::string::npos) << e.what();
+  }
   auto r = ResNet();
   u = {};
   u.names = {"layer1", "layer1.0"};

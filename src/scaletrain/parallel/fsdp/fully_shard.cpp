@@ -11,6 +11,24 @@
 
 namespace scaletrain::parallel::fsdp {
 
+namespace {
+
+// One device for every parameter, and no parameter already in an engine.
+void check_module(const torch::nn::Module& module) {
+  auto named = module.named_parameters();
+  for (auto& item : named) {
+    const at::Tensor& p = item.value();
+    if (p.device() != named[0].value().device())
+      throw std::invalid_argument("fully_shard: parameters on different devices: '" + named[0].key() + "' on " +
+                                  named[0].value().device().str() + ", '" + item.key() + "' on " + p.device().str());
+    if (p.has_storage() && GatherOnUse::claimed(p.storage().unsafeGetStorageImpl()))
+      throw std::invalid_argument("fully_shard: parameter '" + item.key() +
+                                  "' is already sharded by another engine (the module is wrapped twice)");
+  }
+}
+
+}  // namespace
+
 ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, const ModuleUnits& units,
                                          comm::World& world, comm::Group& shard, comm::Group* replicate,
                                          ShardedOptions options)
@@ -19,6 +37,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     throw std::invalid_argument("fully_shard: units of a module are chosen by ModuleUnits, not options.wrap");
   if (options_.keep_root_between_backwards)
     throw std::invalid_argument("fully_shard: keep_root_between_backwards is for pipeline chunks");
+  check_module(*module_);
   own_blocks_ = std::make_unique<ModuleBlocks>(select_units(*module_, units));
   blocks_ = own_blocks_.get();
   GatherOnUse::Quiet quiet;

@@ -91,6 +91,13 @@ GatherOnUse::~GatherOnUse() {
   delete impl_;
 }
 
+bool GatherOnUse::claimed(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (Impl* impl : registry())
+    if (impl->unit_of(storage) >= 0) return true;
+  return false;
+}
+
 GatherOnUse::Quiet::Quiet() { ++t_quiet; }
 GatherOnUse::Quiet::~Quiet() { --t_quiet; }
 

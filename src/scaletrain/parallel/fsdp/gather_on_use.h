@@ -63,6 +63,10 @@ class GatherOnUse {
     Quiet& operator=(const Quiet&) = delete;
   };
 
+  // Whether a live engine's unit keeps its buffer in this storage (a
+  // module given to fully_shard twice).
+  static bool claimed(const c10::StorageImpl* storage);
+
   struct Impl;  // gather_on_use.cpp
 
  private:
