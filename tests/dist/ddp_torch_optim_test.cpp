@@ -7,19 +7,12 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/parallel/ddp/ddp.h"
+#include "user_modules.h"
 
 namespace scaletrain::test {
 namespace {
 
-struct ToyModelImpl : torch::nn::Module {
-  ToyModelImpl() {
-    net1 = register_module("net1", torch::nn::Linear(10, 10));
-    net2 = register_module("net2", torch::nn::Linear(10, 5));
-  }
-  at::Tensor forward(const at::Tensor& x) { return net2(torch::relu(net1(x))); }
-  torch::nn::Linear net1{nullptr}, net2{nullptr};
-};
-TORCH_MODULE(ToyModel);
+using ToyModel = Toy;
 
 constexpr int64_t kBatch = 24;  // divisible by 2..4 ranks x 1..2 micro-batches
 constexpr int kSteps = 4;
