@@ -7,7 +7,8 @@
 //   comm::Mesh                     the rank grid: dp / tp / pp / ep subgroups
 //   parallel::DistributedDataParallel   data parallelism over any torch::nn::Module
 //   parallel::fsdp::fully_shard    ZeRO-1/2/3 and FSDP's sharding strategies over any module
-//   parallel::tensor, parallel::pipeline  tensor and pipeline parallelism
+//   parallel::pipeline::ModulePipeline   pipelines over stages you give (split a Sequential)
+//   parallel::tensor               tensor parallelism (our transformer families)
 //   checkpoint::                   sharded checkpoints that reload under any layout
 //   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
 //   data::DistributedSampler       sample order that depends on (seed, global batch) only
@@ -17,3 +18,4 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/pipeline/module_pipeline.h"

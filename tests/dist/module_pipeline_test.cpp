@@ -1,0 +1,137 @@
+// Pipelines over stages the user gives: a CNN as a torch::nn::Sequential
+// (4-d feature maps, then a 2-d batch of features between stages) cut by a
+// balance into p*v chunks, under GPipe, 1F1B, interleaved and layer-wise
+// model parallelism (one micro-batch), against one process (fp64, 1e-10).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <numeric>
+
+#include "dist_env.h"
+#include "reference.h"
+#include "scaletrain/parallel/pipeline/module_pipeline.h"
+
+namespace scaletrain::test {
+namespace {
+
+namespace pl = parallel::pipeline;
+
+torch::nn::Sequential make_cnn() {
+  torch::manual_seed(11);
+  torch::nn::Sequential s(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)), torch::nn::ReLU(),
+                          torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)), torch::nn::ReLU(),
+                          torch::nn::AdaptiveAvgPool2d(1), torch::nn::Flatten(), torch::nn::Linear(8, 16),
+                          torch::nn::Tanh(), torch::nn::Linear(16, 10));
+  s->to(at::kDouble);
+  return s;
+}
+
+// 9 children over n chunks, the first ones one larger.
+std::vector<int64_t> balance_for(int n) {
+  std::vector<int64_t> b(static_cast<size_t>(n), 9 / n);
+  for (int i = 0; i < 9 % n; ++i) ++b[static_cast<size_t>(i)];
+  return b;
+}
+
+constexpr int64_t kBatch = 16;
+constexpr int kSteps = 3;
+
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto g = at::detail::createCPUGenerator(90 + step);
+  return {at::randn({kBatch, 3, 6, 6}, g, at::kDouble), at::randint(10, {kBatch}, g, at::kLong)};
+}
+
+at::Tensor loss_fn(const at::Tensor& out, const at::Tensor& y) { return torch::nll_loss(torch::log_softmax(out, 1), y); }
+
+void expect_parity(pl::Schedule schedule, int m, int v, const std::string& what) {
+  const int p = world().size();
+  auto whole = make_cnn();
+  auto pieces = pl::split(whole, balance_for(p * v));
+  std::vector<pl::StageModule> mine;
+  for (int j = 0; j < v; ++j) mine.push_back(pl::stage(pieces[static_cast<size_t>(j * p + world().rank())]));
+  pl::ModulePipelineOptions o;
+  o.schedule = schedule;
+  o.microbatches = m;
+  o.virtual_stages = v;
+  pl::ModulePipeline pipe(mine, *world().group(), o);
+  torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
+
+  auto ref = make_cnn();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(s);
+    pipe.zero_grad();
+    const double loss = pipe.step(x, y, loss_fn);
+    opt.step();
+    ref_opt.zero_grad();
+    auto ref_loss = loss_fn(ref->forward(x), y);
+    ref_loss.backward();
+    ref_opt.step();
+    EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-12) << what << " step " << s;
+  }
+  // This rank's chunks against the same children of the reference.
+  const auto balance = balance_for(p * v);
+  auto whole_params = whole->named_parameters(), ref_params = ref->named_parameters();
+  int compared = 0;
+  for (int j = 0; j < v; ++j) {
+    const int c = j * p + world().rank();
+    const int64_t first = std::accumulate(balance.begin(), balance.begin() + c, int64_t{0});
+    for (int64_t k = first; k < first + balance[static_cast<size_t>(c)]; ++k) {
+      const std::string prefix = std::to_string(k) + ".";
+      for (auto& item : whole_params) {
+        if (item.key().rfind(prefix, 0) != 0) continue;
+        const at::Tensor& want = ref_params[item.key()];
+        EXPECT_LE(relative_diff({item.value()}, {want}, true), 1e-10) << what << " " << item.key();
+        EXPECT_GT((want - make_cnn()->named_parameters()[item.key()]).abs().max().item<double>(), 1e-4)
+            << what << " " << item.key() << " did not move";
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, static_cast<int>(pipe.parameters().size())) << what;
+}
+
+TEST(ModulePipeline, SequentialStagesMatchOneProcessUnderEverySchedule) {
+  expect_parity(pl::Schedule::OneFOneB, 1, 1, "layer-wise (1 micro-batch)");
+  expect_parity(pl::Schedule::GPipe, 4, 1, "gpipe m=4");
+  expect_parity(pl::Schedule::OneFOneB, 4, 1, "1f1b m=4");
+  if (world().size() <= 4) expect_parity(pl::Schedule::Interleaved, 2 * world().size(), 2, "interleaved v=2");
+}
+
+TEST(ModulePipeline, ZeroGradAndEvaluation) {
+  const int p = world().size();
+  auto whole = make_cnn();
+  auto pieces = pl::split(whole, balance_for(p));
+  pl::ModulePipeline pipe({pl::stage(pieces[static_cast<size_t>(world().rank())])}, *world().group());
+  auto [x, y] = batch(0);
+  pipe.step(x, y, loss_fn);
+  for (auto& t : pipe.parameters()) EXPECT_TRUE(t.grad().defined());
+  pipe.zero_grad();
+  for (auto& t : pipe.parameters()) EXPECT_FALSE(t.grad().defined()) << "zero_grad left a gradient";
+  const at::Tensor out = pipe.forward(x);
+  if (world().rank() == p - 1) {
+    EXPECT_LE((out - make_cnn()->forward(x)).abs().max().item<double>(), 1e-12);
+  } else {
+    EXPECT_FALSE(out.defined());
+  }
+}
+
+TEST(ModulePipeline, BadSplitsAreNamed) {
+  auto s = make_cnn();
+  try {
+    pl::split(s, {4, 4});
+    ADD_FAILURE() << "a balance of 8 accepted for 9 children";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("4 + 4 = 8 does not add up to the Sequential's 9 children"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(pl::split(s, {9, 0}), std::invalid_argument);
+  pl::ModulePipelineOptions o;
+  o.virtual_stages = 2;
+  o.schedule = pl::Schedule::Interleaved;
+  o.microbatches = 2 * world().size();
+  EXPECT_THROW(pl::ModulePipeline({pl::stage(s)}, *world().group(), o), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace scaletrain::test
