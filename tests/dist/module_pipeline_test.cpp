@@ -9,6 +9,7 @@
 
 #include "dist_env.h"
 #include "reference.h"
+#include "scaletrain/comm/mesh.h"
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
 
 namespace scaletrain::test {
@@ -96,6 +97,42 @@ TEST(ModulePipeline, SequentialStagesMatchOneProcessUnderEverySchedule) {
   expect_parity(pl::Schedule::GPipe, 4, 1, "gpipe m=4");
   expect_parity(pl::Schedule::OneFOneB, 4, 1, "1f1b m=4");
   if (world().size() <= 4) expect_parity(pl::Schedule::Interleaved, 2 * world().size(), 2, "interleaved v=2");
+}
+
+// PP2 x DP2: each stage under DDP over its data-parallel pair, reducing
+// only in its last backward of the step (DdpStageRunner).
+TEST(ModulePipeline, DdpPerStageMatchesOneProcess) {
+  if (world().size() != 4) GTEST_SKIP() << "needs pp 2 x dp 2 (4 ranks)";
+  static comm::Mesh mesh(world(), comm::MeshDims{2, 1, 2, 1});
+  const int stage = mesh.coord().pp, dp_rank = mesh.coord().dp(mesh.dims());
+  auto whole = make_cnn();
+  auto pieces = pl::split(whole, balance_for(2));
+  auto chunk = pl::stage(pieces[static_cast<size_t>(stage)]);
+  auto ddp = std::make_shared<parallel::DistributedDataParallel>(chunk.module, mesh.dp());
+  chunk.runner = std::make_shared<pl::DdpStageRunner>(ddp);
+  pl::ModulePipelineOptions o;
+  o.microbatches = 2;
+  pl::ModulePipeline pipe({chunk}, mesh.pp(), o);
+  torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
+  auto ref = make_cnn();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const int64_t half = kBatch / 2;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(s);
+    pipe.zero_grad();
+    pipe.step(x.narrow(0, dp_rank * half, half), y.narrow(0, dp_rank * half, half), loss_fn);
+    opt.step();
+    ref_opt.zero_grad();
+    loss_fn(ref->forward(x), y).backward();
+    ref_opt.step();
+  }
+  const int64_t first = stage == 0 ? 0 : balance_for(2)[0];
+  auto got = whole->named_parameters(), want = ref->named_parameters();
+  for (auto& item : got) {
+    const int64_t child = std::stoll(item.key().substr(0, item.key().find('.')));
+    if (child < first || child >= first + balance_for(2)[static_cast<size_t>(stage)]) continue;
+    EXPECT_LE(relative_diff({item.value()}, {want[item.key()]}, true), 1e-10) << item.key();
+  }
 }
 
 TEST(ModulePipeline, ZeroGradAndEvaluation) {

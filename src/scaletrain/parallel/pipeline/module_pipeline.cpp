@@ -26,6 +26,15 @@ std::string shape_of(const at::Tensor& t) {
 
 }  // namespace
 
+void DdpStageRunner::backward(const std::function<void()>& fn, bool last) {
+  if (last) {
+    fn();
+  } else {
+    auto guard = ddp_->no_sync();
+    fn();
+  }
+}
+
 StageModule stage(const torch::nn::Sequential& seq) {
   torch::nn::Sequential s = seq;  // a holder of its own, not const
   return {s.ptr(), [s](const at::Tensor& x) mutable { return s->forward(x); }};
@@ -63,6 +72,7 @@ struct ModulePipeline::Run {
   std::map<std::pair<int, int>, at::Tensor> local_fwd, local_bwd;  // neighbours on this rank
   std::vector<comm::Work> sends;
   std::vector<at::Tensor> in_transit;  // kept alive until their sends complete
+  std::vector<int> backwards;  // per local chunk, this step's so far
   double loss_sum = 0;
   bool grad = true;  // false: forward(), no loss, no backward
   std::vector<at::Tensor> outputs;  // forward(): the last chunk's outputs
@@ -141,10 +151,8 @@ void ModulePipeline::run_backward(Run& run, const Action& a) {
   const std::pair<int, int> key{a.microbatch, a.chunk};
   Run::Live l = std::move(run.live.at(key));
   run.live.erase(key);
-  if (a.chunk == last) {
-    l.output.backward();
-  } else {
-    at::Tensor g;
+  at::Tensor g;  // the gradient of the chunk's output; undefined for the loss
+  if (a.chunk != last) {
     if (p == 1) {
       g = run.local_bwd.at(key);
       run.local_bwd.erase(key);
@@ -152,8 +160,19 @@ void ModulePipeline::run_backward(Run& run, const Action& a) {
       g = at::empty_like(l.output, at::MemoryFormat::Contiguous);
       pp_.recv(g, (a.chunk + 1) % p, tag(a.microbatch, a.chunk + 1, m, true, false)).wait();
     }
-    if (l.output.requires_grad()) l.output.backward(g);
   }
+  auto body = [&] {
+    if (a.chunk == last)
+      l.output.backward();
+    else if (l.output.requires_grad())
+      l.output.backward(g);
+  };
+  const size_t j = static_cast<size_t>(a.chunk / p);
+  const bool last_of_step = ++run.backwards[j] == m;
+  if (chunks_[j].runner)
+    chunks_[j].runner->backward(body, last_of_step);
+  else
+    body();
   if (a.chunk == 0) return;
   at::Tensor gin = l.input.grad().defined() ? l.input.grad() : at::zeros_like(l.input);
   if (p == 1) {
@@ -173,6 +192,7 @@ double ModulePipeline::step(const at::Tensor& input, const at::Tensor& target, c
   run.loss = &loss;
   run.inputs = input.chunk(m, 0);
   run.targets = target.chunk(m, 0);
+  run.backwards.assign(chunks_.size(), 0);
   for (const Action& a : actions_) {
     if (a.kind == Action::Kind::Forward)
       run_forward(run, a);

@@ -30,15 +30,38 @@
 #include <vector>
 
 #include "scaletrain/comm/group.h"
+#include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 
 namespace scaletrain::parallel::pipeline {
 
-// One chunk of the model: its module (for parameters and zero_grad) and how
-// to run it on one input.
+// How data parallelism takes part in a chunk's backward passes: `last` is
+// the chunk's last backward of the step, the one whose gradients may be
+// reduced (the others accumulate).
+class StageRunner {
+ public:
+  virtual ~StageRunner() = default;
+  virtual void backward(const std::function<void()>& fn, bool last) { fn(); }
+};
+
+// DDP over one chunk's module (its data-parallel group): the micro-batches
+// before the last run under no_sync, the last one reduces the sum.
+class DdpStageRunner : public StageRunner {
+ public:
+  explicit DdpStageRunner(std::shared_ptr<DistributedDataParallel> ddp) : ddp_(std::move(ddp)) {}
+  void backward(const std::function<void()>& fn, bool last) override;
+
+ private:
+  std::shared_ptr<DistributedDataParallel> ddp_;
+};
+
+// One chunk of the model: its module (for parameters and zero_grad), how to
+// run it on one input, and (optionally) how data parallelism wraps its
+// backward.
 struct StageModule {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  std::shared_ptr<StageRunner> runner;  // null: plain autograd
 };
 // A torch::nn::Sequential as a chunk.
 StageModule stage(const torch::nn::Sequential& seq);
