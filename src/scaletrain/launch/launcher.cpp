@@ -1,6 +1,9 @@
 // Process launcher: spawn the workers, relay their output, stop them all on
 // the first failure, a forwarded signal or a timeout. See launcher.h.
 //
+// Longer than 600 lines (issue 35): supervision, elastic rounds and the CLI
+// glue share this file; those are its seams.
+//
 // Note [No process left behind]
 // Three mechanisms together guarantee that no worker outlives run():
 //  1. Each worker sets PR_SET_PDEATHSIG = SIGKILL before exec, so if the

@@ -1,3 +1,6 @@
+// Longer than 600 lines (issue 35): the TensorPipe agent, its wire format
+// (message headers, tensor payloads) and remote references in one file. The
+// seam is the wire format, which moves to rpc/wire.cpp when issue 35 cuts it.
 #include "scaletrain/rpc/rpc.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -1,3 +1,5 @@
+// Longer than 600 lines (issue 35): three SVG pictures (curves, comparison,
+// timeline). It moves to the CLI, one file per picture, with issue 35.
 #include "scaletrain/train/plot.h"
 
 #include <algorithm>

@@ -1,3 +1,6 @@
+// Longer than 600 lines (issue 35): building the model and the parallelize
+// recipe together. Issue 35 splits them (building vs the ordered recipe of
+// public calls over a typed plan).
 #include "scaletrain/train/strategy.h"
 
 #include "scaletrain/parallel/expert/expert_parallel.h"

@@ -1,3 +1,6 @@
+// Longer than 600 lines (issue 35): the loop, resume and save, and the
+// step's logging in one file. The seams: resume/save and logging, to move
+// out when issue 35 splits train/ by job.
 #include "scaletrain/train/trainer.h"
 
 #include <malloc.h>

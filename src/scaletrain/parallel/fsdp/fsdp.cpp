@@ -1,3 +1,7 @@
+// Longer than 600 lines (issue 35): the sharded engine's hooks, its
+// construction and its step API. The engine's state is in engine_state.h and
+// user modules' path in fully_shard.cpp; the constructor (init) is the next
+// seam to move out.
 #include "scaletrain/parallel/fsdp/fsdp.h"
 
 #include <torch/csrc/autograd/engine.h>
