@@ -8,7 +8,7 @@
 //   parallel::DistributedDataParallel   data parallelism over any torch::nn::Module
 //   parallel::fsdp::fully_shard    ZeRO-1/2/3 and FSDP's sharding strategies over any module
 //   parallel::pipeline::ModulePipeline   pipelines over stages you give (split a Sequential)
-//   parallel::tensor               tensor parallelism (our transformer families)
+//   parallel::tensor::parallelize_module   tensor parallelism by a plan over module names
 //   checkpoint::                   sharded checkpoints that reload under any layout
 //   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
 //   data::DistributedSampler       sample order that depends on (seed, global batch) only
@@ -19,3 +19,5 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/parallel/tensor/tp_comm.h"

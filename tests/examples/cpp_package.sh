@@ -28,7 +28,7 @@ test -f "$prefix/lib/cmake/scaletrain/scaletrainConfig.cmake"
 # Out of tree: the consumer sees only the prefix.
 cmake -S "$src/examples/cpp" -B "$work/examples" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$work/examples" -j2 >/dev/null
-for example in toy_ddp mnist resnet_fsdp resnet_pipeline; do
+for example in toy_ddp mnist resnet_fsdp resnet_pipeline tensor_parallel lstm_lm; do
   echo "== $example on 2 processes"
   "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 --master-port "$port" \
     -- "$work/examples/$example"

@@ -1,0 +1,339 @@
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
+#include <fnmatch.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "scaletrain/parallel/tensor/tp_comm.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::parallel::tensor {
+
+// The first failure inside forward, kept for check() (Note [Tensor
+// parallelism without forward hooks]).
+struct TensorParallelModule::Hooks {
+  std::vector<const c10::StorageImpl*> weights;  // registered below, by the weight's storage
+  std::mutex mu;
+  std::string failure;
+};
+
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// A planned Linear, found by its weight's storage when a product reads it.
+struct PlannedLinear {
+  std::string name;
+  ParallelStyle style = ParallelStyle::Colwise;
+  comm::Group* tp = nullptr;
+  std::shared_ptr<TensorParallelModule::Hooks> hooks;
+};
+
+std::mutex g_mu;
+at::CallbackHandle g_callback = 0;
+thread_local int t_busy = 0;  // our own operators inside a callback are not looked at
+
+std::unordered_map<const c10::StorageImpl*, PlannedLinear>& planned() {
+  static std::unordered_map<const c10::StorageImpl*, PlannedLinear> m;
+  return m;
+}
+
+struct Call : at::ObserverContext {
+  PlannedLinear linear;
+  at::Tensor input;         // the product's left operand (the layer's input)
+  at::Tensor added;         // addmm: beta * self, the part of the output that is not a product
+  uint64_t first_node = 0;  // the sequence number of the first autograd node the call creates
+};
+
+// f's backward for one call: all-reduce the gradients this node sends to the
+// call's input (slots of its outputs).
+struct AllReduceSlots : torch::autograd::FunctionPostHook {
+  AllReduceSlots(std::vector<size_t> slots, comm::Group* tp) : slots(std::move(slots)), tp(tp) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    variable_list out = outputs;
+    for (size_t i : slots) {
+      if (i >= out.size() || !out[i].defined()) continue;
+      at::Tensor sum = out[i].contiguous().clone();
+      all_reduce_(sum, *tp);
+      out[i] = sum;
+    }
+    return out;
+  }
+  std::vector<size_t> slots;
+  comm::Group* tp;
+};
+
+// Colwise: hook every node the call created that leads to its input.
+void hook_input_gradient(const Call& call, const at::Tensor& out) {
+  const at::Tensor& x = call.input;
+  if (!x.requires_grad() || !out.grad_fn()) return;  // no gradient flows to the input
+  const uint64_t end = at::sequence_number::peek();
+  const Edge target = torch::autograd::impl::gradient_edge(x);
+  std::vector<Node*> todo{out.grad_fn().get()};
+  std::unordered_set<Node*> seen;
+  size_t hooked = 0;
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    if (n->sequence_nr() < call.first_node || n->sequence_nr() >= end || !seen.insert(n).second) continue;
+    std::vector<size_t> slots;
+    for (size_t i = 0; i < n->num_outputs(); ++i) {
+      const Edge& e = n->next_edge(i);
+      if (e.function == target.function && e.input_nr == target.input_nr)
+        slots.push_back(i);
+      else if (e.function)
+        todo.push_back(e.function.get());
+    }
+    if (slots.empty()) continue;
+    hooked += slots.size();
+    n->add_post_hook(std::make_unique<AllReduceSlots>(std::move(slots), call.linear.tp));
+  }
+  if (hooked == 0) throw std::runtime_error("found no gradient path from its output to its input");
+}
+
+// Rowwise: the partial products summed over tp, what addmm added (the
+// bias) counted once.
+void reduce_output(const Call& call, const at::Tensor& out) {
+  torch::NoGradGuard no_grad;
+  at::Tensor y = out.data();  // the same memory, outside autograd
+  comm::Group& tp = *call.linear.tp;
+  if (call.added.defined() && tp.rank() != 0) y.sub_(call.added);
+  if (y.is_contiguous()) {
+    all_reduce_(y, tp);
+  } else {
+    at::Tensor sum = y.contiguous();
+    all_reduce_(sum, tp);
+    y.copy_(sum);
+  }
+}
+
+void fail(const Call& call, const at::Tensor& out, const std::string& what) {
+  const std::string line = "parallelize_module: '" + call.linear.name + "' (" +
+                           (call.linear.style == ParallelStyle::Colwise ? "colwise" : "rowwise") + "): " + what;
+  std::fprintf(stderr, "scaletrain: %s\n", line.c_str());
+  if (out.defined()) {
+    torch::NoGradGuard no_grad;
+    out.data().fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  std::lock_guard<std::mutex> lock(call.linear.hooks->mu);
+  if (call.linear.hooks->failure.empty()) call.linear.hooks->failure = line;
+}
+
+// The products a Linear's forward is made of (torch::nn::functional::linear:
+// addmm(b, x, W.t()) for 2-d input with a bias, else matmul(x, W.t()) and
+// then += b; aten::linear decomposes to the same two): which input is the
+// layer's input and which the weight.
+struct Product {
+  const char* name;
+  size_t x, weight;
+};
+constexpr Product kProducts[] = {{"aten::addmm", 1, 2}, {"aten::matmul", 0, 1}};
+
+const c10::StorageImpl* storage_of(const c10::IValue& v) {
+  if (!v.isTensor()) return nullptr;
+  const at::Tensor& t = v.toTensor();
+  return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (t_busy > 0) return nullptr;
+  const char* name = fn.name();
+  const Product* product = nullptr;
+  for (const Product& p : kProducts)
+    if (std::strcmp(name, p.name) == 0) product = &p;
+  if (product == nullptr) return nullptr;
+  // Backward's own products (they read the weight too) are not the layer's forward.
+  if (torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr) return nullptr;
+  const auto inputs = fn.inputs();
+  if (inputs.size() <= product->weight) return nullptr;
+  const c10::StorageImpl* weight = storage_of(inputs[product->weight]);
+  if (weight == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = planned().find(weight);
+  if (it == planned().end()) return nullptr;
+  auto call = std::make_unique<Call>();
+  call->linear = it->second;
+  call->input = inputs[product->x].toTensor();
+  if (call->linear.style == ParallelStyle::Rowwise && call->linear.tp->rank() != 0 && product == &kProducts[0] &&
+      inputs[0].isTensor() && inputs[0].toTensor().defined()) {
+    const double beta = inputs.size() > 3 && inputs[3].isScalar() ? inputs[3].toScalar().toDouble() : 1.0;
+    call->added = inputs[0].toTensor().detach() * beta;
+  }
+  call->first_node = at::sequence_number::peek();
+  return call;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  auto* call = static_cast<Call*>(ctx);
+  if (call == nullptr) return;
+  ++t_busy;
+  at::Tensor out;
+  try {
+    if (fn.outputs().empty() || !fn.outputs()[0].isTensor())
+      throw std::runtime_error("the output of its product was not observed");
+    out = fn.outputs()[0].toTensor();
+    if (call->linear.style == ParallelStyle::Rowwise)
+      reduce_output(*call, out);
+    else
+      hook_input_gradient(*call, out);
+  } catch (const std::exception& e) {
+    fail(*call, out, e.what());
+  }
+  --t_busy;
+}
+
+// Registers the planned linears; the callback lives while any is planned.
+void plan_linears(const std::vector<PlannedLinear>& linears, const std::vector<const c10::StorageImpl*>& weights) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (size_t i = 0; i < linears.size(); ++i) planned()[weights[i]] = linears[i];
+  if (g_callback == 0 && !planned().empty())
+    g_callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).needsOutputs(true).scopes(
+            {at::RecordScope::FUNCTION}));
+}
+
+void unplan_linears(const std::vector<const c10::StorageImpl*>& weights) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const c10::StorageImpl* w : weights) planned().erase(w);
+  if (g_callback != 0 && planned().empty()) {
+    at::removeCallback(g_callback);
+    g_callback = 0;
+  }
+}
+
+bool is_planned(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return planned().count(weight.storage().unsafeGetStorageImpl()) > 0;
+}
+
+// One submodule the plan names, with what its style splits.
+struct Target {
+  std::string name;
+  ParallelStyle style;
+  std::shared_ptr<torch::nn::Module> module;
+  int64_t weight_dim = -1;  // which dimension of the weight is split
+  int64_t bias_dim = -1;    // -1: the bias (if any) is replicated
+};
+
+const char* style_name(ParallelStyle s) { return s == ParallelStyle::Colwise ? "colwise" : "rowwise"; }
+
+// Checks the module's type and the split dimension; throws UsageError naming both.
+Target target_of(const std::string& name, ParallelStyle style, std::shared_ptr<torch::nn::Module> m, int tp) {
+  Target t{name, style, m};
+  const std::string where = "parallelize_module: '" + name + "' ";
+  int64_t extent = 0;
+  std::string what;
+  if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+    const bool col = style == ParallelStyle::Colwise;
+    t.weight_dim = col ? 0 : 1;
+    t.bias_dim = col ? 0 : -1;
+    extent = col ? linear->options.out_features() : linear->options.in_features();
+    what = col ? "output features" : "input features";
+  } else if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
+    if (style == ParallelStyle::Rowwise)
+      throw UsageError(where + "is an Embedding: rowwise (vocabulary) sharding needs its lookup's ids shifted, "
+                               "which an unmodified module cannot do; use colwise");
+    if (embedding->options.max_norm())
+      throw UsageError(where + "is an Embedding with max_norm: the norm of a row would be taken over this rank's "
+                               "columns only");
+    t.weight_dim = 1;
+    extent = embedding->options.embedding_dim();
+    what = "embedding dimensions";
+  } else {
+    throw UsageError(where + "is a " + m->name() + "; colwise and rowwise apply to torch::nn::Linear (and colwise "
+                             "to torch::nn::Embedding)");
+  }
+  if (extent % tp != 0)
+    throw UsageError(where + "(" + style_name(style) + "): its " + std::to_string(extent) + " " + what +
+                     " are not divisible by the tensor-parallel degree " + std::to_string(tp));
+  if (is_planned(m->named_parameters(false)["weight"]))
+    throw UsageError(where + "is already tensor-parallel (given to parallelize_module before)");
+  return t;
+}
+
+// The submodules the plan names, in plan order; every pattern must match.
+std::vector<Target> resolve(torch::nn::Module& root, const ModulePlan& plan, int tp) {
+  const auto modules = root.named_modules("", /*include_self=*/false);
+  std::vector<Target> out;
+  std::map<std::string, std::string> matched_by;
+  for (const auto& [pattern, style] : plan) {
+    bool any = false;
+    for (const auto& item : modules) {
+      if (fnmatch(pattern.c_str(), item.key().c_str(), 0) != 0) continue;
+      any = true;
+      auto [it, fresh] = matched_by.emplace(item.key(), pattern);
+      if (!fresh)
+        throw UsageError("parallelize_module: '" + item.key() + "' is matched by both '" + it->second + "' and '" +
+                         pattern + "'");
+      out.push_back(target_of(item.key(), style, item.value(), tp));
+    }
+    if (!any) throw UsageError("parallelize_module: '" + pattern + "' names no submodule of " + root.name());
+  }
+  return out;
+}
+
+}  // namespace
+
+TensorParallelModule::TensorParallelModule(std::shared_ptr<torch::nn::Module> module, TensorParallelPlan plan)
+    : module_(std::move(module)), plan_(std::move(plan)), hooks_(std::make_shared<Hooks>()) {}
+
+TensorParallelModule::~TensorParallelModule() { unplan_linears(hooks_->weights); }
+
+void TensorParallelModule::check() const {
+  std::lock_guard<std::mutex> lock(hooks_->mu);
+  if (!hooks_->failure.empty()) throw std::runtime_error(hooks_->failure);
+}
+
+std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::nn::Module> module, comm::Group& tp,
+                                                         const ModulePlan& plan, ParallelizeOptions options) {
+  if (!module) throw UsageError("parallelize_module: no module given");
+  const std::vector<Target> targets = resolve(*module, plan, tp.size());
+  // Which dimension each parameter is split along, by full name.
+  std::unordered_map<std::string, int64_t> split;
+  for (const Target& t : targets) {
+    split[t.name + ".weight"] = t.weight_dim;
+    if (t.bias_dim >= 0) split[t.name + ".bias"] = t.bias_dim;
+  }
+  TensorParallelPlan layout;
+  layout.tp = &tp;
+  torch::NoGradGuard no_grad;
+  for (auto& item : module->named_parameters()) {
+    at::Tensor p = item.value();
+    if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+    ParamLayout l;
+    l.name = item.key();
+    l.full_shape = p.sizes().vec();
+    auto it = split.find(item.key());
+    if (it != split.end()) {
+      l.dim = it->second;
+      p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
+    }
+    layout.params.push_back(std::move(l));
+  }
+  std::unique_ptr<TensorParallelModule> out(new TensorParallelModule(module, std::move(layout)));
+  std::vector<PlannedLinear> linears;
+  for (const Target& t : targets) {
+    auto* linear = dynamic_cast<torch::nn::LinearImpl*>(t.module.get());
+    if (linear == nullptr) continue;  // a colwise Embedding needs no communication
+    linears.push_back(PlannedLinear{t.name, t.style, &tp, out->hooks_});
+    out->hooks_->weights.push_back(linear->weight.storage().unsafeGetStorageImpl());
+  }
+  plan_linears(linears, out->hooks_->weights);
+  return out;
+}
+
+}  // namespace scaletrain::parallel::tensor

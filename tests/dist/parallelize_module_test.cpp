@@ -1,0 +1,242 @@
+// parallelize_module on modules that are not ours: a TensorParallelLinear
+// (one colwise Linear, its output gathered by the user), MLP blocks with a
+// residual (colwise -> rowwise, found by a pattern), and a colwise Embedding
+// feeding a rowwise Linear, against one process in float64 (1e-10) over
+// several Adam steps; on 4 ranks also DDP over dp x tensor parallelism over
+// tp. The modules' forward is theirs (Note [Tensor parallelism without
+// forward hooks]).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+
+#include "dist_env.h"
+#include "reference.h"
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/parallel/tensor/tp_comm.h"
+#include "scaletrain/util/error.h"
+#include "user_modules.h"
+
+namespace scaletrain::test {
+namespace {
+
+using parallel::tensor::colwise;
+using parallel::tensor::ModulePlan;
+using parallel::tensor::rowwise;
+
+// One weight split over its outputs; the user gathers the output when tp is given.
+struct TpLinearImpl : torch::nn::Module {
+  TpLinearImpl() { fc = register_module("fc", torch::nn::Linear(12, 8)); }
+  at::Tensor forward(const at::Tensor& x, comm::Group* tp) {
+    auto y = fc(x);
+    return tp ? parallel::tensor::gather_from_tp_region(y, *tp, -1) : y;
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(TpLinear);
+
+// A transformer's MLP with its residual: h is read by fc1 and by the add.
+struct MlpBlockImpl : torch::nn::Module {
+  MlpBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 16));
+  }
+  at::Tensor forward(const at::Tensor& h) { return h + fc2(torch::gelu(fc1(h))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(MlpBlock);
+
+struct MlpNetImpl : torch::nn::Module {
+  MlpNetImpl() {
+    in = register_module("in", torch::nn::Linear(10, 16));
+    blocks = register_module("blocks", torch::nn::ModuleList(MlpBlock(), MlpBlock()));
+    head = register_module("head", torch::nn::Linear(16, 5));
+  }
+  at::Tensor forward(const at::Tensor& x, comm::Group*) {
+    auto h = torch::tanh(in(x));
+    for (auto& b : *blocks) h = b->as<MlpBlockImpl>()->forward(h);
+    return head(h);
+  }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(MlpNet);
+
+// A colwise Embedding's feature slice read by a rowwise Linear.
+struct EmbedNetImpl : torch::nn::Module {
+  EmbedNetImpl() {
+    emb = register_module("emb", torch::nn::Embedding(20, 16));
+    fc = register_module("fc", torch::nn::Linear(16, 8));
+    head = register_module("head", torch::nn::Linear(8, 5));
+  }
+  at::Tensor forward(const at::Tensor& ids, comm::Group*) { return head(torch::relu(fc(emb(ids)))); }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+};
+TORCH_MODULE(EmbedNet);
+
+struct Case {
+  std::string name;
+  std::function<std::shared_ptr<torch::nn::Module>()> make;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&, comm::Group*)> forward;
+  std::function<at::Tensor(int step)> input;  // the global batch's inputs
+  int64_t outputs;
+  ModulePlan plan;
+};
+
+constexpr int64_t kBatch = 8, kSeq = 3;
+constexpr int kSteps = 4;
+
+template <typename M>
+Case make_case(std::string name, std::function<at::Tensor(int)> input, int64_t outputs, ModulePlan plan) {
+  return {name,
+          [] {
+            torch::manual_seed(5);
+            auto m = M();
+            m->to(at::kDouble);
+            return std::static_pointer_cast<torch::nn::Module>(m.ptr());
+          },
+          [](torch::nn::Module& m, const at::Tensor& x, comm::Group* tp) {
+            return dynamic_cast<typename M::ContainedType&>(m).forward(x, tp);
+          },
+          std::move(input), outputs, std::move(plan)};
+}
+
+std::function<at::Tensor(int)> normal(std::vector<int64_t> shape) {
+  return [shape](int step) { return at::randn(shape, at::detail::createCPUGenerator(70 + step), at::kDouble); };
+}
+
+std::vector<Case> cases() {
+  return {make_case<TpLinear>("TensorParallelLinear", normal({kBatch, 12}), 8, {{"fc", colwise}}),
+          make_case<MlpNet>("mlp", normal({kBatch, kSeq, 10}), 5, {{"blocks.*.fc1", colwise}, {"blocks.*.fc2", rowwise}}),
+          make_case<EmbedNet>("embedding", [](int step) {
+            return at::randint(20, {kBatch, kSeq}, at::detail::createCPUGenerator(70 + step), at::kLong);
+          }, 5, {{"emb", colwise}, {"fc", rowwise}})};
+}
+
+at::Tensor target(const Case& c, const at::Tensor& x, int step) {
+  auto shape = x.sizes().vec();  // ids [B, T] give [B, T, outputs]; features replace their last dimension
+  if (x.scalar_type() == at::kLong)
+    shape.push_back(c.outputs);
+  else
+    shape.back() = c.outputs;
+  return at::randn(shape, at::detail::createCPUGenerator(90 + step), at::kDouble);
+}
+
+struct Run {
+  std::vector<at::Tensor> params;
+  std::vector<double> norms;  // the gradient norm of each step, before clipping
+};
+
+// One process on the whole batch; `clip` > 0 clips the global norm.
+Run train_alone(const Case& c, double clip) {
+  auto m = c.make();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  Run r;
+  for (int s = 0; s < kSteps; ++s) {
+    auto x = c.input(s);
+    opt.zero_grad();
+    torch::mse_loss(c.forward(*m, x, nullptr), target(c, x, s)).backward();
+    r.norms.push_back(torch::nn::utils::clip_grad_norm_(m->parameters(), clip > 0 ? clip : 1e300));
+    opt.step();
+  }
+  r.params = m->parameters();
+  return r;
+}
+
+// Tensor parallelism over `tp`; with `dp`, DDP over it and 1/dp of the batch.
+Run train_parallel(const Case& c, comm::Group& tp, comm::Group* dp, double clip) {
+  auto m = c.make();
+  auto tpm = parallel::tensor::parallelize_module(m, tp, c.plan);
+  std::unique_ptr<parallel::DistributedDataParallel> ddp;
+  if (dp) ddp = std::make_unique<parallel::DistributedDataParallel>(m, *dp);
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  const auto norm_params = parallel::tensor::grad_norm_params(*m, tpm->plan());
+  const int parts = dp ? dp->size() : 1, part = dp ? dp->rank() : 0;
+  Run r;
+  for (int s = 0; s < kSteps; ++s) {
+    auto x = c.input(s);
+    auto y = target(c, x, s);
+    const int64_t n = kBatch / parts;
+    opt.zero_grad();
+    auto out = c.forward(*m, x.narrow(0, part * n, n), &tp);
+    torch::mse_loss(out, y.narrow(0, part * n, n)).backward();
+    r.norms.push_back(parallel::tensor::clip_grad_norm(norm_params, clip, tp));
+    opt.step();
+  }
+  tpm->check();
+  r.params = parallel::tensor::gather_full_parameters(*m, tpm->plan());
+  return r;
+}
+
+void expect_parity(const Case& c, comm::Group& tp, comm::Group* dp, const std::string& what) {
+  for (double clip : {0.0, 0.05}) {
+    const Run want = train_alone(c, clip), got = train_parallel(c, tp, dp, clip);
+    ASSERT_EQ(got.params.size(), want.params.size()) << c.name << " " << what;
+    EXPECT_LE(relative_diff(got.params, want.params, /*per_tensor=*/true), 1e-10) << c.name << " " << what;
+    for (int s = 0; s < kSteps; ++s)
+      EXPECT_NEAR(got.norms[s], want.norms[s], 1e-10 * want.norms[s]) << c.name << " " << what << " step " << s;
+    if (clip > 0) EXPECT_GT(want.norms[0], clip) << c.name << ": clipping must act for the test to mean anything";
+    auto init = c.make()->parameters();
+    for (size_t i = 0; i < got.params.size(); ++i)
+      EXPECT_GT((got.params[i] - init[i]).abs().max().item<double>(), 1e-4) << c.name << ": tensor " << i;
+  }
+}
+
+// Every rank in one tp group; on 4 ranks also DDP over dp 2 x tp 2.
+TEST(ParallelizeModule, UserModulesMatchOneProcess) {
+  for (const Case& c : cases()) expect_parity(c, *world().group(), nullptr, "tp " + std::to_string(world().size()));
+  if (world().size() != 4) return;
+  static comm::Mesh mesh(world(), comm::MeshDims{1, 1, 2, 2});
+  for (const Case& c : cases()) expect_parity(c, mesh.tp(), &mesh.dp(), "dp 2 x tp 2");
+}
+
+// The layouts the plan reports are what gather_full_parameters and
+// checkpoints rely on: split dimensions as planned, the rest replicated.
+TEST(ParallelizeModule, PlanReportsEveryParameter) {
+  auto m = MlpNet();
+  m->to(at::kDouble);
+  auto tpm = parallel::tensor::parallelize_module(m.ptr(), *world().group(), cases()[1].plan);
+  const auto& plan = tpm->plan();
+  ASSERT_EQ(plan.params.size(), m->parameters().size());
+  const int tp = world().size();
+  EXPECT_EQ(plan.layout("blocks.0.fc1.weight").dim, 0);
+  EXPECT_EQ(plan.layout("blocks.1.fc1.bias").dim, 0);
+  EXPECT_EQ(plan.layout("blocks.0.fc2.weight").dim, 1);
+  EXPECT_FALSE(plan.layout("blocks.0.fc2.bias").sharded());
+  EXPECT_FALSE(plan.layout("head.weight").sharded());
+  EXPECT_EQ(m->blocks[0]->as<MlpBlockImpl>()->fc1->weight.size(0), 32 / tp);
+  EXPECT_EQ(m->blocks[1]->as<MlpBlockImpl>()->fc2->weight.size(1), 32 / tp);
+}
+
+void expect_refused(const std::shared_ptr<torch::nn::Module>& m, const ModulePlan& plan, const std::string& part) {
+  try {
+    parallel::tensor::parallelize_module(m, *world().group(), plan);
+    ADD_FAILURE() << "accepted a plan that should name '" << part << "'";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line: " << e.what();
+  }
+}
+
+TEST(ParallelizeModule, BadPlansNameTheModuleAndTheProblem) {
+  auto toy = Toy().ptr();  // net1: Linear(10, 10), net2: Linear(10, 5)
+  expect_refused(toy, {{"net3", colwise}}, "'net3' names no submodule");
+  expect_refused(toy, {{"net2", colwise}}, "its 5 output features are not divisible");
+  expect_refused(MlpBlock().ptr(), {{"fc1", colwise}, {"fc*", rowwise}}, "'fc1' is matched by both 'fc1' and 'fc*'");
+  expect_refused(Net().ptr(), {{"conv1", colwise}}, "'conv1' is a torch::nn::Conv2dImpl");
+  expect_refused(EmbedNet().ptr(), {{"emb", rowwise}}, "'emb' is an Embedding: rowwise");
+  auto with_max_norm = std::make_shared<torch::nn::Module>();
+  with_max_norm->register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(8, 16).max_norm(1.0)));
+  expect_refused(with_max_norm, {{"emb", colwise}}, "'emb' is an Embedding with max_norm");
+  // Nothing was split by the refused plans.
+  EXPECT_EQ(toy->named_parameters()["net1.weight"].size(1), 10);
+  auto twice = MlpBlock().ptr();
+  auto first = parallel::tensor::parallelize_module(twice, *world().group(), {{"fc1", colwise}});
+  expect_refused(twice, {{"fc1", colwise}}, "'fc1' is already tensor-parallel");
+}
+
+}  // namespace
+}  // namespace scaletrain::test
