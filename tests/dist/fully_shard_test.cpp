@@ -1,7 +1,8 @@
 // fully_shard on modules that are not ours: the ToyModel, the MNIST Net of
-// pytorch/examples, and a small ResNet with BatchNorm, under every sharding
-// strategy, against one process (float64, 1e-10). The modules' forward is
-// theirs: units are gathered when operators read them (Note [Gather on use]).
+// pytorch/examples, a small ResNet with BatchNorm and an LSTM language
+// model (weights read at every time step), under every sharding strategy,
+// against one process (float64, 1e-10). The modules' forward is theirs:
+// units are gathered when operators read them (Note [Gather on use]).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +12,7 @@
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/util/error.h"
 #include "user_modules.h"
 
 namespace scaletrain::test {
@@ -24,7 +26,7 @@ struct Case {
   std::string name;
   std::function<std::shared_ptr<torch::nn::Module>()> make;
   std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> forward;
-  std::vector<int64_t> input;  // one sample's shape
+  std::vector<int64_t> input;  // one sample's shape; {-T}: T token ids
   int64_t classes;
   ModuleUnits units;
 };
@@ -43,12 +45,13 @@ Case make_case(std::string name, std::vector<int64_t> input, int64_t classes, Mo
 }
 
 std::vector<Case> cases() {
-  ModuleUnits toy, net, resnet;
+  ModuleUnits toy, net, resnet, lstm;
   toy.names = {"net1", "net2"};
   net.types = {"torch::nn::Conv2dImpl", "LinearImpl"};
   resnet.types = {"BasicBlockImpl"};
+  lstm.names = {"embed", "lstm", "head"};
   return {make_case<Toy>("toy", {10}, 5, toy), make_case<Net>("mnist", {1, 28, 28}, 10, net),
-          make_case<ResNet>("resnet", {3, 8, 8}, 10, resnet)};
+          make_case<ResNet>("resnet", {3, 8, 8}, 10, resnet), make_case<LstmLm>("lstm", {-5}, 12, lstm)};
 }
 
 constexpr int64_t kBatch = 24;  // divisible by 1..4 ranks
@@ -57,6 +60,10 @@ constexpr int kSteps = 4;
 std::pair<at::Tensor, at::Tensor> batch(const Case& c, int step) {
   auto g = at::detail::createCPUGenerator(50 + step);
   std::vector<int64_t> shape{kBatch};
+  if (c.input.size() == 1 && c.input[0] < 0) {  // {-T}: T token ids below `classes`
+    auto ids = at::randint(c.classes, {kBatch, -c.input[0]}, g, at::kLong).to(at::kDouble);
+    return {ids, at::randint(c.classes, {kBatch}, g, at::kLong)};
+  }
   shape.insert(shape.end(), c.input.begin(), c.input.end());
   return {at::randn(shape, g, at::kDouble), at::randint(c.classes, {kBatch}, g, at::kLong)};
 }
@@ -190,6 +197,65 @@ TEST(FullyShard, UnitsAreFreedBetweenUses) {
   int64_t shard_bytes = 0;
   for (auto& s : engine->shards()) shard_bytes += s.nbytes();
   EXPECT_EQ(engine->param_bytes(), shard_bytes);
+}
+
+// Note [Step protocol]: the mistakes that would otherwise train wrongly in
+// silence are exceptions that say what to do.
+TEST(FullyShard, StepProtocolMistakesAreLoud) {
+  const Case c = cases()[0];
+  auto [x, y] = batch(c, 0);
+  const int64_t n = kBatch / world().size();
+  auto backward = [&](torch::nn::Module& m) {
+    torch::nll_loss(torch::log_softmax(c.forward(m, x.narrow(0, world().rank() * n, n)), 1),
+                    y.narrow(0, world().rank() * n, n))
+        .backward();
+  };
+  auto expect_usage_error = [](const std::function<void()>& f, const std::string& part, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+    ShardedOptions o;
+    o.sharding = s;
+    const std::string name = parallel::fsdp::to_string(s);
+    {  // the optimizer over the module's parameters: it steps nothing the engine keeps
+      auto m = c.make();
+      auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+      torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1));
+      backward(*m);
+      opt.step();
+      expect_usage_error([&] { engine->after_step(); }, "build the optimizer over engine->shards()",
+                         name + " optimizer over parameters");
+    }
+    for (bool via_backward : {false, true}) {  // a step without after_step()
+      auto m = c.make();
+      auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+      torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+      backward(*m);
+      opt.step();
+      if (via_backward) {
+        opt.zero_grad();
+        expect_usage_error([&] { backward(*m); }, "after_step() was not called", name + " next backward");
+      } else {
+        expect_usage_error([&] { engine->zero_grad(); }, "after_step() was not called", name + " zero_grad");
+      }
+    }
+    {  // a skipped step (both skipped) is not a mistake
+      auto m = c.make();
+      auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+      torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+      backward(*m);
+      EXPECT_NO_THROW(engine->zero_grad()) << name;
+      backward(*m);
+      opt.step();
+      EXPECT_NO_THROW(engine->after_step()) << name;
+      EXPECT_NO_THROW(engine->zero_grad()) << name;
+    }
+  }
 }
 
 TEST(FullyShard, WrapPoliciesNameWhatIsWrong) {

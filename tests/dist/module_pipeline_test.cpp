@@ -101,8 +101,8 @@ TEST(ModulePipeline, SequentialStagesMatchOneProcessUnderEverySchedule) {
 
 // PP2 x DP2: each stage under DDP over its data-parallel pair, reducing
 // only in its last backward of the step (DdpStageRunner).
-TEST(ModulePipeline, DdpPerStageMatchesOneProcess) {
-  if (world().size() != 4) GTEST_SKIP() << "needs pp 2 x dp 2 (4 ranks)";
+// pp 2 x dp 2: 4 ranks only (the w2 entry filters it out).
+TEST(ModulePipelineDp, DdpPerStageMatchesOneProcess) {
   static comm::Mesh mesh(world(), comm::MeshDims{2, 1, 2, 1});
   const int stage = mesh.coord().pp, dp_rank = mesh.coord().dp(mesh.dims());
   auto whole = make_cnn();
@@ -132,6 +132,50 @@ TEST(ModulePipeline, DdpPerStageMatchesOneProcess) {
     const int64_t child = std::stoll(item.key().substr(0, item.key().find('.')));
     if (child < first || child >= first + balance_for(2)[static_cast<size_t>(stage)]) continue;
     EXPECT_LE(relative_diff({item.value()}, {want[item.key()]}, true), 1e-10) << item.key();
+  }
+}
+
+// fully_shard per stage on pp 2 x dp 2, 1F1B over 4 micro-batches: a
+// unit's forward of one micro-batch runs between the backward passes of
+// others, and only the last backward of the step reduces.
+TEST(ModulePipelineDp, FullyShardPerStageMatchesOneProcess) {
+  static comm::Mesh mesh(world(), comm::MeshDims{2, 1, 2, 1});
+  const int stage = mesh.coord().pp, dp_rank = mesh.coord().dp(mesh.dims());
+  for (auto sharding : {parallel::fsdp::Sharding::Zero2, parallel::fsdp::Sharding::FullShard}) {
+    auto whole = make_cnn();
+    auto pieces = pl::split(whole, balance_for(2));
+    auto chunk = pl::stage(pieces[static_cast<size_t>(stage)]);
+    parallel::fsdp::ModuleUnits units;
+    units.min_num_params = 100;  // every Conv2d and Linear
+    parallel::fsdp::ShardedOptions so;
+    so.sharding = sharding;
+    std::shared_ptr<parallel::fsdp::ShardedDataParallel> engine =
+        parallel::fsdp::fully_shard(chunk.module, world(), mesh.dp(), units, so);
+    chunk.runner = std::make_shared<pl::ShardedStageRunner>(engine);
+    pl::ModulePipelineOptions o;
+    o.microbatches = 4;
+    pl::ModulePipeline pipe({chunk}, mesh.pp(), o);
+    torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+    auto ref = make_cnn();
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    const int64_t half = kBatch / 2;
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = batch(s);
+      engine->zero_grad();
+      pipe.step(x.narrow(0, dp_rank * half, half), y.narrow(0, dp_rank * half, half), loss_fn);
+      opt.step();
+      engine->after_step();
+      ref_opt.zero_grad();
+      loss_fn(ref->forward(x), y).backward();
+      ref_opt.step();
+    }
+    auto got = engine->full_parameters();
+    auto names = chunk.module->named_parameters();
+    auto want = ref->named_parameters();  // a piece keeps the Sequential's child names
+    ASSERT_EQ(got.size(), names.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_LE(relative_diff({got[i]}, {want[names[i].key()]}, true), 1e-10)
+          << parallel::fsdp::to_string(sharding) << " " << names[i].key();
   }
 }
 

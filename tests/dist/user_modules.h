@@ -1,7 +1,8 @@
 #pragma once
 // Modules that are not ours, as a libtorch user writes them: the ToyModel
 // of every DDP tutorial, the MNIST Net of pytorch/examples (dropout left out:
-// its masks are drawn per process), and a small ResNet with BatchNorm.
+// its masks are drawn per process), a small ResNet with BatchNorm, and an
+// LSTM language model.
 #include <torch/torch.h>
 
 namespace scaletrain::test {
@@ -63,5 +64,24 @@ struct ResNetImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(ResNet);
+
+// A recurrent language model read at its last position: the LSTM's weights
+// are used at every time step. Inputs are token ids [B, T] (as float64, the
+// cases' common input type; cast back here).
+struct LstmLmImpl : torch::nn::Module {
+  LstmLmImpl() {
+    embed = register_module("embed", torch::nn::Embedding(12, 6));
+    lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(6, 8).num_layers(2).batch_first(true)));
+    head = register_module("head", torch::nn::Linear(8, 12));
+  }
+  at::Tensor forward(const at::Tensor& ids) {
+    auto h = std::get<0>(lstm(embed(ids.to(at::kLong))));
+    return torch::log_softmax(head(h.select(1, -1)), 1);
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::LSTM lstm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(LstmLm);
 
 }  // namespace scaletrain::test

@@ -111,6 +111,22 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::unordered_map<const c10::StorageImpl*, size_t> unit_of_storage;
   size_t forward_unit = 0, backward_unit = 0;
   void use_unit(size_t u);
+  // Note [Step protocol]: set when a synchronized backward has reduced into
+  // the gradient shards, with the shards' version counters at that moment;
+  // cleared by after_step().
+  struct ShardMark {
+    std::vector<int64_t> versions;  // each trainable shard's version counter
+    at::Tensor values, grads;       // a few evenly spaced elements of each (float64)
+  };
+  bool awaiting_step = false;
+  bool missed_after_step = false;  // found when this backward began
+  ShardMark reduced;               // the shards when the gradients were reduced
+  ShardMark mark_shards() const;
+  bool shards_changed() const;
+  // Whether the reduced gradients were large enough for a step to show.
+  bool gradients_nonzero() const;
+  // Throws UsageError if the optimizer stepped without after_step().
+  void check_after_step_called(const char* where) const;
   void issue_ready_reduces(bool flush);
   void finish_oldest_reduce();
   void finish_backward();

@@ -27,6 +27,7 @@
 #include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
+#include "scaletrain/util/error.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -258,6 +259,9 @@ at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockB
 void ShardedDataParallel::State::begin_backward() {
   if (in_backward) return;
   in_backward = true;
+  // Note [Step protocol]: thrown from the first gradient hook (this may run
+  // inside an operator callback, which cannot throw).
+  missed_after_step = awaiting_step && shards_changed();
   torch::autograd::Engine::get_default_engine().queue_callback(
       [self = shared_from_this()] { self->finish_backward(); });
 }
@@ -275,6 +279,7 @@ void ShardedDataParallel::State::on_grad_ready(size_t s) {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(mu);
   begin_backward();
+  if (missed_after_step) check_after_step_called("backward");
   const Slot& slot = slots[s];
   Unit& unit = units[slot.unit];
   unit.flats[slot.flat]->on_grad_ready(slot.index);
@@ -347,6 +352,66 @@ void ShardedDataParallel::State::finish_backward() {
   next_reduce = 0;
   in_backward = false;
   forward_unit = backward_unit = 0;
+  if (sync) {
+    awaiting_step = true;
+    reduced = mark_shards();
+  }
+}
+
+// Note [Step protocol]: the optimizer writes the shards in place, and
+// nothing else writes them between a backward and after_step(). So "no
+// shard changed" at after_step() means the optimizer holds other tensors
+// (the module's parameters, which the engine has emptied or replaced: it
+// would step nothing, silently), and "shards changed" without after_step()
+// means replicated units keep stale parameters and sharded ones stale
+// device copies and FP8 scales. A change shows in a shard's version counter
+// (torch::optim::Adam, AdamW, ours) or, for optimizers that write through
+// .data() (libtorch's SGD, which leaves the counter alone), in the values:
+// a few evenly spaced elements of every shard are compared. An optimizer
+// step that changes nothing at all (SGD with a learning rate of 0) is taken
+// for the first mistake; skip after_step() with such a step, as with a
+// skipped one: nothing changed, so nothing is stale.
+ShardedDataParallel::State::ShardMark ShardedDataParallel::State::mark_shards() const {
+  constexpr int64_t kSamples = 64;
+  torch::NoGradGuard no_grad;
+  ShardMark m;
+  std::vector<at::Tensor> values, grads;
+  for (const Unit& unit : units)
+    for (const auto& f : unit.flats) {
+      if (!f->trainable()) continue;
+      const at::Tensor& shard = f->shard();
+      m.versions.push_back(static_cast<int64_t>(shard._version()));
+      if (shard.numel() == 0) continue;
+      const at::Tensor where = at::linspace(0, static_cast<double>(shard.numel() - 1),
+                                            std::min<int64_t>(kSamples, shard.numel()), at::kDouble)
+                                   .to(at::kLong)
+                                   .to(shard.device());
+      auto sample = [&](const at::Tensor& t) {
+        return t.reshape({-1}).index_select(0, where).to(at::kCPU, at::kDouble);  // host: 64 samples, compared here
+      };
+      values.push_back(sample(shard));
+      if (shard.grad().defined()) grads.push_back(sample(shard.grad()));
+    }
+  if (!values.empty()) m.values = at::cat(values);
+  if (!grads.empty()) m.grads = at::cat(grads);
+  return m;
+}
+
+bool ShardedDataParallel::State::shards_changed() const {
+  const ShardMark now = mark_shards();
+  if (now.versions != reduced.versions) return true;
+  return now.values.defined() && reduced.values.defined() && !at::equal(now.values, reduced.values);
+}
+
+bool ShardedDataParallel::State::gradients_nonzero() const {
+  return reduced.grads.defined() && reduced.grads.abs().max().item<double>() > 0;
+}
+
+void ShardedDataParallel::State::check_after_step_called(const char* where) const {
+  if (!awaiting_step || !shards_changed()) return;
+  throw UsageError(std::string(where) +
+                   ": the optimizer changed the shards after the last backward, but after_step() was not called: "
+                   "call engine->after_step() after every optimizer step");
 }
 
 ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks,
@@ -632,6 +697,12 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
 void ShardedDataParallel::after_step() {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   std::lock_guard<std::recursive_mutex> lock(state_->mu);
+  if (state_->awaiting_step && state_->gradients_nonzero() && !state_->shards_changed())
+    throw UsageError(
+        "after_step: no shard changed since backward reduced the gradients: build the optimizer over "
+        "engine->shards(), not the module's parameters (and when a step is skipped or changes nothing, skip "
+        "after_step() too)");
+  state_->awaiting_step = false;
   if (!replicated_params(options_.sharding)) {
     state_->wait_gathers();
     // Optimizer offload keeps a device copy of each stepped host shard.
@@ -646,6 +717,7 @@ void ShardedDataParallel::after_step() {
 
 void ShardedDataParallel::zero_grad() {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
+  state_->check_after_step_called("zero_grad");
   for (auto& unit : state_->units)
     for (auto& f : unit.flats) f->zero_grad();
 }

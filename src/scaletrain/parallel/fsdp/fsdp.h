@@ -230,6 +230,11 @@ class ShardedDataParallel {
   // (Note [Sharding tensor-parallel parameters]).
   double clip_grad_norm(double max_norm, const NormSplit& split = {});
   // After the optimizer step: replicated strategies gather updated shards.
+  // Note [Step protocol]: after a backward that reduced gradients, throws
+  // UsageError if no shard changed (the optimizer was not built over
+  // shards()); zero_grad() and the next backward throw if shards changed
+  // but after_step() was not called. Skip both after_step() and the
+  // optimizer step together (a loss-scaler overflow).
   void after_step();
   void zero_grad();
   // Frees every gathered unit, the root included (see keep_root_between_backwards).

@@ -35,6 +35,15 @@ void DdpStageRunner::backward(const std::function<void()>& fn, bool last) {
   }
 }
 
+void ShardedStageRunner::backward(const std::function<void()>& fn, bool last) {
+  if (last) {
+    fn();
+  } else {
+    auto guard = engine_->no_sync();
+    fn();
+  }
+}
+
 StageModule stage(const torch::nn::Sequential& seq) {
   torch::nn::Sequential s = seq;  // a holder of its own, not const
   return {s.ptr(), [s](const at::Tensor& x) mutable { return s->forward(x); }};

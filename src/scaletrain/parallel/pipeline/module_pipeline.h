@@ -31,6 +31,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 
 namespace scaletrain::parallel::pipeline {
@@ -53,6 +54,20 @@ class DdpStageRunner : public StageRunner {
 
  private:
   std::shared_ptr<DistributedDataParallel> ddp_;
+};
+
+// fully_shard over one chunk's module (its data-parallel group): the
+// micro-batches before the last run under the engine's no_sync (whole
+// gradients accumulate locally), the last one reduce-scatters the sum. The
+// optimizer holds engine->shards(); the engine's zero_grad() and
+// after_step() go around each step, as without a pipeline.
+class ShardedStageRunner : public StageRunner {
+ public:
+  explicit ShardedStageRunner(std::shared_ptr<fsdp::ShardedDataParallel> engine) : engine_(std::move(engine)) {}
+  void backward(const std::function<void()>& fn, bool last) override;
+
+ private:
+  std::shared_ptr<fsdp::ShardedDataParallel> engine_;
 };
 
 // One chunk of the model: its module (for parameters and zero_grad), how to
