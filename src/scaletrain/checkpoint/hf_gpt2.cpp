@@ -14,6 +14,7 @@
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 namespace scaletrain::checkpoint {
 namespace {
@@ -233,13 +234,7 @@ models::GPTConfig hf_gpt2_file_config(const std::string& path) {
   const fs::path json_path = (fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path()) / "config.json";
   if (!fs::exists(json_path)) return hf_gpt2_config(path, 0);
   const std::string where = "hf gpt2 " + json_path.string() + ": ";
-  nlohmann::json j;
-  try {
-    std::ifstream in(json_path);
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception&) {
-    throw UsageError(where + "is not valid JSON");
-  }
+  const nlohmann::json j = util::read_json_file(json_path.string(), "hf gpt2 " + json_path.string());
   if (!j.is_object()) throw UsageError(where + "the top level must be an object");
   auto integer = [&](const char* key) -> int64_t {
     if (!j.contains(key) || j[key].is_null()) return 0;

@@ -6,6 +6,7 @@
 
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 namespace scaletrain::checkpoint {
 namespace fs = std::filesystem;
@@ -13,13 +14,7 @@ namespace fs = std::filesystem;
 namespace {
 
 nlohmann::json parse_file(const fs::path& p) {
-  std::ifstream in(p);
-  if (!in) throw UsageError(p.string() + ": cannot be read");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw UsageError(p.string() + ": not valid JSON (" + std::string(e.what()) + ")");
-  }
+  return util::read_json_file(p.string(), p.string());  // Note [Strict JSON]
 }
 
 }  // namespace

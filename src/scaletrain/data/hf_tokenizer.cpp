@@ -15,6 +15,7 @@
 #include "scaletrain/data/text_pipeline.h"
 #include "scaletrain/data/utf8.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 namespace scaletrain::data {
 
@@ -46,13 +47,7 @@ std::string read_file(const std::string& path, const std::string& source) {
 }
 
 json parse_json(const std::string& path, const std::string& source) {
-  try {
-    return json::parse(read_file(path, source));
-  } catch (const json::exception& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    throw UsageError(source + ": not valid JSON: " + what);
-  }
+  return util::parse_json(read_file(path, source), source);  // Note [Strict JSON]
 }
 
 bool is_file(const std::string& p) {

@@ -13,6 +13,7 @@
 #include "scaletrain/train/model_config.h"
 
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 // Note [DeepSpeed mapping]
 // - Every key is mapped onto a Config field, or accepted with one start-up
@@ -513,14 +514,8 @@ void apply_deepspeed_json(Config& c, const nlohmann::json& root, const std::stri
 }
 
 void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
-  std::ifstream in(path);
-  if (!in) throw UsageError("deepspeed config " + path + " cannot be read");
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw UsageError("deepspeed config " + path + " is not valid JSON (byte " + std::to_string(e.byte) + ")");
-  }
+  // Note [Strict JSON]: repeated keys are refused, as DeepSpeed refuses them.
+  const nlohmann::json root = util::read_json_file(path, "deepspeed config " + path);
   apply_deepspeed_json(c, root, path, dp);
 }
 

@@ -17,6 +17,7 @@
 #include "scaletrain/models/linear.h"
 #include "scaletrain/train/hub_export.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 namespace scaletrain::train {
 namespace fs = std::filesystem;
@@ -59,13 +60,7 @@ std::string shape_str(at::IntArrayRef s) {
 }
 
 json read_json(const fs::path& p) {
-  std::ifstream in(p);
-  if (!in) throw UsageError("adapter: cannot read " + p.string());
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw UsageError("adapter: " + p.string() + " is not JSON (" + std::string(e.what()) + ")");
-  }
+  return util::read_json_file(p.string(), "adapter: " + p.string());  // Note [Strict JSON]
 }
 
 at::ScalarType parse_dtype(const std::string& d) {

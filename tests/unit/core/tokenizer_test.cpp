@@ -442,6 +442,15 @@ TEST(BadInput, EveryProblemIsOneLineNamingTheFile) {
   const std::string broken = d.write("broken.json", "{\"model\": {\"type\": \"BPE\", ");
   std::string m = usage_error([&] { HfTokenizer::load(broken); });
   EXPECT_NE(m.find(broken + ": not valid JSON"), std::string::npos) << m;
+  // Binary garbage is shown escaped, with its offset, never echoed raw (Note [Strict JSON]).
+  const std::string binary = d.write("binary.json", std::string("{\"model\": \x80\x81\x00\x1b[2J", 15));
+  m = usage_error([&] { HfTokenizer::load(binary); });
+  EXPECT_NE(m.find("not valid JSON at byte 10"), std::string::npos) << m;
+  EXPECT_NE(m.find("\\x80\\x81"), std::string::npos) << m;
+  for (char c : m) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "unprintable byte in: " << m;
+  const std::string twice = d.write("twice.json", R"({"model": {"type": "BPE"}, "model": {"type": "BPE"}})");
+  m = usage_error([&] { HfTokenizer::load(twice); });
+  EXPECT_NE(m.find("key 'model' appears twice"), std::string::npos) << m;
 
   const std::string missing = d.path() + "/nope/tokenizer.json";
   m = usage_error([&] { HfTokenizer::load(missing); });

@@ -526,7 +526,7 @@ TEST(DeepSpeedConfig, Errors) {
              "zero_optimization.stage must be 0, 1, 2 or 3, got 4");
   EXPECT_HAS(ds_error("e4.json", R"({"zero_optimization": {"stage": "two"}})"),
              "zero_optimization.stage must be a number");
-  EXPECT_HAS(ds_error("e5.json", R"({"train_batch_size": 8,})"), "is not valid JSON");
+  EXPECT_HAS(ds_error("e5.json", R"({"train_batch_size": 8,})"), "not valid JSON at byte 23");
   EXPECT_HAS(ds_error("e6.json", R"({"fp16": {"enabled": 1}})"), "fp16.enabled must be true or false");
   EXPECT_HAS(ds_error("e7.json", R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})"), "both be true");
   EXPECT_HAS(ds_error("e8.json", R"({"optimizer": {"type": "Lamb", "params": {}}})"), "'Lamb' is not supported");
@@ -543,6 +543,11 @@ TEST(DeepSpeedConfig, Errors) {
                                      "buffer_cnt": 4}}})"),
              "unknown key 'zero_optimization.offload_optimizer.buffer_cnt'");
   EXPECT_HAS(ds_error("e15.json", "[1, 2]"), "the top level must be an object");
+  // Note [Strict JSON]: DeepSpeed refuses repeated keys; the last one must not win silently.
+  EXPECT_HAS(ds_error("e16.json", R"({"zero_optimization": {"stage": 2, "stage": 3}})"),
+             "key 'zero_optimization.stage' appears twice in one object");
+  EXPECT_HAS(ds_error("e17.json", R"({"gradient_clipping": 1e400})"), "number overflow parsing '1e400'");
+  EXPECT_HAS(ds_error("e18.json", "{\"steps_per_print\": 1\x80}"), "not valid JSON at byte 21");
   EXPECT_HAS(ds_error("e16.json", R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}})"),
              "optimizer.params.betas must be a list of two numbers");
   auto missing = usage_error([] {
