@@ -39,10 +39,11 @@ print(statistics.median(ms[5:]))")
 STEPS=$(python3 -c "print(max(50, int($DURATION * 1000 / $step_ms)))")
 echo "soak: $STEPS steps (median step $step_ms ms), checkpoint every $EVERY, kills every $KILL_MIN-$KILL_MAX s"
 
-# The interrupted run: each attempt writes its own metrics file.
+# The interrupted run: every attempt adds to one metrics file, each after a
+# {"record": "restart"} line.
 train="$ST train $common --train.steps=$STEPS --checkpoint.every=$EVERY --checkpoint.keep=2 --checkpoint.dir=$work/soak"
-"$ST" launch --nproc-per-node "$NPROC" --master-port "$PORT" --max-restarts 1000 -- /bin/sh -c \
-  "exec $train --metrics.path=$work/soak\$SCALETRAIN_RESTART_COUNT.jsonl" > "$work/soak.log" 2>&1 &
+"$ST" launch --nproc-per-node "$NPROC" --master-port "$PORT" --max-restarts 1000 -- \
+  $train --metrics.path="$work/soak.jsonl" > "$work/soak.log" 2>&1 &
 launcher=$!
 t_start=$(date +%s.%N)
 kills=()      # wall time of each kill
@@ -60,8 +61,15 @@ while kill -0 "$launcher" 2>/dev/null; do
   kills+=("$(date +%s.%N)")
   attempt=$((attempt + 1))
   echo "soak: killed pid $victim ($(printf '%.0f' "$(echo "$(date +%s.%N) - $t_start" | bc)") s in); waiting for attempt $attempt"
-  # Recovery: until the next attempt has logged its first step.
-  until [ -s "$work/soak$attempt.jsonl" ] || ! kill -0 "$launcher" 2>/dev/null; do sleep 0.05; done
+  # Recovery: until the next attempt has logged its first step (a step line after its restart record).
+  until python3 -c "
+import json, sys
+seen = False
+for l in open('$work/soak.jsonl'):
+    j = json.loads(l)
+    if j.get('record') == 'restart' and j.get('attempt') == $attempt: seen = True
+    elif seen and 'record' not in j: sys.exit(0)
+sys.exit(1)" 2>/dev/null || ! kill -0 "$launcher" 2>/dev/null; do sleep 0.1; done
   recovered=$(date +%s.%N)
   echo "soak: attempt $attempt stepped $(echo "$recovered - ${kills[-1]}" | bc) s after the kill"
   echo "$(echo "$recovered - ${kills[-1]}" | bc)" >> "$work/recovery.txt"
@@ -82,15 +90,23 @@ if cmp -s "$work/soak.safetensors" "$work/whole.safetensors"; then same="bit for
 python3 - "$work" "$attempt" "$STEPS" "$t_soak" "$t_whole" "$same" <<'EOF'
 import json, os, statistics, sys
 work, attempts, steps, t_soak, t_whole, same = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
-runs = []
-for a in range(attempts + 1):
-    p = f"{work}/soak{a}.jsonl"
-    s = [json.loads(l)["step"] for l in open(p) if "record" not in l] if os.path.exists(p) else []
-    runs.append(s)
+# One file: the steps of each attempt, split at its restart records.
+runs, restarts = [[]], []
+for l in open(f"{work}/soak.jsonl"):
+    j = json.loads(l)
+    if j.get("record") == "restart":
+        runs.append([])
+        restarts.append(j)
+    elif "record" not in j:
+        runs[-1].append(j["step"])
 lost = 0
-for a in range(attempts):
+for a in range(len(runs) - 1):
     if runs[a] and runs[a + 1]:
         lost += runs[a][-1] - (runs[a + 1][0] - 1)
+steps_logged = sorted(set(s for r in runs for s in r))
+print(f"metrics file: {len(restarts)} restart records, steps 1-{steps} all logged: {steps_logged == list(range(1, steps + 1))}")
+if restarts:
+    print(f"first restart record: {json.dumps(restarts[0])}")
 rec = [float(x) for x in open(f"{work}/recovery.txt")] if os.path.exists(f"{work}/recovery.txt") else []
 print(f"failures injected: {attempts}; restarts: {attempts}; steps: {steps}; steps trained twice: {lost}")
 if rec:

@@ -67,8 +67,9 @@ void add_launch(CLI::App& app, Runner& run) {
       sub->add_option("--node-rank", opts->node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
   auto* addr = sub->add_option("--master-addr", opts->master_addr, "Host of the rank-0 node (rendezvous)")
                    ->capture_default_str();
-  auto* port =
-      sub->add_option("--master-port", opts->master_port, "Rendezvous port on the master")->capture_default_str();
+  auto* port = sub->add_option("--master-port", opts->master_port,
+                               "Rendezvous port on the master; default: a free port when one node runs the job "
+                               "(--nnodes 1), else 29500");
   sub->add_option("--config_file,--config-file", *config_file,
                   "Accelerate config file (as `accelerate launch --config_file`): its launcher keys set the flags "
                   "not given, its training keys reach each `scaletrain train` worker");
@@ -120,18 +121,24 @@ void add_launch(CLI::App& app, Runner& run) {
     const bool given[] = {nproc->count() > 0, nnodes->count() > 0, node_rank->count() > 0, addr->count() > 0,
                           port->count() > 0};
     run = [opts, command, config_file, from_file, given, elastic, last_call_s, keepalive_s, join_s] {
+      bool port_chosen = given[4];
       if (from_file) {
         const auto l = train::read_accelerate_launch(*config_file);
         if (!given[1]) opts->nnodes = l.num_machines;
         if (!given[0]) opts->nproc_per_node = l.num_processes / l.num_machines;
         if (!given[2]) opts->node_rank = l.machine_rank;
         if (!given[3] && !l.main_process_ip.empty()) opts->master_addr = l.main_process_ip;
-        if (!given[4] && l.main_process_port > 0) opts->master_port = l.main_process_port;
+        if (!given[4] && l.main_process_port > 0) {
+          opts->master_port = l.main_process_port;
+          port_chosen = true;
+        }
         for (const auto& n : l.notes) std::fprintf(stderr, "scaletrain launch: note: %s\n", n.c_str());
         // Inherited by every worker: `scaletrain train` reads the training keys.
         const std::string abs = std::filesystem::absolute(*config_file).string();
         ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
       }
+      // One node and no port given: a free one, so two jobs on one host do not meet at one store.
+      if (!port_chosen && opts->nnodes == 1 && opts->max_nodes == 0) opts->master_port = launch::free_port();
       if (opts->max_nodes > 0) {
         if (opts->min_nodes < 1 || opts->max_nodes < opts->min_nodes)
           throw UsageError("launch: --nnodes MIN:MAX needs 1 <= MIN <= MAX, got " + std::to_string(opts->min_nodes) +

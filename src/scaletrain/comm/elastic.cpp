@@ -149,8 +149,15 @@ std::string ElasticRendezvous::interrupted() {
     }
     return "";
   } catch (const std::exception& e) {
-    return std::string("the rendezvous store is gone: ") + e.what();
+    return store_gone(e);
   }
+}
+
+// The launchers' store failed (its host's launcher died, most likely).
+std::string ElasticRendezvous::store_gone(const std::exception& e) const {
+  return "the rendezvous store at " + o_.host + ":" + std::to_string(o_.port) + " is gone (round " +
+         std::to_string(current_.round) + ", this node was node " + std::to_string(place_ - 1) + " of " +
+         std::to_string(current_.nodes) + "): " + e.what();
 }
 
 int ElasticRendezvous::fail_round(const std::string& why) {
@@ -161,8 +168,8 @@ int ElasticRendezvous::fail_round(const std::string& why) {
       store_->set(key("failure/" + std::to_string(k)), bytes("round " + std::to_string(current_.round) + ": " + why));
     }
     return static_cast<int>(counter("failures"));
-  } catch (const std::exception&) {
-    return 1 << 30;  // the store is gone: nothing left to restart with
+  } catch (const std::exception& e) {
+    throw std::runtime_error(store_gone(e));  // nothing left to restart with
   }
 }
 

@@ -77,6 +77,7 @@ class ElasticRendezvous : public launch::NodeRendezvous {
   std::string text(const std::string& k);
   int64_t counter(const std::string& k);  // add(k, 0)
   void end_round(const std::string& why);
+  std::string store_gone(const std::exception& e) const;
 
   ElasticOptions o_;
   c10::intrusive_ptr<RendezvousStore> store_;

@@ -315,7 +315,8 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       r.expectEnd();
       if (!options_.secret.empty() && !sameSecret(secret, options_.secret)) {
         w.u8(kError).str(secret.empty() ? "this store requires a shared secret (set SCALETRAIN_STORE_SECRET)"
-                                        : "wrong shared secret (SCALETRAIN_STORE_SECRET)");
+                                        : "wrong shared secret (SCALETRAIN_STORE_SECRET): this is probably another job's store; "
+                                          "give each job its own --master-port");
         reply(c, w);
         close(id, c);
         return;

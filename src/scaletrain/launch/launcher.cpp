@@ -18,10 +18,13 @@
 //     path, including exceptions (Supervisor's destructor).
 #include "scaletrain/launch/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -229,7 +232,7 @@ std::string resolve_executable(const std::string& name) {
 constexpr const char* kContractVars[] = {
     "RANK",        "LOCAL_RANK",  "WORLD_SIZE",      "LOCAL_WORLD_SIZE",   "GROUP_RANK",
     "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCALETRAIN_THREADS", "SCALETRAIN_RESTART_COUNT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SCALETRAIN_HEARTBEAT_FD",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SCALETRAIN_HEARTBEAT_FD", "SCALETRAIN_RESTART_REASON",
 };
 
 // Where this node's workers sit in the job: fixed by the options, or by the
@@ -245,8 +248,9 @@ Placement static_placement(const LaunchOptions& o) {
 }
 
 // The launcher's environment with the contract variables replaced, for
-// attempt `attempt` (0: the first start).
-std::vector<std::string> worker_environment(const LaunchOptions& o, const Placement& at, int local_rank, int attempt) {
+// attempt `attempt` (0: the first start), started again because of `reason`.
+std::vector<std::string> worker_environment(const LaunchOptions& o, const Placement& at, int local_rank, int attempt,
+                                            const std::string& reason) {
   const char* omp_env = std::getenv("OMP_NUM_THREADS");
   const int threads = resolve_threads(o, omp_env);
   // An inherited OMP_NUM_THREADS is passed through verbatim (it may be a
@@ -266,6 +270,7 @@ std::vector<std::string> worker_environment(const LaunchOptions& o, const Placem
       std::to_string(attempt),
       std::to_string(o.max_restarts),
       "",  // SCALETRAIN_HEARTBEAT_FD: set in spawn(), once the pipe exists
+      attempt > 0 ? reason : "",
   };
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -349,7 +354,9 @@ enum class Stop { kNone, kFailure, kSignal, kTimeout, kRendezvous };
 // Owns the workers for one run(); see Note [No process left behind].
 class Supervisor {
  public:
-  Supervisor(const LaunchOptions& o, Placement at, int attempt) : o_(o), at_(std::move(at)), attempt_(attempt) {}
+  // `reason`: why this attempt follows another (SCALETRAIN_RESTART_REASON).
+  Supervisor(const LaunchOptions& o, Placement at, int attempt, std::string reason = "")
+      : o_(o), at_(std::move(at)), attempt_(attempt), reason_(std::move(reason)) {}
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
   // On an exception, nothing may survive: kill the group and reap blocking.
@@ -384,6 +391,7 @@ class Supervisor {
   const LaunchOptions& o_;
   const Placement at_;
   const int attempt_;
+  const std::string reason_;
   std::string failure_;
   std::string culprit_;
   std::vector<Worker> workers_;
@@ -408,7 +416,7 @@ void Supervisor::spawn_all(const std::vector<std::string>& command, const sigset
     ExecPlan plan;
     plan.path = path;
     plan.args = command;
-    plan.env = worker_environment(o_, at_, lr, attempt_);
+    plan.env = worker_environment(o_, at_, lr, attempt_, reason_);
     spawn(lr, plan, caller_mask);
   }
 }
@@ -502,11 +510,20 @@ void Supervisor::check_heartbeats(Clock::time_point now) {
 
 void Supervisor::kill_all(int sig) {
   // The group id is only ours while its leader (rank 0 here) is unreaped.
-  if (pgid_ > 0 && !workers_.front().reaped) ::killpg(pgid_, sig);
+  // A stopped worker (SIGSTOP) keeps a SIGTERM pending until it runs again:
+  // SIGCONT lets it act on it now instead of at the grace period's SIGKILL.
+  const bool wake = sig != SIGKILL && sig != SIGCONT;
+  if (pgid_ > 0 && !workers_.front().reaped) {
+    ::killpg(pgid_, sig);
+    if (wake) ::killpg(pgid_, SIGCONT);
+  }
   // Also by pid, in case a worker left the group (setsid). Only unreaped
   // pids: a reaped one may already belong to someone else.
   for (auto& w : workers_)
-    if (w.pid > 0 && !w.reaped && !w.exited) ::kill(w.pid, sig);
+    if (w.pid > 0 && !w.reaped && !w.exited) {
+      ::kill(w.pid, sig);
+      if (wake) ::kill(w.pid, SIGCONT);
+    }
 }
 
 void Supervisor::observe_exits() {
@@ -725,6 +742,7 @@ int run_elastic(const LaunchOptions& opts, const std::vector<std::string>& comma
                 const sigset_t& caller_mask) {
   const auto say = [&](const std::string& line) { write_all(opts.stderr_fd, "scaletrain launch: " + line + "\n"); };
   NodeRendezvous& rdzv = *opts.rendezvous;
+  std::string reason;  // why the last round ended (SCALETRAIN_RESTART_REASON of the next)
   for (;;) {
     NodeRendezvous::Round rd;
     try {
@@ -741,14 +759,20 @@ int run_elastic(const LaunchOptions& opts, const std::vector<std::string>& comma
     std::string failure, culprit;
     {
       Supervisor sup(opts, Placement{rd.first_rank, rd.world_size, rd.node_index, rd.master_addr, rd.master_port},
-                     rd.round);
+                     rd.round, reason);
       sup.spawn_all(command, caller_mask);
-      code = sup.supervise(wake_fd, [&] { return rdzv.interrupted(); });
+      code = sup.supervise(wake_fd, [&] {
+        std::string w = rdzv.interrupted();
+        if (!w.empty()) reason = "round " + std::to_string(rd.round) + " ended: " + w;
+        return w;
+      });
       why = sup.stopped_by();
       failure = sup.failure();
       culprit = sup.culprit();
     }
     if (!culprit.empty()) say("culprit: " + culprit);
+    if (why == Stop::kFailure)
+      reason = "round " + std::to_string(rd.round) + ": node " + std::to_string(rd.node_index) + ": " + failure;
     switch (why) {
       case Stop::kNone:
         rdzv.succeeded();
@@ -766,7 +790,14 @@ int run_elastic(const LaunchOptions& opts, const std::vector<std::string>& comma
       rdzv.abort("node " + std::to_string(rd.node_index) + ": " + failure + " (refused its input)");
       return 2;
     }
-    const int failures = rdzv.fail_round("node " + std::to_string(rd.node_index) + ": " + failure);
+    int failures = 0;
+    try {
+      failures = rdzv.fail_round("node " + std::to_string(rd.node_index) + ": " + failure);
+    } catch (const std::exception& e) {
+      say("giving up: " + std::string(e.what()) + "; this node's failure: " + failure);
+      if (!culprit.empty()) say("culprit: " + culprit);
+      return 1;
+    }
     if (failures > opts.max_restarts) {
       std::string all;
       for (const auto& f : rdzv.failures()) all += (all.empty() ? "" : "; ") + f;
@@ -868,6 +899,22 @@ int resolve_threads(const LaunchOptions& o, const char* omp_env) {
   return std::max(1, usable_cores() / std::max(1, o.nproc_per_node));
 }
 
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error(std::string("launch: socket: ") + std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) throw std::runtime_error(std::string("launch: cannot find a free port: ") + std::strerror(err));
+  return ntohs(a.sin_port);
+}
+
 int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
   validate(opts, command);
   if (!opts.log_dir.empty()) {
@@ -896,7 +943,7 @@ int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
     std::string failure, culprit;
     {
       // Destroyed before `signals`: workers are reaped while SIGCHLD is still ours.
-      Supervisor sup(opts, static_placement(opts), attempt);
+      Supervisor sup(opts, static_placement(opts), attempt, failures.empty() ? "" : failures.back());
       sup.spawn_all(command, signals.caller_mask());
       code = sup.supervise(wake.read.get());
       if (sup.stopped_by() != Stop::kFailure) return code;  // success, a signal or the timeout

@@ -54,7 +54,8 @@ class NodeRendezvous {
   virtual std::string interrupted() = 0;
   // This node's workers failed: the other nodes are told (interrupted()).
   // Returns the failures of the whole job so far, counting this one once
-  // however many nodes report the same round.
+  // however many nodes report the same round. Throws std::runtime_error
+  // naming the store and the round when the store cannot be reached.
   virtual int fail_round(const std::string& why) = 0;
   // Failures of the whole job so far, one line each ("round 0: node 1: rank 3
   // exited with code 1"), for the give-up message.
@@ -113,7 +114,9 @@ struct LaunchOptions {
   // Times the whole group is started again after a worker failed (torchrun
   // --max-restarts): every worker is stopped, then all are spawned anew with
   // SCALETRAIN_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT set to the
-  // attempt (0 first) and TORCHELASTIC_MAX_RESTARTS to this value. Every
+  // attempt (0 first) and TORCHELASTIC_MAX_RESTARTS to this value, and
+  // SCALETRAIN_RESTART_REASON to the failure that ended the attempt before
+  // ("attempt 0: rank 1 exited with code 3"; empty on a first start). Every
   // failure counts, however quick. A worker that exits 2 refused its input
   // (a usage error) and would refuse it again: no restart. Signals sent to
   // the launcher and the timeout end the job without one. Single node only
@@ -170,5 +173,12 @@ void heartbeat();
 // that lives longest: PR_SET_PDEATHSIG fires when the *thread* that forked the
 // workers exits.
 int run(const LaunchOptions& opts, const std::vector<std::string>& command);
+
+// A TCP port that nothing listens on now, chosen by the kernel (bind to port
+// 0): what `scaletrain launch` on one node uses when no --master-port is
+// given, so that two jobs on one host do not meet at one store (torchrun's
+// standalone mode does the same). Another process may still take it before
+// the workers' store binds it; the store then fails naming the port.
+int free_port();
 
 }  // namespace scaletrain::launch

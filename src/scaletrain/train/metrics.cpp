@@ -18,10 +18,10 @@
 
 namespace scaletrain::train {
 
-MetricsSink::MetricsSink(const std::string& path, int64_t total_steps, bool progress)
+MetricsSink::MetricsSink(const std::string& path, int64_t total_steps, bool progress, bool append)
     : total_(total_steps), bar_(progress && isatty(STDOUT_FILENO)) {
   if (!path.empty()) {
-    file_.open(path, std::ios::out | std::ios::trunc);
+    file_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
     if (!file_) throw UsageError("metrics.path " + path + " cannot be written");
   }
 }

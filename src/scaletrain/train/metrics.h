@@ -37,8 +37,9 @@ struct StepMetrics {
 class MetricsSink {
  public:
   // `path` may be empty (no file). Progress bar only if `progress` and stdout
-  // is a terminal.
-  MetricsSink(const std::string& path, int64_t total_steps, bool progress);
+  // is a terminal. `append`: a restarted attempt of the same job adds to the
+  // file (a first start replaces it).
+  MetricsSink(const std::string& path, int64_t total_steps, bool progress, bool append = false);
   ~MetricsSink();
   void write(const StepMetrics& m, bool log_line);
   // Appends one JSON object that is not a step (it carries a "record" key

@@ -74,11 +74,18 @@ MetricsRecord parse_record(const std::string& text, const std::string& path, int
   return r;
 }
 
-// Lines that are not steps name their kind: {"record": "memory", ...}.
-bool other_record(const std::string& text) {
+// Lines that are not steps name their kind: {"record": "memory", ...}. A
+// restart record is kept (as `restart`); others are skipped.
+bool other_record(const std::string& text, MetricsRecord& restart) {
   if (text.find("\"record\"") == std::string::npos) return false;
   const auto obj = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  return obj.is_object() && obj.contains("record");
+  if (!obj.is_object() || !obj.contains("record")) return false;
+  if (obj["record"] == "restart" && obj.value("resumed_from_step", nlohmann::json()).is_number_integer()) {
+    restart = MetricsRecord{};
+    restart.step = obj["resumed_from_step"].get<int64_t>();
+    restart.restart = std::max(1, obj.value("attempt", 1));
+  }
+  return true;
 }
 
 std::string xml_escape(const std::string& s) {
@@ -179,12 +186,13 @@ struct Series {
 template <typename SX, typename SY>
 void draw_curve(std::ostringstream& svg, const Series& s, const std::string& color, const SX& sx, const SY& sy);
 
-// One panel: frame, grid, ticks, labels, then the curves (and a dashed guide line at `guide`). (left, top) is the
-// corner of the whole panel; the plot area sits inside fixed margins that
-// leave room for the tick labels.
+// One panel: frame, grid, ticks, labels, then the curves (and a dashed guide
+// line at `guide`, and a dashed vertical "restart" mark at each step of
+// `marks`). (left, top) is the corner of the whole panel; the plot area sits
+// inside fixed margins that leave room for the tick labels.
 void draw_panel(std::ostringstream& svg, const std::vector<Series>& all, const std::vector<std::string>& colors,
                 const std::string& title, bool include_zero, double left, double top, double width, double height,
-                double guide = kNaN) {
+                double guide = kNaN, const std::vector<double>& marks = {}) {
   constexpr double kMarginLeft = 72, kMarginRight = 24, kMarginTop = 30, kMarginBottom = 44;
   const double px0 = left + kMarginLeft, px1 = left + width - kMarginRight;
   const double py0 = top + kMarginTop, py1 = top + height - kMarginBottom;
@@ -251,6 +259,13 @@ void draw_panel(std::ostringstream& svg, const std::vector<Series>& all, const s
   if (std::isfinite(guide))
     svg << "<line x1=\"" << coord(px0) << "\" y1=\"" << coord(sy(guide)) << "\" x2=\"" << coord(px1) << "\" y2=\""
         << coord(sy(guide)) << "\" stroke=\"#555\" stroke-dasharray=\"4 3\"/>\n";
+  for (double m : marks) {
+    if (m < ax.lo || m > ax.hi) continue;
+    svg << "<line x1=\"" << coord(sx(m)) << "\" y1=\"" << coord(py0) << "\" x2=\"" << coord(sx(m)) << "\" y2=\""
+        << coord(py1) << "\" stroke=\"#ff7f0e\" stroke-dasharray=\"6 3\"/>\n"
+        << "<text x=\"" << coord(sx(m) + 3) << "\" y=\"" << coord(py0 + 12) << "\" font-size=\"10\" fill=\"#ff7f0e\">"
+        << "restart</text>\n";
+  }
   for (std::size_t c = 0; c < all.size(); ++c) draw_curve(svg, all[c], colors[c % colors.size()], sx, sy);
 }
 
@@ -292,7 +307,11 @@ std::vector<MetricsRecord> read_metrics(const std::string& path) {
     ++line;
     if (!text.empty() && text.back() == '\r') text.pop_back();  // CRLF logs
     if (text.find_first_not_of(" \t") == std::string::npos) continue;
-    if (other_record(text)) continue;
+    MetricsRecord restart;
+    if (other_record(text, restart)) {
+      if (restart.restart > 0) out.push_back(restart);
+      continue;
+    }
     out.push_back(parse_record(text, path, line));
   }
   if (in.bad()) throw UsageError("metrics file " + path + ": read error");
@@ -300,9 +319,16 @@ std::vector<MetricsRecord> read_metrics(const std::string& path) {
 }
 
 std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOptions& options) {
-  // Last record per step wins (resumed runs), and std::map orders by step.
+  // Last record per step wins (steps re-run after a restart), and std::map
+  // orders by step. Restarts are vertical marks at the step resumed from.
   std::map<int64_t, const MetricsRecord*> by_step;
-  for (const auto& r : records) by_step[r.step] = &r;
+  std::vector<double> restarts;
+  for (const auto& r : records) {
+    if (r.restart > 0)
+      restarts.push_back(static_cast<double>(r.step));
+    else
+      by_step[r.step] = &r;
+  }
   Series loss, tput;
   size_t experts = 0;
   for (const auto& [step, r] : by_step) {
@@ -331,10 +357,11 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
 
   std::ostringstream svg;
   open_svg(svg, width, height, options.title);
-  draw_panel(svg, {loss}, {"#1f77b4"}, "Loss", /*include_zero=*/false, 0, header, width, panel);
+  draw_panel(svg, {loss}, {"#1f77b4"}, "Loss", /*include_zero=*/false, 0, header, width, panel, kNaN, restarts);
   // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
   // the 10% it is, not like a collapse.
-  draw_panel(svg, {tput}, {"#d62728"}, "Throughput (tokens/s)", /*include_zero=*/true, 0, header + panel, width, panel);
+  draw_panel(svg, {tput}, {"#d62728"}, "Throughput (tokens/s)", /*include_zero=*/true, 0, header + panel, width, panel,
+             kNaN, restarts);
   if (experts > 0)
     draw_panel(svg, shares,
                {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -402,7 +429,8 @@ std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOption
     std::vector<Series> all;
     for (const auto& run : runs) {
       std::map<int64_t, const MetricsRecord*> by_step;  // last record per step wins (resumed runs)
-      for (const auto& r : run.records) by_step[r.step] = &r;
+      for (const auto& r : run.records)
+        if (r.restart == 0) by_step[r.step] = &r;
       Series s;
       for (const auto& [step, r] : by_step) {
         s.x.push_back(static_cast<double>(step));

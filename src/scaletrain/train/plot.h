@@ -31,6 +31,9 @@ struct MetricsRecord {
   double loss_scale = 0;     // dynamic loss scale (optional)
   // MoE models (optional): slots each expert took this step (models/moe.h).
   std::vector<double> moe_tokens_per_expert;
+  // A {"record": "restart", ...} line: a restarted attempt (`restart`, its
+  // number) went on from `step`; every other field is unset.
+  int restart = 0;
 };
 
 struct PlotOptions {
@@ -44,7 +47,8 @@ struct PlotOptions {
 
 // Parses the metrics file. Blank lines and records that are not steps (an
 // object with a "record" key, such as the trainer's memory report) are
-// skipped; unknown keys are ignored
+// skipped, except restart records, which come back with `restart` set;
+// unknown keys are ignored
 // (the logger may grow fields). A line that is not a JSON object, lacks step,
 // loss or tokens_per_s, or has a non-numeric value for a known key throws
 // UsageError "metrics file PATH line N: PROBLEM". A missing file is a

@@ -664,6 +664,23 @@ void print_sample(Run& r, data::Tokenizer& tok) {
 
 }  // namespace
 
+// A restarted attempt adds to the metrics of the attempts before it, after
+// a record that says which attempt this is, where it went on from and why.
+std::unique_ptr<MetricsSink> open_metrics(const Config& cfg, bool lead, int64_t start) {
+  const int attempt = restart_count();
+  auto sink = std::make_unique<MetricsSink>(lead ? cfg.metrics.path : "", cfg.train.steps,
+                                            cfg.metrics.progress && lead, /*append=*/attempt > 0);
+  if (attempt > 0) {
+    const char* reason = std::getenv("SCALETRAIN_RESTART_REASON");
+    sink->write_record(nlohmann::json{{"record", "restart"},
+                                      {"attempt", attempt},
+                                      {"resumed_from_step", start},
+                                      {"reason", reason ? reason : ""}}
+                           .dump());
+  }
+  return sink;
+}
+
 TrainResult run_training(const Config& cfg) {
   // Everything that can be rejected without peers is checked first (one
   // plan, every problem at once), so bad input fails fast and identically on
@@ -691,8 +708,7 @@ TrainResult run_training(const Config& cfg) {
   const int64_t start = resume(r);
   launch::heartbeat();
   const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
-  r.sink =
-      std::make_unique<MetricsSink>(r.lead ? cfg.metrics.path : "", cfg.train.steps, cfg.metrics.progress && r.lead);
+  r.sink = open_metrics(cfg, r.lead, start);
   r.mem_layout = run_layout(cfg, plan.model, plan.policy, r.world->size(), r.mesh->dp_shard().size(), plan.micro_batch,
                             plan.accum, r.world->backend() == comm::BackendKind::Gloo);
   r.mem.rss_baseline_mb = r.rss_before_setup;

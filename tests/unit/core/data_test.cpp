@@ -469,6 +469,37 @@ TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
   EXPECT_NE(train::render_svg({}, {}).find("no data"), std::string::npos);
 }
 
+// A restarted run's log: steps 1-4, a restart record resuming from step 2,
+// steps 3-5 again. The plot keeps the last of each step and marks the
+// restart in both panels.
+TEST(PlotTest, RestartsAreMarkedAndReRunStepsKeepTheLast) {
+  TempDir dir;
+  const auto path = dir.file("restarted.jsonl");
+  std::string log;
+  auto step = [](int s, double loss) {
+    return "{\"step\":" + std::to_string(s) + ",\"loss\":" + std::to_string(loss) + ",\"tokens_per_s\":100}\n";
+  };
+  for (int s = 1; s <= 4; ++s) log += step(s, 9.0);
+  log += "{\"record\":\"restart\",\"attempt\":1,\"resumed_from_step\":2,\"reason\":\"attempt 0: rank 1 exited\"}\n";
+  for (int s = 3; s <= 5; ++s) log += step(s, 1.0);
+  write_raw(path, log);
+  const auto records = train::read_metrics(path);
+  ASSERT_EQ(records.size(), 8u);
+  EXPECT_EQ(records[4].restart, 1);
+  EXPECT_EQ(records[4].step, 2);
+  const std::string svg = train::render_svg(records, {});
+  std::size_t marks = 0;
+  for (auto p = svg.find(">restart</text>"); p != std::string::npos; p = svg.find(">restart</text>", p + 1)) ++marks;
+  EXPECT_EQ(marks, 2u);  // loss and throughput
+  // Steps 3 and 4 plot the second attempt's loss (1.0), not the first's (9.0):
+  // the same picture as a log holding only the last of each step.
+  std::vector<train::MetricsRecord> last{records[0], records[1], records[4], records[5], records[6], records[7]};
+  EXPECT_EQ(svg, train::render_svg(last, {}));
+  std::vector<train::MetricsRecord> first{records[0], records[1], records[2], records[3], records[4], records[7]};
+  EXPECT_NE(svg, train::render_svg(first, {}));
+  EXPECT_EQ(train::render_svg({records.begin(), records.begin() + 4}, {}).find(">restart</text>"), std::string::npos);
+}
+
 // An MoE run's log gets a third panel: one curve per expert of its share of
 // the step's slots, and the uniform share as a dashed line.
 TEST(PlotTest, MoeRunsGetTheirExpertsShares) {

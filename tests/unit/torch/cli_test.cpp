@@ -1,7 +1,11 @@
 // Bad input through the real CLI: one line naming the problem, exit code 2,
 // no stack trace.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -73,6 +77,34 @@ TEST(Cli, DeepSpeedConfigErrors) {
   auto unknown = write("unknown.json", "{\"steps_per_print\": 5, \"flops_profiler\": {}}");
   expect_usage_error(run("train " + cfg.string() + " --deepspeed " + unknown.string()), "'flops_profiler'");
   expect_usage_error(run("train " + cfg.string() + " --deepspeed /nonexistent/ds.json"), "/nonexistent/ds.json");
+  // Note [Strict JSON]: a repeated key and a number beyond double's range.
+  auto twice = write("twice.json", "{\"zero_optimization\": {\"stage\": 2, \"stage\": 3}}");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed " + twice.string()),
+                     "key 'zero_optimization.stage' appears twice");
+  auto huge = write("huge.json", "{\"gradient_clipping\": 1e400}");
+  expect_usage_error(run("train " + cfg.string() + " --deepspeed " + huge.string()), "1e400");
+}
+
+// Without --master-port, a one-node launch takes a free port: a job runs
+// while another holds the old default, 29500 (as two jobs on one host would).
+TEST(Cli, LaunchWithoutPortAvoidsABusyDefault) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(29500);
+  const bool held = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 4) == 0;
+  auto cfg = write("port.yaml", "data:\n  path: " + tokens().string() +
+                                    "\nmodel:\n  block_size: 16\ntrain:\n  steps: 1\n  global_batch: 4\n"
+                                    "  micro_batch: 2\n  sample_tokens: 0\n");
+  auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- " + std::string(SCALETRAIN_BIN) + " train " +
+               cfg.string());
+  ::close(fd);
+  ASSERT_TRUE(held) << "could not hold port 29500 for the test";
+  EXPECT_EQ(r.code, 0) << r.err;
 }
 
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {

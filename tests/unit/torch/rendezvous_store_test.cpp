@@ -513,7 +513,11 @@ TEST(RendezvousStore, SharedSecretIsRequiredBeforeAnything) {
   c.connect_timeout = 3s;
   EXPECT_NE(errorOf([&] { RendezvousStore s(c); }).find("requires a shared secret"), std::string::npos);
   c.secret = "wrong horse";
-  EXPECT_NE(errorOf([&] { RendezvousStore s(c); }).find("wrong shared secret"), std::string::npos);
+  const std::string wrong = errorOf([&] { RendezvousStore s(c); });
+  EXPECT_NE(wrong.find("wrong shared secret"), std::string::npos) << wrong;
+  // It names the store reached and the likely cause: another job on the same port.
+  EXPECT_NE(wrong.find(":" + std::to_string(c.port) + ": refused"), std::string::npos) << wrong;
+  EXPECT_NE(wrong.find("probably another job's store"), std::string::npos) << wrong;
   // A peer that skips the hello cannot change anything: its set is not
   // applied and the connection is closed.
   int fd = rawSocket(*server);
