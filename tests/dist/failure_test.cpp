@@ -89,5 +89,44 @@ TEST(Failure, VanishedPeerNamesTheOperation) {
   }
 }
 
+// Outside debug mode (dist.failures_nodebug.w2, SCALETRAIN_DEBUG_COLLECTIVES=0):
+// ranks that disagree on a shape must not reach Gloo, which can abort the
+// process from its own thread (gloo::EnforceNotMet). The first collective
+// of each kind is compared (Note [First-of-kind check]); after that the
+// group is still usable. Then a kind one rank has seen and the other has
+// not: both end in a diagnosed CommError within the timeout.
+TEST(NoDebugFailure, MismatchedShapesAreNamedNotAborted) {
+  ASSERT_EQ(world().size(), 2);
+  ASSERT_FALSE(world().debug_collectives()) << "run with SCALETRAIN_DEBUG_COLLECTIVES=0";
+  ASSERT_LE(world().timeout().count(), 5000) << "run with SCALETRAIN_TEST_TIMEOUT_S=3";
+  auto t = torch::ones({world().rank() == 0 ? 8 : 9});
+  try {
+    world().group()->all_reduce(t).wait();
+    FAIL() << "mismatched all_reduce ran";
+  } catch (const comm::CommError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("collective mismatch on group 'world' at seq "), std::string::npos) << w;
+    EXPECT_NE(w.find("rank 1 (group rank 1) called all_reduce(Float[9], sum)"), std::string::npos) << w;
+  }
+  auto u = torch::ones({4});
+  world().group()->all_reduce(u).wait();
+  EXPECT_EQ(u[0].item<float>(), 2.0f);
+  // Both have run all_reduce(Float[4]); now rank 1 alone calls a new kind.
+  auto v = torch::ones({world().rank() == 0 ? 4 : 5});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    world().group()->all_reduce(v).wait();
+    FAIL() << "mismatched all_reduce ran";
+  } catch (const comm::CommError& e) {
+    const std::string w = e.what();
+    if (world().rank() == 1)
+      EXPECT_NE(w.find("rank 0 did not compare its collective of this seq"), std::string::npos) << w;
+    else
+      EXPECT_NE(w.find("all_reduce"), std::string::npos) << w;
+    EXPECT_NE(w.find("ranks of group 'world'"), std::string::npos) << "the diagnosis table: " << w;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
+}
+
 }  // namespace
 }  // namespace scaletrain::test

@@ -275,7 +275,8 @@ void CollectiveTracker::launching(uint64_t seq, const std::string& op, const std
     started_ = seq + 1;
     started_op_ = op;
   }
-  if (!o_.fingerprint_store || o_.ranks.size() < 2) return;
+  if (o_.ranks.size() < 2) return;
+  if (!o_.fingerprint_store) return check_first_of_kind(seq, op, fingerprint);
   c10d::Store& st = *o_.fingerprint_store;
   const std::string base = "fp/" + std::to_string(seq) + "/";
   std::string verdict;
@@ -301,6 +302,34 @@ void CollectiveTracker::launching(uint64_t seq, const std::string& op, const std
     throw CommError(explain("fingerprint check of " + op + " on group '" + o_.group + "' (seq " + std::to_string(seq) +
                             ") failed: " + first_line(e)));
   }
+  if (!verdict.empty()) throw CommError(verdict);
+}
+
+// Note [First-of-kind check] (group.h).
+void CollectiveTracker::check_first_of_kind(uint64_t seq, const std::string& op, const std::string& fingerprint) {
+  constexpr size_t kMaxKinds = 4096;  // beyond this, new kinds go unchecked
+  if (!o_.first_store) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (seen_.size() >= kMaxKinds || !seen_.insert(fingerprint).second) return;
+  }
+  c10d::Store& st = *o_.first_store;
+  const std::string base = std::to_string(seq) + "/";
+  std::vector<std::string> fps(o_.ranks.size());
+  fps[static_cast<size_t>(o_.rank)] = fingerprint;
+  size_t r = 0;
+  try {
+    st.set(base + std::to_string(o_.rank), to_bytes(fingerprint));
+    for (r = 0; r < fps.size(); ++r)
+      if (static_cast<int>(r) != o_.rank) fps[r] = to_string(st.get(base + std::to_string(r)));
+  } catch (const std::exception& e) {
+    throw CommError(explain("first " + fingerprint + " on group '" + o_.group + "' (seq " + std::to_string(seq) +
+                            "): rank " + std::to_string(o_.ranks[r]) +
+                            " did not compare its collective of this seq (it had called its kind before and this rank "
+                            "had not, so the ranks called different collectives, or it never came): " +
+                            first_line(e)));
+  }
+  const std::string verdict = compare_fingerprints(o_.group, seq, o_.ranks, fps);
   if (!verdict.empty()) throw CommError(verdict);
 }
 
@@ -337,8 +366,11 @@ std::string CollectiveTracker::explain(const std::string& what) const {
   if (!o_.ask || o_.ranks.size() < 2) return what;
   const std::string mine = record();  // before the others are asked (which takes time)
   std::vector<std::string> answers;
+  std::string store_silent;  // the store did not answer: its host is the culprit
   try {
     answers = o_.ask(o_.group, o_.ranks);
+  } catch (const StoreSilent& e) {
+    store_silent = e.what();
   } catch (const std::exception&) {
     answers.clear();
   }
@@ -392,7 +424,10 @@ std::string CollectiveTracker::explain(const std::string& what) const {
       why = "is behind: it has not started seq " + std::to_string(most - 1) + " (last started: " +
             seq_text(recs[static_cast<size_t>(culprit)].started, recs[static_cast<size_t>(culprit)].started_op) + ")";
   }
-  if (culprit >= 0)
+  if (!store_silent.empty())
+    t << "\nculprit: rank 0 (it serves the store, which did not answer the diagnosis either: " << store_silent
+      << ")";
+  else if (culprit >= 0)
     t << "\nculprit: rank " << o_.ranks[static_cast<size_t>(culprit)] << " " << why;
   else
     t << "\nno rank is behind: every rank started seq " << (most == 0 ? 0 : most - 1)
@@ -929,7 +964,15 @@ Work Group::all_to_all_v(at::Tensor input, at::Tensor output, const std::vector<
     output.copy_(input);
     return start("all_to_all_v", compat::WorkPtr());
   }
-  describe("all_to_all_v", {input, output});
+  {
+    // Row counts differ by rank (that is the point of the op): the
+    // fingerprint holds what all ranks share, the dtype and a row's shape.
+    std::ostringstream row;
+    row << c10::toString(input.scalar_type()) << "[rows";
+    for (int64_t d = 1; d < input.dim(); ++d) row << ", " << input.size(d);
+    row << "]";
+    describe("all_to_all_v", {}, row.str());
+  }
   int64_t row_bytes = static_cast<int64_t>(input.element_size());
   for (int64_t d = 1; d < input.dim(); ++d) row_bytes *= input.size(d);
   std::vector<int64_t> in_bytes, out_bytes;

@@ -43,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -158,12 +159,27 @@ enum class BackendKind { Gloo, Nccl };
 //    and shapes, reduce op, root) through the store; a mismatch raises on
 //    every rank, naming the rank that differs and both fingerprints. It costs
 //    a few store round trips per collective: meant for tests and debugging.
+//  - Note [First-of-kind check]: outside debug mode, the first collective
+//    of each fingerprint on a group is compared the same way (once per
+//    kind, so a training loop pays nothing after its first step). Ranks
+//    that disagree on a shape would otherwise reach the backend, where Gloo
+//    may abort the process from its own thread (gloo::EnforceNotMet, which
+//    nothing can catch). A mismatch among kinds every rank has seen before
+//    is not caught this way; a rank that checks while its peer does not
+//    (the peer had seen its kind) waits for the peer's fingerprint until
+//    the timeout and then says so, while the peer's collective times out
+//    waiting for it: both diagnosed, neither reaching the backend's data.
 // The store work lives in CollectiveTracker (group.cpp); World owns the
 // responder (world.cpp).
 class CollectiveTracker {
  public:
   // Asks every member of a group (by global rank) for its record; returns
   // one answer per member, "" for a member that did not answer in time.
+  // Throws StoreSilent when the store the question goes through does not
+  // answer (its host, world rank 0, is stopped or gone).
+  struct StoreSilent : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
   using Ask = std::function<std::vector<std::string>(const std::string& group, const std::vector<int>& ranks)>;
   struct Options {
     std::string group;        // the group's name
@@ -172,6 +188,9 @@ class CollectiveTracker {
     // Debug mode: the store that fingerprints go through (null: off). A
     // connection of its own, so groups never wait on each other's requests.
     c10::intrusive_ptr<c10d::Store> fingerprint_store;
+    // Outside debug mode: the store through which the first collective of
+    // each kind is compared (Note [First-of-kind check]; null: off).
+    c10::intrusive_ptr<c10d::Store> first_store;
     Ask ask;  // null: a failed wait reports no table
   };
   explicit CollectiveTracker(Options options);
@@ -197,6 +216,8 @@ class CollectiveTracker {
   std::string started_op_, finished_op_;
   uint64_t waiting_on_ = 0;  // seq + 1 waited on now (0: not waiting)
   Clock::time_point since_ = Clock::now();
+  std::set<std::string> seen_;  // fingerprints already compared (Note [First-of-kind check])
+  void check_first_of_kind(uint64_t seq, const std::string& op, const std::string& fingerprint);
 };
 
 namespace detail {

@@ -33,9 +33,15 @@ Backend parse_backend(const std::string& name) {
 // one does not, which is itself the answer.
 class World::Responder {
  public:
+  using StoreSilent = CollectiveTracker::StoreSilent;
+  static constexpr std::chrono::seconds kAskTimeout{3};
+
   Responder(RendezvousStore& store, int rank) : rank_(rank) {
     listen_ = c10::static_intrusive_pointer_cast<RendezvousStore>(store.clone());
     ask_ = c10::static_intrusive_pointer_cast<RendezvousStore>(store.clone());
+    // The diagnosis has its own deadline, whatever the store does: a store
+    // host that is stopped (SIGSTOP) must not cost a second full timeout.
+    ask_->setTimeout(kAskTimeout);
     thread_ = std::thread([this] { run(); });
   }
   ~Responder() {
@@ -53,13 +59,19 @@ class World::Responder {
 
   // Every member's answer ("" for this rank and for members that did not
   // answer within a few seconds).
+  // Throws StoreSilent when the store itself does not answer.
   std::vector<std::string> ask(const std::string& group, const std::vector<int>& ranks) {
     std::lock_guard<std::mutex> lock(ask_mu_);
     std::vector<std::string> out(ranks.size());
-    const int64_t k = ask_->add("scaletrain/probe/count", 1);
-    const std::string key = "scaletrain/probe/" + std::to_string(k);
-    ask_->set(key, std::vector<uint8_t>(group.begin(), group.end()));
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    std::string key;
+    try {
+      const int64_t k = ask_->add("scaletrain/probe/count", 1);
+      key = "scaletrain/probe/" + std::to_string(k);
+      ask_->set(key, std::vector<uint8_t>(group.begin(), group.end()));
+    } catch (const std::exception& e) {
+      throw StoreSilent(e.what());
+    }
+    const auto deadline = std::chrono::steady_clock::now() + kAskTimeout;
     for (size_t i = 0; i < ranks.size(); ++i) {
       if (ranks[i] == rank_) continue;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -200,6 +212,9 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     if (options_.debug_collectives)
       t.fingerprint_store = c10::make_intrusive<c10d::PrefixStore>(
           "scaletrain/" + name + "/debug", static_cast<RendezvousStore&>(*store_).clone());
+    else  // Note [First-of-kind check]
+      t.first_store = c10::make_intrusive<c10d::PrefixStore>(
+          "scaletrain/" + name + "/first", static_cast<RendezvousStore&>(*store_).clone());
     std::weak_ptr<Responder> weak = responder_;
     t.ask = [weak](const std::string& g, const std::vector<int>& members) {
       auto responder = weak.lock();
