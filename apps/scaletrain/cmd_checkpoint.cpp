@@ -82,8 +82,9 @@ int inspect(const std::string& arg) {
   }
   std::printf("  checksums: %zu of %zu files bad\n", bad.size(), x.files.size());
   std::fflush(stdout);
-  for (const auto& b : bad) std::fprintf(stderr, "scaletrain: corrupt checkpoint file %s\n", b.c_str());
-  return 1;
+  // A corrupt checkpoint is bad input: one line, exit 2 (the table above names every bad file).
+  throw UsageError("checkpoint " + dir + ": " + std::to_string(bad.size()) + " of " +
+                   std::to_string(x.files.size()) + " files bad; corrupt checkpoint file " + bad.front());
 }
 
 int consolidate(const std::string& arg, const std::string& out) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -15,7 +16,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/json.h"
 
 namespace scaletrain::checkpoint {
 
@@ -78,6 +81,55 @@ std::vector<std::pair<int64_t, fs::path>> step_dirs(const std::string& root) {
 
 bool complete(const fs::path& dir) { return fs::is_regular_file(dir / kIndexName); }
 
+// Note [Index checksum]: index.json carries the CRC-32 of its own content
+// (every other key), so an edited or damaged index (optimizer_steps 20 -> 2,
+// a world size) is refused, and resume=auto passes over it, instead of being
+// trusted. Indexes written before the checksum existed have none and are read
+// as they are; their fields are still checked one by one.
+void check_index_crc(json& j, const std::string& source) {
+  const auto it = j.find("index_crc32");
+  if (it == j.end()) return;
+  if (!it->is_number_unsigned()) fail(source, "index_crc32 is not a checksum");
+  const uint32_t want = it->get<uint32_t>();
+  j.erase(it);
+  const std::string body = j.dump(1);
+  if (crc32_update(0, body.data(), body.size()) != want)
+    fail(source, "the index does not match its checksum (edited or damaged after it was written)");
+}
+
+// Every field a resume relies on, within its range.
+void check_fields(const Index& x, const std::string& source) {
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) fail(source, what);
+  };
+  need(x.step >= 0, "step " + std::to_string(x.step) + " is negative");
+  need(x.world_size >= 1, "world_size " + std::to_string(x.world_size) + " is not a positive count of ranks");
+  need(x.state.step == x.step, "state.step " + std::to_string(x.state.step) + " differs from step " +
+                                   std::to_string(x.step));
+  need(x.state.optimizer_steps >= 0 && x.state.optimizer_steps <= x.state.step,
+       "state.optimizer_steps " + std::to_string(x.state.optimizer_steps) + " is not within [0, step " +
+           std::to_string(x.state.step) + "]");
+  const ModelShape& m = x.model;
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"vocab_size", m.vocab_size}, {"block_size", m.block_size},
+                         {"n_layer", m.n_layer}, {"n_head", m.n_head}, {"n_embd", m.n_embd}})
+    need(v >= 0, std::string("model.") + name + " " + std::to_string(v) + " is negative");  // 0: not a model of ours
+  for (const auto& [k, v] : x.state.loss_scaler) need(std::isfinite(v), "state.loss_scaler." + k + " is not finite");
+  for (double v : x.state.fp8_scaling) need(std::isfinite(v), "state.fp8_scaling holds a value that is not finite");
+  need(x.state.rng_cpu.size() % 2 == 0 &&
+           x.state.rng_cpu.find_first_not_of("0123456789abcdef") == std::string::npos,
+       "state.rng_cpu is not a hex string");
+  for (const auto& f : x.files) {
+    need(f.rank >= 0 && f.rank < x.world_size, "file " + f.name + " has rank " + std::to_string(f.rank) +
+                                                   ", outside world_size " + std::to_string(x.world_size));
+    need(f.bytes >= 0, "file " + f.name + " has a negative size");
+  }
+  for (const auto& [name, t] : x.tensors) {
+    Dtype dt = Dtype::F32;
+    need(dtype_from_name(t.dtype, &dt), "tensor " + name + " has an unknown dtype '" + t.dtype + "'");
+    for (const auto& p : t.pieces) need(!p.key.empty(), "a piece of tensor " + name + " has no key");
+  }
+}
+
 }  // namespace
 
 int64_t TensorEntry::numel() const {
@@ -116,14 +168,19 @@ std::string index_to_json(const Index& x) {
     tensors[name] = {{"shape", t.shape}, {"dtype", t.dtype}, {"pieces", pieces}};
   }
   j["tensors"] = tensors;
+  // Note [Index checksum]: the CRC-32 of the index without this key, as
+  // dumped here (nlohmann keeps keys sorted, so the text is canonical).
+  const std::string body = j.dump(1);
+  j["index_crc32"] = crc32_update(0, body.data(), body.size());
   return j.dump(1);
 }
 
 Index index_from_json(const std::string& text, const std::string& source) {
   Index x;
   try {
-    const json j = json::parse(text);
+    json j = util::parse_json(text, "checkpoint " + source);  // Note [Strict JSON]
     if (j.value("format", std::string()) != kFormat) fail(source, "not a scaletrain checkpoint index");
+    check_index_crc(j, source);
     x.version = j.at("version").get<int>();
     if (x.version != kIndexVersion)
       fail(source,
@@ -166,8 +223,9 @@ Index index_from_json(const std::string& text, const std::string& source) {
       x.tensors[name] = std::move(e);
     }
   } catch (const json::exception& e) {
-    fail(source, std::string("malformed index: ") + e.what());
+    fail(source, std::string("malformed index: ") + util::json_reason(e.what()));
   }
+  check_fields(x, source);
   // The pieces of every tensor must tile its flattened range (Note [Checkpoint pieces]).
   for (auto& [name, t] : x.tensors) {
     for (int64_t d : t.shape)

@@ -458,9 +458,35 @@ void read_tensors(const std::string& dir, const Index& index,
   }
 }
 
+namespace {
+
+// A safetensors file whose bytes match its checksum can still be unusable (a
+// file written malformed, a key the index names but the file lacks): parse
+// its header and look up every piece the index places in it. "" when fine.
+std::string check_tensor_file(const std::string& path, int file, const Index& index) {
+  try {
+    SafetensorsFile st(path);
+    for (const auto& [name, t] : index.tensors)
+      for (const auto& p : t.pieces) {
+        if (p.file != file) continue;
+        const TensorView* v = st.view().find(p.key);
+        if (v == nullptr) return "holds no tensor '" + p.key + "', which the index names";
+        if (v->numel() != p.numel)
+          return "tensor '" + p.key + "' has " + std::to_string(v->numel()) + " elements, the index says " +
+                 std::to_string(p.numel);
+      }
+  } catch (const SafetensorsError& e) {
+    return std::string("malformed: ") + e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
 std::vector<std::string> verify_files(const std::string& dir, const Index& index) {
   std::vector<std::string> bad;
-  for (const auto& f : index.files) {
+  for (size_t i = 0; i < index.files.size(); ++i) {
+    const FileEntry& f = index.files[i];
     const std::string path = (fs::path(dir) / f.name).string();
     if (!fs::exists(path)) {
       bad.push_back(path + ": missing");
@@ -468,10 +494,14 @@ std::vector<std::string> verify_files(const std::string& dir, const Index& index
     }
     int64_t bytes = 0;
     const uint32_t crc = crc32_file(path, &bytes);
-    if (bytes != f.bytes)
+    if (bytes != f.bytes) {
       bad.push_back(path + ": " + std::to_string(bytes) + " bytes, the index says " + std::to_string(f.bytes));
-    else if (crc != f.crc32)
+    } else if (crc != f.crc32) {
       bad.push_back(path + ": checksum mismatch");
+    } else if (f.name.size() > 12 && f.name.compare(f.name.size() - 12, 12, ".safetensors") == 0) {
+      const std::string problem = check_tensor_file(path, static_cast<int>(i), index);
+      if (!problem.empty()) bad.push_back(path + ": " + problem);
+    }
   }
   return bad;
 }

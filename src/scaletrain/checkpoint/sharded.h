@@ -150,8 +150,9 @@ Index load_checkpoint(const std::string& step_dir, const Layout& layout, optim::
 void read_tensors(const std::string& step_dir, const Index& index,
                   const std::vector<std::pair<std::string, at::Tensor>>& outs);
 
-// Checks every file's size and CRC-32 against the index; returns one line
-// per bad file (empty: all good).
+// Checks every file's size and CRC-32 against the index, and that each
+// safetensors file parses and holds the pieces the index places in it;
+// returns one line per bad file (empty: all good).
 std::vector<std::string> verify_files(const std::string& step_dir, const Index& index);
 
 // torch's default CPU generator state, as hex, and back.

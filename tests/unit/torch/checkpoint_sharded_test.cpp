@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -163,17 +164,19 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
 // rank 0 waits; the launcher stops the group and starts it again, and the
 // trainer goes on from the newest checkpoint although checkpoint.resume says
 // never (that is for a first start): the two attempts' losses are the
-// uninterrupted run's, bit for bit (ports 29934-29935).
+// uninterrupted run's, bit for bit, in one metrics file with a restart
+// record between them (ports 29934-29935).
 TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
   const auto dir = fresh("restart");
   const std::string zero3 = "--parallel.strategy=zero3 ";
   const auto whole = train(2, "whole_for_restart", zero3, 29935);
   ASSERT_EQ(whole.size(), 6u);
-  const fs::path m = scratch() / "restart_m";
-  for (int a = 0; a < 2; ++a) fs::remove(m.string() + std::to_string(a) + ".jsonl");
+  // One metrics file for both attempts: the second adds to the first's.
+  const fs::path m = scratch() / "restart_m.jsonl";
+  std::ofstream(m) << "{\"step\": 99, \"loss\": 0, \"tokens_per_s\": 0}\n";  // an older job's: replaced
   const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() + " " + zero3 +
                         "--checkpoint.every=1 --checkpoint.resume=never --checkpoint.dir=" + dir.string() +
-                        " --metrics.path=" + m.string() + "$SCALETRAIN_RESTART_COUNT.jsonl";
+                        " --metrics.path=" + m.string();
   const std::string worker = "if [ $SCALETRAIN_RESTART_COUNT = 0 ]; then " + t +
                              " --train.stop_at=3 || exit 1; if [ $RANK = 1 ]; then kill -9 $$; fi; exec sleep 60; fi; "
                              "exec " + t;
@@ -187,13 +190,24 @@ TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
       << out;
   EXPECT_NE(out.find("restart 1 of the group: resuming from the newest intact checkpoint"), std::string::npos) << out;
   EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 3)), std::string::npos) << out;
-  const auto first = metric_losses(m.string() + "0.jsonl"), second = metric_losses(m.string() + "1.jsonl");
-  ASSERT_EQ(first.size(), 3u);
-  ASSERT_EQ(second.size(), 3u);
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(first[i], whole[i]) << "step " << i + 1;
-    EXPECT_EQ(second[i], whole[i + 3]) << "step " << i + 4;
+  // Every step of both attempts, in order, and between them the restart record.
+  const auto losses = metric_losses(m);
+  ASSERT_EQ(losses.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(losses[i], whole[i]) << "step " << i + 1 << " (bit for bit)";
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(m);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("record") || j["record"] == "restart") lines.push_back(std::move(j));  // steps and restarts
   }
+  ASSERT_EQ(lines.size(), 7u);
+  const nlohmann::json& restart = lines[3];
+  EXPECT_EQ(restart.value("record", ""), "restart") << restart.dump();
+  EXPECT_EQ(restart.value("attempt", -1), 1) << restart.dump();
+  EXPECT_EQ(restart.value("resumed_from_step", -1), 3) << restart.dump();
+  EXPECT_EQ(restart.value("reason", ""), "attempt 0: rank 1 was killed by signal 9 (SIGKILL)") << restart.dump();
+  EXPECT_EQ(lines[2].value("step", -1), 3);
+  EXPECT_EQ(lines[4].value("step", -1), 4);
 }
 
 // A rank stopped with SIGSTOP mid-run, without debug mode: the rank whose
@@ -215,6 +229,29 @@ TEST(CollectiveTimeout, TheStoppedRankIsNamedInTheLaunchersLastLine) {
   EXPECT_EQ(tail.substr(tail.rfind('\n') + 1),
             "scaletrain launch: culprit: rank 1 did not answer (exited, stopped, or stuck where it cannot answer) "
             "(reported by rank 0)")
+      << out;
+}
+
+// The store's host (rank 0) stopped: the failed collective costs one
+// timeout, and the diagnosis, which asks the same frozen store, only its own
+// few seconds; rank 0 is named (port 29938).
+TEST(CollectiveTimeout, AStoppedStoreHostCostsOneTimeoutAndIsNamed) {
+  constexpr int kTimeout = 20, kStopAfter = 3;
+  const std::string t = std::string(SCALETRAIN_BIN) + " train " + config().string() +
+                        " --train.steps=1000000 --metrics.progress=false --parallel.timeout_s=" +
+                        std::to_string(kTimeout);
+  const std::string worker =
+      "if [ $RANK = 0 ]; then (sleep " + std::to_string(kStopAfter) + "; kill -STOP $$) & fi; exec " + t;
+  int code = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string out = capture("launch --nproc-per-node 2 --threads 1 --timeout 120 --master-port 29938 "
+                                  "-- /bin/sh -c '" + worker + "'",
+                                  &code);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_LT(took, kStopAfter + 1.5 * kTimeout) << out;
+  EXPECT_NE(out.find("culprit: rank 0 (it serves the store, which did not answer the diagnosis either"),
+            std::string::npos)
       << out;
 }
 
@@ -344,6 +381,33 @@ TEST(ElasticMembership, FourThenTwoThenThreeRanksContinueTheCurve) {
   }
 }
 
+// The launcher serving the launchers' store dies (SIGKILL): the other
+// node's worker fails with it, and that node gives up saying which store is
+// gone, in which round, as which node; no sentinel count of restarts
+// (launchers' store on port 30650, the workers' on 30651).
+TEST(ElasticMembership, AGoneStoreIsNamedWhenANodeGivesUp) {
+  const std::string worker = "if [ $GROUP_RANK = 1 ]; then sleep 3; exit 3; fi; exec sleep 60";
+  const std::string launch = "launch --nproc-per-node 1 --threads 1 --nnodes 2:2 --master-port 30650 "
+                             "--rdzv-last-call 1 --max-restarts 3 --timeout 60 -- /bin/sh -c '" + worker + "'";
+  auto log = [](int i) { return scratch() / ("store_gone_node" + std::to_string(i) + ".log"); };
+  const pid_t first = spawn_scaletrain(launch, log(0));  // serves the launchers' store
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const pid_t second = spawn_scaletrain(launch, log(1));
+  // Once round 0 runs, the store's host goes away.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (slurp_file(log(1)).find("round 0: node") == std::string::npos && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(first, SIGKILL);
+  wait_exit(first, 10);
+  const int code = wait_exit(second, 40);
+  const std::string out = slurp_file(log(1));
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("the rendezvous store at 127.0.0.1:30650 is gone (round 0, this node was node "),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("1073741823"), std::string::npos) << out;
+}
+
 // FSDP's FULL_STATE_DICT (Note [Full state dict]): rank 0 writes one file of
 // whole tensors, holding the same values as the sharded save of the same
 // step, and other layouts resume it on the same curve (ports 29930-29933).
@@ -459,8 +523,79 @@ TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
                      file.string());
   int code = 0;
   const std::string out = capture("checkpoint inspect " + dir.string(), &code);
-  EXPECT_EQ(code, 1) << out;
+  EXPECT_EQ(code, 2) << out;
   EXPECT_NE(out.find("BAD"), std::string::npos) << out;
+  expect_usage_error(run("checkpoint inspect " + dir.string()), "1 of 1 files bad; corrupt checkpoint file " +
+                                                                   file.string() + ": checksum mismatch");
+}
+
+// A file whose bytes match the checksum the index gives but whose header is
+// malformed, and an index edited by hand: resume=auto passes over both,
+// naming the file, and goes on from the newest intact checkpoint.
+TEST(CheckpointCorrupt, AutoResumeSkipsAMalformedFileAndAnEditedIndex) {
+  const auto dir = fresh("malformed_auto");
+  train(0, "malformed_auto", "--train.steps=6 --checkpoint.every=2 --checkpoint.dir=" + dir.string(), 0);
+  // Step 6: a header made unreadable, the index rewritten to match its bytes.
+  const std::string step6 = checkpoint::step_dir(dir.string(), 6);
+  const fs::path file = fs::path(step6) / "rank-00000.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.write("[not a header", 13);
+  }
+  Index x = checkpoint::read_index(step6);
+  x.files[0].crc32 = checkpoint::crc32_file(file.string(), &x.files[0].bytes);
+  std::ofstream(fs::path(step6) / "index.json") << checkpoint::index_to_json(x);
+  // Step 4: optimizer_steps edited in the text (the checksum no longer matches).
+  const fs::path index4 = fs::path(checkpoint::step_dir(dir.string(), 4)) / "index.json";
+  std::string text;
+  {
+    std::ifstream in(index4);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  const auto at = text.find("\"optimizer_steps\": 4");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, 20, "\"optimizer_steps\": 2");
+  std::ofstream(index4) << text;
+  expect_usage_error(run("checkpoint inspect " + index4.parent_path().string()), "does not match its checksum");
+  int code = 0;
+  const std::string out =
+      capture("train " + config().string() + " --train.steps=8 --checkpoint.dir=" + dir.string(), &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("skipping " + step6 + ": corrupt file " + file.string() + ": malformed"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("skipping " + index4.parent_path().string() + ": checkpoint " + index4.string() +
+                     ": the index does not match its checksum"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("resumed from " + checkpoint::step_dir(dir.string(), 2)), std::string::npos) << out;
+}
+
+// Every field of an index is checked, whoever wrote it.
+TEST(CheckpointIndex, FieldsOutOfRangeAreRefused) {
+  auto refused = [](const std::function<void(Index&)>& edit, const std::string& part) {
+    Index x = small_index();
+    edit(x);
+    const std::string msg = usage_error([&] { checkpoint::index_from_json(checkpoint::index_to_json(x), "mem"); });
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  };
+  refused([](Index& x) { x.world_size = 0; }, "world_size 0 is not a positive count");
+  refused([](Index& x) { x.state.optimizer_steps = -5; }, "state.optimizer_steps -5 is not within [0, step 7]");
+  refused([](Index& x) { x.state.optimizer_steps = 20; }, "state.optimizer_steps 20 is not within [0, step 7]");
+  refused([](Index& x) { x.state.step = 6; }, "state.step 6 differs from step 7");
+  refused([](Index& x) { x.model.n_head = -1; }, "model.n_head -1 is negative");
+  refused([](Index& x) { x.files[1].rank = 2; }, "has rank 2, outside world_size 2");
+  refused([](Index& x) { x.tensors.begin()->second.dtype = "F33"; }, "unknown dtype 'F33'");
+  refused([](Index& x) { x.state.rng_cpu = "zz"; }, "state.rng_cpu is not a hex string");
+  // The text edited after writing: the checksum no longer matches.
+  std::string text = checkpoint::index_to_json(small_index());
+  const auto at = text.find("\"world_size\": 2");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 15, "\"world_size\": 3");
+  EXPECT_NE(usage_error([&] { checkpoint::index_from_json(text, "mem"); }).find("does not match its checksum"),
+            std::string::npos);
 }
 
 // checkpoint.resume=auto passes over a newest checkpoint whose file fails
