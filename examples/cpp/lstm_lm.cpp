@@ -12,6 +12,7 @@
 
 #include <cstdio>
 
+#include "parity.h"
 #include "scaletrain/scaletrain.h"
 
 constexpr int64_t kVocab = 40, kEmbed = 16, kHidden = 24, kSeq = 12;
@@ -75,13 +76,6 @@ std::pair<double, double> train(LstmLm& model, torch::optim::Optimizer& opt, int
     (step == 0 ? first : last) = loss.item<double>();
   }
   return {first, last};
-}
-
-double max_relative_difference(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  return worst;
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include <cstdio>
 
+#include "parity.h"
 #include "scaletrain/scaletrain.h"
 
 struct NetImpl : torch::nn::Module {
@@ -108,13 +109,6 @@ std::vector<torch::Tensor> train_zero3(scaletrain::comm::World& world, Net& net)
     engine->after_step();
   }
   return engine->full_parameters();
-}
-
-double max_relative_difference(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  return worst;
 }
 
 }  // namespace

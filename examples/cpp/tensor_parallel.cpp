@@ -14,6 +14,7 @@
 
 #include <cstdio>
 
+#include "parity.h"
 #include "scaletrain/scaletrain.h"
 
 namespace tp = scaletrain::parallel::tensor;
@@ -70,21 +71,14 @@ std::vector<torch::Tensor> train(int64_t in, int64_t out, scaletrain::comm::Grou
   return tp::gather_full_parameters(*model, parallel->plan());
 }
 
-double worst_difference(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  return worst;
-}
-
 }  // namespace
 
 int main() {
   auto world = scaletrain::comm::World::init();  // RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
   scaletrain::comm::Group* group = world->group().get();
-  const double linear = worst_difference(train<TensorParallelLinear>(16, 8, group, {{"fc", tp::colwise}}),
+  const double linear = max_relative_difference(train<TensorParallelLinear>(16, 8, group, {{"fc", tp::colwise}}),
                                          train<TensorParallelLinear>(16, 8, nullptr, {}));
-  const double mlp = worst_difference(train<Mlp>(10, 5, group, {{"net1", tp::colwise}, {"net2", tp::rowwise}}),
+  const double mlp = max_relative_difference(train<Mlp>(10, 5, group, {{"net1", tp::colwise}, {"net2", tp::rowwise}}),
                                       train<Mlp>(10, 5, nullptr, {}));
   std::printf("rank %d of %d: %d steps, max relative difference from one process: TensorParallelLinear %.3g, "
               "MLP %.3g\n",
