@@ -14,6 +14,7 @@
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tp_comm.h"
 #include "scaletrain/util/error.h"
@@ -236,6 +237,15 @@ TEST(ParallelizeModule, BadPlansNameTheModuleAndTheProblem) {
   auto twice = MlpBlock().ptr();
   auto first = parallel::tensor::parallelize_module(twice, *world().group(), {{"fc1", colwise}});
   expect_refused(twice, {{"fc1", colwise}}, "'fc1' is already tensor-parallel");
+  // fully_shard would move the planned weight's storage: refused, not silently unsplit.
+  try {
+    parallel::fsdp::fully_shard(twice, world(), *world().group(), parallel::fsdp::ModuleUnits{});
+    ADD_FAILURE() << "fully_shard accepted a tensor-parallel module";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'fc1.weight' belongs to a layer split by parallelize_module"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

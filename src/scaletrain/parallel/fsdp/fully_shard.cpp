@@ -8,6 +8,7 @@
 #include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -24,6 +25,11 @@ void check_module(const torch::nn::Module& module) {
     if (p.has_storage() && GatherOnUse::claimed(p.storage().unsafeGetStorageImpl()))
       throw std::invalid_argument("fully_shard: parameter '" + item.key() +
                                   "' is already sharded by another engine (the module is wrapped twice)");
+    // Flattening would move a planned weight's storage, where parallelize_module finds the layer.
+    if (tensor::is_tensor_parallel_weight(p))
+      throw std::invalid_argument("fully_shard: parameter '" + item.key() +
+                                  "' belongs to a layer split by parallelize_module; fully_shard over a "
+                                  "tensor-parallel user module is not supported yet (use DDP over dp)");
   }
 }
 

@@ -288,6 +288,10 @@ std::vector<Target> resolve(torch::nn::Module& root, const ModulePlan& plan, int
 
 }  // namespace
 
+bool is_tensor_parallel_weight(const at::Tensor& weight) {
+  return weight.defined() && weight.has_storage() && is_planned(weight);
+}
+
 TensorParallelModule::TensorParallelModule(std::shared_ptr<torch::nn::Module> module, TensorParallelPlan plan)
     : module_(std::move(module)), plan_(std::move(plan)), hooks_(std::make_shared<Hooks>()) {}
 

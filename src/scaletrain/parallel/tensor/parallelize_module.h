@@ -37,8 +37,8 @@
 //     contribution only, so other readers of the same input (a residual)
 //     are not summed.
 // A weight read by anything else (the user's own torch::mm on it) is not
-// seen; the weights must keep their storage (fully_shard over the result is
-// not supported yet).
+// seen; the weights must keep their storage, so fully_shard refuses a
+// module holding a planned layer (is_tensor_parallel_weight).
 // An observer can change values in place, never shapes or an operator's
 // arguments. So what needs that is refused rather than half done: gathering
 // a colwise output inside the module, sequence parallelism (its all-gather
@@ -111,5 +111,9 @@ class TensorParallelModule {
 // Embedding with max_norm, or a dimension that tp does not divide.
 std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::nn::Module> module, comm::Group& tp,
                                                          const ModulePlan& plan, ParallelizeOptions options = {});
+
+// Whether `weight` is the weight of a Linear a live TensorParallelModule
+// planned (engines that would move its storage refuse it).
+bool is_tensor_parallel_weight(const at::Tensor& weight);
 
 }  // namespace scaletrain::parallel::tensor
