@@ -24,24 +24,24 @@ std::string shape_of(const at::Tensor& t) {
   return s + "] " + std::string(c10::toString(t.scalar_type()));
 }
 
-}  // namespace
-
-void DdpStageRunner::backward(const std::function<void()>& fn, bool last) {
+// Data parallelism per chunk: only the step's last backward reduces; the
+// ones before it accumulate under the engine's no_sync.
+template <typename Engine>
+void backward_reducing_last(Engine& engine, const std::function<void()>& fn, bool last) {
   if (last) {
     fn();
   } else {
-    auto guard = ddp_->no_sync();
+    auto guard = engine.no_sync();
     fn();
   }
 }
 
+}  // namespace
+
+void DdpStageRunner::backward(const std::function<void()>& fn, bool last) { backward_reducing_last(*ddp_, fn, last); }
+
 void ShardedStageRunner::backward(const std::function<void()>& fn, bool last) {
-  if (last) {
-    fn();
-  } else {
-    auto guard = engine_->no_sync();
-    fn();
-  }
+  backward_reducing_last(*engine_, fn, last);
 }
 
 StageModule stage(const torch::nn::Sequential& seq) {
