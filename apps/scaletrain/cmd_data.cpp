@@ -8,6 +8,13 @@
 //       with one (or with GPT-2's encoder.json + vocab.bpe); the file then holds
 //       16-bit ids up to 65,536 ids, 32-bit ids above. Each file is encoded
 //       as one text (--add-special-tokens: with the post-processor's BOS/EOS).
+//   scaletrain prepare RECORDS.jsonl[.gz|.zst]... | DIR -o TOKENS [--tokenizer PATH]
+//       [--chat-template FILE] [--field KIND=NAME]... [--add-special-tokens]
+//       JSON lines of text, prompt/completion or messages records (data/
+//       records.h): one document per record with a target mask, written as a
+//       version 2 token file (Note [Token file records]); messages are
+//       rendered with the chat template of the tokenizer's
+//       tokenizer_config.json or of --chat-template.
 //   scaletrain plot METRICS.jsonl [-o curves.svg] [--title TEXT]
 //       Draws loss and tokens/s against step from a trainer metrics log;
 //       several logs (--labels a,b) are compared on one picture.
@@ -24,6 +31,9 @@
 #include <vector>
 
 #include "commands.h"
+#include <nlohmann/json.hpp>
+
+#include "scaletrain/data/records.h"
 #include "scaletrain/data/token_file.h"
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/train/plot.h"
@@ -37,6 +47,8 @@ struct PrepareArgs {
   std::string output;               // token file to write
   std::string tokenizer;            // tokenizer.json or a directory with one ("" = bytes)
   bool add_special_tokens = false;  // the post-processor's BOS/EOS around each file
+  std::string chat_template;        // JSONL messages: a Jinja template file ("" = the tokenizer's)
+  std::vector<std::string> fields;  // JSONL: KIND=NAME renames (text, prompt, completion, messages)
 };
 
 struct PlotArgs {
@@ -89,7 +101,57 @@ int prepare_with(const PrepareArgs& args, data::Tokenizer tokenizer) {
   return 0;
 }
 
+// --field KIND=NAME into the record options.
+void set_fields(const std::vector<std::string>& fields, data::RecordOptions& o) {
+  for (const auto& f : fields) {
+    const auto eq = f.find('=');
+    const std::string kind = f.substr(0, eq), name = eq == std::string::npos ? "" : f.substr(eq + 1);
+    std::string* slot = kind == "text"         ? &o.text_field
+                        : kind == "prompt"     ? &o.prompt_field
+                        : kind == "completion" ? &o.completion_field
+                        : kind == "messages"   ? &o.messages_field
+                                               : nullptr;
+    if (slot == nullptr || name.empty())
+      throw UsageError("prepare: --field " + f + ": expected KIND=NAME, KIND one of text, prompt, completion, messages");
+    *slot = name;
+  }
+}
+
+// prepare from JSON-lines records (data/records.h): one document each.
+int prepare_records(const PrepareArgs& args) {
+  data::Tokenizer tokenizer(args.tokenizer);
+  data::RecordOptions o;
+  o.add_special_tokens = args.add_special_tokens;
+  o.chat_template = args.chat_template;
+  o.tokenizer = args.tokenizer;
+  set_fields(args.fields, o);
+  data::RecordEncoder encoder(tokenizer, o);
+  data::TokenRecords records;
+  const std::vector<std::string> files = data::jsonl_inputs(args.inputs);
+  for (const auto& path : files)
+    data::for_each_jsonl(path, [&](const nlohmann::ordered_json& record, int64_t line) {
+      encoder.add(record, path + ":" + std::to_string(line), records);
+    });
+  if (records.documents() == 0) throw UsageError("prepare: the inputs hold no records");
+  const uint32_t vocab = tokenizer.vocab_size();
+  data::write_token_file(args.output, records, vocab);
+  std::size_t targets = 0;
+  for (uint8_t t : records.target) targets += t;
+  std::printf("prepare: %zu file(s), %zu %s records -> %zu tokens, %zu of them targets (vocab %u, tokenizer %s) in %s\n",
+              files.size(), records.documents(), data::record_kind_name(records.kind), records.tokens.size(), targets,
+              vocab, tokenizer.describe().c_str(), args.output.c_str());
+  return 0;
+}
+
 int run_prepare(const PrepareArgs& args) {
+  std::size_t jsonl = 0;
+  for (const auto& path : args.inputs) jsonl += data::is_jsonl_path(path) ? 1 : 0;
+  if (jsonl > 0 && jsonl != args.inputs.size())
+    throw UsageError("prepare: give either text files or JSONL records (*.jsonl, *.jsonl.gz, *.jsonl.zst, "
+                     "directories), not both");
+  if (jsonl > 0) return prepare_records(args);
+  if (!args.chat_template.empty() || !args.fields.empty())
+    throw UsageError("prepare: --chat-template and --field apply to JSONL records; the inputs are text files");
   // Check every input before reading any, so a typo in the last of many large
   // files fails in milliseconds instead of after reading the rest.
   for (const auto& path : args.inputs) {
@@ -144,14 +206,22 @@ void add_prepare(CLI::App& app, Runner& run) {
   // parse), so it is shared with the callbacks.
   auto args = std::make_shared<PrepareArgs>();
   CLI::App* sub = app.add_subcommand(
-      "prepare", "Encode text files (bytes, or a tokenizer.json) into one token file");
-  sub->add_option("inputs", args->inputs, "Text files, concatenated in order")->required();
+      "prepare", "Encode text files or JSONL records (bytes, or a tokenizer.json) into one token file");
+  sub->add_option("inputs", args->inputs,
+                  "Text files, concatenated in order; or JSONL record files / directories of them")
+      ->required();
   sub->add_option("-o,--output", args->output, "Token file to write")->required();
   sub->add_option("--tokenizer", args->tokenizer,
                   "Hugging Face tokenizer.json, or a directory with one (or with encoder.json + vocab.bpe); "
                   "default: bytes");
   sub->add_flag("--add-special-tokens", args->add_special_tokens,
-                "Add the tokenizer's BOS/EOS (its post-processor) around each file");
+                "Text files: add the tokenizer's BOS/EOS (its post-processor) around each file; JSONL text and "
+                "prompt/completion records: the BOS of tokenizer_config.json before each record");
+  sub->add_option("--chat-template", args->chat_template,
+                  "JSONL messages: a Jinja chat template file (default: the tokenizer directory's "
+                  "tokenizer_config.json chat_template)");
+  sub->add_option("--field", args->fields,
+                  "JSONL: KIND=NAME reads field NAME for KIND (text, prompt, completion, messages); repeatable");
   sub->callback([&run, args] { run = [args] { return run_prepare(*args); }; });
 }
 

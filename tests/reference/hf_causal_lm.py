@@ -2,6 +2,7 @@
 """Independent reference loss of a Hugging Face causal LM directory (semantics: hf_models.py).
 
   loss MODEL_DIR IDS_FILE OUT_JSON [--dtype float32|float64] [--logits] [--logits-safetensors PATH]
+       [--targets TARGETS_FILE]
       MODEL_DIR: config.json (model_type llama, mistral, qwen2, mixtral or gpt2) +
       model.safetensors, or model.safetensors.index.json + shards
       (fp32/fp16/bf16 tensors; converted to --dtype, default float32).
@@ -9,7 +10,11 @@
       or one flat list for a single sequence.
       OUT_JSON: {"loss": mean next-token cross-entropy over all B*(T-1) predictions,
       "loss_per_sequence": [...], "batch", "seq_len", "n_predicted", "model_type", "dtype",
-      and "logits" [B][T][V] with --logits}. --logits-safetensors writes the logits
+      and "logits" [B][T][V] with --logits}. --targets: a JSON list of B lists of T ids,
+      the target of every position (the logits at position j of sequence b are scored
+      against targets[b][j], as a trainer's (input, target) pair is), -100 where nothing
+      is scored; "loss" is then the mean over the scored positions (torch's ignore_index)
+      and "n_predicted" their number. --logits-safetensors writes the logits
       (tensor "logits", [B, T, V], in --dtype) as a safetensors file.
       Exit 1 with a one-line message on a bad directory (missing/extra tensor, wrong shape,
       unsupported config) or ids out of range.
@@ -82,8 +87,19 @@ def cmd_loss(a):
         sys.stderr.write("hf_causal_lm: %s: %s\n" % (a.model_dir, e))
         return 1
     per_seq = [float(hm.next_token_loss(logits[b:b + 1], ids[b:b + 1])) for b in range(ids.shape[0])]
+    n_predicted = ids.shape[0] * (ids.shape[1] - 1)
+    if a.targets:
+        with open(a.targets) as f:
+            targets = torch.tensor(json.load(f), dtype=torch.int64)
+        if targets.shape != ids.shape:
+            sys.stderr.write("hf_causal_lm: %s: targets shape %s, need %s\n" % (a.targets, list(targets.shape),
+                                                                             list(ids.shape)))
+            return 1
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                 ignore_index=-100)
+        n_predicted = int((targets != -100).sum())
     out = {"loss": float(loss), "loss_per_sequence": per_seq, "batch": ids.shape[0], "seq_len": ids.shape[1],
-           "n_predicted": ids.shape[0] * (ids.shape[1] - 1), "model_type": cfg["model_type"], "dtype": a.dtype}
+           "n_predicted": n_predicted, "model_type": cfg["model_type"], "dtype": a.dtype}
     if a.logits:
         out["logits"] = logits.tolist()
     if a.logits_safetensors:
@@ -402,6 +418,7 @@ def main():
     lo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     lo.add_argument("--logits", action="store_true", help="include the logits in OUT_JSON")
     lo.add_argument("--logits-safetensors", metavar="PATH")
+    lo.add_argument("--targets", metavar="TARGETS_FILE", help="score every position against these ids (-100: none)")
     sub.add_parser("selftest")
     a = ap.parse_args()
     return cmd_loss(a) if a.cmd == "loss" else selftest()

@@ -23,6 +23,24 @@
 // a crashed writer or a partial copy is detected instead of silently training
 // on fewer tokens. write_token_file() renames a finished temp file into place,
 // so readers never observe a half-written file under the final name.
+//
+// Note [Token file records]
+// Version 2 adds what fine-tuning records need (data/records.h): which tokens
+// are targets of the loss, and where each document (one JSONL record) starts.
+// The header is the same except the version (2) and the u32 at offset 28:
+//   bit 0   a target mask follows the tokens
+//   bit 1   a document index follows (after the mask, if any)
+//   bits 8-15  the record kind (RecordKind: text, prompt/completion, messages)
+// After the tokens, each section starts at the next multiple of 8 bytes from
+// the start of the file:
+//   mask    ceil(N / 8) bytes; bit (i % 8) of byte i / 8 is 1 when token i
+//           is a target (a completion or assistant token)
+//   index   u64 document count D, then D + 1 u64 offsets: document d is
+//           tokens [offset[d], offset[d + 1]); offset[0] = 0, offset[D] = N,
+//           non-decreasing
+// The file size must equal the end of the last section exactly, and every
+// offset is checked when the file is opened. Plain text is still written as
+// version 1, so files from before version 2 and files of text read the same.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -32,6 +50,7 @@ namespace scaletrain::data {
 
 inline constexpr char kTokenFileMagic[8] = {'S', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
 inline constexpr uint32_t kTokenFileVersion = 1;
+inline constexpr uint32_t kTokenFileVersionRecords = 2;  // Note [Token file records]
 inline constexpr uint32_t kDtypeUint16 = 1;
 inline constexpr uint32_t kDtypeUint32 = 2;
 inline constexpr std::size_t kTokenFileHeaderBytes = 32;
@@ -40,6 +59,26 @@ inline constexpr uint32_t kMaxUint16Vocab = 65536;
 
 // The dtype write_token_file() uses for a vocabulary of `vocab` ids.
 inline uint32_t dtype_for_vocab(uint32_t vocab) { return vocab <= kMaxUint16Vocab ? kDtypeUint16 : kDtypeUint32; }
+
+// What a record of a fine-tuning set was (Note [Token file records]):
+// `data.loss_on` checks that the mask means what it asks for.
+enum class RecordKind : uint32_t { Text = 0, PromptCompletion = 1, Messages = 2 };
+const char* record_kind_name(RecordKind kind);
+
+// Documents with a target mask, as `prepare` builds them from records.
+struct TokenRecords {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> target;                 // one per token: 1 = a target of the loss
+  std::vector<uint64_t> doc_offsets{0};        // document d is [doc_offsets[d], doc_offsets[d + 1])
+  RecordKind kind = RecordKind::Text;
+  // Appends one document; `target` has one entry per token of `ids`.
+  void add(const std::vector<uint32_t>& ids, const std::vector<uint8_t>& targets);
+  std::size_t documents() const { return doc_offsets.size() - 1; }
+};
+
+// Writes `records` as a version 2 file (mask and document index) with the
+// same atomic rename and the same checks as the token overloads below.
+void write_token_file(const std::string& path, const TokenRecords& records, uint32_t vocab);
 
 // Writes `tokens` to `path` in the format above. The data goes to a temp file
 // next to `path` (same directory, so the rename is atomic on POSIX), is
@@ -96,6 +135,17 @@ class TokenFile {
     return dtype_ == kDtypeUint16 ? static_cast<const uint16_t*>(tokens_)[i]
                                   : static_cast<const uint32_t*>(tokens_)[i];
   }
+  // Version 2 files (Note [Token file records]): the target mask, the
+  // document index and the record kind. A version 1 file has neither; every
+  // token is then a target and the whole file is one document.
+  bool has_mask() const { return mask_ != nullptr; }
+  bool is_target(std::size_t i) const { return mask_ == nullptr || ((mask_[i >> 3] >> (i & 7)) & 1) != 0; }
+  bool has_documents() const { return docs_ != nullptr; }
+  std::size_t documents() const { return docs_ == nullptr ? 1 : num_docs_; }
+  // Document d is tokens [document_begin(d), document_begin(d + 1)).
+  uint64_t document_begin(std::size_t d) const { return docs_ == nullptr ? (d == 0 ? 0 : count_) : docs_[d]; }
+  RecordKind kind() const { return kind_; }
+
   // Vocabulary size recorded by the writer.
   uint32_t vocab() const { return vocab_; }
   // The path the file was opened from, for error messages upstream.
@@ -120,6 +170,12 @@ class TokenFile {
   std::size_t count_ = 0;
   uint32_t vocab_ = 0;
   uint32_t dtype_ = kDtypeUint16;
+  const unsigned char* mask_ = nullptr;  // version 2 target bits, or null
+  const uint64_t* docs_ = nullptr;       // version 2 document offsets (num_docs_ + 1), or null
+  std::size_t num_docs_ = 0;
+  RecordKind kind_ = RecordKind::Text;
+
+  void open_sections(const unsigned char* h, uint64_t file_bytes, uint64_t data_end);
 };
 
 }  // namespace scaletrain::data

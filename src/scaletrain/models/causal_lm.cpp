@@ -139,7 +139,16 @@ void CausalLM::check_length(int64_t T) const {
 torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {
   if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
     logits = logits.to(torch::kFloat);
-  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+  namespace F = torch::nn::functional;
+  const auto t = targets.reshape({-1});
+  auto sum = F::cross_entropy(logits.view({-1, logits.size(-1)}), t,
+                              F::CrossEntropyFuncOptions().ignore_index(kIgnoreTarget).reduction(torch::kSum));
+  return sum / (t != kIgnoreTarget).sum().clamp_min(1).to(sum.scalar_type());
+}
+
+torch::Tensor mean_over_targets(const torch::Tensor& per_token, const torch::Tensor& targets) {
+  const auto valid = (targets != kIgnoreTarget).reshape(per_token.sizes());
+  return (per_token * valid.to(per_token.scalar_type())).sum() / valid.sum().clamp_min(1).to(per_token.scalar_type());
 }
 
 torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp) {

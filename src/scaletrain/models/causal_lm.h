@@ -254,9 +254,15 @@ class CausalLM : public torch::nn::Module, public Blockwise {
 };
 using ModelPtr = std::shared_ptr<CausalLM>;
 
-// Mean cross-entropy of logits [.., V] against targets; 16-bit logits are
-// upcast first (the softmax over the vocabulary needs fp32).
+// Mean cross-entropy of logits [.., V] against targets over the targets that
+// are not kIgnoreTarget (0 when there are none); 16-bit logits are upcast
+// first (the softmax over the vocabulary needs fp32).
 torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets);
+// The target id a loss skips (data::kIgnoreIndex, as torch's ignore_index).
+inline constexpr int64_t kIgnoreTarget = -100;
+// The mean of per-token losses over the positions whose target is not
+// kIgnoreTarget: the sum divided by their count (at least 1).
+torch::Tensor mean_over_targets(const torch::Tensor& per_token, const torch::Tensor& targets);
 
 // A row-parallel linear's output: the partial products of every rank are
 // reduced by the hook, and the (replicated) bias is added once, after it.

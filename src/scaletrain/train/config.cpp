@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -78,6 +79,7 @@ namespace {
 struct Field {
   std::function<void(Config&, const std::string&)> set;
   std::function<std::string(const Config&)> get;
+  const char* type = "";  // what `show` takes: int | float | bool | string | steps (config_key_table)
 };
 
 // Enum-like keys: their choices and how to read the current value.
@@ -96,6 +98,7 @@ const std::map<std::string, Choice>& choices() {
   t[#section "." #name] = Choice{__VA_ARGS__, [](const Config& c) -> const std::string& { return c.section.name; }};
     ST_CHOICE(model, activation_checkpointing, {"none", "full"})
     ST_CHOICE(model, moe_drop_policy, {"probs", "position"})
+    ST_CHOICE(data, loss_on, {"all", "completion", "assistant"})
     ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
     ST_CHOICE(train, warmup_type, {"linear", "log"})
     ST_CHOICE(parallel, strategy, {"ddp", "zero1", "zero2", "zero3", "fsdp"})
@@ -166,6 +169,12 @@ std::string checked_choice(const std::string& key, const std::string& v) {
   check_choice(key, v);
   return v;
 }
+// A row's type, named after the show function the row uses (config_key_table).
+const char* shown_type(std::string (*)(int64_t)) { return "int"; }
+const char* shown_type(std::string (*)(double)) { return "float"; }
+const char* shown_type(std::string (*)(bool)) { return "bool"; }
+const char* shown_type(std::string (*)(const std::string&)) { return "string"; }
+const char* shown_type(std::string (*)(const std::vector<int64_t>&)) { return "steps"; }
 
 // The table of keys: one entry per field. `section` may be nested (parallel.fsdp).
 const std::map<std::string, Field>& fields() {
@@ -175,7 +184,7 @@ const std::map<std::string, Field>& fields() {
     // clang-format off
 #define ST_FIELD(section, name, parse, show)                                                      \
   t[#section "." #name] = Field{[](Config& c, const std::string& v) { c.section.name = parse; }, \
-                                [](const Config& c) { return show(c.section.name); }};
+                                [](const Config& c) { return show(c.section.name); }, shown_type(show)};
 #define ST_INT(section, name) ST_FIELD(section, name, to_int(#section "." #name, v), show_int)
 #define ST_DBL(section, name) ST_FIELD(section, name, to_double(#section "." #name, v), show_double)
 #define ST_BOOL(section, name) ST_FIELD(section, name, to_bool(#section "." #name, v), show_bool)
@@ -203,6 +212,8 @@ const std::map<std::string, Field>& fields() {
     // data
     ST_STR(data, path)
     ST_STR(data, tokenizer)
+    ST_ENUM(data, loss_on)
+    ST_BOOL(data, packing)
     // train
     ST_INT(train, steps)
     ST_INT(train, global_batch)
@@ -218,6 +229,7 @@ const std::map<std::string, Field>& fields() {
     ST_INT(train, seed)
     ST_INT(train, sample_tokens)
     ST_STR(train, sample_prompt)
+    ST_BOOL(train, sample_chat)
     ST_ENUM(train, lr_schedule)
     ST_ENUM(train, warmup_type)
     ST_DBL(train, warmup_start_ratio)
@@ -493,6 +505,31 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (auto& [k, s] : fields()) keys.push_back(k);
   return keys;
+}
+
+std::vector<ConfigKeyInfo> config_key_table() {
+  const Config defaults;
+  std::vector<ConfigKeyInfo> rows;
+  for (const auto& [key, field] : fields()) {
+    ConfigKeyInfo row{key, field.type, field.get(defaults), {}};
+    if (auto c = choices().find(key); c != choices().end()) {
+      row.type = "choice";
+      row.choices = c->second.values;
+    }
+    // The shortest text that reads back as the same double (0.95, not 0.94999999999999996).
+    if (row.type == "float") {
+      const double v = std::strtod(row.default_value.c_str(), nullptr);
+      char buf[32];
+      for (int digits = 1; digits <= 17; ++digits) {
+        std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+        if (std::strtod(buf, nullptr) == v) break;
+      }
+      if (std::strchr(buf, 'e') && v == std::floor(v) && std::fabs(v) < 1e15) std::snprintf(buf, sizeof buf, "%.0f", v);
+      row.default_value = buf;
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows;
 }
 
 void apply_override(Config& config, const std::string& assignment) {

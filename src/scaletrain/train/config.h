@@ -12,20 +12,21 @@ namespace scaletrain::train {
 
 struct ModelOptions {
   // tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | llama-tiny | smollm2-135m | smollm2-360m |
-  // tinyllama-1.1b | llama-2-7b | llama-3-8b | llama-3.1-8b (models::model_preset_names())
+  // tinyllama-1.1b | llama-2-7b | llama-3-8b | llama-3.1-8b | mixtral-tiny | mixtral-8x7b
+  // (models::model_preset_names())
   std::string preset = "tiny";
-  // A Hugging Face config.json (or a directory holding one) of model_type
-  // gpt2, llama, mistral or qwen2: the architecture instead of the preset
+  // A Hugging Face config.json (or a directory holding one) of model_type gpt2,
+  // llama, mistral, qwen2 or mixtral (no sliding window): the architecture instead of the preset
   // ("" = the preset). The n_* keys below may only repeat its values;
   // block_size may shorten the sequence.
   std::string config;
-  int64_t n_layer = 0;  // 0 keeps the preset's value (same for the next six)
-  int64_t n_head = 0;
+  int64_t n_layer = 0;  // transformer blocks; 0 keeps the preset's value (same for the next six)
+  int64_t n_head = 0;             // attention heads
   int64_t n_kv_head = 0;          // key/value heads (llama family: grouped-query attention)
   int64_t intermediate_size = 0;  // MLP width (llama family)
-  int64_t n_embd = 0;
+  int64_t n_embd = 0;             // hidden (embedding) width
   int64_t block_size = 0;  // sequence length trained on
-  int64_t vocab_size = 0;
+  int64_t vocab_size = 0;         // token ids the embedding and head cover
   double dropout = 0.0;  // dropout probability
   // Mixture of Experts (model family mixtral, e.g. model.preset=mixtral-tiny;
   // Note [MoE routing] in models/moe.h). 0 (-1 for the aux coefficient)
@@ -36,7 +37,10 @@ struct ModelOptions {
   double router_z_loss_coef = 0.0;   // router z-loss coefficient
   double capacity_factor = 0.0;      // > 0: each expert takes at most ceil(cf * T * k / E) slots of a sequence; unset: dropless
   std::string moe_drop_policy = "probs";  // probs | position: which slots over capacity are dropped
-  std::string init_from;  // Hugging Face GPT-2 safetensors file to start from ("" = random init)
+
+  // Hugging Face weights to start from: a GPT-2 safetensors file, or a Hub directory (config.json +
+  // safetensors) of a model_type model.config reads ("" = random init)
+  std::string init_from;
   // none | full: full keeps only each block's input for backward and
   // recomputes the block there (less activation memory, one more forward).
   std::string activation_checkpointing = "none";
@@ -47,6 +51,14 @@ struct DataOptions {
   // Tokenizer that prepared `path` (`prepare --tokenizer`): a tokenizer.json, or a
   // directory with one; the text sample encodes and decodes with it ("" = bytes).
   std::string tokenizer;
+  // Which tokens the loss averages over (Note [Masked loss] in train/batches.h):
+  // all | completion (prompt/completion records) | assistant (messages records).
+  // The last two need a file `prepare` wrote from JSONL records of that kind.
+  std::string loss_on = "all";
+  // true: samples are block_size windows over the concatenated documents;
+  // false: one record per sample, cut to block_size and padded (pads are
+  // never targets). false needs a file prepared from JSONL records.
+  bool packing = true;
 };
 
 struct TrainOptions {
@@ -67,22 +79,29 @@ struct TrainOptions {
   uint64_t seed = 1337;                        // model init and sample order
   int64_t sample_tokens = 200;                 // length of the text sample printed at the end (0: none)
   std::string sample_prompt = "And God said";  // prompt of that sample
+  // true: the prompt is one user message rendered with data.tokenizer's chat
+  // template and its generation prompt (tokenizer_config.json's chat_template).
+  bool sample_chat = false;
   std::string device = "auto";  // auto | cpu | cuda | cuda:N (auto: the GPU numbered LOCAL_RANK if any, else CPU)
   int64_t stop_at = 0;  // stop after this step, as if preempted (the schedule still spans `steps`); 0 = steps
 };
 
 // parallel.fsdp: PyTorch FSDP's knobs, with its names and defaults.
 struct FsdpOptions {
-  std::string sharding_strategy = "FULL_SHARD";    // FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD
+  // FULL_SHARD | SHARD_GRAD_OP | NO_SHARD (= DDP) | HYBRID_SHARD (shards within a
+  // node, replicas across nodes: set parallel.dp_replicate to the node count)
+  std::string sharding_strategy = "FULL_SHARD";
   std::string auto_wrap_policy = "transformer";    // transformer | size | none: what becomes an FSDP unit
   std::string transformer_layer_cls;               // class wrapped by the transformer policy; "": the model's blocks
   int64_t min_num_params = 100000000;              // size policy: wrap a subtree once it has this many parameters
-  std::string backward_prefetch = "BACKWARD_PRE";  // BACKWARD_PRE | BACKWARD_POST | NONE
+  std::string backward_prefetch = "BACKWARD_PRE";  // BACKWARD_PRE | BACKWARD_POST | NONE: PyTorch FSDP's prefetch in backward
   bool forward_prefetch = false;                   // all-gather the next unit's parameters during this unit's forward
   bool limit_all_gathers = true;                   // at most two all-gathers in flight (bounds memory)
   bool offload_params = false;                     // keep parameter shards (and their gradients) in CPU memory
   bool sync_module_states = true;                  // broadcast rank 0's parameters and buffers at wrap time
-  bool cpu_ram_efficient_loading = false;  // only rank 0 materialises the full model; others get it by broadcast
+  // No rank builds the whole model: each initializes only its shards, or reads only their
+  // element ranges from model.init_from (what zero3 always does; Accelerate's name)
+  bool cpu_ram_efficient_loading = false;
   std::string state_dict_type = "SHARDED_STATE_DICT";  // FULL_STATE_DICT | SHARDED_STATE_DICT: checkpoint layout
 };
 
@@ -103,10 +122,10 @@ struct ZeroOptions {
 };
 
 struct ParallelOptions {
-  std::string strategy = "ddp";         // ddp | zero1 | zero2 | zero3 | fsdp
+  std::string strategy = "ddp";         // ddp | zero1 | zero2 | zero3 | fsdp: data parallelism, replicated or sharded
   int dp_replicate = 1;                 // mesh: outer data-parallel degree
   int dp_shard = -1;                    // mesh: inner data-parallel degree; -1 = the rest of the world
-  int tp = 1;                           // tensor-parallel degree (Megatron style; composes with ddp)
+  int tp = 1;                           // tensor-parallel degree (Megatron style; with pp > 1, under ddp only)
   int pp = 1;                           // pipeline stages (parallel/pipeline)
   int ep = 1;                           // expert-parallel degree: MoE experts split over this many data-parallel ranks
   std::string schedule = "1f1b";        // with pp > 1: gpipe | 1f1b | interleaved
@@ -119,7 +138,7 @@ struct ParallelOptions {
   bool find_unused_parameters = false;  // tolerate parameters without gradients
   bool sequence_parallel = false;       // with tp > 1: shard LayerNorm/dropout regions along the sequence
   std::string comm_dtype = "fp32";      // fp32 | bf16 | fp8 (Note [FP8 on the wire]): dtype gradients travel in
-  std::string backend = "auto";         // auto | gloo | nccl
+  std::string backend = "auto";         // auto | gloo | nccl (auto: NCCL for a CUDA device, Gloo for CPU)
   double timeout_s = 300;               // deadline of every collective and of the rendezvous
   bool debug_collectives = false;       // compare every collective's fingerprint across ranks first (slow)
   FsdpOptions fsdp;                     // used by strategy fsdp
@@ -186,7 +205,7 @@ struct Config {
 };
 
 // Reads a YAML file of sections (model, data, train, parallel, metrics,
-// precision, checkpoint) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
+// precision, checkpoint, finetune) of scalar keys, with nested sub-sections (parallel: {fsdp: {...}})
 // and the keys of Accelerate config files (accelerate_config.cpp, Note
 // [Accelerate keys]; also the file named by SCALETRAIN_ACCELERATE_CONFIG, as
 // `scaletrain launch --config_file` sets it), then applies overrides of the form
@@ -203,5 +222,15 @@ std::vector<std::string> config_keys();
 // The value of a key as text (numbers in full precision, bools true/false);
 // comparing with a default Config tells which keys a run changed.
 std::string config_value(const Config& config, const std::string& key);
+// One row of the key table, as `scaletrain config keys` prints it and
+// scripts/gen-config-doc.py writes docs/config.md from it.
+struct ConfigKeyInfo {
+  std::string key;                   // "section.key"
+  std::string type;                  // int | float | bool | string | steps | choice
+  std::string default_value;         // the value in a default Config, as text ("" = empty)
+  std::vector<std::string> choices;  // a choice's values ("" may be one of them)
+};
+// Every key of the table, sorted by key.
+std::vector<ConfigKeyInfo> config_key_table();
 
 }  // namespace scaletrain::train

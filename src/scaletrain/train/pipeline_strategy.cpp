@@ -84,12 +84,13 @@ class PipelineStrategy final : public DataParallel {
   std::optional<Bubble> pipeline_bubble() const override {
     return Bubble{pipe_->last_stats().bubble(), pl::expected_bubble(pipe_->shape())};
   }
-  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
-              const precision::PrecisionPolicy& policy) override {
-    return pipe_->step(inputs, targets, loss_scale, [&](const std::function<at::Tensor()>& fn) {
-      precision::AutocastGuard autocast(policy, device_type_);
+  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+              const std::vector<double>& weights, double loss_scale, const precision::PrecisionPolicy& policy) override {
+    const auto autocast = [&](const std::function<at::Tensor()>& fn) {
+      precision::AutocastGuard guard(policy, device_type_);
       return fn();
-    });
+    };
+    return pipe_->step(inputs, targets, loss_scale, autocast, weights);
   }
   std::vector<at::Tensor> optimizer_params() override { return params_; }
   std::vector<int64_t> decay_numel() override { return decay_; }

@@ -115,7 +115,7 @@ const std::vector<ApplyRule>& apply_rules() {
       {{"precision.buffer_dtype"},
        [](const Config&) { return false; },
        [](const Config&) { return std::string("the model has no buffers (every tensor it keeps is a parameter)"); }},
-      {{"train.sample_prompt"},
+      {{"train.sample_prompt", "train.sample_chat"},
        [](const Config& c) { return c.train.sample_tokens > 0; },
        [](const Config&) { return std::string("train.sample_tokens is 0 (no sample)"); }},
   };

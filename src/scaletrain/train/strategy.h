@@ -62,10 +62,11 @@ class DataParallel {
     double measured = 0, expected = 0;
   };
   virtual std::optional<Bubble> pipeline_bubble() const { return std::nullopt; }
-  // inputs/targets: the step's micro-batches; each loss is multiplied by
-  // loss_scale / m before backward. Returns the mean loss (unscaled).
-  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
-                      const precision::PrecisionPolicy& policy) {
+  // inputs/targets: the step's micro-batches; loss k is multiplied by
+  // loss_scale * weights[k] before backward (Note [Masked loss]). Returns
+  // the weighted sum of the losses (unscaled).
+  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                      const std::vector<double>& weights, double loss_scale, const precision::PrecisionPolicy& policy) {
     throw std::logic_error(describe() + " runs one micro-batch at a time");
   }
 };

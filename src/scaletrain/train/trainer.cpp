@@ -38,6 +38,7 @@
 #include "scaletrain/train/metrics.h"
 #include "scaletrain/train/peft_adapter.h"
 #include "scaletrain/train/plan.h"
+#include "scaletrain/train/batches.h"
 #include "scaletrain/train/device.h"
 #include "scaletrain/train/strategy.h"
 #include "scaletrain/train/tracing.h"
@@ -324,6 +325,13 @@ void print_start(Run& r, const comm::WorldInfo& info) {
       static_cast<long long>(r.dataset.num_samples()), static_cast<long long>(r.plan.model.block_size),
       static_cast<long long>(cfg.train.global_batch), static_cast<long long>(r.plan.micro_batch),
       static_cast<long long>(r.plan.accum), r.dims.dp(), torch::get_num_threads(), r.peak_flops / 1e9);
+  if (r.dataset.file().has_documents())
+    std::printf("scaletrain: data: %zu %s records; loss on %s tokens; %s\n", r.dataset.file().documents(),
+                data::record_kind_name(r.dataset.file().kind()), cfg.data.loss_on.c_str(),
+                cfg.data.packing ? "packed into windows"
+                                 : ("one record per sample, " + std::to_string(r.dataset.truncated_documents()) +
+                                    " cut to block_size + 1 tokens")
+                                       .c_str());
   std::printf(
       "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
       "optimizer %.1f); setup peak +%.1f MiB RSS\n",
@@ -538,6 +546,8 @@ StepMetrics train_step(Run& r, int64_t step) {
     if (r.plan.cuda) xy = {xy.first.to(r.plan.device, /*non_blocking=*/true), xy.second.to(r.plan.device, true)};
     return xy;
   };
+  const std::vector<double> weights =
+      micro_weights(r.dataset, *r.sampler, step, r.mesh->coord().dp(r.dims), r.dims.dp(), B, accum, r.cfg.data.loss_on);
   for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
   // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
   const std::shared_ptr<models::MoeContext> moe = r.model().moe();
@@ -553,17 +563,19 @@ StepMetrics train_step(Run& r, int64_t step) {
       xs.push_back(x);
       ys.push_back(y);
     }
-    loss_sum = dp.step(xs, ys, loss_scale, r.plan.policy);
+    loss_sum = dp.step(xs, ys, weights, loss_scale, r.plan.policy);
   } else {
     for (int64_t k = 0; k < accum; ++k) {
       auto [inputs, targets] = batch(k);
+      const double multiplier = loss_scale * weights[static_cast<size_t>(k)];
+      for (auto& l : r.fp8) l->set_loss_multiplier(multiplier);
       // What this forward leaves for its backward, counted from before the
       // strategy's forward (which may gather units it keeps until backward).
       const int64_t before_forward = TensorBytes::current();
       loss_sum += dp.forward_backward(
                       [&] {
                         precision::AutocastGuard autocast(r.plan.policy, r.plan.device.type());
-                        at::Tensor loss = r.model().loss(inputs, targets) * (loss_scale / static_cast<double>(accum));
+                        at::Tensor loss = r.model().loss(inputs, targets) * multiplier;
                         r.mem.activations =
                             std::max(r.mem.activations, static_cast<double>(TensorBytes::current() - before_forward));
                         return loss;
@@ -644,12 +656,12 @@ void save_checkpoint(Run& r, int64_t done) {
 // expert parallelism the rest of its ep group, which hold the other experts:
 // each samples the same prompt with the same seed, so all route and draw
 // alike), rank 0 prints.
-void print_sample(Run& r, data::Tokenizer& tok) {
+void print_sample(Run& r, data::Tokenizer& tok, const std::string& prompt_text) {
   const Config& cfg = r.cfg;
   r.dp().with_full_parameters([&] {
     if (r.mesh->coord().dp(r.dims) >= r.mesh->ep_size() || r.mesh->coord().pp != 0) return;
     r.model().eval();
-    auto ids = tok.encode(cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt);
+    auto ids = tok.encode(prompt_text);
     std::vector<int64_t> ids64(ids.begin(), ids.end());
     auto prompt = torch::tensor(ids64, torch::kLong).view({1, -1}).to(r.plan.device);
     torch::manual_seed(cfg.train.seed);
@@ -688,7 +700,7 @@ TrainResult run_training(const Config& cfg) {
   TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
   const comm::WorldInfo info = comm::world_info_from_env();
   const Plan plan = make_plan(cfg, info.world_size, info.local_rank);
-  data::TokenDataset dataset(cfg.data.path, data::DatasetOptions{plan.model.block_size});
+  data::TokenDataset dataset = open_dataset(cfg, plan);
   if (dataset.vocab() > static_cast<uint32_t>(plan.model.vocab_size))
     throw UsageError("token file " + cfg.data.path + " has vocabulary " + std::to_string(dataset.vocab()) +
                      " but the model's is " + std::to_string(plan.model.vocab_size));
@@ -698,6 +710,8 @@ TrainResult run_training(const Config& cfg) {
     throw UsageError("data.tokenizer " + cfg.data.tokenizer + " has vocabulary " +
                      std::to_string(tokenizer.vocab_size()) + " but token file " + cfg.data.path + " has " +
                      std::to_string(dataset.vocab()) + " (prepare it with --tokenizer " + cfg.data.tokenizer + ")");
+  // Before any work, so a sample_chat without a template fails in milliseconds.
+  const std::string sample_prompt = cfg.train.sample_tokens > 0 ? sample_prompt_text(cfg) : "";
 
   Run r{cfg, plan, dataset, plan.dims};
   CollectiveHeartbeat collective_heartbeat;
@@ -774,7 +788,7 @@ TrainResult run_training(const Config& cfg) {
     std::sort(throughput.begin(), throughput.end());
     result.tokens_per_s = throughput[throughput.size() / 2];
   }
-  if (cfg.train.sample_tokens > 0) print_sample(r, tokenizer);
+  if (cfg.train.sample_tokens > 0) print_sample(r, tokenizer, sample_prompt);
   r.world->group()->barrier().wait();
   return result;
 }

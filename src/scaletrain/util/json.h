@@ -57,12 +57,14 @@ inline std::string json_reason(const std::string& what) {
 // Parses `text` (from `source`, named in every error) per Note [Strict JSON].
 // Throws UsageError: "SOURCE: not valid JSON at byte N (REASON): ...EXCERPT...",
 // "SOURCE: key 'a.b' appears twice in one object", "SOURCE: number ... is out of range".
-inline nlohmann::json parse_json(const std::string& text, const std::string& source) {
-  using json = nlohmann::json;
+// parse_json_as<nlohmann::ordered_json> keeps each object's keys in file order
+// (what a chat template's tojson prints, as Python's dicts do).
+template <typename json>
+json parse_json_as(const std::string& text, const std::string& source) {
   std::vector<std::set<std::string>> seen;  // keys of each open object
   std::vector<std::string> path;            // the key being read at each depth
   std::string repeated;
-  json::parser_callback_t check = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+  typename json::parser_callback_t check = [&](int /*depth*/, typename json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::object_start) {
       seen.emplace_back();
       path.emplace_back();
@@ -70,7 +72,7 @@ inline nlohmann::json parse_json(const std::string& text, const std::string& sou
       seen.pop_back();
       path.pop_back();
     } else if (event == json::parse_event_t::key && !seen.empty()) {
-      const std::string key = parsed.get<std::string>();
+      const std::string key = parsed.template get<std::string>();
       path.back() = key;
       if (!seen.back().insert(key).second && repeated.empty()) {
         for (const std::string& k : path) repeated += (repeated.empty() ? "" : ".") + k;
@@ -81,18 +83,22 @@ inline nlohmann::json parse_json(const std::string& text, const std::string& sou
   json out;
   try {
     out = json::parse(text, check);
-  } catch (const json::parse_error& e) {
+  } catch (const typename json::parse_error& e) {
     const size_t at = e.byte > 0 ? e.byte - 1 : 0;
     throw UsageError(source + ": not valid JSON at byte " + std::to_string(at) + " (" + json_reason(e.what()) +
                      "): '" + printable_excerpt(text, at) + "'");
-  } catch (const json::out_of_range& e) {
+  } catch (const typename json::out_of_range& e) {
     throw UsageError(source + ": " + json_reason(e.what()) + " (beyond the range of a double)");
-  } catch (const json::exception& e) {
+  } catch (const typename json::exception& e) {
     throw UsageError(source + ": not valid JSON (" + json_reason(e.what()) + ")");
   }
   if (!repeated.empty())
     throw UsageError(source + ": key '" + repeated + "' appears twice in one object (keys must be unique)");
   return out;
+}
+
+inline nlohmann::json parse_json(const std::string& text, const std::string& source) {
+  return parse_json_as<nlohmann::json>(text, source);
 }
 
 // Reads the file at `path` and parses it as parse_json does.

@@ -64,6 +64,9 @@ const std::map<std::string, Check>& table() {
     {"model.moe_drop_policy", {"position", What::Losses, "", {"model.preset=mixtral-tiny", "model.capacity_factor=0.5"}}},
     {"data.path", {"@TOKENS2@", What::Losses}},
     {"data.tokenizer", {"@TOKJSON@", What::Line, "sample:", {"train.sample_tokens=8"}}},
+    {"data.loss_on", {"completion", What::Losses, "", {"data.path=@RECORDS@"}}},
+    {"train.sample_chat", {"true", What::Line, "sample:", {"train.sample_tokens=8", "data.tokenizer=@CHATTOK@"}}},
+    {"data.packing", {"false", What::Losses, "", {"data.path=@RECORDS@"}}},
     {"train.steps", {"4", What::Steps}},
     {"train.global_batch", {"8", What::Line, "global batch"}},
     {"train.micro_batch", {"1", What::Line, "global batch"}},
@@ -203,6 +206,25 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     const auto out = scratch() / "other.tok";
     EXPECT_EQ(run("prepare " + write("other.txt", text).string() + " -o " + out.string()).code, 0);
     put("@TOKENS2@", out.string());
+  }
+  if (s.find("@RECORDS@") != std::string::npos) {  // prompt/completion records (data.loss_on, data.packing)
+    std::string jsonl;
+    for (int i = 0; i < 60; ++i)
+      jsonl += "{\"prompt\": \"What is " + std::to_string(i) + " plus two? \", \"completion\": \"It is " +
+               std::to_string(i + 2) + ".\"}\n";
+    const auto out = scratch() / "records.tok";
+    EXPECT_EQ(run("prepare " + write("records.jsonl", jsonl).string() + " -o " + out.string()).code, 0);
+    put("@RECORDS@", out.string());
+  }
+  if (s.find("@CHATTOK@") != std::string::npos) {  // @TOKJSON@'s tokenizer with a chat template beside it
+    const auto dir = scratch() / "chat_tokenizer";
+    fs::create_directories(dir);
+    fs::copy_file(substitute("@TOKJSON@", ckpt), dir / "tokenizer.json", fs::copy_options::overwrite_existing);
+    const nlohmann::json config = {
+        {"chat_template", "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant] {% endif %}"}};
+    std::ofstream(dir / "tokenizer_config.json") << config.dump();
+    put("@CHATTOK@", dir.string());
   }
   if (s.find("@TOKJSON@") != std::string::npos) {
     // A byte-level tokenizer.json of 256 ids numbered backwards (byte b is id

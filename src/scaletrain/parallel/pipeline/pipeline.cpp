@@ -157,10 +157,12 @@ at::Tensor Pipeline::recv_activation(int mb, int chunk, bool grad, const at::Ten
 }
 
 double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
-                      const ForwardWrapper& wrap) {
+                      const ForwardWrapper& wrap, const std::vector<double>& weights) {
   const int p = pp_.size(), m = options_.microbatches, last_stage = p - 1;
-  if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m)
+  if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m ||
+      (!weights.empty() && static_cast<int>(weights.size()) != m))
     throw std::invalid_argument("pipeline step: expected " + std::to_string(m) + " micro-batches");
+  auto weight = [&](int mb) { return weights.empty() ? 1.0 / m : weights[static_cast<size_t>(mb)]; };
   stats_ = StepStats{};
   const auto t_step = Clock::now();
   const int64_t heap0 = heap_in_use();
@@ -226,8 +228,8 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
       };
       at::Tensor out = runners_[j]->forward([&] { return wrap ? wrap(body) : body(); });
       if (spec.last()) {
-        loss_sum += out.item<double>();
-        out = out * (loss_scale / m);
+        loss_sum += out.item<double>() * weight(a.microbatch);
+        out = out * (loss_scale * weight(a.microbatch));
       } else if (p == 1) {
         local_fwd[{a.microbatch, a.chunk + 1}] = out.detach();
       } else {
@@ -287,7 +289,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
     runners_.front()->add_to_grad(head_name_, g);
   }
   // The loss is computed once, on the last stage; every stage reports it.
-  at::Tensor l = torch::full({1}, loss_sum / m, torch::kDouble);
+  at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
   if (p > 1) pp_.broadcast(l, last_stage).wait();
   stats_.step_ms = ms_since(t_step);
   return l.item<double>();

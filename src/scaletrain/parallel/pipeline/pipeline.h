@@ -91,11 +91,12 @@ class Pipeline {
   // Wraps every chunk forward (autocast, for instance).
   using ForwardWrapper = std::function<at::Tensor(const std::function<at::Tensor()>&)>;
   // One training step over m micro-batches ([batch, seq] each; the first
-  // stage reads `inputs`, the last `targets`). The loss of each micro-batch
-  // is multiplied by loss_scale / m before its backward. Returns the mean
-  // loss over the micro-batches (unscaled), on every stage.
+  // stage reads `inputs`, the last `targets`). The loss of micro-batch k is
+  // multiplied by loss_scale * weights[k] before its backward (weights empty:
+  // 1 / m each, the mean). Returns the weighted sum of the micro-batches'
+  // losses (unscaled), on every stage.
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale = 1.0,
-              const ForwardWrapper& wrap = nullptr);
+              const ForwardWrapper& wrap = nullptr, const std::vector<double>& weights = {});
   const StepStats& last_stats() const { return stats_; }
 
   // Whether this stage holds the tied head's copy (Note [Tied head across stages]).

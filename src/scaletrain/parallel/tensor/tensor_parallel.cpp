@@ -74,7 +74,8 @@ models::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
     // As the single-process loss: 16-bit logits are upcast for the softmax.
     if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
       logits = logits.to(torch::kFloat);
-    return vocab_parallel_cross_entropy(logits, targets, *g).mean();
+    // Targets the loss skips (models::kIgnoreTarget) add nothing and are not counted.
+    return models::mean_over_targets(vocab_parallel_cross_entropy(logits, targets, *g), targets);
   };
   // Sampling: every rank computed the same full logits and drew with the
   // same seed, but a rank that drew differently (another BLAS, another

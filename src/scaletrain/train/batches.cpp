@@ -1,0 +1,56 @@
+#include "scaletrain/train/batches.h"
+
+#include <filesystem>
+#include <utility>
+
+#include "scaletrain/template/chat_template.h"
+
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+
+data::TokenDataset open_dataset(const Config& cfg, const Plan& plan) {
+  data::TokenFile file(cfg.data.path);
+  const std::string& on = cfg.data.loss_on;
+  const data::RecordKind need = on == "completion" ? data::RecordKind::PromptCompletion : data::RecordKind::Messages;
+  if (on != "all" && (!file.has_mask() || file.kind() != need))
+    throw UsageError("data.loss_on=" + on + " needs a token file prepared from " + data::record_kind_name(need) +
+                     " records, but " + cfg.data.path + " holds " +
+                     (file.has_documents() ? std::string(data::record_kind_name(file.kind())) + " records"
+                                           : std::string("plain text")));
+  data::DatasetOptions o;
+  o.block_size = plan.model.block_size;
+  o.use_mask = on != "all";
+  o.packing = cfg.data.packing;
+  return data::TokenDataset(std::move(file), o);
+}
+
+std::vector<double> micro_weights(const data::TokenDataset& dataset, const data::DistributedSampler& sampler,
+                                  int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
+                                  const std::string& loss_on) {
+  const int64_t global = dataset.count_targets(sampler.global_batch(step));
+  if (global == 0)
+    throw UsageError("step " + std::to_string(step + 1) + ": no token of the global batch is a target (data.loss_on=" +
+                     loss_on + "; are the responses cut off by model.block_size?)");
+  std::vector<double> w;
+  for (int64_t k = 0; k < accum; ++k) {
+    const auto idx = sampler.indices(step, dp_rank, dp_size, static_cast<int>(k), static_cast<int>(micro_batch));
+    w.push_back(static_cast<double>(dataset.count_targets(idx) * dp_size) / static_cast<double>(global));
+  }
+  return w;
+}
+
+std::string sample_prompt_text(const Config& cfg) {
+  const std::string prompt = cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt;
+  if (!cfg.train.sample_chat) return prompt;
+  namespace fs = std::filesystem;
+  const fs::path tok(cfg.data.tokenizer);
+  const fs::path config = (fs::is_directory(tok) ? tok : tok.parent_path()) / "tokenizer_config.json";
+  if (cfg.data.tokenizer.empty() || !fs::exists(config))
+    throw UsageError("train.sample_chat needs data.tokenizer to be a tokenizer whose directory has a "
+                     "tokenizer_config.json with a chat_template");
+  const tmpl::ChatTemplate chat = tmpl::ChatTemplate::from_tokenizer_config(config.string());
+  return chat.render(tmpl::Json::array({{{"role", "user"}, {"content", prompt}}}), true);
+}
+
+}  // namespace scaletrain::train

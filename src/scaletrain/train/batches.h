@@ -1,0 +1,44 @@
+#pragma once
+// What the training loop reads each step: the token file opened as the data
+// section asks, and how much each micro-batch's loss weighs in the step's.
+//
+// Note [Masked loss]
+// The loss of a step is the mean over the target tokens of the global batch:
+// the sum of the per-token losses / N, N = the targets in the step's G
+// samples (data.loss_on picks which tokens are targets; pads never are, Note
+// [Loss targets] in data/dataset.h). A model's loss() is the mean over its
+// micro-batch's n_k targets, so micro-batch k is weighted by n_k * D / N
+// (D = data-parallel ranks, whose gradients are averaged): the weighted sum
+// over every rank and micro-batch is exactly the global mean, for any layout
+// and any split into micro-batches, as the invariant demands. Every rank
+// counts N and its n_k from the sampler's indices and the token file's mask
+// (no communication). Without a mask, n_k = m T and N = G T, and the weight
+// is 1 / accumulation exactly, as before masks existed.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "scaletrain/data/dataset.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan.h"
+
+namespace scaletrain::train {
+
+// data.path as data.loss_on and data.packing ask (Note [Loss targets]). A loss
+// on completions or assistant turns needs a file of that record kind:
+// UsageError naming the file and what it holds otherwise.
+data::TokenDataset open_dataset(const Config& config, const Plan& plan);
+
+// The weight of each of this rank's `accum` micro-batches in step `step`
+// (Note [Masked loss]). UsageError if no token of the global batch is a target.
+std::vector<double> micro_weights(const data::TokenDataset& dataset, const data::DistributedSampler& sampler,
+                                  int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
+                                  const std::string& loss_on);
+
+// The text the end-of-run sample starts from: train.sample_prompt, or with
+// train.sample_chat that prompt as a user message rendered with the chat
+// template beside data.tokenizer (UsageError when there is none).
+std::string sample_prompt_text(const Config& config);
+
+}  // namespace scaletrain::train
