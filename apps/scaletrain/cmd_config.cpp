@@ -10,8 +10,10 @@
 // accepted by `scaletrain train`) and the model, data, train, parallel and
 // precision sections; it is read back through load_config before it is
 // written, so what is written is a config `scaletrain train` accepts.
+// `scaletrain config keys` lists every key with its type and default.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -63,6 +65,35 @@ std::string quoted(const std::string& s) {
   return out + "\"";
 }
 
+// `scaletrain config keys`: every key the config reader accepts, from the key
+// table itself (train::config_key_table), with its type and default. --tsv is
+// for scripts/gen-config-doc.py, which writes docs/config.md from it.
+CLI::App* add_config_keys(CLI::App& config_cmd, Runner& run) {
+  auto* cmd = config_cmd.add_subcommand(
+      "keys", "print every config key the reader accepts, with its type and default (docs/config.md explains each)");
+  auto tsv = std::make_shared<bool>(false);
+  cmd->add_flag("--tsv", *tsv, "tab-separated: key, type, default, choices (joined by ' | ')");
+  cmd->callback([&run, tsv] {
+    run = [tsv] {
+      const auto rows = train::config_key_table();
+      auto shown = [](const std::string& v) { return v.empty() ? std::string("\"\"") : v; };
+      size_t width = 0;
+      for (const auto& r : rows) width = std::max(width, r.key.size());
+      for (const auto& r : rows) {
+        std::string choices;
+        for (const auto& c : r.choices) choices += (choices.empty() ? "" : " | ") + shown(c);
+        if (*tsv)
+          std::printf("%s\t%s\t%s\t%s\n", r.key.c_str(), r.type.c_str(), r.default_value.c_str(), choices.c_str());
+        else
+          std::printf("%-*s  %-6s  %s%s\n", static_cast<int>(width), r.key.c_str(), r.type.c_str(),
+                      shown(r.default_value).c_str(), choices.empty() ? "" : ("  (" + choices + ")").c_str());
+      }
+      return 0;
+    };
+  });
+  return cmd;
+}
+
 }  // namespace
 
 void add_config(CLI::App& app, Runner& run) {
@@ -85,7 +116,9 @@ void add_config(CLI::App& app, Runner& run) {
   cmd->add_option("-o,--output", *output, "file to write")->capture_default_str();
   cmd->add_flag("-f,--force", *force, "overwrite an existing file");
   for (auto& q : *qs) q.option = cmd->add_option(std::string("--") + q.flag, q.value, q.prompt)->capture_default_str();
-  cmd->callback([&run, output, force, qs] {
+  CLI::App* keys = add_config_keys(*cmd, run);
+  cmd->callback([&run, output, force, qs, keys] {
+    if (keys->parsed()) return;  // `config keys` ran its own callback first
     run = [output, force, qs] {
       const bool ask = ::isatty(0) != 0;
       for (auto& q : *qs) {
@@ -121,7 +154,7 @@ void add_config(CLI::App& app, Runner& run) {
           "# Written by `scaletrain config`. Run on one machine with\n"
           "#   scaletrain launch --config_file " +
           *output + " -- scaletrain train " + *output +
-          "\n# Every key: README.md (config reference); override any with --section.key=value.\n"
+          "\n# Every key: docs/config.md or `scaletrain config keys`; override any with --section.key=value.\n"
           "num_processes: " +
           value("num-processes") + "  # read by scaletrain launch --config_file\n" +
           "model:\n  preset: " + value("preset") + "\n" + "data:\n  path: " + quoted(value("data")) + "\n" +

@@ -25,7 +25,7 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->allow_extras();
   cmd->footer(
       "Overrides: --train.steps=10 --model.preset=gpt2 --parallel.fsdp.sharding_strategy=FULL_SHARD ... (any key of "
-      "the config file)");
+      "the config file)\nEvery key, its type, default and meaning: docs/config.md, or `scaletrain config keys`");
   cmd->callback([&run, cmd, config, deepspeed, init_from] {
     // Extras are the overrides; accept both --k=v and --k v.
     std::vector<std::string> raw = cmd->remaining(), overrides;

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Writes docs/config.md, the reference of every config key.
+
+The keys, their types and defaults come from the key table itself
+(`scaletrain config keys --tsv`); the description of each key is the comment
+on its field in the Config structs (src/scaletrain/train/config.h, and
+src/scaletrain/precision/options.h for `precision`):
+
+  - a comment after the field on its line, or the comment lines just above it,
+    is its description;
+  - when a field has both, the lines above head a group of fields (printed
+    as a paragraph before their rows), which ends at a blank line or at the
+    next comment above a field;
+  - a field whose comment starts with "Not a key" is skipped;
+  - the comment above `struct XOptions {` introduces its section.
+
+Fails (exit 1, naming each) when a key has no description, or a field is not
+a key. With --check it writes to a temporary file and fails when
+docs/config.md differs (CTest docs.config_reference runs that).
+
+  python3 scripts/gen-config-doc.py                 # after building build/scaletrain
+  python3 scripts/gen-config-doc.py --check --scaletrain build/scaletrain
+"""
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADERS = ["src/scaletrain/train/config.h", "src/scaletrain/precision/options.h"]
+
+FIELD = re.compile(
+    r"^\s*(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>\w+)\s*(?:=\s*(?P<init>[^;]*?))?\s*;"
+    r"\s*(?://\s?(?P<comment>.*))?$")
+STRUCT = re.compile(r"^struct\s+(\w+)\s*\{\s*$")
+COMMENT = re.compile(r"^\s*//\s?(.*)$")
+
+
+class Field:
+    def __init__(self, ctype, name, above, trailing, group):
+        self.ctype, self.name, self.above, self.trailing = ctype, name, above, trailing
+        self.group = group  # the note heading this field's group, or ""
+
+
+def parse_structs(paths):
+    """{struct name: (intro comment, [Field])} for every top-level struct."""
+    structs = {}
+    for rel in paths:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        pending, current, fields, group = [], None, None, ""
+        for line in lines:
+            m = COMMENT.match(line)
+            if m:
+                pending.append(m.group(1).strip())
+                continue
+            if current is None:
+                s = STRUCT.match(line)
+                if s:
+                    current, fields = s.group(1), []
+                    structs[current] = (" ".join(pending), fields)
+                pending = []
+                continue
+            if line.strip() == "};":
+                current, pending = None, []
+                continue
+            m = FIELD.match(line)
+            if m:
+                above, trailing = " ".join(pending), (m.group("comment") or "").strip()
+                if above:  # a comment above starts a group (above + trailing) or ends one
+                    group = above if trailing else ""
+                fields.append(Field(m.group("type").strip(), m.group("name"), above, trailing, group))
+            else:
+                group = ""  # a blank line (or anything else) ends a group
+            pending = []
+    return structs
+
+
+def walk(structs, name, prefix, out, member_note=""):
+    """Appends (section, intro, [Field]) for struct `name` and its nested structs, in order."""
+    intro, fields = structs[name]
+    leaves, nested = [], []
+    for f in fields:
+        base = f.ctype.split("::")[-1]
+        if base in structs:
+            nested.append((base, f.name, f.trailing or f.above))
+        else:
+            leaves.append(f)
+    out.append((prefix, intro, member_note, leaves))
+    for base, fname, note in nested:
+        walk(structs, base, (prefix + "." if prefix else "") + fname, out, note)
+
+
+def read_keys(binary):
+    try:
+        text = subprocess.run([binary, "config", "keys", "--tsv"], check=True, capture_output=True,
+                              text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"gen-config-doc: cannot run `{binary} config keys --tsv` ({e}); build it first "
+                 "(cmake --build build -j2 --target scaletrain) or pass --scaletrain PATH")
+    keys = {}
+    for line in text.splitlines():
+        key, ctype, default, choices = line.split("\t")
+        keys[key] = (ctype, default, choices.split(" | ") if choices else [])
+    return keys
+
+
+def prose(text):
+    """Markdown for comment text: `<` outside code spans escaped (rank<N>.json is not a tag)."""
+    parts = text.split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
+
+
+def cell(text):
+    return prose(text).replace("|", "\\|")
+
+
+def code(value):
+    return '`""`' if value in ("", '""') else "`" + value + "`"
+
+
+def render(sections, keys):
+    problems, out = [], []
+    seen = set()
+    out.append("""# Config keys
+
+<!-- Generated by scripts/gen-config-doc.py from `scaletrain config keys` and the field
+comments in src/scaletrain/train/config.h and src/scaletrain/precision/options.h.
+Do not edit by hand: change those, then run `python3 scripts/gen-config-doc.py`. -->
+
+Every key `scaletrain train` reads, with its type, its default and what it does.
+`build/scaletrain config keys` prints the same keys, types and defaults from the
+binary. A config is a YAML file of these sections (`parallel.fsdp` and
+`parallel.zero` nested under `parallel:`); `--section.key=value` on the
+command line overrides a key (`--parallel.fsdp.sharding_strategy=NO_SHARD`).
+An unknown key, an ill-typed value, a value outside a key's choices, a key
+given twice, and a key set where the run would not read it are refused, all
+problems in one line (docs/trainer.md). Accelerate config files and
+`--deepspeed` JSON files map onto these keys (docs/trainer.md).
+
+Types: `int`; `float`; `bool` (true/false, True/False, 1/0, yes/no);
+`string`; `choice` (one of the values listed, `""` meaning empty); `steps`
+(one step `N` or a range `FIRST,LAST`, in YAML also `[FIRST, LAST]`).
+`finetune.target_modules` also takes a YAML list.
+""")
+    for section, intro, member_note, leaves in sections:
+        leaves = [f for f in leaves if not (f.trailing or f.above).startswith("Not a key")]
+        if not leaves:
+            continue
+        out.append(f"## {section}\n")
+        if intro:
+            out.append(prose(intro) + "\n")
+        if member_note:
+            out.append(prose(member_note[0].upper() + member_note[1:].rstrip(".")) + ".\n")
+        table_open, group = False, ""
+        for f in leaves:
+            key = f"{section}.{f.name}" if section else f.name
+            text = f.trailing or f.above
+            if key not in keys:
+                problems.append(f"field {key} ({f.ctype} {f.name}) is not a key: add its row to the key "
+                                "table (train/config.cpp), or start its comment with 'Not a key'")
+                continue
+            seen.add(key)
+            if not text:
+                problems.append(f"key {key} has no description: add a comment to its field")
+                continue
+            if f.group != group:  # a group of fields starts or ends: a paragraph, a new table
+                note = f.group or f"Other `{section}` keys:"
+                out.append(("\n" if table_open else "") + prose(note) + "\n")
+                table_open, group = False, f.group
+            if not table_open:
+                out.append("| key | type | default | description |\n| --- | --- | --- | --- |")
+                table_open = True
+            ctype, default, choices = keys[key]
+            if choices:
+                ctype = " \\| ".join(code(c) for c in choices)
+            out.append(f"| `{key}` | {ctype} | {code(default)} | {cell(text)} |")
+        out.append("")
+    for key in sorted(set(keys) - seen):
+        problems.append(f"key {key} has no field with a description in {' or '.join(HEADERS)}")
+    return "\n".join(out).rstrip("\n") + "\n", problems
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scaletrain", default=os.path.join(ROOT, "build", "scaletrain"), help="the built CLI")
+    ap.add_argument("-o", "--output", default=os.path.join(ROOT, "docs", "config.md"))
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate into a temporary file and fail if --output differs")
+    args = ap.parse_args()
+    structs = parse_structs(HEADERS)
+    if "Config" not in structs:
+        sys.exit("gen-config-doc: struct Config not found in " + HEADERS[0])
+    sections = []
+    walk(structs, "Config", "", sections)
+    text, problems = render(sections, read_keys(args.scaletrain))
+    if problems:
+        print("gen-config-doc: %d problem(s):" % len(problems), file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        return 1
+    if not args.check:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {os.path.relpath(args.output)} ({text.count(chr(10) + '| `')} keys)")
+        return 0
+    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False, encoding="utf-8") as tmp:
+        tmp.write(text)
+    try:
+        try:
+            with open(args.output, encoding="utf-8") as f:
+                current = f.read()
+        except OSError:
+            current = ""
+        if current == text:
+            print(f"{os.path.relpath(args.output, ROOT)} matches the key table and config.h")
+            return 0
+        diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), "docs/config.md (committed)",
+                                         "regenerated (" + tmp.name + ")", lineterm="", n=1))
+        print("\n".join(diff[:60] + (["..."] if len(diff) > 60 else [])))
+        print(f"docs/config.md is out of date with the key table or the comments in config.h: run "
+              f"`python3 scripts/gen-config-doc.py` (after building build/scaletrain) and commit the result",
+              file=sys.stderr)
+        return 1
+    finally:
+        os.unlink(tmp.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
