@@ -9,10 +9,13 @@
 //       16-bit ids up to 65,536 ids, 32-bit ids above. Each file is encoded
 //       as one text (--add-special-tokens: with the post-processor's BOS/EOS).
 //   scaletrain prepare RECORDS.jsonl[.gz|.zst]... | DIR -o TOKENS [--tokenizer PATH]
-//       [--chat-template FILE] [--field KIND=NAME]... [--add-special-tokens]
+//       [--chat-template FILE] [--field KIND=NAME]... [--add-special-tokens] [--threads N]
+//       [--shard-tokens N]
 //       JSON lines of text, prompt/completion or messages records (data/
 //       records.h): one document per record with a target mask, written as a
-//       version 2 token file (Note [Token file records]); messages are
+//       version 2 token file (Note [Token file records]), or with
+//       --shard-tokens a directory of them and an index (Note [Token
+//       shards]); messages are
 //       rendered with the chat template of the tokenizer's
 //       tokenizer_config.json or of --chat-template.
 //   scaletrain plot METRICS.jsonl [-o curves.svg] [--title TEXT]
@@ -20,6 +23,7 @@
 //       several logs (--labels a,b) are compared on one picture.
 //   scaletrain plot --timeline TRACE.json [-o timeline.svg]
 //       Draws a Chrome trace (metrics.trace_steps) as per-rank lanes.
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -28,13 +32,16 @@
 #include <memory>
 #include <string>
 #include <sys/stat.h>
+#include <thread>
 #include <vector>
 
 #include "commands.h"
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/data/prepare.h"
 #include "scaletrain/data/records.h"
 #include "scaletrain/data/token_file.h"
+#include "scaletrain/data/token_shards.h"
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/train/plot.h"
 #include "scaletrain/util/error.h"
@@ -49,6 +56,8 @@ struct PrepareArgs {
   bool add_special_tokens = false;  // the post-processor's BOS/EOS around each file
   std::string chat_template;        // JSONL messages: a Jinja template file ("" = the tokenizer's)
   std::vector<std::string> fields;  // JSONL: KIND=NAME renames (text, prompt, completion, messages)
+  int threads = 0;                  // JSONL: encoding threads (0 = one per core)
+  int64_t shard_tokens = 0;         // JSONL: > 0 writes a shard directory (Note [Token shards])
 };
 
 struct PlotArgs {
@@ -117,29 +126,35 @@ void set_fields(const std::vector<std::string>& fields, data::RecordOptions& o) 
   }
 }
 
-// prepare from JSON-lines records (data/records.h): one document each.
+// prepare from JSON-lines records (data/records.h, data/prepare.h): one
+// document each, encoded on --threads threads (the result does not depend on
+// how many).
 int prepare_records(const PrepareArgs& args) {
-  data::Tokenizer tokenizer(args.tokenizer);
   data::RecordOptions o;
   o.add_special_tokens = args.add_special_tokens;
   o.chat_template = args.chat_template;
   o.tokenizer = args.tokenizer;
   set_fields(args.fields, o);
-  data::RecordEncoder encoder(tokenizer, o);
-  data::TokenRecords records;
-  const std::vector<std::string> files = data::jsonl_inputs(args.inputs);
-  for (const auto& path : files)
-    data::for_each_jsonl(path, [&](const nlohmann::ordered_json& record, int64_t line) {
-      encoder.add(record, path + ":" + std::to_string(line), records);
-    });
-  if (records.documents() == 0) throw UsageError("prepare: the inputs hold no records");
+  const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  data::PrepareStats stats;
+  const data::TokenRecords records = data::encode_jsonl(args.inputs, o, threads, &stats);
+  const data::Tokenizer tokenizer(args.tokenizer);
   const uint32_t vocab = tokenizer.vocab_size();
-  data::write_token_file(args.output, records, vocab);
+  std::string shards;
+  if (args.shard_tokens > 0)
+    shards = ", " + std::to_string(data::write_token_shards(args.output, records, vocab,
+                                                            static_cast<uint64_t>(args.shard_tokens))) +
+             " shards and index.json";
+  else
+    data::write_token_file(args.output, records, vocab);
   std::size_t targets = 0;
   for (uint8_t t : records.target) targets += t;
   std::printf("prepare: %zu file(s), %zu %s records -> %zu tokens, %zu of them targets (vocab %u, tokenizer %s) in %s\n",
-              files.size(), records.documents(), data::record_kind_name(records.kind), records.tokens.size(), targets,
-              vocab, tokenizer.describe().c_str(), args.output.c_str());
+              stats.files, records.documents(), data::record_kind_name(records.kind), records.tokens.size(), targets,
+              vocab, tokenizer.describe().c_str(), (args.output + shards).c_str());
+  std::printf("prepare: %.1f MB of JSONL encoded in %.2f s on %d thread(s): %.2f MB/s (reading %.2f s)\n",
+              static_cast<double>(stats.bytes) / 1e6, stats.encode_s, stats.threads,
+              static_cast<double>(stats.bytes) / 1e6 / std::max(stats.encode_s, 1e-9), stats.read_s);
   return 0;
 }
 
@@ -150,8 +165,9 @@ int run_prepare(const PrepareArgs& args) {
     throw UsageError("prepare: give either text files or JSONL records (*.jsonl, *.jsonl.gz, *.jsonl.zst, "
                      "directories), not both");
   if (jsonl > 0) return prepare_records(args);
-  if (!args.chat_template.empty() || !args.fields.empty())
-    throw UsageError("prepare: --chat-template and --field apply to JSONL records; the inputs are text files");
+  if (!args.chat_template.empty() || !args.fields.empty() || args.threads != 0 || args.shard_tokens != 0)
+    throw UsageError("prepare: --chat-template, --field, --threads and --shard-tokens apply to JSONL records; the "
+                     "inputs are text files");
   // Check every input before reading any, so a typo in the last of many large
   // files fails in milliseconds instead of after reading the rest.
   for (const auto& path : args.inputs) {
@@ -220,6 +236,13 @@ void add_prepare(CLI::App& app, Runner& run) {
   sub->add_option("--chat-template", args->chat_template,
                   "JSONL messages: a Jinja chat template file (default: the tokenizer directory's "
                   "tokenizer_config.json chat_template)");
+  sub->add_option("--threads", args->threads,
+                  "JSONL: threads that encode records (default: one per core; the output is the same for any)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--shard-tokens", args->shard_tokens,
+                  "JSONL: write -o as a directory of token files of about N tokens each (whole records) and an "
+                  "index.json, which train's data.path takes")
+      ->check(CLI::PositiveNumber);
   sub->add_option("--field", args->fields,
                   "JSONL: KIND=NAME reads field NAME for KIND (text, prompt, completion, messages); repeatable");
   sub->callback([&run, args] { run = [args] { return run_prepare(*args); }; });

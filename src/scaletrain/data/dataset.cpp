@@ -4,44 +4,84 @@
 #include <stdexcept>
 #include <utility>
 
+#include "scaletrain/data/token_shards.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::data {
+namespace {
 
-TokenDataset::TokenDataset(TokenFile file, DatasetOptions options)
-    : file_(std::move(file)), options_(options) {
-  const int64_t block = options_.block_size;
-  if (block < 1) {
-    throw UsageError("token dataset " + file_.path() + ": block_size must be >= 1, got " +
-                     std::to_string(block));
+std::vector<TokenFile> one(TokenFile f) {
+  std::vector<TokenFile> v;
+  v.push_back(std::move(f));
+  return v;
+}
+
+std::vector<TokenFile> open_path(const std::string& path) {
+  if (is_token_shard_dir(path)) return open_token_shards(path);
+  return one(TokenFile(path));
+}
+
+}  // namespace
+
+TokenDataset::TokenDataset(TokenFile file, DatasetOptions options) : TokenDataset(one(std::move(file)), options) {}
+
+TokenDataset::TokenDataset(const std::string& path, DatasetOptions options) : TokenDataset(open_path(path), options) {
+  path_ = path;
+}
+
+TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options)
+    : files_(std::move(shards)), options_(options) {
+  if (files_.empty()) throw std::invalid_argument("TokenDataset: no token files");
+  path_ = files_.size() == 1 ? files_.front().path() : files_.front().path() + " and its sibling shards";
+  for (const TokenFile& f : files_) {
+    if (f.vocab() != files_.front().vocab() || f.has_mask() != has_mask() || f.has_documents() != has_documents() ||
+        f.kind() != kind())
+      throw UsageError("token dataset " + f.path() + ": differs from " + files_.front().path() +
+                       " in vocabulary, record kind or format");
+    token_base_.push_back(token_base_.back() + f.size());
+    doc_base_.push_back(doc_base_.back() + f.documents());
   }
-  if (options_.use_mask && !file_.has_mask())
-    throw UsageError("token dataset " + file_.path() +
-                     ": has no target mask (prepared from plain text); data.loss_on must be all");
-  if (options_.pad_id < 0 || options_.pad_id >= static_cast<int64_t>(file_.vocab()))
-    throw UsageError("token dataset " + file_.path() + ": pad id " + std::to_string(options_.pad_id) +
-                     " is not below the vocab size " + std::to_string(file_.vocab()));
+  const int64_t block = options_.block_size;
+  if (block < 1) throw UsageError("token dataset " + path_ + ": block_size must be >= 1, got " + std::to_string(block));
+  if (options_.use_mask && !has_mask())
+    throw UsageError("token dataset " + path_ + ": has no target mask (prepared from plain text); data.loss_on must be all");
+  if (options_.pad_id < 0 || options_.pad_id >= static_cast<int64_t>(vocab()))
+    throw UsageError("token dataset " + path_ + ": pad id " + std::to_string(options_.pad_id) +
+                     " is not below the vocab size " + std::to_string(vocab()));
   if (!options_.packing) {
-    if (!file_.has_documents())
-      throw UsageError("token dataset " + file_.path() +
+    if (!has_documents())
+      throw UsageError("token dataset " + path_ +
                        ": data.packing=false needs records (prepare from JSONL); this file is plain text");
-    num_samples_ = static_cast<int64_t>(file_.documents());
-    for (std::size_t d = 0; d < file_.documents(); ++d)
-      if (file_.document_begin(d + 1) - file_.document_begin(d) > static_cast<uint64_t>(block + 1)) ++truncated_;
-    if (num_samples_ < 1) throw UsageError("token dataset " + file_.path() + ": holds no documents");
+    num_samples_ = static_cast<int64_t>(documents());
+    for (std::size_t d = 0; d < documents(); ++d)
+      if (document_begin(d + 1) - document_begin(d) > static_cast<uint64_t>(block + 1)) ++truncated_;
+    if (num_samples_ < 1) throw UsageError("token dataset " + path_ + ": holds no documents");
     return;
   }
-  const auto count = static_cast<int64_t>(file_.size());
+  const auto count = static_cast<int64_t>(tokens());
   if (count < block + 1) {
-    throw UsageError("token dataset " + file_.path() + ": " + std::to_string(count) +
-                     " tokens is too few for one sample of block_size " + std::to_string(block) +
-                     " (needs " + std::to_string(block + 1) + ")");
+    throw UsageError("token dataset " + path_ + ": " + std::to_string(count) +
+                     " tokens is too few for one sample of block_size " + std::to_string(block) + " (needs " +
+                     std::to_string(block + 1) + ")");
   }
   num_samples_ = (count - 1) / block;
 }
 
-TokenDataset::TokenDataset(const std::string& path, DatasetOptions options)
-    : TokenDataset(TokenFile(path), options) {}
+std::size_t TokenDataset::shard_of_token(uint64_t at) const {
+  return static_cast<std::size_t>(std::upper_bound(token_base_.begin(), token_base_.end(), at) - token_base_.begin()) - 1;
+}
+
+bool TokenDataset::is_target(uint64_t at) const {
+  const std::size_t s = files_.size() == 1 ? 0 : shard_of_token(at);
+  return files_[s].is_target(static_cast<std::size_t>(at - token_base_[s]));
+}
+
+uint64_t TokenDataset::document_begin(std::size_t d) const {
+  if (files_.size() == 1) return files_.front().document_begin(d);
+  if (d >= documents()) return tokens();
+  const auto s = static_cast<std::size_t>(std::upper_bound(doc_base_.begin(), doc_base_.end(), d) - doc_base_.begin()) - 1;
+  return token_base_[s] + files_[s].document_begin(d - doc_base_[s]);
+}
 
 std::pair<int64_t, int64_t> TokenDataset::span(int64_t index) const {
   if (index < 0 || index >= num_samples_) {
@@ -51,54 +91,57 @@ std::pair<int64_t, int64_t> TokenDataset::span(int64_t index) const {
   const int64_t block = options_.block_size;
   if (options_.packing) return {index * block, block + 1};
   const auto d = static_cast<std::size_t>(index);
-  const auto begin = static_cast<int64_t>(file_.document_begin(d));
-  const auto length = static_cast<int64_t>(file_.document_begin(d + 1)) - begin;
+  const auto begin = static_cast<int64_t>(document_begin(d));
+  const auto length = static_cast<int64_t>(document_begin(d + 1)) - begin;
   return {begin, std::min(length, block + 1)};
 }
 
-void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets) const {
-  const auto [begin, length] = span(index);
-  file_.check_intact();
-  if (file_.dtype() == kDtypeUint16) {
-    copy_window(file_.data() + begin, begin, length, inputs, targets);
-  } else {
-    copy_window(file_.data32() + begin, begin, length, inputs, targets);
+void TokenDataset::read_tokens(int64_t begin, int64_t n, int64_t* out) const {
+  const uint32_t vocab = this->vocab();
+  for (int64_t done = 0; done < n;) {
+    const auto at = static_cast<uint64_t>(begin + done);
+    const std::size_t s = files_.size() == 1 ? 0 : shard_of_token(at);
+    const TokenFile& f = files_[s];
+    f.check_intact();
+    const std::size_t local = static_cast<std::size_t>(at - token_base_[s]);
+    if (local >= f.size()) throw std::logic_error("TokenDataset: token " + std::to_string(at) + " is not in shard " + std::to_string(s));
+    const int64_t take = std::min<int64_t>(n - done, static_cast<int64_t>(f.size() - local));
+    for (int64_t j = 0; j < take; ++j) {
+      const uint32_t id = f.at(local + static_cast<std::size_t>(j));
+      if (id >= vocab)
+        throw UsageError("token file " + f.path() + ": token " + std::to_string(id) + " at position " +
+                         std::to_string(local + static_cast<std::size_t>(j)) + " is not below the vocab size " +
+                         std::to_string(vocab));
+      out[done + j] = id;
+    }
+    done += take;
   }
 }
 
-// `window` holds `length` tokens from file position `begin`: inputs are all
+// The window of `length` tokens from stream position `begin`: inputs are all
 // but the last, targets all but the first; the rest of the block is padding.
-template <typename T>
-void TokenDataset::copy_window(const T* window, int64_t begin, int64_t length, int64_t* inputs,
-                               int64_t* targets) const {
+void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets) const {
+  const auto [begin, length] = span(index);
   const int64_t block = options_.block_size;
-  const uint32_t vocab = file_.vocab();
-  for (int64_t j = 0; j < length; ++j) {
-    if (window[j] >= vocab) {
-      throw UsageError("token file " + file_.path() + ": token " + std::to_string(window[j]) +
-                       " at position " + std::to_string(begin + j) +
-                       " is not below the vocab size " + std::to_string(vocab));
-    }
-  }
+  std::vector<int64_t> window(static_cast<std::size_t>(length));
+  read_tokens(begin, length, window.data());
   if (inputs != nullptr) {
-    for (int64_t j = 0; j < block; ++j) inputs[j] = j + 1 < length ? window[j] : options_.pad_id;
+    for (int64_t j = 0; j < block; ++j) inputs[j] = j + 1 < length ? window[static_cast<std::size_t>(j)] : options_.pad_id;
   }
   if (targets != nullptr) {
     for (int64_t j = 0; j < block; ++j) {
       const bool real = j + 1 < length;
-      const bool target = real && (!options_.use_mask || file_.is_target(static_cast<std::size_t>(begin + j + 1)));
-      targets[j] = target ? static_cast<int64_t>(window[j + 1]) : kIgnoreIndex;
+      const bool target = real && (!options_.use_mask || is_target(static_cast<uint64_t>(begin + j + 1)));
+      targets[j] = target ? window[static_cast<std::size_t>(j + 1)] : kIgnoreIndex;
     }
   }
 }
 
-void TokenDataset::copy_batch(const std::vector<int64_t>& indices, int64_t* inputs,
-                              int64_t* targets) const {
+void TokenDataset::copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const {
   const int64_t block = options_.block_size;
   for (std::size_t row = 0; row < indices.size(); ++row) {
     const int64_t offset = static_cast<int64_t>(row) * block;
-    copy_sample(indices[row], inputs ? inputs + offset : nullptr,
-                targets ? targets + offset : nullptr);
+    copy_sample(indices[row], inputs ? inputs + offset : nullptr, targets ? targets + offset : nullptr);
   }
 }
 
@@ -110,7 +153,7 @@ int64_t TokenDataset::count_targets(const std::vector<int64_t>& indices) const {
       n += length - 1;
       continue;
     }
-    for (int64_t j = 1; j < length; ++j) n += file_.is_target(static_cast<std::size_t>(begin + j)) ? 1 : 0;
+    for (int64_t j = 1; j < length; ++j) n += is_target(static_cast<uint64_t>(begin + j)) ? 1 : 0;
   }
   return n;
 }

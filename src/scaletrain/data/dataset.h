@@ -44,18 +44,31 @@ struct DatasetOptions {
 // The target id the loss skips (as torch's cross_entropy ignore_index).
 inline constexpr int64_t kIgnoreIndex = -100;
 
+// Samples over one token file, or over the shards of a directory read as one
+// stream of tokens and one list of documents (Note [Token shards]).
 class TokenDataset {
  public:
-  // Takes ownership of the mapped file. Throws UsageError if block_size < 1 or
-  // the file holds fewer than block_size + 1 tokens (not even one sample).
+  // Takes ownership of the mapped file(s), all of one vocabulary, kind and
+  // version. Throws UsageError if block_size < 1, the tokens are fewer than
+  // block_size + 1 (not even one sample), or the options need what the file
+  // lacks (a mask, documents).
   TokenDataset(TokenFile file, DatasetOptions options);
-  // Convenience: opens `path` as a TokenFile (which validates it) first.
+  TokenDataset(std::vector<TokenFile> shards, DatasetOptions options);
+  // Convenience: opens `path`, a token file or a shard directory (which
+  // validates it), first.
   TokenDataset(const std::string& path, DatasetOptions options);
 
   int64_t num_samples() const { return num_samples_; }
   int64_t block_size() const { return options_.block_size; }
-  uint32_t vocab() const { return file_.vocab(); }
-  const TokenFile& file() const { return file_; }
+  uint32_t vocab() const { return files_.front().vocab(); }
+  // The file, or the directory of the shards, for messages.
+  const std::string& path() const { return path_; }
+  // What the file(s) hold (Note [Token file records]).
+  bool has_mask() const { return files_.front().has_mask(); }
+  bool has_documents() const { return files_.front().has_documents(); }
+  std::size_t documents() const { return static_cast<std::size_t>(doc_base_.back()); }
+  RecordKind kind() const { return files_.front().kind(); }
+  uint64_t tokens() const { return token_base_.back(); }
 
   // Copies sample `index` into inputs[0..block) and targets[0..block).
   // Either pointer may be null to skip that half. Throws std::out_of_range for
@@ -76,12 +89,19 @@ class TokenDataset {
   int64_t truncated_documents() const { return truncated_; }
 
  private:
-  template <typename T>
-  void copy_window(const T* window, int64_t begin, int64_t length, int64_t* inputs, int64_t* targets) const;
   // Sample `index`'s first token and its length in tokens (inputs + 1).
   std::pair<int64_t, int64_t> span(int64_t index) const;
+  // Tokens [begin, begin + n) of the stream into out, checked against vocab().
+  void read_tokens(int64_t begin, int64_t n, int64_t* out) const;
+  // Whether token `at` of the stream is a target, and where document d starts.
+  bool is_target(uint64_t at) const;
+  uint64_t document_begin(std::size_t d) const;
+  std::size_t shard_of_token(uint64_t at) const;
 
-  TokenFile file_;
+  std::vector<TokenFile> files_;
+  std::vector<uint64_t> token_base_{0};  // shard i is tokens [token_base_[i], token_base_[i + 1])
+  std::vector<uint64_t> doc_base_{0};    // and documents [doc_base_[i], doc_base_[i + 1])
+  std::string path_;
   DatasetOptions options_;
   int64_t num_samples_ = 0;
   int64_t truncated_ = 0;

@@ -10,19 +10,26 @@
 namespace scaletrain::train {
 
 data::TokenDataset open_dataset(const Config& cfg, const Plan& plan) {
-  data::TokenFile file(cfg.data.path);
   const std::string& on = cfg.data.loss_on;
-  const data::RecordKind need = on == "completion" ? data::RecordKind::PromptCompletion : data::RecordKind::Messages;
-  if (on != "all" && (!file.has_mask() || file.kind() != need))
-    throw UsageError("data.loss_on=" + on + " needs a token file prepared from " + data::record_kind_name(need) +
-                     " records, but " + cfg.data.path + " holds " +
-                     (file.has_documents() ? std::string(data::record_kind_name(file.kind())) + " records"
-                                           : std::string("plain text")));
   data::DatasetOptions o;
   o.block_size = plan.model.block_size;
   o.use_mask = on != "all";
   o.packing = cfg.data.packing;
-  return data::TokenDataset(std::move(file), o);
+  const data::RecordKind need = on == "completion" ? data::RecordKind::PromptCompletion : data::RecordKind::Messages;
+  auto refuse = [&](const std::string& holds) {
+    return UsageError("data.loss_on=" + on + " needs a token file prepared from " + data::record_kind_name(need) +
+                      " records, but " + cfg.data.path + " holds " + holds);
+  };
+  try {
+    data::TokenDataset dataset(cfg.data.path, o);
+    if (o.use_mask && dataset.kind() != need)
+      throw refuse(std::string(data::record_kind_name(dataset.kind())) + " records");
+    return dataset;
+  } catch (const UsageError& e) {
+    // Name what the loss needs rather than the mask the dataset missed.
+    if (o.use_mask && std::string(e.what()).find("has no target mask") != std::string::npos) throw refuse("plain text");
+    throw;
+  }
 }
 
 std::vector<double> micro_weights(const data::TokenDataset& dataset, const data::DistributedSampler& sampler,

@@ -47,7 +47,7 @@ struct ModelOptions {
 };
 
 struct DataOptions {
-  std::string path;  // token file written by `scaletrain prepare` (required)
+  std::string path;  // token file written by `scaletrain prepare`, or its --shard-tokens directory (required)
   // Tokenizer that prepared `path` (`prepare --tokenizer`): a tokenizer.json, or a
   // directory with one; the text sample encodes and decodes with it ("" = bytes).
   std::string tokenizer;

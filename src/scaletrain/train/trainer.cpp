@@ -325,9 +325,9 @@ void print_start(Run& r, const comm::WorldInfo& info) {
       static_cast<long long>(r.dataset.num_samples()), static_cast<long long>(r.plan.model.block_size),
       static_cast<long long>(cfg.train.global_batch), static_cast<long long>(r.plan.micro_batch),
       static_cast<long long>(r.plan.accum), r.dims.dp(), torch::get_num_threads(), r.peak_flops / 1e9);
-  if (r.dataset.file().has_documents())
-    std::printf("scaletrain: data: %zu %s records; loss on %s tokens; %s\n", r.dataset.file().documents(),
-                data::record_kind_name(r.dataset.file().kind()), cfg.data.loss_on.c_str(),
+  if (r.dataset.has_documents())
+    std::printf("scaletrain: data: %zu %s records; loss on %s tokens; %s\n", r.dataset.documents(),
+                data::record_kind_name(r.dataset.kind()), cfg.data.loss_on.c_str(),
                 cfg.data.packing ? "packed into windows"
                                  : ("one record per sample, " + std::to_string(r.dataset.truncated_documents()) +
                                     " cut to block_size + 1 tokens")

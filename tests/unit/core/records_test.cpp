@@ -13,8 +13,10 @@
 #include <nlohmann/json.hpp>
 
 #include "scaletrain/data/dataset.h"
+#include "scaletrain/data/prepare.h"
 #include "scaletrain/data/records.h"
 #include "scaletrain/data/token_file.h"
+#include "scaletrain/data/token_shards.h"
 #include "scaletrain/data/tokenizer.h"
 #include "scaletrain/util/error.h"
 
@@ -345,6 +347,98 @@ TEST(JsonlRecords, Qwen3MultiTurnTargetsTheContents) {
   for (std::size_t i = 0; i < out.tokens.size(); ++i)
     if (out.target[i]) targets.push_back(out.tokens[i]);
   EXPECT_EQ(tok.decode(targets), "Hello there.<|im_end|>Sure: 42.<|im_end|>");
+}
+
+// prepare --threads: the runs are joined in input order, so any thread
+// count gives the same file and, for bad input, the same first error.
+TEST(JsonlRecords, ThreadsGiveTheSameRecordsAndTheFirstError) {
+  const fs::path dir = temp_dir();
+  std::string a, b;
+  for (int i = 0; i < 40; ++i)
+    a += nlohmann::json{{"prompt", "p" + std::to_string(i)}, {"completion", std::string(static_cast<size_t>(i % 7), 'c')}}
+             .dump() + "\n";
+  for (int i = 0; i < 25; ++i) b += nlohmann::json{{"prompt", "q"}, {"completion", std::to_string(i * 31)}}.dump() + "\n\n";
+  const std::string fa = write(dir / "a.jsonl", a), fb = write(dir / "b.jsonl", b);
+  const TokenRecords one = encode_jsonl({fa, fb}, RecordOptions{}, 1);
+  EXPECT_EQ(one.documents(), 65u);
+  for (int threads : {2, 3, 7}) {
+    PrepareStats stats;
+    const TokenRecords many = encode_jsonl({fa, fb}, RecordOptions{}, threads, &stats);
+    EXPECT_EQ(stats.threads, threads);
+    EXPECT_EQ(many.tokens, one.tokens) << threads;
+    EXPECT_EQ(many.target, one.target) << threads;
+    EXPECT_EQ(many.doc_offsets, one.doc_offsets) << threads;
+  }
+  // A record of another kind late in the input, and a bad line after it:
+  // every thread count names the first of the two.
+  const std::string fc = write(dir / "c.jsonl", b + "{\"text\": \"t\"}\n{not json}\n");
+  for (int threads : {1, 2, 5}) {
+    const std::string msg = usage_error([&] { encode_jsonl({fa, fc}, RecordOptions{}, threads); });
+    EXPECT_NE(msg.find("c.jsonl:51: a text record among prompt/completion records"), std::string::npos)
+        << threads << ": " << msg;
+  }
+  const std::string fd = write(dir / "d.jsonl", a + "{not json}\n" + a);
+  for (int threads : {1, 4}) {
+    const std::string msg = usage_error([&] { encode_jsonl({fd}, RecordOptions{}, threads); });
+    EXPECT_NE(msg.find("d.jsonl:41: not valid JSON"), std::string::npos) << threads << ": " << msg;
+  }
+  fs::remove_all(dir);
+}
+
+// A shard directory reads as the single file of the same records: every
+// sample (packed windows spanning shards, and one record per sample), every
+// target, in the same order; a damaged, missing or unindexed shard is named.
+TEST(TokenShards, ReadAsOneFileAndRefuseDamage) {
+  const fs::path dir = temp_dir();
+  TokenRecords r;
+  r.kind = RecordKind::Messages;
+  for (uint32_t d = 0; d < 40; ++d) {
+    std::vector<uint32_t> ids;
+    std::vector<uint8_t> targets;
+    for (uint32_t j = 0; j < 3 + (d * 7) % 11; ++j) {
+      ids.push_back((d * 13 + j * 5) % 300);
+      targets.push_back(static_cast<uint8_t>((d + j) % 3 != 0));
+    }
+    r.add(ids, targets);
+  }
+  const std::string single = (dir / "all.tok").string(), shards = (dir / "shards").string();
+  write_token_file(single, r, 300);
+  EXPECT_EQ(write_token_shards(shards, r, 300, 50), 8u);  // 322 tokens in whole documents of 3-13
+  EXPECT_TRUE(is_token_shard_dir(shards));
+  for (bool packing : {true, false}) {
+    DatasetOptions o;
+    o.block_size = 8;
+    o.use_mask = true;
+    o.packing = packing;
+    const TokenDataset a(single, o), b(shards, o);
+    ASSERT_EQ(a.num_samples(), b.num_samples());
+    EXPECT_EQ(b.documents(), 40u);
+    EXPECT_EQ(b.kind(), RecordKind::Messages);
+    std::vector<int64_t> all(static_cast<std::size_t>(a.num_samples()));
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    std::vector<int64_t> xa(all.size() * 8), ya(xa.size()), xb(xa.size()), yb(xa.size());
+    a.copy_batch(all, xa.data(), ya.data());
+    b.copy_batch(all, xb.data(), yb.data());
+    EXPECT_EQ(xa, xb) << packing;
+    EXPECT_EQ(ya, yb) << packing;
+    EXPECT_EQ(a.count_targets(all), b.count_targets(all));
+  }
+  // Prepared again with bigger shards: the old index is replaced, not mixed.
+  EXPECT_EQ(write_token_shards(shards, r, 300, 1000), 1u);
+  EXPECT_EQ(TokenDataset(shards, DatasetOptions{8}).num_samples(), TokenDataset(single, DatasetOptions{8}).num_samples());
+  write_token_shards(shards, r, 300, 50);
+  const fs::path victim = fs::path(shards) / "shard-00003.tok";
+  std::string bytes = read_plain_bytes(victim);
+  bytes[40] = static_cast<char>(bytes[40] ^ 1);
+  write(victim, bytes);
+  EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("shard-00003.tok does not match its checksum"),
+            std::string::npos);
+  fs::remove(victim);
+  EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("shard-00003.tok is missing"), std::string::npos);
+  fs::remove(fs::path(shards) / "index.json");
+  EXPECT_FALSE(is_token_shard_dir(shards));
+  EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("no index.json"), std::string::npos);
+  fs::remove_all(dir);
 }
 
 }  // namespace
