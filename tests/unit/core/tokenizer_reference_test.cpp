@@ -17,19 +17,19 @@
 #include <string>
 #include <vector>
 
+#include "reference_util.h"
 #include "scaletrain/data/hf_tokenizer.h"
 
 namespace fs = std::filesystem;
 using scaletrain::data::HfTokenizer;
 
+using scaletrain::test::capture;
+using scaletrain::test::npm_dir;
+
 namespace {
 
 const fs::path kSource = SCALETRAIN_SOURCE_DIR;
 
-fs::path npm_dir() {
-  const char* env = std::getenv("SCALETRAIN_NPM_DIR");
-  return env != nullptr ? fs::path(env) : kSource / "third_party" / "npm";
-}
 
 struct Reference {
   const char* kind;     // reference.js's name
@@ -50,20 +50,6 @@ std::vector<std::string> corpus() {
   return lines;
 }
 
-// Runs a command; its stdout, and its exit status in `code`.
-std::string capture(const std::string& cmd, int& code) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    code = -1;
-    return out;
-  }
-  char buf[65536];
-  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-  const int status = ::pclose(p);
-  code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
 
 bool has_combining_mark(const std::string& s) {
   // U+0300..U+036F are the bytes CC 80 .. CD AF.
