@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""The layer rules of DESIGN.md, checked on every #include of src/scaletrain.
+
+Each folder may include only the folders its row allows (and what those
+allow, transitively); an include outside that is an upward or sideways
+dependency and fails the check, naming the file, the line and the rule.
+KNOWN lists the violations that exist today, each with the reason it is not
+fixed yet (issue 35 moves them); one that disappears must be removed from
+KNOWN, so the list only shrinks. Usage: layers.py SRC_DIR (src/scaletrain).
+"""
+import os
+import re
+import sys
+
+# folder -> folders it may include directly (DESIGN.md, "Layers, bottom up").
+RULES = {
+    "util": set(),
+    "comm": {"util"},
+    "precision": {"comm"},
+    "optim": {"comm", "precision"},
+    "parallel": {"comm", "precision", "optim"},  # parallel/* may also use each other (composition)
+    "models": {"precision", "util"},
+    "template": {"util"},
+    "data": {"util", "template"},
+    "checkpoint": {"comm", "util"},
+    "estimate": {"util"},
+    "launch": {"util"},
+    "rpc": {"comm"},
+    "train": None,  # all of the above
+}
+
+# (including file, included file): why it is still there.
+KNOWN = {
+    ("comm/elastic.h", "launch/launcher.h"): "the node rendezvous lives in comm/; issue 35 moves it to launch/",
+    ("parallel/expert/expert_parallel.h", "models/moe.h"): "the expert engine takes the Mixtral block; issue 35",
+    ("checkpoint/hf_gpt2.h", "models/gpt.h"): "GPT-2 names belong to a hub/ layer that does not exist yet; issue 35",
+    ("checkpoint/sharded.h", "optim/adamw.h"): "checkpoints take AdamW's state by type; issue 35",
+    ("models/spec_catalog.h", "estimate/model_spec.h"): "the families' estimator specs; models/ may own them (issue 35)",
+    # The engines' model interfaces (Blockwise, BlockRunner) and deferred
+    # initialization still live in models/: issue 34 moves them beside the
+    # engines so that no engine includes models/.
+    ("parallel/pipeline/pipeline.cpp", "models/deferred.h"): "issue 34",
+    ("parallel/pipeline/pipeline.h", "models/causal_lm.h"): "issue 34",
+    ("parallel/pipeline/stage.h", "models/causal_lm.h"): "issue 34",
+    ("parallel/fsdp/flat_param.cpp", "models/deferred.h"): "issue 34",
+    ("parallel/fsdp/fsdp.h", "models/causal_lm.h"): "issue 34",
+    ("parallel/fsdp/module_units.h", "models/causal_lm.h"): "issue 34",
+    ("parallel/fsdp/wrap.h", "models/causal_lm.h"): "issue 34",
+    ("parallel/tensor/tensor_parallel.h", "models/deferred.h"): "issue 34",
+    ("parallel/tensor/tensor_parallel.h", "models/causal_lm.h"): "issue 34",
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"scaletrain/([^"]+)"')
+
+
+def layer(path):
+    """The layer of a path relative to src/scaletrain ('parallel' for parallel/ddp/x.h)."""
+    return path.split("/", 1)[0] if "/" in path else ""
+
+
+def allowed(src):
+    out, todo = set(), [src]
+    while todo:
+        for dep in RULES.get(todo.pop()) or ():
+            if dep not in out:
+                out.add(dep)
+                todo.append(dep)
+    return out
+
+
+def main(root):
+    problems, seen_known = [], set()
+    for dirpath, _, files in os.walk(root):
+        for name in sorted(files):
+            if not name.endswith((".h", ".cpp")):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            src = layer(rel) or "train"  # scaletrain.h, the umbrella header, sees everything
+            if src not in RULES:
+                problems.append("%s: folder %s has no row in the layer table (tests/source/layers.py)" % (rel, src))
+                continue
+            if RULES[src] is None:
+                continue
+            ok = allowed(src) | {src}
+            with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    m = INCLUDE.match(line)
+                    if not m or layer(m.group(1)) in ok or m.group(1) == "scaletrain.h":
+                        continue
+                    if (rel, m.group(1)) in KNOWN:
+                        seen_known.add((rel, m.group(1)))
+                        continue
+                    problems.append("%s:%d includes %s: %s/ may include only %s" %
+                                    (rel, number, m.group(1), src, ", ".join(sorted(allowed(src))) or "nothing"))
+    for gone in sorted(set(KNOWN) - seen_known):
+        problems.append("%s no longer includes %s: remove it from KNOWN in tests/source/layers.py" % gone)
+    for p in problems:
+        print(p)
+    print("layers: %d problem(s), %d known violation(s) left" % (len(problems), len(seen_known)))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "src/scaletrain"))
