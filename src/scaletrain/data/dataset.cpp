@@ -67,6 +67,14 @@ TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options
   num_samples_ = (count - 1) / block;
 }
 
+std::string TokenDataset::describe() const {
+  std::string out = path_ + ": ";
+  if (!has_documents()) return out + std::to_string(tokens()) + " tokens of text, in windows";
+  out += std::to_string(documents()) + " " + record_kind_name(kind()) + " records, ";
+  if (options_.packing) return out + "packed into windows";
+  return out + "one per sample (" + std::to_string(truncated_) + " cut to block_size + 1 tokens)";
+}
+
 std::size_t TokenDataset::shard_of_token(uint64_t at) const {
   return static_cast<std::size_t>(std::upper_bound(token_base_.begin(), token_base_.end(), at) - token_base_.begin()) - 1;
 }

@@ -44,9 +44,24 @@ struct DatasetOptions {
 // The target id the loss skips (as torch's cross_entropy ignore_index).
 inline constexpr int64_t kIgnoreIndex = -100;
 
+// What the trainer reads its samples from: one dataset (TokenDataset) or a
+// weighted mixture of several (data/mixture.h). Sample i is a pure function of
+// i, so the sampler's order (Note [Sampler invariant]) decides everything.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual int64_t num_samples() const = 0;
+  virtual uint32_t vocab() const = 0;
+  // As TokenDataset's below.
+  virtual void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const = 0;
+  virtual int64_t count_targets(const std::vector<int64_t>& indices) const = 0;
+  // One line for the run's log: what the samples are.
+  virtual std::string describe() const = 0;
+};
+
 // Samples over one token file, or over the shards of a directory read as one
 // stream of tokens and one list of documents (Note [Token shards]).
-class TokenDataset {
+class TokenDataset : public SampleSource {
  public:
   // Takes ownership of the mapped file(s), all of one vocabulary, kind and
   // version. Throws UsageError if block_size < 1, the tokens are fewer than
@@ -58,9 +73,10 @@ class TokenDataset {
   // validates it), first.
   TokenDataset(const std::string& path, DatasetOptions options);
 
-  int64_t num_samples() const { return num_samples_; }
+  int64_t num_samples() const override { return num_samples_; }
   int64_t block_size() const { return options_.block_size; }
-  uint32_t vocab() const { return files_.front().vocab(); }
+  uint32_t vocab() const override { return files_.front().vocab(); }
+  std::string describe() const override;
   // The file, or the directory of the shards, for messages.
   const std::string& path() const { return path_; }
   // What the file(s) hold (Note [Token file records]).
@@ -80,11 +96,11 @@ class TokenDataset {
   // Copies the samples in `indices` as consecutive rows of a row-major
   // [indices.size(), block_size] matrix in each buffer; this is the shape a
   // micro-batch tensor wants, filled straight from DistributedSampler output.
-  void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const;
+  void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const override;
 
   // The number of targets (not kIgnoreIndex) in the samples `indices`,
   // without copying them: the loss's normalizer (Note [Masked loss]).
-  int64_t count_targets(const std::vector<int64_t>& indices) const;
+  int64_t count_targets(const std::vector<int64_t>& indices) const override;
   // Unpacked: the documents longer than block_size + 1 (cut to it).
   int64_t truncated_documents() const { return truncated_; }
 

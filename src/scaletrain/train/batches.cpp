@@ -3,27 +3,28 @@
 #include <filesystem>
 #include <utility>
 
+#include "scaletrain/data/mixture.h"
 #include "scaletrain/template/chat_template.h"
 
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
 
-data::TokenDataset open_dataset(const Config& cfg, const Plan& plan) {
+namespace {
+
+// One dataset of the run, checked against data.loss_on.
+std::unique_ptr<data::TokenDataset> open_one(const Config& cfg, const std::string& path,
+                                             const data::DatasetOptions& o) {
   const std::string& on = cfg.data.loss_on;
-  data::DatasetOptions o;
-  o.block_size = plan.model.block_size;
-  o.use_mask = on != "all";
-  o.packing = cfg.data.packing;
   const data::RecordKind need = on == "completion" ? data::RecordKind::PromptCompletion : data::RecordKind::Messages;
   auto refuse = [&](const std::string& holds) {
     return UsageError("data.loss_on=" + on + " needs a token file prepared from " + data::record_kind_name(need) +
-                      " records, but " + cfg.data.path + " holds " + holds);
+                      " records, but " + path + " holds " + holds);
   };
   try {
-    data::TokenDataset dataset(cfg.data.path, o);
-    if (o.use_mask && dataset.kind() != need)
-      throw refuse(std::string(data::record_kind_name(dataset.kind())) + " records");
+    auto dataset = std::make_unique<data::TokenDataset>(path, o);
+    if (o.use_mask && dataset->kind() != need)
+      throw refuse(std::string(data::record_kind_name(dataset->kind())) + " records");
     return dataset;
   } catch (const UsageError& e) {
     // Name what the loss needs rather than the mask the dataset missed.
@@ -32,7 +33,24 @@ data::TokenDataset open_dataset(const Config& cfg, const Plan& plan) {
   }
 }
 
-std::vector<double> micro_weights(const data::TokenDataset& dataset, const data::DistributedSampler& sampler,
+}  // namespace
+
+std::unique_ptr<data::SampleSource> open_dataset(const Config& cfg, const Plan& plan) {
+  data::DatasetOptions o;
+  o.block_size = plan.model.block_size;
+  o.use_mask = cfg.data.loss_on != "all";
+  o.packing = cfg.data.packing;
+  if (cfg.data.mixture.empty()) return open_one(cfg, cfg.data.path, o);
+  std::vector<std::unique_ptr<data::TokenDataset>> parts;
+  std::vector<double> weights;
+  for (const data::MixturePart& p : data::parse_mixture(cfg.data.mixture)) {
+    parts.push_back(open_one(cfg, p.path, o));
+    weights.push_back(p.weight);
+  }
+  return std::make_unique<data::Mixture>(std::move(parts), std::move(weights), cfg.train.seed);
+}
+
+std::vector<double> micro_weights(const data::SampleSource& dataset, const data::DistributedSampler& sampler,
                                   int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
                                   const std::string& loss_on) {
   const int64_t global = dataset.count_targets(sampler.global_batch(step));

@@ -15,6 +15,7 @@
 // (no communication). Without a mask, n_k = m T and N = G T, and the weight
 // is 1 / accumulation exactly, as before masks existed.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,14 +26,15 @@
 
 namespace scaletrain::train {
 
-// data.path as data.loss_on and data.packing ask (Note [Loss targets]). A loss
-// on completions or assistant turns needs a file of that record kind:
-// UsageError naming the file and what it holds otherwise.
-data::TokenDataset open_dataset(const Config& config, const Plan& plan);
+// data.path, or data.mixture's datasets mixed (Note [Mixture]), as
+// data.loss_on and data.packing ask (Note [Loss targets]). A loss on
+// completions or assistant turns needs files of that record kind: UsageError
+// naming the file and what it holds otherwise.
+std::unique_ptr<data::SampleSource> open_dataset(const Config& config, const Plan& plan);
 
 // The weight of each of this rank's `accum` micro-batches in step `step`
 // (Note [Masked loss]). UsageError if no token of the global batch is a target.
-std::vector<double> micro_weights(const data::TokenDataset& dataset, const data::DistributedSampler& sampler,
+std::vector<double> micro_weights(const data::SampleSource& dataset, const data::DistributedSampler& sampler,
                                   int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
                                   const std::string& loss_on);
 

@@ -212,6 +212,7 @@ const std::map<std::string, Field>& fields() {
     // data
     ST_STR(data, path)
     ST_STR(data, tokenizer)
+    ST_STR(data, mixture)
     ST_ENUM(data, loss_on)
     ST_BOOL(data, packing)
     // train
@@ -374,7 +375,7 @@ void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::
         load_map(c, kv.second, key, given, problems);
         continue;
       }
-      if (kv.second.IsSequence() && (key == "finetune.target_modules" || key == "metrics.trace_steps")) {  // lists
+      if (kv.second.IsSequence() && (key == "finetune.target_modules" || key == "metrics.trace_steps" || key == "data.mixture")) {  // lists
         std::string joined;
         for (const auto& item : kv.second) {
           if (!item.IsScalar()) throw UsageError(key + " must be a list of " + (key[0] == 'f' ? "layer names" : "steps"));

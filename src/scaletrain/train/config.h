@@ -48,6 +48,9 @@ struct ModelOptions {
 
 struct DataOptions {
   std::string path;  // token file written by `scaletrain prepare`, or its --shard-tokens directory (required)
+  // Instead of path: several token files or shard directories with weights,
+  // "PATH=WEIGHT,PATH=WEIGHT" or a YAML list of PATH=WEIGHT (Note [Mixture] in data/mixture.h).
+  std::string mixture;
   // Tokenizer that prepared `path` (`prepare --tokenizer`): a tokenizer.json, or a
   // directory with one; the text sample encodes and decodes with it ("" = bytes).
   std::string tokenizer;

@@ -1,3 +1,4 @@
+#include "scaletrain/data/mixture.h"
 #include "scaletrain/train/plan.h"
 
 #include <unistd.h>
@@ -334,7 +335,11 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
                  (p.strategy == "ddp" ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
   if (policy_ok && plan.policy.reduce == at::kHalf && !plan.cuda)
     problems.add("precision.reduce_dtype=fp16 needs CUDA (Gloo sums 16-bit payloads only as bf16 here)");
-  if (c.data.path.empty()) problems.add("data.path is not set (a token file from `scaletrain prepare`)");
+  if (c.data.path.empty() && c.data.mixture.empty())
+    problems.add("data.path is not set (a token file from `scaletrain prepare`)");
+  if (!c.data.path.empty() && !c.data.mixture.empty())
+    problems.add("data.path and data.mixture are both set: give one (a mixture lists every dataset with its weight)");
+  if (!c.data.mixture.empty()) problems.check([&] { data::parse_mixture(c.data.mixture); });
 
   const bool dims_ok = problems.check([&] {
     plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp}.resolved(world_size);

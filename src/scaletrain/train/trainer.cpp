@@ -206,7 +206,7 @@ std::vector<std::pair<std::string, std::string>> tokenizer_assets(const std::str
 struct Run {
   const Config& cfg;
   const Plan& plan;
-  data::TokenDataset& dataset;
+  data::SampleSource& dataset;
   comm::MeshDims dims;
   std::shared_ptr<comm::World> world;
   std::unique_ptr<comm::Mesh> mesh;
@@ -325,13 +325,7 @@ void print_start(Run& r, const comm::WorldInfo& info) {
       static_cast<long long>(r.dataset.num_samples()), static_cast<long long>(r.plan.model.block_size),
       static_cast<long long>(cfg.train.global_batch), static_cast<long long>(r.plan.micro_batch),
       static_cast<long long>(r.plan.accum), r.dims.dp(), torch::get_num_threads(), r.peak_flops / 1e9);
-  if (r.dataset.has_documents())
-    std::printf("scaletrain: data: %zu %s records; loss on %s tokens; %s\n", r.dataset.documents(),
-                data::record_kind_name(r.dataset.kind()), cfg.data.loss_on.c_str(),
-                cfg.data.packing ? "packed into windows"
-                                 : ("one record per sample, " + std::to_string(r.dataset.truncated_documents()) +
-                                    " cut to block_size + 1 tokens")
-                                       .c_str());
+  std::printf("scaletrain: data: %s; loss on %s tokens\n", r.dataset.describe().c_str(), cfg.data.loss_on.c_str());
   std::printf(
       "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "
       "optimizer %.1f); setup peak +%.1f MiB RSS\n",
@@ -700,15 +694,17 @@ TrainResult run_training(const Config& cfg) {
   TensorBytes::install();  // before any tensor of the run exists (Note [What is measured])
   const comm::WorldInfo info = comm::world_info_from_env();
   const Plan plan = make_plan(cfg, info.world_size, info.local_rank);
-  data::TokenDataset dataset = open_dataset(cfg, plan);
+  const std::unique_ptr<data::SampleSource> samples = open_dataset(cfg, plan);
+  data::SampleSource& dataset = *samples;
+  const std::string data_name = cfg.data.mixture.empty() ? "token file " + cfg.data.path : "data.mixture";
   if (dataset.vocab() > static_cast<uint32_t>(plan.model.vocab_size))
-    throw UsageError("token file " + cfg.data.path + " has vocabulary " + std::to_string(dataset.vocab()) +
+    throw UsageError(data_name + " has vocabulary " + std::to_string(dataset.vocab()) +
                      " but the model's is " + std::to_string(plan.model.vocab_size));
   // The sample's tokenizer must be the one that wrote the token file.
   data::Tokenizer tokenizer(cfg.data.tokenizer);
   if (!cfg.data.tokenizer.empty() && tokenizer.vocab_size() != dataset.vocab())
     throw UsageError("data.tokenizer " + cfg.data.tokenizer + " has vocabulary " +
-                     std::to_string(tokenizer.vocab_size()) + " but token file " + cfg.data.path + " has " +
+                     std::to_string(tokenizer.vocab_size()) + " but " + data_name + " has " +
                      std::to_string(dataset.vocab()) + " (prepare it with --tokenizer " + cfg.data.tokenizer + ")");
   // Before any work, so a sample_chat without a template fails in milliseconds.
   const std::string sample_prompt = cfg.train.sample_tokens > 0 ? sample_prompt_text(cfg) : "";

@@ -5,7 +5,10 @@
 #include <zlib.h>
 #include <zstd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -14,6 +17,7 @@
 
 #include "reference_util.h"
 #include "scaletrain/data/dataset.h"
+#include "scaletrain/data/mixture.h"
 #include "scaletrain/data/prepare.h"
 #include "scaletrain/data/records.h"
 #include "scaletrain/data/token_file.h"
@@ -446,6 +450,55 @@ TEST(TokenShards, ReadAsOneFileAndRefuseDamage) {
   fs::remove(fs::path(shards) / "index.json");
   EXPECT_FALSE(is_token_shard_dir(shards));
   EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("no index.json"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Note [Mixture]: every prefix of the mixture holds each dataset within one
+// sample of its weight, each dataset's samples come in a seeded order, and
+// bad weights are one-line errors.
+TEST(Mixture, FollowsTheWeightsDeterministically) {
+  const fs::path dir = temp_dir();
+  const std::string a = (dir / "a.tok").string(), b = (dir / "b.tok").string();
+  write_token_file(a, std::vector<uint16_t>(10 * 4 + 1, 1), 10);  // 10 samples of 4, all ones
+  write_token_file(b, std::vector<uint16_t>(40 * 4 + 1, 2), 10);  // 40 samples of 4, all twos
+  auto make = [&](uint64_t seed) {
+    std::vector<std::unique_ptr<TokenDataset>> parts;
+    parts.push_back(std::make_unique<TokenDataset>(a, DatasetOptions{4}));
+    parts.push_back(std::make_unique<TokenDataset>(b, DatasetOptions{4}));
+    return Mixture(std::move(parts), {3.0, 1.0}, seed);
+  };
+  const Mixture m = make(7), same = make(7), other = make(8);
+  ASSERT_EQ(m.num_samples(), 50);
+  int64_t from_a = 0;
+  std::vector<int64_t> a_samples, a_other;
+  for (int64_t i = 0; i < m.num_samples(); ++i) {
+    const auto [k, sample] = m.locate(i);
+    EXPECT_EQ(same.locate(i), m.locate(i));
+    EXPECT_EQ(other.locate(i).first, k) << "the seed orders samples, not datasets";
+    from_a += k == 0;
+    EXPECT_LE(std::abs(0.75 * static_cast<double>(i + 1) - static_cast<double>(from_a)), 1.0) << i;
+    if (k == 0 && a_samples.size() < 10) {
+      a_samples.push_back(sample);
+      a_other.push_back(other.locate(i).second);
+    }
+    std::vector<int64_t> x(4), y(4);
+    m.copy_batch({i}, x.data(), y.data());
+    EXPECT_EQ(x[0], k == 0 ? 1 : 2);
+  }
+  std::vector<int64_t> sorted = a_samples;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9})) << "a's first 10 draws are a permutation";
+  EXPECT_NE(a_samples, a_other);
+  EXPECT_EQ(m.count_targets({0, 1, 2}), 12);
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok=-1,b.tok=1"); }).find("'a.tok=-1': the weight must be"),
+            std::string::npos);
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok=nan"); }).find("finite number > 0"), std::string::npos);
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok"); }).find("is not PATH=WEIGHT"), std::string::npos);
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok=1,a.tok=2"); }).find("names a.tok twice"), std::string::npos);
+  const auto parts = parse_mixture("x/a=b.tok=0.25,c.tok=3");
+  ASSERT_EQ(parts.size(), 2u);
+  EXPECT_EQ(parts[0].path, "x/a=b.tok");
+  EXPECT_EQ(parts[0].weight, 0.25);
   fs::remove_all(dir);
 }
 

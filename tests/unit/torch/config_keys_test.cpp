@@ -67,6 +67,7 @@ const std::map<std::string, Check>& table() {
     {"data.loss_on", {"completion", What::Losses, "", {"data.path=@RECORDS@"}}},
     {"train.sample_chat", {"true", What::Line, "sample:", {"train.sample_tokens=8", "data.tokenizer=@CHATTOK@"}}},
     {"data.packing", {"false", What::Losses, "", {"data.path=@RECORDS@"}}},
+    {"data.mixture", {"@TOKENS2@=1", What::Losses, "", {}, 1, {"data.path="}}},
     {"train.steps", {"4", What::Steps}},
     {"train.global_batch", {"8", What::Line, "global batch"}},
     {"train.micro_batch", {"1", What::Line, "global batch"}},

@@ -153,6 +153,10 @@ TEST(MaskedLoss, MismatchedFilesAreOneLineErrors) {
                          tokens().string()),
                      "data.packing=false needs records");
   expect_usage_error(run("train " + cfg.string() + " --data.loss_on=everything"), "data.loss_on");
+  expect_usage_error(run("train " + cfg.string() + " --data.path= --data.mixture=" + records_tokens().string() + "=-2"),
+                     "the weight must be a finite number > 0, got '-2'");
+  expect_usage_error(run("train " + cfg.string() + " --data.mixture=" + records_tokens().string() + "=1"),
+                     "data.path and data.mixture are both set");
 }
 
 }  // namespace
