@@ -23,8 +23,11 @@
 //       several logs (--labels a,b) are compared on one picture.
 //   scaletrain plot --timeline TRACE.json [-o timeline.svg]
 //       Draws a Chrome trace (metrics.trace_steps) as per-rank lanes.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -137,7 +140,17 @@ int prepare_records(const PrepareArgs& args) {
   set_fields(args.fields, o);
   const int threads = args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   data::PrepareStats stats;
-  const data::TokenRecords records = data::encode_jsonl(args.inputs, o, threads, &stats);
+  // On a terminal, a line that counts up while the threads encode.
+  const auto start = std::chrono::steady_clock::now();
+  data::PrepareProgress bar;
+  if (::isatty(STDERR_FILENO))
+    bar = [start](std::size_t done, std::size_t total) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::fprintf(stderr, "\rprepare: encoded %.1f of %.1f MB (%3.0f%%, %.2f MB/s)%s", done / 1e6, total / 1e6,
+                   100.0 * static_cast<double>(done) / static_cast<double>(std::max<std::size_t>(total, 1)),
+                   done / 1e6 / std::max(s, 1e-9), done == total ? "\n" : "");
+    };
+  const data::TokenRecords records = data::encode_jsonl(args.inputs, o, threads, &stats, bar);
   const data::Tokenizer tokenizer(args.tokenizer);
   const uint32_t vocab = tokenizer.vocab_size();
   std::string shards;

@@ -2,7 +2,10 @@
 #include "scaletrain/data/prepare.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <exception>
 #include <optional>
 #include <string_view>
@@ -54,7 +57,7 @@ struct Part {
 };
 
 void encode_run(const std::vector<std::string>& files, const std::vector<Line>& lines, std::size_t begin,
-                std::size_t end, const RecordOptions& options, Part& part) {
+                std::size_t end, const RecordOptions& options, Part& part, std::atomic<std::size_t>& done) {
   try {
     Tokenizer tokenizer(options.tokenizer);
     RecordEncoder encoder(tokenizer, options);
@@ -64,6 +67,7 @@ void encode_run(const std::vector<std::string>& files, const std::vector<Line>& 
       if (!record.is_object()) throw UsageError(where + ": a record must be a JSON object");
       if (i == begin) part.first_where = where;
       encoder.add(record, where, part.records);
+      done.fetch_add(lines[i].text.size() + 1, std::memory_order_relaxed);
     }
   } catch (const UsageError& e) {
     part.error = e.what();
@@ -123,8 +127,43 @@ TokenRecords join(std::vector<Part>& parts) {
 
 }  // namespace
 
+namespace {
+
+// Calls progress every 0.2 s from its own thread until stopped (RAII).
+class ProgressReporter {
+ public:
+  ProgressReporter(const PrepareProgress& progress, const std::atomic<std::size_t>& done, std::size_t total)
+      : progress_(progress), done_(done), total_(total) {
+    if (progress_) thread_ = std::thread([this] { loop(); });
+  }
+  ~ProgressReporter() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stop_; }))
+      progress_(done_.load(std::memory_order_relaxed), total_);
+  }
+  const PrepareProgress& progress_;
+  const std::atomic<std::size_t>& done_;
+  const std::size_t total_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
 TokenRecords encode_jsonl(const std::vector<std::string>& inputs, const RecordOptions& options, int threads,
-                          PrepareStats* stats) {
+                          PrepareStats* stats, const PrepareProgress& progress) {
   if (threads < 1) throw UsageError("prepare: --threads must be at least 1, got " + std::to_string(threads));
   const auto t_read = Clock::now();
   const std::vector<std::string> files = jsonl_inputs(inputs);
@@ -141,13 +180,20 @@ TokenRecords encode_jsonl(const std::vector<std::string>& inputs, const RecordOp
   const int n = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(threads), lines.size()));
   const auto cuts = runs(lines, n);
   std::vector<Part> parts(cuts.size());
-  std::vector<std::thread> workers;
-  for (std::size_t j = 1; j < cuts.size(); ++j)
-    workers.emplace_back(encode_run, std::cref(files), std::cref(lines), cuts[j].first, cuts[j].second,
-                         std::cref(options), std::ref(parts[j]));
-  encode_run(files, lines, cuts[0].first, cuts[0].second, options, parts[0]);
-  for (auto& w : workers) w.join();
+  std::atomic<std::size_t> done{0};
+  std::size_t total = 0;
+  for (const auto& l : lines) total += l.text.size() + 1;
+  {
+    ProgressReporter reporter(progress, done, total);
+    std::vector<std::thread> workers;
+    for (std::size_t j = 1; j < cuts.size(); ++j)
+      workers.emplace_back(encode_run, std::cref(files), std::cref(lines), cuts[j].first, cuts[j].second,
+                           std::cref(options), std::ref(parts[j]), std::ref(done));
+    encode_run(files, lines, cuts[0].first, cuts[0].second, options, parts[0], done);
+    for (auto& w : workers) w.join();
+  }
   TokenRecords out = join(parts);
+  if (progress) progress(total, total);
   if (stats) *stats = PrepareStats{files.size(), bytes, read_s, seconds_since(t_encode), n};
   return out;
 }

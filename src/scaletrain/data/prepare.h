@@ -9,6 +9,7 @@
 // document index, and for bad input the same one-line error (the first bad
 // line in input order, as one thread would report it).
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,10 @@ struct PrepareStats {
 // workers, each with a tokenizer loaded from options.tokenizer. Throws
 // UsageError as RecordEncoder::add does, naming FILE:LINE; "the inputs hold
 // no records" when every line is blank.
+// progress(done, total), if given, is called about every 0.2 s while the
+// threads encode, and once at the end (done == total): bytes of JSONL.
+using PrepareProgress = std::function<void(std::size_t done, std::size_t total)>;
 TokenRecords encode_jsonl(const std::vector<std::string>& inputs, const RecordOptions& options, int threads,
-                          PrepareStats* stats = nullptr);
+                          PrepareStats* stats = nullptr, const PrepareProgress& progress = nullptr);
 
 }  // namespace scaletrain::data

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -389,6 +390,16 @@ TEST(JsonlRecords, ThreadsGiveTheSameRecordsAndTheFirstError) {
     EXPECT_NE(msg.find("c.jsonl:51: a text record among prompt/completion records"), std::string::npos)
         << threads << ": " << msg;
   }
+  std::vector<std::pair<std::size_t, std::size_t>> seen;
+  std::mutex seen_mutex;
+  encode_jsonl({fa, fb}, RecordOptions{}, 2, nullptr, [&](std::size_t done, std::size_t total) {
+    std::lock_guard<std::mutex> lock(seen_mutex);
+    seen.emplace_back(done, total);
+  });
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back().first, seen.back().second) << "the last call reports everything encoded";
+  EXPECT_EQ(seen.back().second, a.size() + b.size() - 25) << "bytes of the non-blank lines";
+  for (std::size_t i = 1; i < seen.size(); ++i) EXPECT_LE(seen[i - 1].first, seen[i].first);
   const std::string fd = write(dir / "d.jsonl", a + "{not json}\n" + a);
   for (int threads : {1, 4}) {
     const std::string msg = usage_error([&] { encode_jsonl({fd}, RecordOptions{}, threads); });
