@@ -251,11 +251,11 @@ void add_prepare(CLI::App& app, Runner& run) {
                   "tokenizer_config.json chat_template)");
   sub->add_option("--threads", args->threads,
                   "JSONL: threads that encode records (default: one per core; the output is the same for any)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 4096));
   sub->add_option("--shard-tokens", args->shard_tokens,
                   "JSONL: write -o as a directory of token files of about N tokens each (whole records) and an "
                   "index.json, which train's data.path takes")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
   sub->add_option("--field", args->fields,
                   "JSONL: KIND=NAME reads field NAME for KIND (text, prompt, completion, messages); repeatable");
   sub->callback([&run, args] { run = [args] { return run_prepare(*args); }; });

@@ -288,8 +288,9 @@ TEST(JsonlRecords, MessagesMaskExactlyTheAssistantTurns) {
   fs::remove_all(dir);
 }
 
-// A template that renders earlier turns differently once later turns exist
-// is refused for that record, naming the turn; its raise_exception is shown.
+// A template that does not print all of a turn's content (here: only its
+// first character once later turns follow) is refused for that record,
+// naming the turn; a template's raise_exception is shown.
 TEST(JsonlRecords, TemplatesThatHideTurnsOrRaiseAreRefused) {
   const fs::path dir = temp_dir();
   RecordOptions o;
