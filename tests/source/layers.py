@@ -19,7 +19,8 @@ RULES = {
     "precision": {"comm"},
     "optim": {"comm", "precision"},
     "parallel": {"comm", "precision", "optim"},  # parallel/* may also use each other (composition)
-    "models": {"precision", "util"},
+    "kernels": {"util"},
+    "models": {"precision", "util", "kernels"},
     "template": {"util"},
     "data": {"util", "template"},
     "checkpoint": {"comm", "util"},

@@ -48,6 +48,19 @@ TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options
   if (options_.pad_id < 0 || options_.pad_id >= static_cast<int64_t>(vocab()))
     throw UsageError("token dataset " + path_ + ": pad id " + std::to_string(options_.pad_id) +
                      " is not below the vocab size " + std::to_string(vocab()));
+  if (options_.documents) {
+    if (!options_.packing)
+      throw UsageError("data.pack=documents needs data.packing=true (an unpacked sample is one document already)");
+    if (has_documents() && options_.separator >= 0)
+      throw UsageError("token dataset " + path_ + ": has a document index; data.document_separator=" +
+                       std::to_string(options_.separator) + " would not be read (leave it unset)");
+    if (!has_documents() && options_.separator < 0)
+      throw UsageError("token dataset " + path_ + ": plain text without a document index; data.pack=documents needs "
+                       "data.document_separator, the token id that ends each document");
+    if (options_.separator >= static_cast<int64_t>(vocab()))
+      throw UsageError("data.document_separator=" + std::to_string(options_.separator) +
+                       " is not below the vocab size " + std::to_string(vocab()));
+  }
   if (!options_.packing) {
     if (!has_documents())
       throw UsageError("token dataset " + path_ +
@@ -137,11 +150,60 @@ void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets)
     for (int64_t j = 0; j < block; ++j) inputs[j] = j + 1 < length ? window[static_cast<std::size_t>(j)] : options_.pad_id;
   }
   if (targets != nullptr) {
+    std::vector<int64_t> seg;
+    if (options_.documents) seg = segments(begin, length, window);
     for (int64_t j = 0; j < block; ++j) {
       const bool real = j + 1 < length;
-      const bool target = real && (!options_.use_mask || is_target(static_cast<uint64_t>(begin + j + 1)));
+      bool target = real && (!options_.use_mask || is_target(static_cast<uint64_t>(begin + j + 1)));
+      if (target && !seg.empty()) target = seg[static_cast<std::size_t>(j)] == seg[static_cast<std::size_t>(j + 1)];
       targets[j] = target ? window[static_cast<std::size_t>(j + 1)] : kIgnoreIndex;
     }
+  }
+}
+
+std::vector<int64_t> TokenDataset::segments(int64_t begin, int64_t length, const std::vector<int64_t>& window) const {
+  std::vector<int64_t> seg(static_cast<std::size_t>(length), 0);
+  if (!has_documents()) {  // a new document after each separator
+    for (int64_t j = 1; j < length; ++j)
+      seg[static_cast<std::size_t>(j)] =
+          seg[static_cast<std::size_t>(j - 1)] + (window[static_cast<std::size_t>(j - 1)] == options_.separator);
+    return seg;
+  }
+  // The document holding token `begin`: the last whose first token is <= begin.
+  std::size_t lo = 0, hi = documents();
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (document_begin(mid) <= static_cast<uint64_t>(begin) ? lo : hi) = mid;
+  }
+  uint64_t next = document_begin(lo + 1);
+  int64_t id = 0;
+  for (int64_t j = 0; j < length; ++j) {
+    while (static_cast<uint64_t>(begin + j) >= next && next < tokens()) next = document_begin(lo + 1 + ++id);
+    seg[static_cast<std::size_t>(j)] = id;
+  }
+  return seg;
+}
+
+void TokenDataset::copy_sample_layout(int64_t index, int64_t* segments_out, int64_t* positions) const {
+  if (!options_.documents) throw std::logic_error("TokenDataset: copy_layout without data.pack=documents");
+  const auto [begin, length] = span(index);
+  std::vector<int64_t> window(static_cast<std::size_t>(length));
+  if (!has_documents()) read_tokens(begin, length, window.data());
+  const std::vector<int64_t> seg = segments(begin, length, window);
+  int64_t start = 0;  // first token of the current segment
+  for (int64_t j = 0; j < options_.block_size; ++j) {
+    const int64_t s = seg[static_cast<std::size_t>(std::min(j, length - 1))];
+    if (j > 0 && s != seg[static_cast<std::size_t>(std::min(j - 1, length - 1))]) start = j;
+    if (segments_out != nullptr) segments_out[j] = s;
+    if (positions != nullptr) positions[j] = j - start;
+  }
+}
+
+void TokenDataset::copy_layout(const std::vector<int64_t>& indices, int64_t* segments_out, int64_t* positions) const {
+  const int64_t block = options_.block_size;
+  for (std::size_t row = 0; row < indices.size(); ++row) {
+    const int64_t offset = static_cast<int64_t>(row) * block;
+    copy_sample_layout(indices[row], segments_out ? segments_out + offset : nullptr, positions ? positions + offset : nullptr);
   }
 }
 
@@ -157,6 +219,12 @@ int64_t TokenDataset::count_targets(const std::vector<int64_t>& indices) const {
   int64_t n = 0;
   for (int64_t index : indices) {
     const auto [begin, length] = span(index);
+    if (options_.documents) {  // as copy_sample decides
+      std::vector<int64_t> targets(static_cast<std::size_t>(options_.block_size));
+      copy_sample(index, nullptr, targets.data());
+      for (int64_t t : targets) n += t != kIgnoreIndex ? 1 : 0;
+      continue;
+    }
     if (!options_.use_mask) {
       n += length - 1;
       continue;

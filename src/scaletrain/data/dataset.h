@@ -1,6 +1,17 @@
 #pragma once
 // Fixed-length training samples over a memory-mapped token file.
 //
+// Note [Document segments]
+// With DatasetOptions::documents a packed window knows where its documents
+// begin: from the file's document index (files of JSONL records), or, in a
+// file of text, after each occurrence of a separator id (the tokenizer's
+// end-of-text). Token j of a window gets the segment id of its document
+// (0 for the document the window starts in, counting up) and its position
+// inside the document as far as the window sees it (the document the window
+// starts in starts at 0 there); the target of the last token of a document,
+// the next document's first token, is kIgnoreIndex. The model attends within
+// segments (Note [Packed documents] in models/attention.h).
+//
 // Sample i covers tokens [i*block, i*block + block + 1): the first `block`
 // tokens are the model input and the same window shifted by one is the target
 // (next-token prediction). Consecutive samples share one boundary token (the
@@ -39,6 +50,12 @@ struct DatasetOptions {
   bool packing = true;
   // Input id of padding (unpacked samples); a target pad is kIgnoreIndex.
   int64_t pad_id = 0;
+  // Packed documents (Note [Document segments]): each token of a window gets
+  // the id of its document, and the token after a boundary is no target.
+  bool documents = false;
+  // With documents, for a file without a document index: the token id that
+  // ends each document (-1: none; such a file is then refused).
+  int64_t separator = -1;
 };
 
 // The target id the loss skips (as torch's cross_entropy ignore_index).
@@ -55,6 +72,10 @@ class SampleSource {
   // As TokenDataset's below.
   virtual void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const = 0;
   virtual int64_t count_targets(const std::vector<int64_t>& indices) const = 0;
+  // With documents (Note [Document segments]): segment ids and positions of
+  // the samples' input tokens, rows of [indices.size(), block_size]; either
+  // pointer may be null.
+  virtual void copy_layout(const std::vector<int64_t>& indices, int64_t* segments, int64_t* positions) const = 0;
   // One line for the run's log: what the samples are.
   virtual std::string describe() const = 0;
 };
@@ -101,6 +122,9 @@ class TokenDataset : public SampleSource {
   // The number of targets (not kIgnoreIndex) in the samples `indices`,
   // without copying them: the loss's normalizer (Note [Masked loss]).
   int64_t count_targets(const std::vector<int64_t>& indices) const override;
+  void copy_layout(const std::vector<int64_t>& indices, int64_t* segments, int64_t* positions) const override;
+  // The same for one sample (rows of block_size).
+  void copy_sample_layout(int64_t index, int64_t* segments, int64_t* positions) const;
   // Unpacked: the documents longer than block_size + 1 (cut to it).
   int64_t truncated_documents() const { return truncated_; }
 
@@ -112,6 +136,9 @@ class TokenDataset : public SampleSource {
   // Whether token `at` of the stream is a target, and where document d starts.
   bool is_target(uint64_t at) const;
   uint64_t document_begin(std::size_t d) const;
+  // Segment ids of the `length` tokens of `window`, read from stream
+  // position `begin` (Note [Document segments]).
+  std::vector<int64_t> segments(int64_t begin, int64_t length, const std::vector<int64_t>& window) const;
   std::size_t shard_of_token(uint64_t at) const;
 
   std::vector<TokenFile> files_;

@@ -111,6 +111,15 @@ void Mixture::copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, i
   }
 }
 
+void Mixture::copy_layout(const std::vector<int64_t>& indices, int64_t* segments, int64_t* positions) const {
+  const int64_t block = parts_.front()->block_size();
+  for (std::size_t row = 0; row < indices.size(); ++row) {
+    const auto [k, sample] = locate(indices[row]);
+    const int64_t offset = static_cast<int64_t>(row) * block;
+    parts_[k]->copy_sample_layout(sample, segments ? segments + offset : nullptr, positions ? positions + offset : nullptr);
+  }
+}
+
 int64_t Mixture::count_targets(const std::vector<int64_t>& indices) const {
   int64_t n = 0;
   for (int64_t i : indices) {

@@ -45,6 +45,7 @@ class Mixture : public SampleSource {
   int64_t num_samples() const override { return static_cast<int64_t>(index_.size()); }
   uint32_t vocab() const override { return parts_.front()->vocab(); }
   void copy_batch(const std::vector<int64_t>& indices, int64_t* inputs, int64_t* targets) const override;
+  void copy_layout(const std::vector<int64_t>& indices, int64_t* segments, int64_t* positions) const override;
   int64_t count_targets(const std::vector<int64_t>& indices) const override;
   std::string describe() const override;
 

@@ -258,7 +258,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
 }
 
 double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec, int64_t t_, bool sp,
-                                  Recompute recompute, bool dropout) {
+                                  Recompute recompute, bool dropout, bool flash) {
   const double s = s_, b = b_, h = spec.hidden_size, a = spec.num_heads, t = t_;
   const double sbh = s * b * h;
   const bool split = sp && t_ > 1;
@@ -272,10 +272,11 @@ double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec,
   const double routes = spec.num_experts > 0 ? static_cast<double>(spec.experts_per_token) : 1.0;
   const double hidden = routes * (spec.gated_mlp ? 8 : 4) * static_cast<double>(spec.intermediate_size) / h;
   const double tp = 8 + hidden, att = dropout ? 5 : 2;
+  const double scores = flash ? 2 + 4 * a / h : att * a * s / h;  // per s*b*h, split over tp
   switch (recompute) {
     case Recompute::kNone:
-      if (t_ == 1) return sbh * (rep + tp + att * a * s / h);
-      return split ? sbh * (rep + tp + att * a * s / h) / t : sbh * (rep + tp / t + att * a * s / (h * t));
+      if (t_ == 1) return sbh * (rep + tp + scores);
+      return split ? sbh * (rep + tp + scores) / t : sbh * (rep + tp / t + scores / t);
     case Recompute::kSelective:
       return split ? sbh * (rep + tp) / t : sbh * (rep + tp / t);
     case Recompute::kFull:
@@ -414,7 +415,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
       auto layer = [&](Recompute r) {
         double bytes = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t, l.sequence_parallel, r,
-                                                              l.dropout);
+                                                              l.dropout, l.flash_attention);
         if (l.fp8_linears)
           bytes += fp8_linear_activation_change(seq, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
                                                 shape.layer_params);
@@ -437,8 +438,11 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       if (last) {
         const double norm_kept = spec.norm == Norm::kLayerNorm ? 1 : 2;  // tensors a norm keeps
         shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;    // the final norm
-        if (!spec.encoder)  // head input (the final norm's output) + the loss's fp32 log-softmax
-          shape.act_last += 2 * sbh * act_scale / sp_div + 4 * sbv / t;
+        // Head input (the final norm's output) + the loss's fp32 log-softmax;
+        // fused (never under tp), the head's input and weight gradients
+        // formed in forward instead.
+        const double fused = 2 * sbh * act_scale + static_cast<double>(spec.vocab_size) * spec.hidden_size * w.grad;
+        if (!spec.encoder) shape.act_last += 2 * sbh * act_scale / sp_div + (l.fused_loss ? fused : 4 * sbv / t);
       }
       // Backward of one layer: the residual gradient, the gradient of the
       // MLP's hidden output and of its input less the saved hidden output
@@ -447,10 +451,14 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       const double I = static_cast<double>(spec.intermediate_size);
       shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
       if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
+      // Flash attention's backward (kernels/attention.cpp) holds fp32
+      // contiguous copies of q, k, v, its output and the output's gradient,
+      // and dq, dk, dv: 8 fp32 tensors of s*b*h/t at once, a moment of its own.
+      if (l.flash_attention) shape.ws_layer = std::max(shape.ws_layer, 32 * sbh / t);
       // FP8 linears: the largest linear's backward decodes its input, weight
       // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
       if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);
-      if (last && !spec.encoder) shape.ws_last = 8 * sbv / t;
+      if (last && !spec.encoder) shape.ws_last = l.fused_loss ? 0 : 8 * sbv / t;
     }
     StageWidths sw;
     sw.weight = w.weight;

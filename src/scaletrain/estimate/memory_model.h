@@ -72,6 +72,8 @@ struct Layout {
   int64_t micro_batch = 1;        // samples per micro-batch
   Recompute recompute = Recompute::kNone;  // activation checkpointing policy
   bool dropout = true;                     // dropout active (p > 0): its masks and outputs are stored too
+  bool flash_attention = false;  // tiled attention: no [s, s] scores kept, its output and row log-sum-exp instead
+  bool fused_loss = false;       // head + cross-entropy fused: no [s, V] logits, the head's input and weight gradients instead
   bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
   int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
@@ -166,8 +168,10 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
 // constants as Note [Activations of a block] (memory_model.cpp) derives: an
 // MLP of width I keeps 4I/h (8I/h gated) in place of 16, an RMSNorm keeps two
 // tensors where a LayerNorm keeps one.
+// With flash attention (models/attention.h) the scores' 2as/h becomes the
+// kernel's own copy of its output and its fp32 log-sum-exp per row: 2 + 4a/h.
 double activation_bytes_per_layer(int64_t s, int64_t b, const ModelSpec& spec, int64_t t, bool sequence_parallel,
-                                  Recompute recompute, bool dropout = true);
+                                  Recompute recompute, bool dropout = true, bool flash = false);
 
 // What FP8 linears change in one layer's saved activations, in bytes (most
 // often negative): each linear keeps its input as 1-byte codes (q, k and v

@@ -5,6 +5,9 @@
 
 #include <limits>
 
+#include "scaletrain/kernels/linear_cross_entropy.h"
+#include "scaletrain/precision/autocast_compat.h"
+#include "scaletrain/precision/policy.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 
@@ -134,6 +137,24 @@ void CausalLM::check_length(int64_t T) const {
   if (T > config_.block_size)
     throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens exceeds block_size " +
                                 std::to_string(config_.block_size));
+}
+
+torch::Tensor CausalLM::head_cross_entropy(const torch::Tensor& y, const torch::Tensor& head,
+                                           const torch::Tensor& targets) const {
+  if (!config_.fused || !kernels::fused_linear_cross_entropy_applies(y))
+    return causal_lm_cross_entropy(torch::matmul(y, head.t()), targets);
+  // As autocast would run the head's matmul: both operands in its dtype (the
+  // kernel then forms each chunk's logits in fp32, as the unfused loss upcasts
+  // them), and autocast off for the kernel's own GEMMs.
+  torch::Tensor h = y, w = head;
+  namespace pc = precision::compat;
+  if (pc::autocast_enabled(at::kCPU) && y.is_floating_point()) {
+    h = y.to(pc::autocast_dtype(at::kCPU));
+    w = head.to(pc::autocast_dtype(at::kCPU));
+  }
+  precision::AutocastGuard off(precision::PrecisionPolicy{}, at::kCPU);
+  auto [sum, count] = kernels::linear_cross_entropy(h.reshape({-1, h.size(-1)}), w, {}, targets.reshape({-1}));
+  return sum / count.clamp_min(1).to(sum.scalar_type());
 }
 
 torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets) {

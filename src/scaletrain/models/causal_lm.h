@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "scaletrain/models/attention.h"
 #include "scaletrain/models/checkpoint.h"
 #include "scaletrain/models/deferred.h"
 
@@ -69,6 +70,10 @@ struct ModelConfig {
   double router_z_loss_coef = 0.0;    // router z-loss coefficient
   double capacity_factor = 0.0;       // 0: dropless
   std::string moe_drop_policy = "probs";  // probs | position (with a capacity factor)
+  // How the model computes what it trains on (not what it is: Hub configs and
+  // checkpoints say nothing of these).
+  std::string attention = "flash";  // flash | naive (Note [Attention paths] in models/attention.h)
+  bool fused = true;                // head + cross-entropy fused (kernels/linear_cross_entropy.h)
 
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t mlp_width() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
@@ -230,6 +235,11 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   virtual bool is_expert_parameter(const std::string& name) const;
   virtual void set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks);
 
+  // Packed documents (Note [Packed documents] in models/attention.h): the
+  // layout of the micro-batch that the next forwards (and their recomputation
+  // in backward) run on, until replaced; null: one sequence per row.
+  void set_sequence_layout(std::shared_ptr<const SequenceLayout> layout) { sequence_->layout = std::move(layout); }
+
  protected:
   // Without materialization each module's bytes go as soon as it is built
   // (its constructor's own random draws still happen, so the generator is
@@ -246,6 +256,12 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   void check_length(int64_t T) const;
   TensorParallelHooksPtr tp_;
   std::shared_ptr<MoeContext> moe_;
+  // Shared with the attention layers, which read the layout in flight.
+  std::shared_ptr<SequenceContext> sequence_ = std::make_shared<SequenceContext>();
+  // The final hidden states [.., C] and head weight [V, C] -> the mean
+  // next-token cross-entropy over the targets (not kIgnoreTarget), fused or
+  // not as config().fused says.
+  torch::Tensor head_cross_entropy(const torch::Tensor& y, const torch::Tensor& head, const torch::Tensor& targets) const;
 
  private:
   ModelConfig config_;

@@ -40,10 +40,9 @@ GPTConfig gpt_preset(const std::string& name) {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& c)
-    : n_head_(c.n_head), n_embd_(c.n_embd), dropout_(c.dropout) {
+    : n_head_(c.n_head), n_embd_(c.n_embd), dropout_(c.dropout), path_(attention_path(c.attention)) {
   c_attn = register_module("c_attn", Linear(c.n_embd, 3 * c.n_embd, c.bias));
   c_proj = register_module("c_proj", Linear(c.n_embd, c.n_embd, c.bias));
-  mask_ = torch::ones({c.block_size, c.block_size}, torch::kBool).tril();
 }
 
 int64_t CausalSelfAttentionImpl::local_heads() const { return c_attn->out_features() / (3 * (n_embd_ / n_head_)); }
@@ -57,12 +56,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   auto qkv = c_attn(x).split(width, 2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hs}).transpose(1, 2); };
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
-  if (mask_.device() != att.device()) mask_ = mask_.to(att.device());  // once, on the first forward
-  att = att.masked_fill(mask_.slice(0, 0, T).slice(1, 0, T).logical_not(), -std::numeric_limits<float>::infinity());
-  att = torch::softmax(att, -1);
-  if (dropout_ > 0) att = torch::dropout(att, dropout_, is_training());
-  auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, width});
+  const SequenceLayout* layout = sequence ? sequence->layout.get() : nullptr;
+  auto y = attend(q, k, v, path_, layout, dropout_, is_training()).transpose(1, 2).contiguous().view({B, T, width});
   y = tp ? row_parallel(y, *c_proj, *tp) : c_proj(y);
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;
@@ -104,6 +99,7 @@ GPTImpl::GPTImpl(const GPTConfig& c, bool materialize) : CausalLM(c) {
   wpe = register_module("wpe", settle(torch::nn::Embedding(c.block_size, c.n_embd), materialize));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(settle(Block(c), materialize));
+  for (auto& b : *h) b->as<Block>()->attn->sequence = sequence_;
   ln_f = register_module("ln_f", settle(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.norm_eps)), materialize));
   drop_ = register_module("drop", torch::nn::Dropout(c.dropout));
   finish_construction(materialize);
@@ -128,6 +124,8 @@ torch::Tensor GPTImpl::embed(const torch::Tensor& idx) {
   torch::Tensor tok = tp_ ? tp_->embed_tokens(idx, wte->weight) : wte(idx);
   // Under sequence parallelism tok is this rank's chunk: add its positions.
   const int64_t n = tok.size(1), first = tp_ ? tp_->sequence_offset(n) : 0;
+  if (const SequenceLayout* layout = sequence_->layout.get())  // positions inside each document
+    return drop_(tok + wpe(layout->positions.narrow(1, first, n)));
   return drop_(tok + wpe(torch::arange(first, first + n, idx.options().dtype(torch::kLong))));
 }
 
@@ -142,7 +140,7 @@ torch::Tensor GPTImpl::head_logits(const torch::Tensor& x) {
 torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
   auto y = ln_f(x);
   if (tp_) return tp_->loss(y, wte->weight, targets);
-  return causal_lm_cross_entropy(torch::matmul(y, wte->weight.t()), targets);
+  return head_cross_entropy(y, wte->weight, targets);
 }
 
 namespace {

@@ -29,11 +29,12 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t local_heads() const;
   Linear c_attn{nullptr}, c_proj{nullptr};
   TensorParallelHooksPtr tp;  // null: single process
+  std::shared_ptr<const SequenceContext> sequence;  // the model's (packed documents); null: none
 
  private:
   int64_t n_head_, n_embd_;
   double dropout_;
-  torch::Tensor mask_;  // [block, block] lower triangle; not a parameter or buffer
+  AttentionPath path_;
 };
 TORCH_MODULE(CausalSelfAttention);
 

@@ -62,7 +62,7 @@ torch::nn::Linear head(int64_t in, int64_t out) {
 
 }  // namespace
 
-LlamaAttentionImpl::LlamaAttentionImpl(const ModelConfig& c) : c_(c) {
+LlamaAttentionImpl::LlamaAttentionImpl(const ModelConfig& c) : c_(c), path_(attention_path(c.attention)) {
   const int64_t hd = c.head_dim();
   const bool qkv_bias = c.attention_bias || c.qkv_bias;
   q_proj = register_module("q_proj", Linear(c.n_embd, c.n_head * hd, qkv_bias));
@@ -80,18 +80,15 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
   torch::Tensor q = heads(q_proj(x), nh), k = heads(k_proj(x), nkv), v = heads(v_proj(x), nkv);
   auto [cos, sin] = rotary_tables(c_, T, q.scalar_type(), q.device());
+  const SequenceLayout* layout = sequence ? sequence->layout.get() : nullptr;
+  if (layout != nullptr) {  // each token's rotation at its position inside its document (< T)
+    const auto pos = layout->positions.reshape({-1});
+    cos = cos.index_select(0, pos).view({B, 1, T, hd});
+    sin = sin.index_select(0, pos).view({B, 1, T, hd});
+  }
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
-  if (nkv != nh) {  // kv head j serves query heads [j * rep, (j + 1) * rep)
-    k = k.repeat_interleave(nh / nkv, 1);
-    v = v.repeat_interleave(nh / nkv, 1);
-  }
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-  att = att.masked_fill(mask, -std::numeric_limits<double>::infinity());
-  const auto wide = att.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  att = torch::softmax(att, -1, wide).to(q.scalar_type());
-  auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, nh * hd});
+  auto y = attend(q, k, v, path_, layout).transpose(1, 2).contiguous().view({B, T, nh * hd});
   return tp ? row_parallel(y, *o_proj, *tp) : o_proj(y);
 }
 
@@ -138,6 +135,7 @@ LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
   embed_tokens = trunk->register_module("embed_tokens", settle(torch::nn::Embedding(c.vocab_size, c.n_embd), materialize));
   layers = trunk->register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(settle(LlamaDecoderLayer(c), materialize));
+  for (auto& m : *layers) m->as<LlamaDecoderLayer>()->self_attn->sequence = sequence_;
   norm = trunk->register_module("norm", settle(RMSNorm(c.n_embd, c.norm_eps), materialize));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", settle(head(c.n_embd, c.vocab_size), materialize));
   if (c.num_local_experts > 0) {
@@ -183,7 +181,7 @@ torch::Tensor LlamaImpl::head_logits(const torch::Tensor& x) {
 torch::Tensor LlamaImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
   auto y = norm(x);
   if (tp_) return tp_->loss(y, head_weight(), targets);
-  return causal_lm_cross_entropy(torch::matmul(y, head_weight().t()), targets);
+  return head_cross_entropy(y, head_weight(), targets);
 }
 
 TensorParallelSplit LlamaImpl::tensor_parallel_split(const std::string& name) const {

@@ -49,9 +49,11 @@ class LlamaAttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   TensorParallelHooksPtr tp;  // null: single process
+  std::shared_ptr<const SequenceContext> sequence;  // the model's (packed documents); null: none
 
  private:
   ModelConfig c_;
+  AttentionPath path_;
 };
 TORCH_MODULE(LlamaAttention);
 

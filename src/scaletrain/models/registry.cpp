@@ -5,7 +5,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 
+#include "scaletrain/models/attention.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
@@ -127,6 +129,14 @@ void ModelConfig::validate() const {
                          "original_max_position_embeddings > 0" + who);
     }
   }
+  // After the family's own refusals (the llama family has no dropout at all).
+  if (dropout > 0 && attention_path(attention) == AttentionPath::Flash) {
+    std::ostringstream p;
+    p << dropout;
+    throw UsageError("model.dropout=" + p.str() +
+                     " drops attention probabilities, which only model.attention: naive computes (flash never holds them)");
+  }
+  attention_path(attention);  // flash | naive
 }
 
 ModelPtr make_model(const ModelConfig& config, bool materialize) {

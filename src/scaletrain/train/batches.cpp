@@ -40,6 +40,8 @@ std::unique_ptr<data::SampleSource> open_dataset(const Config& cfg, const Plan& 
   o.block_size = plan.model.block_size;
   o.use_mask = cfg.data.loss_on != "all";
   o.packing = cfg.data.packing;
+  o.documents = cfg.data.pack == "documents";
+  o.separator = cfg.data.document_separator;
   if (cfg.data.mixture.empty()) return open_one(cfg, cfg.data.path, o);
   std::vector<std::unique_ptr<data::TokenDataset>> parts;
   std::vector<double> weights;

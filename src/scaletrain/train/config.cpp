@@ -98,6 +98,8 @@ const std::map<std::string, Choice>& choices() {
   t[#section "." #name] = Choice{__VA_ARGS__, [](const Config& c) -> const std::string& { return c.section.name; }};
     ST_CHOICE(model, activation_checkpointing, {"none", "full"})
     ST_CHOICE(model, moe_drop_policy, {"probs", "position"})
+    ST_CHOICE(model, attention, {"flash", "naive"})
+    ST_CHOICE(data, pack, {"concat", "documents"})
     ST_CHOICE(data, loss_on, {"all", "completion", "assistant"})
     ST_CHOICE(train, lr_schedule, {"cosine", "linear", "constant"})
     ST_CHOICE(train, warmup_type, {"linear", "log"})
@@ -209,12 +211,17 @@ const std::map<std::string, Field>& fields() {
     ST_ENUM(model, moe_drop_policy)
     ST_STR(model, init_from)
     ST_ENUM(model, activation_checkpointing)
+    ST_ENUM(model, attention)
+    ST_BOOL(model, fused)
     // data
     ST_STR(data, path)
     ST_STR(data, tokenizer)
     ST_STR(data, mixture)
     ST_ENUM(data, loss_on)
     ST_BOOL(data, packing)
+    ST_ENUM(data, pack)
+    ST_BOOL(data, position_reset)
+    ST_INT(data, document_separator)
     // train
     ST_INT(train, steps)
     ST_INT(train, global_batch)

@@ -44,6 +44,13 @@ struct ModelOptions {
   // none | full: full keeps only each block's input for backward and
   // recomputes the block there (less activation memory, one more forward).
   std::string activation_checkpointing = "none";
+  // flash | naive: how attention is computed (Note [Attention paths] in
+  // models/attention.h); model.dropout > 0 needs naive.
+  std::string attention = "flash";
+  // true: the head and its cross-entropy in one chunked pass that never holds
+  // the [tokens, vocab] logits (kernels/linear_cross_entropy.h); false: the
+  // unfused ATen ops, for comparison.
+  bool fused = true;
 };
 
 struct DataOptions {
@@ -62,6 +69,16 @@ struct DataOptions {
   // false: one record per sample, cut to block_size and padded (pads are
   // never targets). false needs a file prepared from JSONL records.
   bool packing = true;
+  // concat | documents: with documents (and packing), attention stays inside
+  // each document of a sample and the token after a boundary is no target
+  // (Note [Packed documents] in models/attention.h). The boundaries are the
+  // file's document index (files from JSONL records) or data.document_separator.
+  std::string pack = "concat";
+  // With pack: documents, positions restart at 0 at each document's first token.
+  bool position_reset = true;
+  // A token id that ends each document of a file without a document index
+  // (e.g. the tokenizer's end-of-text id); -1: none.
+  int64_t document_separator = -1;
 };
 
 struct TrainOptions {

@@ -111,6 +111,8 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.microbatches = microbatches;
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
+  l.flash_attention = m.attention == "flash";
+  l.fused_loss = m.fused && p.tp == 1;  // tensor parallelism keeps its vocabulary-parallel loss
   l.fp8_linears = c.precision.fp8;
   l.fp8_moments = c.precision.fp8_opt_level == "O2" || c.precision.fp8_opt_level == "O3";
   l.fp16_masters = c.precision.fp8_opt_level == "O3";

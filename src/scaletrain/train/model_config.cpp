@@ -16,9 +16,11 @@ void agree(const char* key, int64_t given, int64_t from_file, const std::string&
                      std::to_string(from_file) + ")");
 }
 
-// The MoE keys that choose how to train rather than what the model is.
-void with_training_moe_keys(models::ModelConfig& c, const ModelOptions& m) {
+// The keys that choose how to train rather than what the model is.
+void with_training_keys(models::ModelConfig& c, const ModelOptions& m) {
   const ModelOptions defaults;
+  c.attention = m.attention;
+  c.fused = m.fused;
   if (m.router_aux_loss_coef != defaults.router_aux_loss_coef) c.router_aux_loss_coef = m.router_aux_loss_coef;
   if (m.router_z_loss_coef != defaults.router_z_loss_coef) c.router_z_loss_coef = m.router_z_loss_coef;
   if (m.capacity_factor != defaults.capacity_factor) c.capacity_factor = m.capacity_factor;
@@ -41,7 +43,7 @@ models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, cons
   f.dropout = m.dropout;
   agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
   agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
-  with_training_moe_keys(f, m);
+  with_training_keys(f, m);
   f.validate();
   return f;
 }
@@ -67,7 +69,7 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
     c.dropout = m.dropout;
     if (m.num_local_experts) c.num_local_experts = m.num_local_experts;
     if (m.num_experts_per_tok) c.num_experts_per_tok = m.num_experts_per_tok;
-    with_training_moe_keys(c, m);
+    with_training_keys(c, m);
     c.validate();
     return c;
   }
@@ -108,7 +110,7 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
   f.dropout = m.dropout;
   agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
   agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
-  with_training_moe_keys(f, m);
+  with_training_keys(f, m);
   f.validate();
   return f;
 }

@@ -116,6 +116,9 @@ const std::vector<ApplyRule>& apply_rules() {
       {{"precision.buffer_dtype"},
        [](const Config&) { return false; },
        [](const Config&) { return std::string("the model has no buffers (every tensor it keeps is a parameter)"); }},
+      {{"data.position_reset", "data.document_separator"},
+       [](const Config& c) { return c.data.pack == "documents"; },
+       [](const Config&) { return std::string("it is read with data.pack=documents"); }},
       {{"train.sample_prompt", "train.sample_chat"},
        [](const Config& c) { return c.train.sample_tokens > 0; },
        [](const Config&) { return std::string("train.sample_tokens is 0 (no sample)"); }},
@@ -340,6 +343,9 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   if (!c.data.path.empty() && !c.data.mixture.empty())
     problems.add("data.path and data.mixture are both set: give one (a mixture lists every dataset with its weight)");
   if (!c.data.mixture.empty()) problems.check([&] { data::parse_mixture(c.data.mixture); });
+  if (c.data.pack == "documents" && p.pp > 1)
+    problems.add("data.pack=documents with parallel.pp > 1 is not available yet (pipeline stages do not carry the "
+                 "documents' layout)");
 
   const bool dims_ok = problems.check([&] {
     plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp}.resolved(world_size);

@@ -540,6 +540,25 @@ StepMetrics train_step(Run& r, int64_t step) {
     if (r.plan.cuda) xy = {xy.first.to(r.plan.device, /*non_blocking=*/true), xy.second.to(r.plan.device, true)};
     return xy;
   };
+  // Packed documents: where micro-batch k's documents are (Note [Packed documents]).
+  auto layout = [&](int64_t k) -> std::shared_ptr<const models::SequenceLayout> {
+    if (r.cfg.data.pack != "documents") return nullptr;
+    auto idx = r.sampler->indices(step, dp_rank, r.dims.dp(), static_cast<int>(k), static_cast<int>(B));
+    auto l = std::make_shared<models::SequenceLayout>();
+    l->segments = torch::empty({B, T}, torch::kLong);
+    l->positions = r.cfg.data.position_reset ? torch::empty({B, T}, torch::kLong)
+                                             : torch::arange(T, torch::kLong).expand({B, T}).contiguous();
+    r.dataset.copy_layout(idx, l->segments.data_ptr<int64_t>(),
+                          r.cfg.data.position_reset ? l->positions.data_ptr<int64_t>() : nullptr);
+    if (r.plan.cuda) *l = {l->segments.to(r.plan.device), l->positions.to(r.plan.device)};
+    return l;
+  };
+  // The layout stays set through each micro-batch's backward (which may
+  // recompute blocks) and is cleared when the step ends, however it ends.
+  struct ClearLayout {
+    models::CausalLM& model;
+    ~ClearLayout() { model.set_sequence_layout(nullptr); }
+  } clear_layout{r.model()};
   const std::vector<double> weights =
       micro_weights(r.dataset, *r.sampler, step, r.mesh->coord().dp(r.dims), r.dims.dp(), B, accum, r.cfg.data.loss_on);
   for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
@@ -561,6 +580,7 @@ StepMetrics train_step(Run& r, int64_t step) {
   } else {
     for (int64_t k = 0; k < accum; ++k) {
       auto [inputs, targets] = batch(k);
+      r.model().set_sequence_layout(layout(k));
       const double multiplier = loss_scale * weights[static_cast<size_t>(k)];
       for (auto& l : r.fp8) l->set_loss_multiplier(multiplier);
       // What this forward leaves for its backward, counted from before the

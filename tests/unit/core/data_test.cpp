@@ -591,3 +591,74 @@ TEST(PlotTest, RejectsMalformedLines) {
   write_raw(path, "\n");
   expect_usage_error([&] { train::plot_metrics(path, dir.file("o.svg")); }, {path, "no records"});
 }
+
+// Note [Document segments]: where each window's documents are, from a file's
+// document index, worked out by hand for documents of 3, 5, 2 and 6 tokens.
+TEST(DatasetTest, DocumentSegmentsFromTheIndex) {
+  TempDir dir;
+  TokenRecords r;
+  uint32_t next = 1;
+  for (int n : {3, 5, 2, 6}) {
+    std::vector<uint32_t> ids;
+    for (int j = 0; j < n; ++j) ids.push_back(next++);
+    r.add(ids, std::vector<uint8_t>(ids.size(), 1));
+  }
+  write_token_file(dir.file("docs.bin"), r, 64);
+  DatasetOptions o;
+  o.block_size = 4;
+  o.documents = true;
+  TokenDataset ds(dir.file("docs.bin"), o);
+  ASSERT_EQ(ds.num_samples(), 3);
+  std::vector<int64_t> in(12), tgt(12), seg(12), pos(12);
+  ds.copy_batch({0, 1, 2}, in.data(), tgt.data());
+  ds.copy_layout({0, 1, 2}, seg.data(), pos.data());
+  const int64_t X = kIgnoreIndex;
+  // Stream positions 0-4 | 4-8 | 8-12 (ids are position + 1); documents
+  // start at 0, 3, 8 and 10.
+  EXPECT_EQ(in, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
+  EXPECT_EQ(tgt, (std::vector<int64_t>{2, 3, X, 5, 6, 7, 8, X, 10, X, 12, 13}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1}));
+  EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 0, 0, 1, 2, 3, 0, 1, 0, 1}));
+  EXPECT_EQ(ds.count_targets({0, 1, 2}), 9);
+  EXPECT_EQ(ds.count_targets({1}), 3);
+}
+
+// A file of text: a document ends at each separator id (here 0).
+TEST(DatasetTest, DocumentSegmentsAfterSeparators) {
+  TempDir dir;
+  write_token_file(dir.file("text.bin"), std::vector<uint16_t>{5, 6, 0, 7, 8, 9, 0, 4, 3}, 16);
+  DatasetOptions o;
+  o.block_size = 4;
+  o.documents = true;
+  o.separator = 0;
+  TokenDataset ds(dir.file("text.bin"), o);
+  ASSERT_EQ(ds.num_samples(), 2);
+  std::vector<int64_t> in(8), tgt(8), seg(8), pos(8);
+  ds.copy_batch({0, 1}, in.data(), tgt.data());
+  ds.copy_layout({0, 1}, seg.data(), pos.data());
+  const int64_t X = kIgnoreIndex;
+  EXPECT_EQ(in, (std::vector<int64_t>{5, 6, 0, 7, 8, 9, 0, 4}));
+  EXPECT_EQ(tgt, (std::vector<int64_t>{6, 0, X, 8, 9, 0, X, 3}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 0, 1, 0, 0, 0, 1}));
+  EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 0, 0, 1, 2, 0}));
+  EXPECT_EQ(ds.count_targets({0, 1}), 6);
+}
+
+TEST(DatasetTest, DocumentSegmentsRefuseWhatTheyCannotRead) {
+  TempDir dir;
+  write_token_file(dir.file("text.bin"), iota_tokens(40, 16), 16);
+  TokenRecords r;
+  r.add({1, 2, 3, 4, 5, 6}, std::vector<uint8_t>(6, 1));
+  write_token_file(dir.file("docs.bin"), r, 16);
+  DatasetOptions o;
+  o.block_size = 4;
+  o.documents = true;
+  expect_usage_error([&] { TokenDataset(dir.file("text.bin"), o); }, {"data.document_separator"});
+  o.separator = 16;
+  expect_usage_error([&] { TokenDataset(dir.file("text.bin"), o); }, {"document_separator=16", "vocab size 16"});
+  o.separator = 3;
+  expect_usage_error([&] { TokenDataset(dir.file("docs.bin"), o); }, {"document index", "document_separator=3"});
+  o.separator = -1;
+  o.packing = false;
+  expect_usage_error([&] { TokenDataset(dir.file("docs.bin"), o); }, {"data.packing=true"});
+}
