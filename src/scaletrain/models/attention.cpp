@@ -53,7 +53,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   if (layout != nullptr) mask.q_segments = mask.k_segments = layout->segments;
   // Autocast off for the kernel's own GEMMs: its inputs are already in the
   // autocast dtype, and it accumulates in fp32 on purpose.
-  precision::AutocastGuard off(precision::PrecisionPolicy{}, at::kCPU);
+  precision::AutocastGuard off(precision::PrecisionPolicy{}, q.device().type());  // a CPU tensor (flash_runs_on)
   return std::get<0>(kernels::flash_attention(q, k, v, mask));
 }
 

@@ -148,11 +148,12 @@ torch::Tensor CausalLM::head_cross_entropy(const torch::Tensor& y, const torch::
   // them), and autocast off for the kernel's own GEMMs.
   torch::Tensor h = y, w = head;
   namespace pc = precision::compat;
-  if (pc::autocast_enabled(at::kCPU) && y.is_floating_point()) {
-    h = y.to(pc::autocast_dtype(at::kCPU));
-    w = head.to(pc::autocast_dtype(at::kCPU));
+  const auto cpu = y.device().type();  // the kernel runs on CPU tensors only (checked above)
+  if (pc::autocast_enabled(cpu) && y.is_floating_point()) {
+    h = y.to(pc::autocast_dtype(cpu));
+    w = head.to(pc::autocast_dtype(cpu));
   }
-  precision::AutocastGuard off(precision::PrecisionPolicy{}, at::kCPU);
+  precision::AutocastGuard off(precision::PrecisionPolicy{}, cpu);
   auto [sum, count] = kernels::linear_cross_entropy(h.reshape({-1, h.size(-1)}), w, {}, targets.reshape({-1}));
   return sum / count.clamp_min(1).to(sum.scalar_type());
 }
