@@ -38,6 +38,9 @@ if ((MICRO)); then
   wait_quiet
   echo "== head + cross-entropy, V=128256 C=256 fp32"
   "$BUILD/bench/bench_linear_ce" --tokens 512,4096 --threads 1,2 --paths unfused,fused --reps 3
+  wait_quiet
+  echo "== RMSNorm, add + RMSNorm, SwiGLU, 4096 rows fp32"
+  "$BUILD/bench/bench_norm_activation" --reps 7 --warmup 1
 fi
 
 bible "gen1:1-rev22:21" >"$WORK/kjv.txt"

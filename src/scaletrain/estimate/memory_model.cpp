@@ -258,7 +258,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
 }
 
 double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec, int64_t t_, bool sp,
-                                  Recompute recompute, bool dropout, bool flash) {
+                                  Recompute recompute, bool dropout, bool flash, bool fused) {
   const double s = s_, b = b_, h = spec.hidden_size, a = spec.num_heads, t = t_;
   const double sbh = s * b * h;
   const bool split = sp && t_ > 1;
@@ -266,11 +266,12 @@ double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec,
   // the inputs of attention and MLP, and the residual dropout masks. Split
   // part: q, k, v, the output projection's input, and the MLP's hidden
   // tensors. And the attention scores' factor.
-  const double norm = spec.norm == Norm::kLayerNorm ? 1 : 2;
+  const double norm = spec.norm == Norm::kLayerNorm || fused ? 1 : 2;
   const double rep = 4 * norm + 4 + (dropout ? 2 : 0);
   // An MoE block runs each token through k experts: k MLPs' hidden tensors.
   const double routes = spec.num_experts > 0 ? static_cast<double>(spec.experts_per_token) : 1.0;
-  const double hidden = routes * (spec.gated_mlp ? 8 : 4) * static_cast<double>(spec.intermediate_size) / h;
+  const double gated = fused && spec.num_experts == 0 ? 6 : 8;  // the experts' SwiGLU is not fused
+  const double hidden = routes * (spec.gated_mlp ? gated : 4) * static_cast<double>(spec.intermediate_size) / h;
   const double tp = 8 + hidden, att = dropout ? 5 : 2;
   const double scores = flash ? 2 + 4 * a / h : att * a * s / h;  // per s*b*h, split over tp
   switch (recompute) {
@@ -415,7 +416,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
       auto layer = [&](Recompute r) {
         double bytes = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t, l.sequence_parallel, r,
-                                                              l.dropout, l.flash_attention);
+                                                              l.dropout, l.flash_attention, l.fused_blocks);
         if (l.fp8_linears)
           bytes += fp8_linear_activation_change(seq, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
                                                 shape.layer_params);
@@ -436,7 +437,7 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
       if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
       if (last) {
-        const double norm_kept = spec.norm == Norm::kLayerNorm ? 1 : 2;  // tensors a norm keeps
+        const double norm_kept = spec.norm == Norm::kLayerNorm || l.fused_blocks ? 1 : 2;  // tensors a norm keeps
         shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;    // the final norm
         // Head input (the final norm's output) + the loss's fp32 log-softmax;
         // fused (never under tp), the head's input and weight gradients

@@ -74,6 +74,7 @@ struct Layout {
   bool dropout = true;                     // dropout active (p > 0): its masks and outputs are stored too
   bool flash_attention = false;  // tiled attention: no [s, s] scores kept, its output and row log-sum-exp instead
   bool fused_loss = false;       // head + cross-entropy fused: no [s, V] logits, the head's input and weight gradients instead
+  bool fused_blocks = false;     // one-pass RMSNorm (keeps its input only) and SwiGLU (keeps gate and up only)
   bool sequence_parallel = false;  // Megatron SP: norms/dropout sharded over tp (needs tp > 1)
   int64_t lora_rank = 0;          // 0 = full fine-tuning; > 0 freezes the base weights
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
@@ -170,8 +171,11 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& layout);
 // tensors where a LayerNorm keeps one.
 // With flash attention (models/attention.h) the scores' 2as/h becomes the
 // kernel's own copy of its output and its fp32 log-sum-exp per row: 2 + 4a/h.
+// Fused (kernels/norm_activation.h): an RMSNorm keeps one tensor, not two,
+// and a SwiGLU MLP 6I/h, not 8I/h.
 double activation_bytes_per_layer(int64_t s, int64_t b, const ModelSpec& spec, int64_t t, bool sequence_parallel,
-                                  Recompute recompute, bool dropout = true, bool flash = false);
+                                  Recompute recompute, bool dropout = true, bool flash = false,
+                                  bool fused = false);
 
 // What FP8 linears change in one layer's saved activations, in bytes (most
 // often negative): each linear keeps its input as 1-byte codes (q, k and v

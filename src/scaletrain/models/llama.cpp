@@ -4,15 +4,17 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/kernels/norm_activation.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::models {
 
-RMSNormImpl::RMSNormImpl(int64_t width, double eps) : eps_(eps) {
+RMSNormImpl::RMSNormImpl(int64_t width, double eps, bool fused) : eps_(eps), fused_(fused) {
   weight = register_parameter("weight", torch::ones({width}));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  if (fused_) return kernels::rms_norm(x, weight, eps_);  // the same function; ATen's ops off the CPU
   const auto in = x.scalar_type();
   const auto wide = in == torch::kDouble ? torch::kDouble : torch::kFloat;
   auto h = x.to(wide);
@@ -92,7 +94,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   return tp ? row_parallel(y, *o_proj, *tp) : o_proj(y);
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const ModelConfig& c) {
+LlamaMLPImpl::LlamaMLPImpl(const ModelConfig& c) : fused_(c.fused) {
   gate_proj = register_module("gate_proj", Linear(c.n_embd, c.mlp_width(), c.mlp_bias));
   up_proj = register_module("up_proj", Linear(c.n_embd, c.mlp_width(), c.mlp_bias));
   down_proj = register_module("down_proj", Linear(c.mlp_width(), c.n_embd, c.mlp_bias));
@@ -100,14 +102,14 @@ LlamaMLPImpl::LlamaMLPImpl(const ModelConfig& c) {
 
 torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& input) {
   const torch::Tensor x = tp ? tp->column_input(input) : input;
-  auto y = torch::silu(gate_proj(x)) * up_proj(x);
+  auto y = fused_ ? kernels::swiglu(gate_proj(x), up_proj(x)) : torch::silu(gate_proj(x)) * up_proj(x);
   return tp ? row_parallel(y, *down_proj, *tp) : down_proj(y);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const ModelConfig& c) {
-  input_layernorm = register_module("input_layernorm", RMSNorm(c.n_embd, c.norm_eps));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.n_embd, c.norm_eps, c.fused));
   self_attn = register_module("self_attn", LlamaAttention(c));
-  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.n_embd, c.norm_eps, c.fused));
   if (c.num_local_experts > 0) {
     MoeOptions o;
     o.num_experts = c.num_local_experts;
@@ -136,7 +138,7 @@ LlamaImpl::LlamaImpl(const ModelConfig& c, bool materialize) : CausalLM(c) {
   layers = trunk->register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(settle(LlamaDecoderLayer(c), materialize));
   for (auto& m : *layers) m->as<LlamaDecoderLayer>()->self_attn->sequence = sequence_;
-  norm = trunk->register_module("norm", settle(RMSNorm(c.n_embd, c.norm_eps), materialize));
+  norm = trunk->register_module("norm", settle(RMSNorm(c.n_embd, c.norm_eps, c.fused), materialize));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", settle(head(c.n_embd, c.vocab_size), materialize));
   if (c.num_local_experts > 0) {
     moe_ = std::make_shared<MoeContext>();

@@ -29,12 +29,14 @@ namespace scaletrain::models {
 
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t width, double eps);
+  // fused: one pass forward and backward (kernels/norm_activation.h).
+  RMSNormImpl(int64_t width, double eps, bool fused = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 
  private:
   double eps_;
+  bool fused_;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -63,6 +65,9 @@ class LlamaMLPImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   TensorParallelHooksPtr tp;
+
+ private:
+  bool fused_;  // silu(gate) * up in one pass (kernels/norm_activation.h)
 };
 TORCH_MODULE(LlamaMLP);
 

@@ -113,6 +113,7 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.dropout = m.dropout > 0;
   l.flash_attention = m.attention == "flash";
   l.fused_loss = m.fused && p.tp == 1;  // tensor parallelism keeps its vocabulary-parallel loss
+  l.fused_blocks = m.fused && m.family != "gpt2";  // RMSNorm and SwiGLU: the llama family's
   l.fp8_linears = c.precision.fp8;
   l.fp8_moments = c.precision.fp8_opt_level == "O2" || c.precision.fp8_opt_level == "O3";
   l.fp16_masters = c.precision.fp8_opt_level == "O3";
