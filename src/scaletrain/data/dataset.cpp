@@ -48,6 +48,9 @@ TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options
   if (options_.pad_id < 0 || options_.pad_id >= static_cast<int64_t>(vocab()))
     throw UsageError("token dataset " + path_ + ": pad id " + std::to_string(options_.pad_id) +
                      " is not below the vocab size " + std::to_string(vocab()));
+  if (options_.separator < -1)
+    throw UsageError("data.document_separator=" + std::to_string(options_.separator) +
+                     " is not a token id (-1: none)");
   if (options_.documents) {
     if (!options_.packing)
       throw UsageError("data.pack=documents needs data.packing=true (an unpacked sample is one document already)");

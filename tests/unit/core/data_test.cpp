@@ -654,6 +654,8 @@ TEST(DatasetTest, DocumentSegmentsRefuseWhatTheyCannotRead) {
   o.block_size = 4;
   o.documents = true;
   expect_usage_error([&] { TokenDataset(dir.file("text.bin"), o); }, {"data.document_separator"});
+  o.separator = -5;
+  expect_usage_error([&] { TokenDataset(dir.file("text.bin"), o); }, {"document_separator=-5", "not a token id"});
   o.separator = 16;
   expect_usage_error([&] { TokenDataset(dir.file("text.bin"), o); }, {"document_separator=16", "vocab size 16"});
   o.separator = 3;
