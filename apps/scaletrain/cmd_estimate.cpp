@@ -31,7 +31,7 @@ struct EstimateFlags {
   std::string fsdp;
   bool offload_optimizer = false, offload_params = false;
   std::string precision = "mixed16";
-  int64_t tp = 1, pp = 1, ep = 1, microbatches = 1, virtual_stages = 2;
+  int64_t tp = 1, pp = 1, ep = 1, cp = 1, microbatches = 1, virtual_stages = 2;
   std::string schedule = "1f1b";
   int64_t seq_len = 0, micro_batch = 1;
   std::string recompute = "none";
@@ -71,6 +71,7 @@ estimate::Request to_request(const EstimateFlags& f) {
   l.offload_params = f.offload_params;
   l.precision = est::parse_precision(f.precision);
   l.tp = f.tp;
+  l.cp = f.cp;
   l.pp = f.pp;
   l.ep = f.ep;
   l.microbatches = f.microbatches;
@@ -111,6 +112,7 @@ void add_estimate_memory(CLI::App& app, Runner& run) {
   sub->add_option("--precision", flags->precision, "fp32 | mixed16 (default) | autocast16 | pure16");
   sub->add_option("--tp", flags->tp, "Tensor-parallel degree");
   sub->add_option("--pp", flags->pp, "Pipeline stages");
+  sub->add_option("--cp", flags->cp, "Context-parallel degree (each sequence split over cp ranks)");
   sub->add_option("--ep", flags->ep, "Expert-parallel degree (MoE models: each rank holds 1/ep of the experts)");
   sub->add_option("--microbatches", flags->microbatches, "Micro-batches per step (pipeline / accumulation)");
   sub->add_option("--schedule", flags->schedule, "Pipeline schedule: gpipe | 1f1b (default) | interleaved");

@@ -18,7 +18,7 @@ RULES = {
     "comm": {"util"},
     "precision": {"comm"},
     "optim": {"comm", "precision"},
-    "parallel": {"comm", "precision", "optim"},  # parallel/* may also use each other (composition)
+    "parallel": {"comm", "precision", "optim", "kernels"},  # parallel/* may also use each other (composition)
     "kernels": {"util"},
     "models": {"precision", "util", "kernels"},
     "template": {"util"},

@@ -16,22 +16,24 @@ namespace scaletrain::comm {
 std::string MeshDims::describe() const {
   std::ostringstream s;
   s << "pp=" << pp << " x dp=" << (dp_shard > 0 ? std::to_string(dp()) : "?") << " (replicate=" << dp_replicate
-    << " x shard=" << (dp_shard > 0 ? std::to_string(dp_shard) : "auto") << ") x tp=" << tp;
+    << " x shard=" << (dp_shard > 0 ? std::to_string(dp_shard) : "auto") << ")";
+  if (cp != 1) s << " x cp=" << cp;
+  s << " x tp=" << tp;
   return s.str();
 }
 
 MeshDims MeshDims::resolved(int world_size) const {
   MeshDims d = *this;
-  if (d.pp < 1 || d.tp < 1 || d.dp_replicate < 1 || d.dp_shard == 0 || d.dp_shard < -1)
+  if (d.pp < 1 || d.tp < 1 || d.cp < 1 || d.dp_replicate < 1 || d.dp_shard == 0 || d.dp_shard < -1)
     throw UsageError("mesh degrees must be positive: " + describe());
-  const int fixed = d.pp * d.dp_replicate * d.tp;
+  const int fixed = d.pp * d.dp_replicate * d.cp * d.tp;
   if (d.dp_shard == -1) {
     if (world_size % fixed != 0)
       throw UsageError("mesh " + describe() + " does not fit world size " + std::to_string(world_size) +
-                       ": pp x dp_replicate x tp = " + std::to_string(fixed) + " does not divide it");
+                       ": pp x dp_replicate x cp x tp = " + std::to_string(fixed) + " does not divide it");
     d.dp_shard = world_size / fixed;
   }
-  const int product = d.pp * d.dp() * d.tp;
+  const int product = d.pp * d.dp() * d.cp * d.tp;
   if (product != world_size)
     throw UsageError("mesh " + d.describe() + " = " + std::to_string(product) + " ranks does not match world size " +
                      std::to_string(world_size));
@@ -39,13 +41,15 @@ MeshDims MeshDims::resolved(int world_size) const {
 }
 
 int Mesh::rank_of(const MeshDims& d, const MeshCoord& c) {
-  return ((c.pp * d.dp_replicate + c.dp_replicate) * d.dp_shard + c.dp_shard) * d.tp + c.tp;
+  return (((c.pp * d.dp_replicate + c.dp_replicate) * d.dp_shard + c.dp_shard) * d.cp + c.cp) * d.tp + c.tp;
 }
 
 MeshCoord Mesh::coord_of(const MeshDims& d, int rank) {
   MeshCoord c;
   c.tp = rank % d.tp;
   rank /= d.tp;
+  c.cp = rank % d.cp;
+  rank /= d.cp;
   c.dp_shard = rank % d.dp_shard;
   rank /= d.dp_shard;
   c.dp_replicate = rank % d.dp_replicate;
@@ -90,6 +94,27 @@ Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), ra
                          c.dp_shard = i % S;
                        },
                        dims_.dp()));
+  if (dims_.cp == 1) {  // Note [Context-parallel groups]
+    cp_ = make("cp", {rank_});
+    dp_cp_ = dp_;
+    dp_shard_cp_ = dp_shard_;
+    return;
+  }
+  const int C = dims_.cp;
+  cp_ = make("cp", members([](MeshCoord& c, int i) { c.cp = i; }, C));
+  dp_shard_cp_ = make("dp_shard_cp", members(
+                                         [C](MeshCoord& c, int i) {
+                                           c.dp_shard = i / C;
+                                           c.cp = i % C;
+                                         },
+                                         dims_.dp_shard * C));
+  dp_cp_ = make("dp_cp", members(
+                             [S, C](MeshCoord& c, int i) {
+                               c.dp_replicate = i / (S * C);
+                               c.dp_shard = i / C % S;
+                               c.cp = i % C;
+                             },
+                             dims_.dp() * C));
 }
 
 void Mesh::add_expert_parallel(World& world, int ep) {

@@ -1,13 +1,22 @@
 #pragma once
 // The rank grid and its subgroups, built once and passed explicitly.
 //
-// Dimensions, outermost first: pp x dp_replicate x dp_shard x tp. tp is
+// Dimensions, outermost first: pp x dp_replicate x dp_shard x cp x tp. tp is
 // innermost so tensor-parallel peers sit on neighbouring ranks (one host);
-// pp is outermost because stages exchange the least data. dp = dp_replicate x
-// dp_shard: plain data parallelism uses dp_shard = 1 ... any split; HYBRID
-// sharding shards inside dp_shard (a node) and replicates across dp_replicate.
+// cp next, as its ring moves keys and values at every layer; pp is outermost
+// because stages exchange the least data. dp = dp_replicate x dp_shard:
+// plain data parallelism uses dp_shard = 1 ... any split; HYBRID sharding
+// shards inside dp_shard (a node) and replicates across dp_replicate.
 //
-//   global rank = ((pp_i * R + r_i) * S + s_i) * T + t_i
+// Note [Context-parallel groups]: the cp ranks of one data-parallel
+// coordinate read the same samples and hold different parts of each
+// sequence (parallel/context), so for the parameters they are data-parallel
+// peers: their gradients are summed and their optimizer states may be
+// sharded. dp_cp() and dp_shard_cp() are the groups the engines take (dp x
+// cp and dp_shard x cp, as torchtitan flattens them); dp() and the coordinate
+// dp pick the samples. With cp = 1 they are the same groups.
+//
+//   global rank = (((pp_i * R + r_i) * S + s_i) * C + c_i) * T + t_i
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +32,7 @@ struct MeshDims {
   int dp_replicate = 1;  // data-parallel replicas (outer part of dp)
   int dp_shard = -1;     // data-parallel shards (inner part of dp); -1 = whatever the world leaves
   int tp = 1;            // tensor-parallel degree
+  int cp = 1;            // context-parallel degree (the sequence split over ranks)
 
   int dp() const { return dp_replicate * dp_shard; }
   // Fills dp_shard = -1 from the world size and checks that the degrees
@@ -33,7 +43,7 @@ struct MeshDims {
 
 // Coordinates of one rank in the grid.
 struct MeshCoord {
-  int pp = 0, dp_replicate = 0, dp_shard = 0, tp = 0;
+  int pp = 0, dp_replicate = 0, dp_shard = 0, cp = 0, tp = 0;
   int dp(const MeshDims& d) const { return dp_replicate * d.dp_shard + dp_shard; }
 };
 
@@ -52,6 +62,9 @@ class Mesh {
   Group& dp_replicate() const { return *dp_replicate_; }
   Group& tp() const { return *tp_; }
   Group& pp() const { return *pp_; }
+  Group& cp() const { return *cp_; }
+  Group& dp_cp() const { return *dp_cp_; }              // Note [Context-parallel groups]
+  Group& dp_shard_cp() const { return *dp_shard_cp_; }
 
   // Note [Expert groups]: expert parallelism of degree `ep` splits the
   // data-parallel ranks (in dp order) into consecutive ep groups, which hold
@@ -73,7 +86,7 @@ class Mesh {
   MeshDims dims_;
   MeshCoord coord_;
   int rank_ = 0;
-  std::shared_ptr<Group> world_, dp_, dp_shard_, dp_replicate_, tp_, pp_, ep_, expert_dp_;
+  std::shared_ptr<Group> world_, dp_, dp_shard_, dp_replicate_, tp_, pp_, cp_, dp_cp_, dp_shard_cp_, ep_, expert_dp_;
 };
 
 }  // namespace scaletrain::comm

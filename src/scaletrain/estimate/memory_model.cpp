@@ -190,6 +190,12 @@ int64_t lora_params_per_layer(const ModelSpec& s, int64_t r, LoraTargets targets
   return sum;
 }
 
+// Width of one token's keys (or values): kv heads x head dimension.
+double kv_width(const ModelSpec& s) {
+  const int64_t hd = s.head_dim > 0 ? s.head_dim : s.hidden_size / s.num_heads;
+  return static_cast<double>((s.num_kv_heads > 0 ? s.num_kv_heads : s.num_heads) * hd);
+}
+
 // Weights of one block's linear layers (what QLoRA quantizes).
 int64_t linear_params_per_layer(const ModelSpec& s) {
   const int64_t h = s.hidden_size, I = s.intermediate_size;
@@ -206,15 +212,26 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   auto degrees = [&] {
     std::ostringstream o;
     o << "(world_size=" << l.world_size << ", tp=" << l.tp << ", pp=" << l.pp;
+    if (l.cp != 1) o << ", cp=" << l.cp;
     if (l.gpus_per_node > 0) o << ", gpus_per_node=" << l.gpus_per_node;
     o << ")";
     return o.str();
   };
   auto fail = [&](const std::string& why) { throw UsageError("impossible layout " + degrees() + ": " + why); };
-  if (l.world_size < 1 || l.tp < 1 || l.pp < 1) fail("degrees must be >= 1");
+  if (l.world_size < 1 || l.tp < 1 || l.pp < 1 || l.cp < 1) fail("degrees must be >= 1");
   if (l.microbatches < 1 || l.micro_batch < 1 || l.seq_len < 0) fail("micro-batches, micro-batch size must be >= 1");
-  if (l.world_size % (l.tp * l.pp) != 0)
-    fail("world size " + std::to_string(l.world_size) + " is not divisible by tp*pp = " + std::to_string(l.tp * l.pp));
+  if (l.world_size % (l.tp * l.pp * l.cp) != 0)
+    fail("world size " + std::to_string(l.world_size) + " is not divisible by tp*pp*cp = " +
+         std::to_string(l.tp * l.pp * l.cp));
+  // Context parallelism, as the trainer takes it (train/plan.cpp).
+  if (l.cp > 1) {
+    const std::string cp = "cp=" + std::to_string(l.cp);
+    if (s.shapeless()) fail(cp + " needs the model's shapes (give a preset or config.json)");
+    if (l.pp > 1) fail(cp + " with pipeline parallelism is not available in this build");
+    if (s.num_experts > 0) fail(cp + " with MoE layers is not available in this build");
+    if (l.seq_len > 0 && l.seq_len % (2 * l.cp) != 0)
+      fail(cp + " needs a sequence length divisible by 2 x cp = " + std::to_string(2 * l.cp));
+  }
   if (l.gpus_per_node > 0 && l.world_size % l.gpus_per_node != 0)
     fail("world size is not a whole number of nodes of " + std::to_string(l.gpus_per_node) + " GPUs");
   if (s.shapeless()) {
@@ -233,7 +250,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   // Expert parallelism, as the trainer takes it (train/plan.cpp).
   if (l.ep < 1) fail("ep must be >= 1");
   if (l.ep > 1) {
-    const int64_t dp = l.world_size / (l.tp * l.pp);
+    const int64_t dp = l.world_size / (l.tp * l.pp * l.cp);
     const std::string ep = "ep=" + std::to_string(l.ep);
     if (s.num_experts == 0) fail(ep + " needs a model with MoE layers (num_local_experts in its config)");
     if (s.num_experts % l.ep != 0) fail(ep + " does not divide num_experts=" + std::to_string(s.num_experts));
@@ -317,23 +334,29 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
   const ParamCounts c = count_params(spec);
   const Widths w = widths(l.precision);
   const bool raw = spec.shapeless();
-  const int64_t t = l.tp, pp = l.pp, dp = l.world_size / (t * pp);
+  const int64_t t = l.tp, pp = l.pp, dp = l.world_size / (t * pp * l.cp);
+  // The ranks that hold the same parameters: dp x cp (Note [Context-parallel groups]).
+  const int64_t dpc = dp * l.cp;
   const int64_t gpn = l.gpus_per_node;
 
   RankEstimate best;
   best.dp = dp;
   best.shard = 1;
-  if (l.sharding != Sharding::kNone) best.shard = dp;
+  if (l.sharding != Sharding::kNone) best.shard = dpc;
   if (l.sharding == Sharding::kHybrid && gpn > 0) {
     // Shard over the dp ranks inside one node (Note [Rank grid]).
-    best.shard = std::max<int64_t>(1, std::min(dp, gpn / t));
-    while (dp % best.shard != 0) --best.shard;
+    best.shard = std::max<int64_t>(1, std::min(dpc, gpn / t));
+    while (dpc % best.shard != 0) --best.shard;
   }
   const int64_t N = best.shard;
   const bool shard_opt = l.sharding != Sharding::kNone;
   const bool shard_grad = l.sharding == Sharding::kZero2 || l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
   const bool shard_weights = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
   const int64_t seq = l.seq_len > 0 ? l.seq_len : (spec.max_positions > 0 ? spec.max_positions : 2048);
+  if (l.cp > 1 && seq % (2 * l.cp) != 0)
+    throw UsageError("impossible layout: cp=" + std::to_string(l.cp) + " needs a sequence length divisible by 2 x cp = " +
+                     std::to_string(2 * l.cp) + ", got " + std::to_string(seq));
+  const int64_t s_rank = seq / l.cp;  // the tokens of each sequence a rank holds
   const double act_scale = w.compute / 2.0;  // the formulas assume 16-bit activations
   const double m = static_cast<double>(l.microbatches);
 
@@ -415,24 +438,24 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     if (!raw) {
       shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
       auto layer = [&](Recompute r) {
-        double bytes = act_scale * activation_bytes_per_layer(seq, l.micro_batch, spec, t, l.sequence_parallel, r,
+        double bytes = act_scale * activation_bytes_per_layer(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r,
                                                               l.dropout, l.flash_attention, l.fused_blocks);
         if (l.fp8_linears)
-          bytes += fp8_linear_activation_change(seq, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
+          bytes += fp8_linear_activation_change(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
                                                 shape.layer_params);
         if (spec.num_experts > 0 && r != Recompute::kFull) {
           // An MoE block (models/moe.h) keeps each token k times as an expert
           // input (the dense count has it once) and k expert outputs for their
           // weighting, and the router's logits and probabilities in fp32.
           const double k = static_cast<double>(spec.experts_per_token);
-          const double sb = static_cast<double>(seq) * l.micro_batch;
+          const double sb = static_cast<double>(s_rank) * l.micro_batch;
           bytes += sb * spec.hidden_size * (2 * k - 1) * w.compute + 2 * sb * static_cast<double>(spec.num_experts) * 4.0;
         }
         return bytes;
       };
       shape.act_layer = layer(l.recompute);
       shape.act_layer_full = layer(Recompute::kNone);
-      const double sb = static_cast<double>(seq) * l.micro_batch;
+      const double sb = static_cast<double>(s_rank) * l.micro_batch;
       const double sbh = sb * spec.hidden_size, sbv = sb * spec.vocab_size;
       const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
       if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
@@ -456,6 +479,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       // contiguous copies of q, k, v, its output and the output's gradient,
       // and dq, dk, dv: 8 fp32 tensors of s*b*h/t at once, a moment of its own.
       if (l.flash_attention) shape.ws_layer = std::max(shape.ws_layer, 32 * sbh / t);
+      // The ring (parallel/context): its backward holds this rank's keys and
+      // values, the next rank's in flight, and both their fp32 gradients.
+      if (l.cp > 1) shape.ws_layer += 4 * 2 * sb * kv_width(spec) / t * 4.0;
       // FP8 linears: the largest linear's backward decodes its input, weight
       // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
       if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);
@@ -477,23 +503,31 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     // and, for hybrid, the replica group across nodes.
     double group_bytes = 0, replica_bytes = 0;
     switch (l.sharding) {
-      case Sharding::kNone: group_bytes = all_reduce(grad_bytes, dp); break;
+      case Sharding::kNone: group_bytes = all_reduce(grad_bytes, dpc); break;
       case Sharding::kZero1:  // reduce-scatter grads, all-gather updated weights: the all-reduce volume
-        group_bytes = gather_or_scatter(grad_bytes, dp) + gather_or_scatter(trainable_gather, dp);
+        group_bytes = gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
         break;
       case Sharding::kZero2:  // no full gradient is kept, so every micro-batch is reduce-scattered
-        group_bytes = m * gather_or_scatter(grad_bytes, dp) + gather_or_scatter(trainable_gather, dp);
+        group_bytes = m * gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
         break;
       case Sharding::kZero3:
       case Sharding::kHybrid:  // gather for forward and again for backward, reduce-scatter grads
         group_bytes = m * (2 * gather_or_scatter(gather_bytes, N) + gather_or_scatter(grad_bytes, N));
-        replica_bytes = all_reduce(grad_bytes / N, dp / N);
+        replica_bytes = all_reduce(grad_bytes / N, dpc / N);
         break;
     }
     e.dp_comm_bytes = group_bytes + replica_bytes;
     double tp_time_bytes = 0;
+    if (!raw && l.cp > 1) {
+      // Per layer and micro-batch: cp - 1 hops of this rank's keys and values
+      // forward (again under full recompute), and in backward cp - 1 hops of
+      // them and cp of their fp32 gradients (parallel/context, Note [Ring backward]).
+      const double kv = 2.0 * static_cast<double>(s_rank) * l.micro_batch * kv_width(spec) / t;
+      const double cpm1 = static_cast<double>(l.cp - 1), forwards = l.recompute == Recompute::kFull ? 2 : 1;
+      e.cp_comm_bytes = nl * m * (forwards * cpm1 * kv * w.compute + cpm1 * kv * w.compute + l.cp * kv * 4.0);
+    }
     if (!raw && t > 1) {
-      const double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
+      const double act = static_cast<double>(s_rank) * l.micro_batch * spec.hidden_size * w.compute;
       const double per_layer_ops = l.recompute == Recompute::kFull ? 6 : 4;  // fwd 2, bwd 2, recompute 2
       e.tp_comm_bytes = nl * m * per_layer_ops * all_reduce(act, t);
       tp_time_bytes = e.tp_comm_bytes;
@@ -510,7 +544,8 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     const int64_t group = shard_weights ? N : dp;
     e.comm_seconds = secs(group_bytes, intra_node(t, group, gpn)) +
                      secs(replica_bytes, intra_node(t * group, dp / group, gpn)) +
-                     secs(tp_time_bytes, intra_node(1, t, gpn)) + secs(e.pp_comm_bytes, intra_node(t * dp, pp, gpn));
+                     secs(tp_time_bytes, intra_node(1, t, gpn)) + secs(e.pp_comm_bytes, intra_node(t * dp, pp, gpn)) +
+                     secs(e.cp_comm_bytes, intra_node(t, l.cp, gpn));
     if (e.total > best.total) best = e;
   }
   return best;
@@ -520,6 +555,7 @@ std::string describe(const Layout& l, const RankEstimate& e) {
   std::ostringstream o;
   o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp;
   if (l.ep > 1) o << " ep=" << l.ep;
+  if (l.cp > 1) o << " cp=" << l.cp;
   o << " " << sharding_name(l.sharding, l.fsdp_names);
   if (l.sharding == Sharding::kHybrid) o << "(shard=" << e.shard << ")";
   if (l.offload_optimizer) o << " offload-opt";

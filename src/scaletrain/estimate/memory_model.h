@@ -101,6 +101,10 @@ struct Layout {
   // Expert parallelism (parallel.ep): each rank holds 1/ep of every MoE
   // layer's experts, with their gradients and optimizer states.
   int64_t ep = 1;
+  // Context parallelism (parallel.cp): each sequence split over cp ranks,
+  // which hold seq_len / cp tokens' activations each and are data-parallel
+  // peers for the parameters (states sharded over dp x cp).
+  int64_t cp = 1;
   int64_t bucket_bytes = 25LL << 20;  // gradient bucket (DDP, ZeRO-1/2 reduce) in flight, x2 for overlap
   int64_t prefetch_units = 1;     // ZeRO-3/FSDP: layers gathered ahead of the one computing
   int64_t reduces_in_flight = 2;  // ZeRO/FSDP: gradient reduce-scatters in flight (max_inflight_reduces)
@@ -141,6 +145,7 @@ struct RankEstimate {
   double dp_comm_bytes = 0;    // gradient all-reduce / reduce-scatter / parameter all-gather
   double tp_comm_bytes = 0;    // Megatron all-reduces (or SP all-gather + reduce-scatter)
   double pp_comm_bytes = 0;    // activations and their gradients between stages
+  double cp_comm_bytes = 0;    // keys and values (and their fp32 gradients) around the cp ring
   double comm_seconds = 0;     // the above over the link bandwidths of the groups they use
   double model_states() const { return params + gradients + master + optimizer; }
 };

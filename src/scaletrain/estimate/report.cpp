@@ -190,6 +190,7 @@ std::vector<std::tuple<std::string, std::string, double>> rank_figures(const Ran
           {"host (offloaded)", "host", e.host},
           {"dp traffic / step", "dp_comm_bytes", e.dp_comm_bytes},
           {"tp traffic / step", "tp_comm_bytes", e.tp_comm_bytes},
+          {"cp traffic / step", "cp_comm_bytes", e.cp_comm_bytes},
           {"pp traffic / step", "pp_comm_bytes", e.pp_comm_bytes}};
 }
 
@@ -290,7 +291,7 @@ std::vector<std::string> plan_cells(size_t index, const PlanRow& r) {
   return {std::to_string(index + 1),   std::to_string(l.tp),           std::to_string(l.pp),
           std::to_string(e.dp),        sharding,                       recompute_name(l.recompute),
           l.sequence_parallel ? "yes" : "no", human_bytes(e.total),   human_bytes(e.model_states()),
-          human_bytes(e.activations),  human_bytes(e.dp_comm_bytes + e.tp_comm_bytes + e.pp_comm_bytes),
+          human_bytes(e.activations),  human_bytes(e.dp_comm_bytes + e.tp_comm_bytes + e.pp_comm_bytes + e.cp_comm_bytes),
           seconds_text(e.comm_seconds)};
 }
 

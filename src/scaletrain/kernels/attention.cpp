@@ -307,6 +307,35 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
   return detail::flash_attention_tiled(q, k, v, mask, detail::TileSizes{});
 }
 
+std::tuple<torch::Tensor, torch::Tensor> flash_attention_forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                                 const torch::Tensor& v, const AttentionMask& mask) {
+  torch::NoGradGuard no_grad;
+  const detail::Geometry g = detail::resolve_geometry(q, k, v, mask, detail::TileSizes{});
+  const detail::TileMask tmask(g, mask.q_segments, mask.k_segments);
+  const auto ct = detail::compute_type(q);
+  const at::Tensor qc = detail::as_compute(q, ct), kc = detail::as_compute(k, ct), vc = detail::as_compute(v, ct);
+  at::Tensor out = at::empty({g.B, g.H, g.Tq, g.D}, qc.options());
+  at::Tensor lse = at::empty({g.B, g.H, g.Tq}, qc.options());
+  if (ct == at::kDouble)
+    detail::forward_kernel<double>(g, tmask, qc, kc, vc, out, lse);
+  else
+    detail::forward_kernel<float>(g, tmask, qc, kc, vc, out, lse);
+  return {out, lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+    const torch::Tensor& lse, const torch::Tensor& dout, const AttentionMask& mask) {
+  torch::NoGradGuard no_grad;
+  const detail::Geometry g = detail::resolve_geometry(q, k, v, mask, detail::TileSizes{});
+  const detail::TileMask tmask(g, mask.q_segments, mask.k_segments);
+  const auto ct = detail::compute_type(q);
+  const at::Tensor qc = detail::as_compute(q, ct), kc = detail::as_compute(k, ct), vc = detail::as_compute(v, ct);
+  const at::Tensor oc = detail::as_compute(out, ct), lc = detail::as_compute(lse, ct), dc = detail::as_compute(dout, ct);
+  if (ct == at::kDouble) return detail::backward_kernel<double>(g, tmask, qc, kc, vc, oc, lc, dc, at::Tensor());
+  return detail::backward_kernel<float>(g, tmask, qc, kc, vc, oc, lc, dc, at::Tensor());
+}
+
 std::tuple<torch::Tensor, torch::Tensor> naive_attention(const torch::Tensor& q, const torch::Tensor& k,
                                                          const torch::Tensor& v, const AttentionMask& mask) {
   const detail::Geometry g = detail::resolve_geometry(q, k, v, mask, detail::TileSizes{});

@@ -76,6 +76,24 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention(const torch::Tensor& q,
                                                          const torch::Tensor& v,
                                                          const AttentionMask& mask = {});
 
+// The kernel without autograd, for callers that split the keys into chunks
+// and merge the partial results themselves (ring attention, parallel/context),
+// so that autograd keeps nothing per chunk. Tensors come back in the compute
+// dtype: double for double inputs, float otherwise.
+//
+// flash_attention_forward: {out, lse} of q over these keys alone.
+std::tuple<torch::Tensor, torch::Tensor> flash_attention_forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                                 const torch::Tensor& v, const AttentionMask& mask = {});
+// flash_attention_backward: {dq, dk, dv}, the part of the gradients that
+// flows through these keys, given `out` and `lse` of the same queries over
+// ALL their keys (every chunk merged) and the gradient `dout` of that out.
+// Summing dq over the chunks, and taking each chunk's dk and dv, gives the
+// gradients of the attention over the whole: with the merged lse each
+// chunk's probabilities are its share of the whole softmax.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
+    const torch::Tensor& lse, const torch::Tensor& dout, const AttentionMask& mask = {});
+
 // The same semantics and return values, by materializing the [B, H, Tq, Tk]
 // scores with ATen ops (differentiable by ATen's autograd). Memory is
 // quadratic in the sequence length.

@@ -32,7 +32,7 @@ torch::Tensor naive(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, co
   }
   auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
   auto hidden = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-  if (layout != nullptr) {
+  if (layout != nullptr && layout->segments.defined()) {
     const auto& s = layout->segments;
     hidden = hidden.logical_or(s.unsqueeze(2).ne(s.unsqueeze(1))).unsqueeze(1);  // [B, 1, T, T]
   }
@@ -46,11 +46,17 @@ torch::Tensor naive(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, co
 }  // namespace
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, AttentionPath path,
-                     const SequenceLayout* layout, double dropout, bool training) {
+                     const SequenceContext* context, double dropout, bool training) {
+  const SequenceLayout* layout = context != nullptr ? context->layout.get() : nullptr;
+  if (context != nullptr && context->split_attention) {
+    // Its kernels and merge take the inputs' dtype (already autocast's) and accumulate in fp32.
+    precision::AutocastGuard off(precision::PrecisionPolicy{}, q.device().type());
+    return context->split_attention(q, k, v, layout);
+  }
   if (path == AttentionPath::Naive || !flash_runs_on(q) || (dropout > 0 && training))
     return naive(q, k, v, layout, dropout, training);
   kernels::AttentionMask mask;
-  if (layout != nullptr) mask.q_segments = mask.k_segments = layout->segments;
+  if (layout != nullptr && layout->segments.defined()) mask.q_segments = mask.k_segments = layout->segments;
   // Autocast off for the kernel's own GEMMs: its inputs are already in the
   // autocast dtype, and it accumulates in fp32 on purpose.
   precision::AutocastGuard off(precision::PrecisionPolicy{}, q.device().type());  // a CPU tensor (flash_runs_on)

@@ -25,8 +25,19 @@
 // the position embedding (gpt2) read instead of 0..T-1. The data side makes
 // the token after a boundary no target (data/dataset.h), so each document
 // trains as if it were alone in its window.
+//
+// Note [Split attention]
+// Under context parallelism (parallel/context) each rank holds a part of
+// every sequence, and attention must see the keys of the whole. The layer
+// above (train/) sets SequenceContext::split_attention to the distributed
+// attention and a layout whose positions are the tokens' places in the
+// whole sequence (`span` long); attend() then calls it instead of the local
+// paths. The families stay unaware of ranks: they compute q, k and v of the
+// tokens they were given, as always.
 #include <torch/torch.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,14 +45,22 @@ namespace scaletrain::models {
 
 // Where the documents of a micro-batch are (Note [Packed documents]).
 struct SequenceLayout {
-  torch::Tensor segments;   // [B, T] int64: document id of each token
-  torch::Tensor positions;  // [B, T] int64: its position inside the document
+  torch::Tensor segments;   // [B, T] int64: document id of each token; undefined: one document per row
+  torch::Tensor positions;  // [B, T] int64: its position inside the document (or the whole sequence)
+  int64_t span = 0;         // positions are < span; 0: < T (Note [Split attention])
 };
 
+// q [B, H, T, D], k and v [B, Hkv, T, D] of the tokens a rank holds, and
+// their layout -> [B, H, T, D] (Note [Split attention]).
+using SplitAttention = std::function<torch::Tensor(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, const SequenceLayout* layout)>;
+
 // What a model's attention layers share with the model: the layout of the
-// batch in flight, or null (one sequence per row, positions 0..T-1).
+// batch in flight, or null (one sequence per row, positions 0..T-1), and the
+// attention that replaces the local one when the sequence is split.
 struct SequenceContext {
   std::shared_ptr<const SequenceLayout> layout;
+  SplitAttention split_attention;
 };
 
 enum class AttentionPath { Flash, Naive };
@@ -54,11 +73,12 @@ AttentionPath attention_path(const std::string& name);
 bool flash_runs_on(const torch::Tensor& q);
 
 // q [B, H, T, D], k and v [B, Hkv, T, D] -> [B, H, T, D] in q's dtype: causal
-// attention, within documents when `layout` is given (its rows narrowed to
-// this T by the caller). `dropout` drops attention probabilities in training
-// and needs the naive path (ModelConfig::validate refuses it with flash).
+// attention, within documents when the context's layout has segments, over
+// the whole sequence by the context's split attention when it has one.
+// `dropout` drops attention probabilities in training and needs the naive
+// path (ModelConfig::validate refuses it with flash). `context` may be null.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, AttentionPath path,
-                     const SequenceLayout* layout, double dropout = 0.0, bool training = false);
+                     const SequenceContext* context, double dropout = 0.0, bool training = false);
 
 // The positions of a [B, T] batch: the layout's, or 0..T-1 for every row.
 torch::Tensor batch_positions(const SequenceLayout* layout, int64_t B, int64_t T, const torch::Device& device);

@@ -239,6 +239,11 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // layout of the micro-batch that the next forwards (and their recomputation
   // in backward) run on, until replaced; null: one sequence per row.
   void set_sequence_layout(std::shared_ptr<const SequenceLayout> layout) { sequence_->layout = std::move(layout); }
+  // Context parallelism (Note [Split attention] in models/attention.h): the
+  // attention every layer runs instead of its own while it is set; empty
+  // restores the local one.
+  void set_split_attention(SplitAttention attention) { sequence_->split_attention = std::move(attention); }
+  const SplitAttention& split_attention() const { return sequence_->split_attention; }
 
  protected:
   // Without materialization each module's bytes go as soon as it is built

@@ -56,8 +56,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   auto qkv = c_attn(x).split(width, 2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, nh, hs}).transpose(1, 2); };
   torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  const SequenceLayout* layout = sequence ? sequence->layout.get() : nullptr;
-  auto y = attend(q, k, v, path_, layout, dropout_, is_training()).transpose(1, 2).contiguous().view({B, T, width});
+  auto y = attend(q, k, v, path_, sequence.get(), dropout_, is_training()).transpose(1, 2).contiguous().view({B, T, width});
   y = tp ? row_parallel(y, *c_proj, *tp) : c_proj(y);
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;

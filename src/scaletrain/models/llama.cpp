@@ -81,16 +81,17 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& input) {
   const int64_t B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, hd}).transpose(1, 2); };
   torch::Tensor q = heads(q_proj(x), nh), k = heads(k_proj(x), nkv), v = heads(v_proj(x), nkv);
-  auto [cos, sin] = rotary_tables(c_, T, q.scalar_type(), q.device());
   const SequenceLayout* layout = sequence ? sequence->layout.get() : nullptr;
-  if (layout != nullptr) {  // each token's rotation at its position inside its document (< T)
+  const int64_t span = layout != nullptr && layout->span > 0 ? layout->span : T;
+  auto [cos, sin] = rotary_tables(c_, span, q.scalar_type(), q.device());
+  if (layout != nullptr) {  // each token's rotation at its position (< span): in its document, or in the whole sequence
     const auto pos = layout->positions.reshape({-1});
     cos = cos.index_select(0, pos).view({B, 1, T, hd});
     sin = sin.index_select(0, pos).view({B, 1, T, hd});
   }
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
-  auto y = attend(q, k, v, path_, layout).transpose(1, 2).contiguous().view({B, T, nh * hd});
+  auto y = attend(q, k, v, path_, sequence.get()).transpose(1, 2).contiguous().view({B, T, nh * hd});
   return tp ? row_parallel(y, *o_proj, *tp) : o_proj(y);
 }
 

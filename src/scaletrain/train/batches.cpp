@@ -4,6 +4,8 @@
 #include <utility>
 
 #include "scaletrain/data/mixture.h"
+#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/template/chat_template.h"
 
 #include "scaletrain/util/error.h"
@@ -54,8 +56,9 @@ std::unique_ptr<data::SampleSource> open_dataset(const Config& cfg, const Plan& 
 
 std::vector<double> micro_weights(const data::SampleSource& dataset, const data::DistributedSampler& sampler,
                                   int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
-                                  const std::string& loss_on) {
+                                  const std::string& loss_on, int64_t* global_targets) {
   const int64_t global = dataset.count_targets(sampler.global_batch(step));
+  if (global_targets != nullptr) *global_targets = global;
   if (global == 0)
     throw UsageError("step " + std::to_string(step + 1) + ": no token of the global batch is a target (data.loss_on=" +
                      loss_on + "; are the responses cut off by model.block_size?)");
@@ -65,6 +68,25 @@ std::vector<double> micro_weights(const data::SampleSource& dataset, const data:
     w.push_back(static_cast<double>(dataset.count_targets(idx) * dp_size) / static_cast<double>(global));
   }
   return w;
+}
+
+void keep_context_part(at::Tensor& inputs, at::Tensor& targets, std::shared_ptr<const models::SequenceLayout>& layout,
+                       int cp_rank, int cp) {
+  namespace ctx = parallel::context;
+  const int64_t B = inputs.size(0), T = inputs.size(1);
+  auto part = std::make_shared<models::SequenceLayout>();
+  part->positions = ctx::shard_sequence(
+      layout ? layout->positions : torch::arange(T, inputs.options().dtype(torch::kLong)).expand({B, T}), cp_rank, cp);
+  if (layout && layout->segments.defined()) part->segments = ctx::shard_sequence(layout->segments, cp_rank, cp);
+  part->span = T;
+  layout = std::move(part);
+  inputs = ctx::shard_sequence(inputs, cp_rank, cp);
+  targets = ctx::shard_sequence(targets, cp_rank, cp);
+}
+
+double context_weight(const at::Tensor& targets, int64_t global_targets, int dp, int cp) {
+  const int64_t mine = targets.ne(models::kIgnoreTarget).sum().item<int64_t>();
+  return static_cast<double>(mine) * dp * cp / static_cast<double>(global_targets);
 }
 
 std::string sample_prompt_text(const Config& cfg) {

@@ -14,6 +14,18 @@
 // counts N and its n_k from the sampler's indices and the token file's mask
 // (no communication). Without a mask, n_k = m T and N = G T, and the weight
 // is 1 / accumulation exactly, as before masks existed.
+//
+// Note [Context-parallel batches]
+// With parallel.cp = C > 1 the C ranks of one data-parallel coordinate load
+// the same micro-batches and each keeps its tokens (Note [Load-balanced
+// chunks] in parallel/context): inputs, targets, and a layout whose
+// positions are the tokens' places in the whole sequence (inside their
+// document when packed documents reset positions) and whose document ids
+// travel with them. Rank c's loss is the mean over its n_kc targets, so it is
+// weighted n_kc D C / N: the engines average over the D C ranks of dp x cp,
+// and the sum over ranks and micro-batches is again the global mean.
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -21,6 +33,7 @@
 
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/models/attention.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/plan.h"
 
@@ -36,7 +49,17 @@ std::unique_ptr<data::SampleSource> open_dataset(const Config& config, const Pla
 // (Note [Masked loss]). UsageError if no token of the global batch is a target.
 std::vector<double> micro_weights(const data::SampleSource& dataset, const data::DistributedSampler& sampler,
                                   int64_t step, int dp_rank, int dp_size, int64_t micro_batch, int64_t accum,
-                                  const std::string& loss_on);
+                                  const std::string& loss_on, int64_t* global_targets = nullptr);
+
+// Note [Context-parallel batches]: replaces a micro-batch [B, T] and its
+// layout (null: none) by the part context-parallel rank `cp_rank` of `cp`
+// keeps; the layout it leaves always has positions, and span T.
+void keep_context_part(at::Tensor& inputs, at::Tensor& targets, std::shared_ptr<const models::SequenceLayout>& layout,
+                       int cp_rank, int cp);
+
+// The weight of a micro-batch part whose targets are `targets`, out of the
+// step's `global_targets`, over dp x cp ranks (Note [Context-parallel batches]).
+double context_weight(const at::Tensor& targets, int64_t global_targets, int dp, int cp);
 
 // The text the end-of-run sample starts from: train.sample_prompt, or with
 // train.sample_chat that prompt as a user message rendered with the chat

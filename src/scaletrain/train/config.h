@@ -148,6 +148,8 @@ struct ParallelOptions {
   int tp = 1;                           // tensor-parallel degree (Megatron style; with pp > 1, under ddp only)
   int pp = 1;                           // pipeline stages (parallel/pipeline)
   int ep = 1;                           // expert-parallel degree: MoE experts split over this many data-parallel ranks
+  int cp = 1;                           // context-parallel degree: each sequence split over this many ranks
+  std::string cp_mode = "ring";         // with cp > 1: ring | all_to_all (parallel/context)
   std::string schedule = "1f1b";        // with pp > 1: gpipe | 1f1b | interleaved
   int microbatches = 0;                 // with pp > 1: micro-batches per step; 0 = global / (micro_batch x dp)
   int virtual_stages = 1;               // model chunks per stage (interleaved only)

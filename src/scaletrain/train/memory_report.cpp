@@ -118,6 +118,7 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.fp8_moments = c.precision.fp8_opt_level == "O2" || c.precision.fp8_opt_level == "O3";
   l.fp16_masters = c.precision.fp8_opt_level == "O3";
   l.ep = c.parallel.ep;
+  l.cp = c.parallel.cp;
   l.gloo = gloo;
   l.recompute = c.model.activation_checkpointing == "full" ? estimate::Recompute::kFull : estimate::Recompute::kNone;
   if (policy.param != at::kFloat)

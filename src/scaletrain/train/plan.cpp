@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/config_values.h"
@@ -107,6 +108,9 @@ const std::vector<ApplyRule>& apply_rules() {
       {{"parallel.schedule", "parallel.microbatches", "parallel.virtual_stages", "parallel.pp_balance"},
        [](const Config& c) { return c.parallel.pp > 1; },
        [](const Config&) { return std::string("pipelines read it (parallel.pp > 1)"); }},
+      {{"parallel.cp_mode"},
+       [](const Config& c) { return c.parallel.cp > 1; },
+       [](const Config&) { return std::string("it applies with context parallelism (parallel.cp > 1)"); }},
       {{"parallel.sequence_parallel"},
        [](const Config& c) { return c.parallel.tp > 1; },
        [](const Config&) { return std::string("it applies with tensor parallelism (parallel.tp > 1)"); }},
@@ -226,6 +230,26 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
                  "over all the ranks that hold them (use FULL_SHARD or SHARD_GRAD_OP)");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
   if (c.finetune.method != "full") problems.add(ep + " with finetune.method=" + c.finetune.method + " is not available yet");
+}
+
+// Context parallelism (parallel/context): what it splits and what it composes with.
+void check_context_parallel(const Config& c, const models::ModelConfig& m, Problems& problems) {
+  const auto& p = c.parallel;
+  if (p.cp < 1) return problems.add("parallel.cp must be at least 1, got " + std::to_string(p.cp));
+  if (p.cp == 1) return;
+  const std::string cp = "parallel.cp=" + std::to_string(p.cp);
+  if (p.pp > 1) problems.add(cp + " with parallel.pp > 1 is not available yet (pipeline stages pass whole sequences)");
+  if (m.num_local_experts > 0)
+    problems.add(cp + " with MoE layers is not available: the load-balancing loss needs every token's routing on "
+                 "one rank");
+  if (m.dropout > 0) problems.add(cp + " with model.dropout > 0 is not available (split attention drops nothing)");
+  if (p.sequence_parallel) problems.add(cp + " with parallel.sequence_parallel=true is not available yet");
+  const int tp = std::max(1, p.tp);
+  problems.check([&] {
+    const std::string why = parallel::context::split_problem(parallel::context::parse_mode(p.cp_mode), p.cp,
+                                                             m.n_head / tp, m.kv_heads() / tp, m.block_size);
+    if (!why.empty()) throw UsageError(why);
+  });
 }
 
 // What this build can fine-tune with adapters.
@@ -348,8 +372,9 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
                  "documents' layout)");
 
   const bool dims_ok = problems.check([&] {
-    plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp}.resolved(world_size);
+    plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp}.resolved(world_size);
   });
+  if (model_ok) check_context_parallel(c, plan.model, problems);
   if (model_ok && p.tp > 1) problems.check([&] { parallel::tensor::check_tensor_parallel(plan.model, p.tp); });
   // Under tp the head's loss is vocabulary-parallel, and GPT-2 has nothing
   // else fused: the key would change nothing.

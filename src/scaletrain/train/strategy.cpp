@@ -24,6 +24,7 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/optim/file_backed.h"
 #include "scaletrain/train/device.h"
+#include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
@@ -552,6 +553,24 @@ void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& mo
   };
 }
 
+namespace {
+
+// Note [Split attention] (models/attention.h): with cp > 1 every layer's
+// attention runs over the cp group on the tokens this rank holds.
+void apply_context_parallel(models::CausalLM& model, comm::Mesh& mesh, const ParallelOptions& p,
+                            const models::ModelConfig& m) {
+  if (p.cp == 1) return;
+  parallel::context::AttentionOptions o;
+  o.mode = parallel::context::parse_mode(p.cp_mode);
+  o.flash = models::attention_path(m.attention) == models::AttentionPath::Flash;
+  model.set_split_attention([group = &mesh.cp(), o](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const models::SequenceLayout* layout) {
+    return parallel::context::attention(q, k, v, layout != nullptr ? layout->segments : at::Tensor(), *group, o);
+  });
+}
+
+}  // namespace
+
 // Shared with the pipeline strategy (train/pipeline_strategy.cpp).
 ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) {
   const auto& p = c.parallel;
@@ -559,7 +578,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
   ShardedSetup out;
   fsdp::ShardedOptions& o = out.options;
   o.master_dtype = at::kFloat;
-  out.shard = &mesh.dp();
+  out.shard = &mesh.dp_cp();  // Note [Context-parallel groups] (comm/mesh.h)
   out.label = p.strategy;
   if (p.strategy == "fsdp") {
     const auto& f = p.fsdp;
@@ -572,7 +591,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
     o.limit_all_gathers = f.limit_all_gathers;
     o.sync_module_states = f.sync_module_states;
     if (o.sharding == fsdp::Sharding::HybridShard) {
-      out.shard = &mesh.dp_shard();
+      out.shard = &mesh.dp_shard_cp();
       out.replicate = &mesh.dp_replicate();
     }
     out.label = "fsdp " + f.sharding_strategy;
@@ -627,7 +646,9 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
       out.model->set_expert_parallel(parallel::expert::expert_parallel_hooks(mesh.ep(), mcfg.num_local_experts));
       experts = &mesh;
     }
-    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp(), dp_options, c.precision, std::move(tp_plan), experts);
+    apply_context_parallel(*out.model, mesh, c.parallel, mcfg);
+    out.dp = std::make_unique<DDPStrategy>(out.model, mesh.dp_cp(), dp_options, c.precision, std::move(tp_plan),
+                                           experts);
     return out;
   }
   ShardedSetup setup = sharded_setup(c, plan, mesh);
@@ -678,6 +699,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   }
   if (o.deferred_init) o.deferred_init = drawn_on_host(std::move(o.deferred_init));
   TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, &o.deferred_init);
+  apply_context_parallel(*out.model, mesh, p, mcfg);
   select_fp8_weights(o, *out.model);
   try {
     out.dp = std::make_unique<ShardedStrategy>(out.model, world, *setup.shard, setup.replicate, o, setup.no_sync,

@@ -300,7 +300,7 @@ void print_start(Run& r, const comm::WorldInfo& info) {
   const Config& cfg = r.cfg;
   std::printf("scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s%s\n", cfg.model.preset.c_str(),
               static_cast<long long>(r.model().num_parameters()), r.world->size(), info.source.c_str(),
-              r.dims.describe().c_str(),
+              (r.dims.describe() + (r.dims.cp > 1 ? " (" + cfg.parallel.cp_mode + " attention)" : "")).c_str(),
               ((r.world->backend() == comm::BackendKind::Nccl ? "nccl" : "gloo") + std::string(" on ") +
                r.plan.device.str())
                   .c_str(),
@@ -559,8 +559,9 @@ StepMetrics train_step(Run& r, int64_t step) {
     models::CausalLM& model;
     ~ClearLayout() { model.set_sequence_layout(nullptr); }
   } clear_layout{r.model()};
-  const std::vector<double> weights =
-      micro_weights(r.dataset, *r.sampler, step, r.mesh->coord().dp(r.dims), r.dims.dp(), B, accum, r.cfg.data.loss_on);
+  int64_t global_targets = 0;
+  const std::vector<double> weights = micro_weights(r.dataset, *r.sampler, step, r.mesh->coord().dp(r.dims),
+                                                    r.dims.dp(), B, accum, r.cfg.data.loss_on, &global_targets);
   for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
   // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
   const std::shared_ptr<models::MoeContext> moe = r.model().moe();
@@ -580,8 +581,14 @@ StepMetrics train_step(Run& r, int64_t step) {
   } else {
     for (int64_t k = 0; k < accum; ++k) {
       auto [inputs, targets] = batch(k);
-      r.model().set_sequence_layout(layout(k));
-      const double multiplier = loss_scale * weights[static_cast<size_t>(k)];
+      std::shared_ptr<const models::SequenceLayout> lay = layout(k);
+      double weight = weights[static_cast<size_t>(k)];
+      if (r.dims.cp > 1) {  // Note [Context-parallel batches]
+        keep_context_part(inputs, targets, lay, r.mesh->coord().cp, r.dims.cp);
+        weight = context_weight(targets, global_targets, r.dims.dp(), r.dims.cp);
+      }
+      r.model().set_sequence_layout(lay);
+      const double multiplier = loss_scale * weight;
       for (auto& l : r.fp8) l->set_loss_multiplier(multiplier);
       // What this forward leaves for its backward, counted from before the
       // strategy's forward (which may gather units it keeps until backward).
@@ -600,7 +607,7 @@ StepMetrics train_step(Run& r, int64_t step) {
   }
   // The step's FP8 amaxes, agreed over the ranks that see parts of this
   // batch or pieces of these layers (Note [FP8 linears]).
-  precision::fp8_end_step(r.fp8, {&r.mesh->dp(), &r.mesh->tp()});
+  precision::fp8_end_step(r.fp8, {&r.mesh->dp_cp(), &r.mesh->tp()});
   bool skipped = false;
   if (r.scaler) {
     std::vector<at::Tensor> grads;
@@ -614,7 +621,7 @@ StepMetrics train_step(Run& r, int64_t step) {
   // a loss that is not finite stops the run with the parameters of the last
   // good step (unless the loss scaler skipped this step: an fp16 overflow it handles).
   auto l = torch::full({1}, loss_sum, torch::kDouble);
-  r.mesh->dp().all_reduce(l, comm::ReduceOp::Avg).wait();
+  r.mesh->dp_cp().all_reduce(l, comm::ReduceOp::Avg).wait();  // Note [Context-parallel batches]
   m.loss = l.item<double>();
   if (!skipped && !std::isfinite(m.loss))
     throw std::runtime_error("step " + std::to_string(m.step) + ": the loss is " + std::to_string(m.loss) +
@@ -665,6 +672,18 @@ void save_checkpoint(Run& r, int64_t done) {
                 r.ckpt->last_stall_s());
 }
 
+// The model's local attention for a scope (Note [Split attention]).
+struct UnsplitAttention {
+  explicit UnsplitAttention(models::CausalLM& m) : model(m), saved(m.split_attention()) {
+    model.set_split_attention(nullptr);
+  }
+  ~UnsplitAttention() { model.set_split_attention(saved); }
+  UnsplitAttention(const UnsplitAttention&) = delete;
+  UnsplitAttention& operator=(const UnsplitAttention&) = delete;
+  models::CausalLM& model;
+  models::SplitAttention saved;
+};
+
 // Collective: sharded strategies gather every unit; data-parallel rank 0
 // samples (with its tensor-parallel peers, which compute with it, and under
 // expert parallelism the rest of its ep group, which hold the other experts:
@@ -673,7 +692,10 @@ void save_checkpoint(Run& r, int64_t done) {
 void print_sample(Run& r, data::Tokenizer& tok, const std::string& prompt_text) {
   const Config& cfg = r.cfg;
   r.dp().with_full_parameters([&] {
-    if (r.mesh->coord().dp(r.dims) >= r.mesh->ep_size() || r.mesh->coord().pp != 0) return;
+    if (r.mesh->coord().dp(r.dims) >= r.mesh->ep_size() || r.mesh->coord().pp != 0 || r.mesh->coord().cp != 0)
+      return;
+    // cp rank 0 samples alone, on whole sequences: its attention is the local one meanwhile.
+    UnsplitAttention local(r.model());
     r.model().eval();
     auto ids = tok.encode(prompt_text);
     std::vector<int64_t> ids64(ids.begin(), ids.end());

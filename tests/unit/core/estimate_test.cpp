@@ -522,6 +522,41 @@ TEST(EstimateModel, TensorParallelSplitsTheMatrices) {
   EXPECT_GT(e.tp_comm_bytes, 0);
 }
 
+// Context parallelism: each rank keeps the activations of seq / cp tokens
+// (flash attention makes them linear in the sequence, so exactly half at
+// cp = 2), its states are sharded over dp x cp like a data-parallel rank's,
+// and the ring moves keys and values per layer as the formula says.
+TEST(EstimateModel, ContextParallelSplitsTheSequence) {
+  const auto spec = cat::estimator_preset("llama-3-8b");
+  est::Layout l;
+  l.seq_len = 16384;
+  l.flash_attention = true;
+  l.fused_blocks = true;
+  l.sharding = est::Sharding::kZero3;
+  l.world_size = 2;
+  const auto dp2 = est::estimate_rank(spec, l);
+  l.cp = 2;
+  const auto cp2 = est::estimate_rank(spec, l);
+  EXPECT_EQ(cp2.dp, 1);
+  EXPECT_EQ(cp2.shard, 2);
+  EXPECT_DOUBLE_EQ(cp2.model_states(), dp2.model_states());
+  l.world_size = 1;
+  l.cp = 1;
+  const auto one = est::estimate_rank(spec, l);
+  EXPECT_NEAR(cp2.activations / one.activations, 0.5, 1e-9);
+  EXPECT_EQ(one.cp_comm_bytes, 0);
+  // 32 layers x (1 hop of bf16 k and v forward, 1 in backward, 2 of fp32 gradients): 8192 tokens x 1024 wide.
+  const double kv = 2.0 * 8192 * 1024;
+  EXPECT_DOUBLE_EQ(cp2.cp_comm_bytes, 32 * (kv * 2 + kv * 2 + 2 * kv * 4));
+  l.world_size = 6;
+  l.cp = 3;  // 16384 tokens do not make 6 equal chunks
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(spec, l); }), "divisible by 2 x cp = 6"));
+  l.world_size = 4;
+  l.cp = 2;
+  l.pp = 2;
+  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(spec, l); }), "cp=2 with pipeline parallelism"));
+}
+
 // ---- planner ------------------------------------------------------------------
 
 TEST(EstimatePlanner, ListsFittingLayoutsCheapestFirst) {

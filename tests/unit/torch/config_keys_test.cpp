@@ -98,6 +98,8 @@ const std::map<std::string, Check>& table() {
     {"parallel.tp", {"2", What::Line, "mesh", {}, 2}},
     {"parallel.ep", {"2", What::Line, "strategy", {"model.preset=mixtral-tiny", "train.sample_tokens=0"}, 2}},
     {"parallel.pp", {"2", What::Line, "mesh", {"model.n_layer=2"}, 2}},
+    {"parallel.cp", {"2", What::Line, "mesh", {}, 2}},
+    {"parallel.cp_mode", {"all_to_all", What::Line, "mesh", {"parallel.cp=2"}, 2}},
     {"parallel.schedule", {"gpipe", What::Line, "strategy", {"parallel.pp=2", "model.n_layer=2"}, 2}},
     {"parallel.microbatches", {"4", What::Line, "global batch", {"parallel.pp=2", "model.n_layer=2"}, 2}},
     {"parallel.virtual_stages", {"2", What::Line, "strategy", {"parallel.pp=2", "model.n_layer=4", "parallel.schedule=interleaved"}, 2}},
