@@ -61,7 +61,7 @@ TEST(ContextParallelTrainer, LlamaFollowsTheSingleProcessCurve) {
       {2, "llama_all_to_all", "--parallel.cp=2 --parallel.cp_mode=all_to_all" + kLlama},
       {4, "llama_cp4_ckpt", "--parallel.cp=4 --model.activation_checkpointing=full" + kLlama},
       {4, "llama_dp2_zero2", "--parallel.cp=2 --parallel.strategy=zero2" + kLlama},
-      {4, "llama_tp2_a2a", "--parallel.cp=2 --parallel.tp=2 --parallel.cp_mode=all_to_all" + kLlama},
+      {4, "llama_tp2", "--parallel.cp=2 --parallel.tp=2" + kLlama},
   };
   expect_runs_follow(ref, runs, 30981, 30985);
 }
@@ -87,20 +87,26 @@ TEST(ContextParallelTrainer, CheckpointsResumeUnderAnyCp) {
   const std::string stop = " --train.stop_at=3 --checkpoint.dir=";
   ASSERT_EQ(train_cp(2, "ckpt_cp2", "--parallel.cp=2 --parallel.strategy=zero3" + stop + cp_dir.string() + kLlama,
                      30990).size(), 3u);
+  // Each resumed run saves its own last step: the cp = 4 run resumes from a copy.
+  const fs::path cp4_dir = scratch() / "cp_ckpt_for_cp4";
+  fs::remove_all(cp4_dir);
+  fs::copy(cp_dir, cp4_dir, fs::copy_options::recursive);
   const auto one = train_cp(1, "ckpt_into_one", "--checkpoint.dir=" + cp_dir.string() + kLlama, 30991);
-  const auto cp4 = train_cp(4, "ckpt_into_cp4", "--parallel.cp=4 --checkpoint.dir=" + cp_dir.string() + kLlama, 30992);
+  const auto cp4 = train_cp(4, "ckpt_into_cp4", "--parallel.cp=4 --checkpoint.dir=" + cp4_dir.string() + kLlama, 30992);
   ASSERT_EQ(train_cp(1, "ckpt_one", stop + one_dir.string() + kLlama, 30993).size(), 3u);
   const auto cp2 = train_cp(2, "ckpt_into_cp2", "--parallel.cp=2 --checkpoint.dir=" + one_dir.string() + kLlama, 30994);
   ASSERT_EQ(ref.size(), 6u);
-  for (const auto* got : {&one, &cp4, &cp2}) {
-    ASSERT_EQ(got->size(), 3u);
-    for (int i = 0; i < 3; ++i) EXPECT_NEAR((*got)[i], ref[i + 3], 1e-5 * ref[i + 3]) << "step " << i + 4;
+  const std::vector<std::pair<const char*, const std::vector<double>*>> resumed{
+      {"cp2 -> one process", &one}, {"cp2 -> cp4", &cp4}, {"one process -> cp2", &cp2}};
+  for (const auto& [what, got] : resumed) {
+    ASSERT_EQ(got->size(), 3u) << what;
+    for (int i = 0; i < 3; ++i) EXPECT_NEAR((*got)[i], ref[i + 3], 1e-5 * ref[i + 3]) << what << ", step " << i + 4;
   }
 }
 
 TEST(ContextParallelTrainer, WhatCannotSplitIsAOneLineError) {
   auto refused = [](const std::string& flags, const std::string& says) {
-    const Run r = run("train " + small_train_config("cp.yaml", 0).string() + " " + flags);
+    const auto r = run("train " + small_train_config("cp.yaml", 0).string() + " " + flags);
     EXPECT_EQ(r.code, 2) << flags;
     EXPECT_NE(r.err.find(says), std::string::npos) << flags << ": " << r.err;
   };
