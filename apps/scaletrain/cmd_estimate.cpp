@@ -35,6 +35,7 @@ struct EstimateFlags {
   std::string schedule = "1f1b";
   int64_t seq_len = 0, micro_batch = 1;
   std::string recompute = "none";
+  std::string attention = "naive";
   bool sequence_parallel = false;
   int64_t lora_rank = 0;
   std::string lora_targets = "qv";
@@ -80,6 +81,9 @@ estimate::Request to_request(const EstimateFlags& f) {
   l.seq_len = f.seq_len;
   l.micro_batch = f.micro_batch;
   l.recompute = est::parse_recompute(f.recompute);
+  if (f.attention != "naive" && f.attention != "flash")
+    throw UsageError("--attention must be naive or flash, got '" + f.attention + "'");
+  l.flash_attention = f.attention == "flash";
   l.sequence_parallel = f.sequence_parallel;
   l.lora_rank = f.lora_rank;
   l.lora_targets = est::parse_lora_targets(f.lora_targets);
@@ -120,6 +124,8 @@ void add_estimate_memory(CLI::App& app, Runner& run) {
   sub->add_option("--seq-len", flags->seq_len, "Tokens per sample (default: the model's context length)");
   sub->add_option("--micro-batch", flags->micro_batch, "Samples per micro-batch (default 1)");
   sub->add_option("--recompute", flags->recompute, "Activation recompute: none | selective | full");
+  sub->add_option("--attention", flags->attention,
+                  "naive (default: the [s, s] scores kept) | flash (tiled: no scores kept, scaletrain's CPU default)");
   sub->add_flag("--sequence-parallel", flags->sequence_parallel, "Megatron sequence parallelism (tp > 1)");
   sub->add_option("--lora-rank,--lora-r", flags->lora_rank, "LoRA rank; > 0 freezes the base weights");
   sub->add_flag("--qlora", flags->qlora, "QLoRA: the frozen linear weights in 4-bit NF4 (needs --lora-rank)");

@@ -440,6 +440,14 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       auto layer = [&](Recompute r) {
         double bytes = act_scale * activation_bytes_per_layer(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r,
                                                               l.dropout, l.flash_attention, l.fused_blocks);
+        if (l.cp > 1 && !l.flash_attention && r != Recompute::kFull && r != Recompute::kSelective) {
+          // The ring composed of autograd ops (parallel/context) keeps the
+          // scores of the 2 cp + 1 chunk pairs it computes, each (s / 2cp)^2:
+          // (2 cp + 1) / 4 times the s_rank^2 counted above.
+          const double att = l.dropout ? 5 : 2, a = static_cast<double>(spec.num_heads);
+          bytes += act_scale * att * a * static_cast<double>(s_rank) * s_rank * l.micro_batch *
+                   ((2.0 * l.cp + 1) / 4.0 - 1.0) / static_cast<double>(t);
+        }
         if (l.fp8_linears)
           bytes += fp8_linear_activation_change(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
                                                 shape.layer_params);

@@ -761,7 +761,7 @@ TrainResult run_training(const Config& cfg) {
   launch::heartbeat();
   const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
   r.sink = open_metrics(cfg, r.lead, start);
-  r.mem_layout = run_layout(cfg, plan.model, plan.policy, r.world->size(), r.mesh->dp_shard().size(), plan.micro_batch,
+  r.mem_layout = run_layout(cfg, plan.model, plan.policy, r.world->size(), r.mesh->dp_shard_cp().size(), plan.micro_batch,
                             plan.accum, r.world->backend() == comm::BackendKind::Gloo);
   r.mem.rss_baseline_mb = r.rss_before_setup;
   r.mem.rss_peak_mb = current_rss_mb();
