@@ -487,9 +487,9 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       // contiguous copies of q, k, v, its output and the output's gradient,
       // and dq, dk, dv: 8 fp32 tensors of s*b*h/t at once, a moment of its own.
       if (l.flash_attention) shape.ws_layer = std::max(shape.ws_layer, 32 * sbh / t);
-      // The ring (parallel/context): its backward holds this rank's keys and
-      // values, the next rank's in flight, and both their fp32 gradients.
-      if (l.cp > 1) shape.ws_layer += 4 * 2 * sb * kv_width(spec) / t * 4.0;
+      // The ring (parallel/context) adds nothing here: the keys, values and
+      // gradients it passes around are smaller than the kernel's workspace
+      // above and not alive at its moment (bench/RESULTS.md section 20).
       // FP8 linears: the largest linear's backward decodes its input, weight
       // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
       if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);

@@ -52,6 +52,18 @@ std::string split_problem(Mode mode, int cp, int64_t heads, int64_t kv_heads, in
 
 namespace {
 
+constexpr int kTagKv = 0, kTagGrad = 1;
+
+// Posts the send of x to the next rank and the receive of the previous
+// rank's into a new tensor, which it returns; `pending` gets both works.
+torch::Tensor pass_on(comm::Group& cp, const torch::Tensor& x, int tag, std::vector<comm::Work>& pending) {
+  const int n = cp.size(), r = cp.rank();
+  torch::Tensor in = torch::empty_like(x);
+  pending.push_back(cp.send(x, (r + 1) % n, tag));
+  pending.push_back(cp.recv(in, (r + n - 1) % n, tag));
+  return in;
+}
+
 // One hop of the ring, differentiable: sends x to the next rank and returns
 // the previous rank's x. The receive is only posted; `pending` gets its work,
 // which the caller waits on before reading the result (so the transfer runs
@@ -63,11 +75,7 @@ struct RingHop : torch::autograd::Function<RingHop> {
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
     ctx->saved_data["sizes"] = x.sizes().vec();
     ctx->saved_data["like"] = torch::empty({0}, x.options());
-    const int n = group->size(), r = group->rank();
-    torch::Tensor in = torch::empty_like(x);
-    pending->push_back(group->send(x, (r + 1) % n));
-    pending->push_back(group->recv(in, (r + n - 1) % n));
-    return in;
+    return pass_on(*group, x, kTagKv, *pending);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* group = reinterpret_cast<comm::Group*>(ctx->saved_data["group"].toInt());
@@ -161,7 +169,6 @@ void merge_into(torch::Tensor& out, torch::Tensor& lse, const torch::Tensor& o, 
   lse = top + sum.log();
 }
 
-constexpr int kTagKv = 0, kTagGrad = 1;
 
 // Note [Ring backward]: the flash path as one autograd function, so that
 // autograd keeps only this rank's q, k, v and the merged out and lse (memory
@@ -185,13 +192,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const torch::Tensor qs[2] = {q.narrow(2, 0, c), q.narrow(2, c, c)};
     torch::Tensor kv = torch::cat({k, v}, 1).contiguous(), out[2], lse[2];
     for (int s = 0; s < n; ++s) {
-      torch::Tensor next;
       std::vector<comm::Work> pending;
-      if (s + 1 < n) {  // the next keys travel while these are attended
-        next = torch::empty_like(kv);
-        pending.push_back(cp->send(kv, (r + 1) % n, kTagKv));
-        pending.push_back(cp->recv(next, (r + n - 1) % n, kTagKv));
-      }
+      // The next keys travel while these are attended.
+      const torch::Tensor next = s + 1 < n ? pass_on(*cp, kv, kTagKv, pending) : torch::Tensor();
       const int from = (r - s + n) % n;
       const int64_t theirs[2] = {from, 2 * n - 1 - from};
       for (int a = 0; a < 2; ++a)
@@ -226,13 +229,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     torch::Tensor kv = torch::cat({k, v}, 1).contiguous();
     torch::Tensor dkv = torch::zeros(kv.sizes(), o.options());
     for (int s = 0; s < n; ++s) {
-      torch::Tensor next;
       std::vector<comm::Work> pending;
-      if (s + 1 < n) {
-        next = torch::empty_like(kv);
-        pending.push_back(cp->send(kv, (r + 1) % n, kTagKv));
-        pending.push_back(cp->recv(next, (r + n - 1) % n, kTagKv));
-      }
+      // The next keys travel while these are attended.
+      const torch::Tensor next = s + 1 < n ? pass_on(*cp, kv, kTagKv, pending) : torch::Tensor();
       const int from = (r - s + n) % n;
       const int64_t theirs[2] = {from, 2 * n - 1 - from};
       for (int a = 0; a < 2; ++a)
@@ -246,9 +245,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           dkv.narrow(1, 0, Hkv).narrow(2, b * c, c) += gk;
           dkv.narrow(1, Hkv, Hkv).narrow(2, b * c, c) += gv;
         }
-      torch::Tensor dnext = torch::empty_like(dkv);  // the keys' gradient goes where the keys go
-      pending.push_back(cp->send(dkv, (r + 1) % n, kTagGrad));
-      pending.push_back(cp->recv(dnext, (r + n - 1) % n, kTagGrad));
+      const torch::Tensor dnext = pass_on(*cp, dkv, kTagGrad, pending);  // the gradient goes where the keys go
       for (auto& w : pending) w.wait();
       dkv = dnext;
       if (s + 1 < n) kv = next;
