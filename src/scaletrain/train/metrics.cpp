@@ -2,6 +2,7 @@
 
 #include <torch/cuda.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include <dlfcn.h>
@@ -21,6 +22,10 @@ namespace scaletrain::train {
 MetricsSink::MetricsSink(const std::string& path, int64_t total_steps, bool progress, bool append)
     : total_(total_steps), bar_(progress && isatty(STDOUT_FILENO)) {
   if (!path.empty()) {
+    // Its directory is made as a checkpoint directory is (runs/<name>/ of the examples).
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    std::error_code ignored;  // a directory that cannot be made fails the open below, which names the path
+    if (!parent.empty()) std::filesystem::create_directories(parent, ignored);
     file_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
     if (!file_) throw UsageError("metrics.path " + path + " cannot be written");
   }
