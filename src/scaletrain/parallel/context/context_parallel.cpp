@@ -64,6 +64,37 @@ torch::Tensor pass_on(comm::Group& cp, const torch::Tensor& x, int tag, std::vec
   return in;
 }
 
+// Walks the ring of Note [Load-balanced chunks]: at step s this rank holds
+// kv, the packed keys and values of rank r - s (the next step's already in
+// flight), and pair(kv, a, b, from, q_chunk, k_chunk) runs for every pair of
+// its query chunk a (chunk q_chunk of the sequence) and their key chunk b
+// (k_chunk) that the causal mask does not hide whole; then
+// after_step(pending) may post more transfers, and every transfer is waited
+// for. hop(kv, pending) starts the next step's transfer (pass_on, or its
+// differentiable form).
+template <typename Hop, typename Pair, typename AfterStep>
+void walk_ring(comm::Group& cp, torch::Tensor kv, const Hop& hop, const Pair& pair, const AfterStep& after_step) {
+  const int n = cp.size(), r = cp.rank();
+  const int64_t mine[2] = {r, 2 * n - 1 - r};
+  for (int s = 0; s < n; ++s) {
+    std::vector<comm::Work> pending;
+    const torch::Tensor next = s + 1 < n ? hop(kv, pending) : torch::Tensor();
+    const int from = (r - s + n) % n;
+    const int64_t theirs[2] = {from, 2 * n - 1 - from};
+    for (int a = 0; a < 2; ++a)
+      for (int b = 0; b < 2; ++b)
+        if (theirs[b] <= mine[a]) pair(kv, a, b, from, mine[a], theirs[b]);  // else every key is after every query
+    after_step(pending);
+    for (auto& w : pending) w.wait();
+    if (s + 1 < n) kv = next;
+  }
+}
+
+// The hop of walk_ring for tensors autograd does not follow.
+auto plain_hop(comm::Group& cp) {
+  return [&cp](const torch::Tensor& kv, std::vector<comm::Work>& pending) { return pass_on(cp, kv, kTagKv, pending); };
+}
+
 // One hop of the ring, differentiable: sends x to the next rank and returns
 // the previous rank's x. The receive is only posted; `pending` gets its work,
 // which the caller waits on before reading the result (so the transfer runs
@@ -187,27 +218,16 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const Documents& docs, comm::Group* cp) {
     const torch::Tensor &segments = docs.mine, &segs = docs.all;
-    const int n = cp->size(), r = cp->rank();
-    const int64_t Hkv = k.size(1), c = q.size(2) / 2, mine[2] = {r, 2 * n - 1 - r};
+    const int64_t Hkv = k.size(1), c = q.size(2) / 2;
     const torch::Tensor qs[2] = {q.narrow(2, 0, c), q.narrow(2, c, c)};
-    torch::Tensor kv = torch::cat({k, v}, 1).contiguous(), out[2], lse[2];
-    for (int s = 0; s < n; ++s) {
-      std::vector<comm::Work> pending;
-      // The next keys travel while these are attended.
-      const torch::Tensor next = s + 1 < n ? pass_on(*cp, kv, kTagKv, pending) : torch::Tensor();
-      const int from = (r - s + n) % n;
-      const int64_t theirs[2] = {from, 2 * n - 1 - from};
-      for (int a = 0; a < 2; ++a)
-        for (int b = 0; b < 2; ++b) {
-          if (theirs[b] > mine[a]) continue;  // keys after every query: hidden whole
-          auto [o, l] = kernels::flash_attention_forward(qs[a], kv.narrow(1, 0, Hkv).narrow(2, b * c, c),
-                                                         kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c),
-                                                         pair_mask(mine[a], theirs[b], c, segments, segs, a, from, b));
-          merge_into(out[a], lse[a], o, l);
-        }
-      for (auto& w : pending) w.wait();
-      if (s + 1 < n) kv = next;
-    }
+    torch::Tensor out[2], lse[2];
+    auto pair = [&](const torch::Tensor& kv, int a, int b, int from, int64_t q_chunk, int64_t k_chunk) {
+      auto [o, l] = kernels::flash_attention_forward(qs[a], kv.narrow(1, 0, Hkv).narrow(2, b * c, c),
+                                                     kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c),
+                                                     pair_mask(q_chunk, k_chunk, c, segments, segs, a, from, b));
+      merge_into(out[a], lse[a], o, l);
+    };
+    walk_ring(*cp, torch::cat({k, v}, 1).contiguous(), plain_hop(*cp), pair, [](std::vector<comm::Work>&) {});
     const torch::Tensor o = torch::cat({out[0], out[1]}, 2), l = torch::cat({lse[0], lse[1]}, 2);
     ctx->save_for_backward({q, k, v, o, l});
     ctx->saved_data["segments"] = segments;
@@ -221,35 +241,28 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &l = saved[4];
     const torch::Tensor segments = ctx->saved_data["segments"].toTensor(), segs = ctx->saved_data["segs"].toTensor();
     auto* cp = reinterpret_cast<comm::Group*>(ctx->saved_data["group"].toInt());
-    const int n = cp->size(), r = cp->rank();
-    const int64_t Hkv = k.size(1), c = q.size(2) / 2, mine[2] = {r, 2 * n - 1 - r};
+    const int64_t Hkv = k.size(1), c = q.size(2) / 2;
     const torch::Tensor dout = grads[0].defined() ? grads[0].to(o.scalar_type()) : torch::zeros_like(o);
     auto half = [c](const torch::Tensor& t, int a) { return t.narrow(2, a * c, c); };
     torch::Tensor dq[2] = {torch::zeros_like(half(o, 0)), torch::zeros_like(half(o, 1))};
-    torch::Tensor kv = torch::cat({k, v}, 1).contiguous();
-    torch::Tensor dkv = torch::zeros(kv.sizes(), o.options());
-    for (int s = 0; s < n; ++s) {
-      std::vector<comm::Work> pending;
-      // The next keys travel while these are attended.
-      const torch::Tensor next = s + 1 < n ? pass_on(*cp, kv, kTagKv, pending) : torch::Tensor();
-      const int from = (r - s + n) % n;
-      const int64_t theirs[2] = {from, 2 * n - 1 - from};
-      for (int a = 0; a < 2; ++a)
-        for (int b = 0; b < 2; ++b) {
-          if (theirs[b] > mine[a]) continue;
-          auto [gq, gk, gv] = kernels::flash_attention_backward(
-              half(q, a), kv.narrow(1, 0, Hkv).narrow(2, b * c, c), kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c),
-              half(o, a), l.narrow(2, a * c, c), half(dout, a),
-              pair_mask(mine[a], theirs[b], c, segments, segs, a, from, b));
-          dq[a] += gq;
-          dkv.narrow(1, 0, Hkv).narrow(2, b * c, c) += gk;
-          dkv.narrow(1, Hkv, Hkv).narrow(2, b * c, c) += gv;
-        }
-      const torch::Tensor dnext = pass_on(*cp, dkv, kTagGrad, pending);  // the gradient goes where the keys go
+    const torch::Tensor kv = torch::cat({k, v}, 1).contiguous();
+    torch::Tensor dkv = torch::zeros(kv.sizes(), o.options());  // for the keys and values in hand
+    auto pair = [&](const torch::Tensor& kv, int a, int b, int from, int64_t q_chunk, int64_t k_chunk) {
+      auto [gq, gk, gv] = kernels::flash_attention_backward(
+          half(q, a), kv.narrow(1, 0, Hkv).narrow(2, b * c, c), kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c),
+          half(o, a), l.narrow(2, a * c, c), half(dout, a),
+          pair_mask(q_chunk, k_chunk, c, segments, segs, a, from, b));
+      dq[a] += gq;
+      dkv.narrow(1, 0, Hkv).narrow(2, b * c, c) += gk;
+      dkv.narrow(1, Hkv, Hkv).narrow(2, b * c, c) += gv;
+    };
+    auto after_step = [&](std::vector<comm::Work>& pending) {  // the gradient goes where the keys go
+      const torch::Tensor dnext = pass_on(*cp, dkv, kTagGrad, pending);
       for (auto& w : pending) w.wait();
+      pending.clear();
       dkv = dnext;
-      if (s + 1 < n) kv = next;
-    }
+    };
+    walk_ring(*cp, kv, plain_hop(*cp), pair, after_step);
     return {torch::cat({dq[0], dq[1]}, 2).to(q.scalar_type()), dkv.narrow(1, 0, Hkv).to(k.scalar_type()),
             dkv.narrow(1, Hkv, Hkv).to(v.scalar_type()), torch::Tensor(), torch::Tensor()};
   }
@@ -261,32 +274,22 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 // chunk that passed by, so this path's memory is that of the whole sequence.
 torch::Tensor ring_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const torch::Tensor& segments, comm::Group& cp, bool flash) {
-  const int n = cp.size(), r = cp.rank();
-  const int64_t Hkv = k.size(1), Tl = q.size(2), c = Tl / 2;
+  const int64_t Hkv = k.size(1), c = q.size(2) / 2;
   const torch::Tensor segs = segments.defined() ? gather_segments(segments, cp) : torch::Tensor();
-  const int64_t mine[2] = {r, 2 * n - 1 - r};
   const torch::Tensor qs[2] = {q.narrow(2, 0, c).contiguous(), q.narrow(2, c, c).contiguous()};
   std::vector<torch::Tensor> outs[2], lses[2];
-  torch::Tensor kv = torch::cat({k, v}, 1).contiguous();  // one message per hop
-  for (int s = 0; s < n; ++s) {
-    std::vector<comm::Work> pending;
-    torch::Tensor next = s + 1 < n ? RingHop::apply(kv, &cp, &pending) : torch::Tensor();
-    const int from = (r - s + n) % n;
-    const int64_t theirs[2] = {from, 2 * n - 1 - from};
-    for (int a = 0; a < 2; ++a) {
-      for (int b = 0; b < 2; ++b) {
-        if (theirs[b] > mine[a]) continue;  // keys after every query: hidden whole
-        const kernels::AttentionMask mask = pair_mask(mine[a], theirs[b], c, segments, segs, a, from, b);
-        const torch::Tensor kb = kv.narrow(1, 0, Hkv).narrow(2, b * c, c);
-        const torch::Tensor vb = kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c);
-        auto [o, lse] = attend_part(qs[a], kb, vb, mask, flash);
-        outs[a].push_back(o);
-        lses[a].push_back(lse);
-      }
-    }
-    for (auto& w : pending) w.wait();
-    kv = next;
-  }
+  auto pair = [&](const torch::Tensor& kv, int a, int b, int from, int64_t q_chunk, int64_t k_chunk) {
+    const kernels::AttentionMask mask = pair_mask(q_chunk, k_chunk, c, segments, segs, a, from, b);
+    const torch::Tensor kb = kv.narrow(1, 0, Hkv).narrow(2, b * c, c);
+    const torch::Tensor vb = kv.narrow(1, Hkv, Hkv).narrow(2, b * c, c);
+    auto [o, lse] = attend_part(qs[a], kb, vb, mask, flash);
+    outs[a].push_back(o);
+    lses[a].push_back(lse);
+  };
+  auto hop = [&cp](const torch::Tensor& kv, std::vector<comm::Work>& pending) {
+    return RingHop::apply(kv, &cp, &pending);
+  };
+  walk_ring(cp, torch::cat({k, v}, 1).contiguous(), hop, pair, [](std::vector<comm::Work>&) {});
   return torch::cat({merge(outs[0], lses[0], q.scalar_type()), merge(outs[1], lses[1], q.scalar_type())}, 2);
 }
 
