@@ -13,12 +13,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
 
 #include "scaletrain/kernels/attention.h"
+#include "scaletrain/kernels/vec_math.h"
 
 namespace scaletrain::kernels::detail {
 
@@ -94,28 +94,12 @@ class TileMask {
 };
 
 // exp(x) in float for the softmax's arguments (at most a rounding error above
-// 0), written so that a loop over it vectorizes: x = k ln2 + r with |r| <=
-// ln2 / 2, exp(r) by its Taylor polynomial to degree 7 (truncation below 6e-9
-// relative), 2^k put into the exponent bits. Inputs below about -87.7
-// (including -inf) give exactly 0; NaN is not expected and not handled.
-inline float exp_fast(float x) {
-  x = std::min(std::max(x, -88.0f), 88.0f);
-  const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float kf = (x * 1.44269504f + round_magic) - round_magic;
-  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln2 split in two parts
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;  // 2^k; k = -127 gives 0
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return p * two_k;
-}
+// 0), written so that a loop over it vectorizes: exp_neg(-x) of vec_math.h
+// (the degree-7 Taylor polynomial, truncation below 6e-9 relative, times 2^k
+// put into the exponent bits) with -x clamped into [-88, 88]. Inputs below
+// about -87.7 (including -inf) give exactly 0; NaN is not expected and not
+// handled.
+inline float exp_fast(float x) { return exp_neg(std::min(std::max(-x, -88.0f), 88.0f)); }
 
 // x[c] <- exp(a * x[c] - b) for c < n; returns the sum. Expects a * x - b
 // <= 0 up to rounding (the caller subtracts the row maximum or the row's
