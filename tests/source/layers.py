@@ -17,7 +17,7 @@ RULES = {
     "util": set(),
     "comm": {"util"},
     "precision": {"comm"},
-    "optim": {"comm", "precision"},
+    "optim": {"comm", "precision", "kernels"},  # kernels/adamw.h: the fused step
     "parallel": {"comm", "precision", "optim", "kernels"},  # parallel/* may also use each other (composition)
     "kernels": {"util"},
     "models": {"precision", "util", "kernels"},

@@ -1,5 +1,6 @@
 #include "scaletrain/optim/adamw.h"
 
+#include "scaletrain/kernels/adamw.h"
 #include "scaletrain/optim/file_backed.h"
 #include "scaletrain/precision/fp8.h"
 
@@ -83,34 +84,38 @@ void AdamW::set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) {
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++step_;
-  const double b1 = options_.beta1, b2 = options_.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step_));
-  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, static_cast<double>(step_)));
+  kernels::AdamWStep s;
+  s.lr = lr;
+  s.beta1 = options_.beta1;
+  s.beta2 = options_.beta2;
+  s.eps = options_.eps;
+  s.weight_decay = options_.weight_decay;
+  s.bias_correction1 = 1.0 - std::pow(s.beta1, static_cast<double>(step_));
+  s.bias_correction2_sqrt = std::sqrt(1.0 - std::pow(s.beta2, static_cast<double>(step_)));
   for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& master = params_[i];
-    const at::Tensor& g = master.grad();
+    at::Tensor& p = params_[i];
+    const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    // Note [FP8 moments]: an fp16 master (O3) is updated on an fp32 copy and
-    // rounded back once.
-    const bool narrow = options_.fp8_moments && master.scalar_type() != at::kFloat;
-    at::Tensor p = narrow ? master.to(at::kFloat) : master;
-    const int64_t nd = decay_numel_[i];
-    if (nd > 0 && options_.weight_decay != 0) {
-      if (nd == p.numel())
-        p.mul_(1.0 - lr * options_.weight_decay);
-      else
-        p.narrow(0, 0, nd).mul_(1.0 - lr * options_.weight_decay);
-    }
-    // Note [FP8 moments]: the same update on decoded fp32 copies, stored again after.
-    at::Tensor m = options_.fp8_moments ? exp_avg_value(i) : m_[i];
-    at::Tensor v = options_.fp8_moments ? exp_avg_sq_value(i) : v_[i];
-    m.lerp_(g, 1.0 - b1);
-    v.mul_(b2).addcmul_(g, g, 1.0 - b2);
-    at::Tensor denom = (v.sqrt() / bc2_sqrt).add_(options_.eps);
-    p.addcdiv_(m, denom, -lr / bc1);
-    if (narrow) master.copy_(p);
-    if (options_.fp8_moments) store_moments(i, m, v);
+    if (options_.fp8_moments)
+      step_fp8(i, s);
+    else if (options_.fused)  // the ATen ops for tensors the kernel does not take
+      kernels::fused_adamw_step(p, g, m_[i], v_[i], decay_numel_[i], s);
+    else
+      kernels::adamw_step_unfused(p, g, m_[i], v_[i], decay_numel_[i], s);
   }
+}
+
+void AdamW::step_fp8(size_t i, const kernels::AdamWStep& s) {
+  // Note [FP8 moments]: the fp32 update on decoded copies of the moments,
+  // stored again after; an fp16 master (O3) is updated on an fp32 copy and
+  // rounded back once.
+  at::Tensor& master = params_[i];
+  const bool narrow = master.scalar_type() != at::kFloat;
+  at::Tensor p = narrow ? master.to(at::kFloat) : master;
+  at::Tensor m = exp_avg_value(i), v = exp_avg_sq_value(i);
+  kernels::adamw_step_unfused(p, master.grad(), m, v, decay_numel_[i], s);
+  if (narrow) master.copy_(p);
+  store_moments(i, m, v);
 }
 
 void AdamW::zero_grad() {

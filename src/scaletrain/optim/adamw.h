@@ -12,6 +12,10 @@
 
 #include "scaletrain/comm/group.h"
 
+namespace scaletrain::kernels {
+struct AdamWStep;  // kernels/adamw.h
+}  // namespace scaletrain::kernels
+
 namespace scaletrain::optim {
 
 struct AdamWOptions {
@@ -26,6 +30,9 @@ struct AdamWOptions {
   // Note [FP8 moments]: keep the first moment as FP8 E4M3 codes and the
   // second as fp16, each tensor with a scale of its own (MS-AMP's O2).
   bool fp8_moments = false;
+  // One pass per element on CPU tensors (kernels/adamw.h: the same bits as
+  // the ATen ops, faster); false: the ATen ops. FP8 moments always take the ATen ops.
+  bool fused = true;
 };
 
 // Note [FP8 moments]: each step decodes a tensor's moments to fp32, updates
@@ -81,6 +88,7 @@ class AdamW {
   std::vector<double> m_scale_, v_scale_;  // fp8_moments: each tensor's scales
   AdamWOptions options_;
   void store_moments(size_t i, const at::Tensor& m, const at::Tensor& v);
+  void step_fp8(size_t i, const kernels::AdamWStep& s);  // Note [FP8 moments]
   int64_t step_ = 0;
 };
 
