@@ -9,6 +9,7 @@ packages=(
   libtorch-dev libgloo-dev          # libtorch 1.13 with c10d; Gloo headers for ProcessGroupGloo.hpp
   libtensorpipe-dev                 # TensorPipe: the transport of rpc/
   libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
+  libblas-dev                       # the BLAS link name: the kernels call it directly (kernels/blas.h)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   zlib1g-dev                        # crc32 of checkpoint files; prepare reads *.jsonl.gz
   libzstd-dev                       # prepare reads *.jsonl.zst

@@ -12,8 +12,8 @@
 // in attention_backward.cpp).
 //
 // Note [Tile sizes]
-// Each tile product is handed to the BLAS through at::mm_out on views of raw
-// memory. An OpenBLAS built with pthreads splits a product over its own
+// Each tile product is handed to the BLAS directly (Note [Direct BLAS calls]
+// in blas.h). An OpenBLAS built with pthreads splits a product over its own
 // threads once m*n*k exceeds 4 * 65536; called from several ATen threads at
 // once that oversubscribes the cores and measured 2x slower. Tiles are 64
 // query rows by as many keys as keep m*n*k = 64 * keys * head_dim at that
@@ -24,6 +24,7 @@
 #include <string>
 
 #include "scaletrain/kernels/attention_detail.h"
+#include "scaletrain/kernels/blas.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::kernels {
@@ -166,7 +167,7 @@ void forward_query_tile(const Geometry& g, const TileMask& mask, int64_t task, c
   std::fill(o, o + m * D, T(0));
   std::fill(run_max.begin(), run_max.begin() + m, ninf);
   std::fill(run_sum.begin(), run_sum.begin() + m, T(0));
-  const at::Tensor q_tile = wrap(q + (bh * g.Tq + i0) * D, m, D), o_tile = wrap(o, m, D);
+  const T* q_tile = q + (bh * g.Tq + i0) * D;
   const T* k_head = k + kvh * g.Tk * D;
   const T* v_head = v + kvh * g.Tk * D;
 
@@ -174,8 +175,7 @@ void forward_query_tile(const Geometry& g, const TileMask& mask, int64_t task, c
     const TileCover cover = mask.cover(b, qt, kt);
     if (cover == TileCover::kHidden) continue;
     const int64_t j0 = kt * g.tile.k, n = std::min(g.tile.k, g.Tk - j0);
-    at::Tensor s_tile = wrap(scores.data(), m, n);
-    at::mm_out(s_tile, q_tile, wrap(k_head + j0 * D, n, D).t());
+    gemm<T>(false, true, m, n, D, T(1), q_tile, D, k_head + j0 * D, D, T(0), scores.data(), n);
     if (cover == TileCover::kPartial) mask.hide(b, i0, m, j0, n, scores.data());
     for (int64_t r = 0; r < m; ++r) {
       T* s = scores.data() + r * n;
@@ -192,7 +192,7 @@ void forward_query_tile(const Geometry& g, const TileMask& mask, int64_t task, c
         for (int64_t d = 0; d < D; ++d) orow[d] *= keep;
       }
     }
-    o_tile.addmm_(s_tile, wrap(v_head + j0 * D, n, D));
+    gemm<T>(false, false, m, D, n, T(1), scores.data(), n, v_head + j0 * D, D, T(1), o, D);
   }
   for (int64_t r = 0; r < m; ++r) {
     T* orow = o + r * D;

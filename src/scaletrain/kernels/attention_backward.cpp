@@ -26,6 +26,7 @@
 #include <algorithm>
 
 #include "scaletrain/kernels/attention_detail.h"
+#include "scaletrain/kernels/blas.h"
 
 namespace scaletrain::kernels::detail {
 namespace {
@@ -56,13 +57,13 @@ struct BackwardScratch {
 template <typename T>
 void backward_pair(const Geometry& g, const TileMask& mask, const BackwardData<T>& in, int64_t b, int64_t bh,
                    int64_t qt, int64_t j0, int64_t n, TileCover cover, T* dq, BackwardScratch<T>& s,
-                   const at::Tensor& k_tile, const at::Tensor& v_tile, at::Tensor& dk_tile, at::Tensor& dv_tile) {
-  const int64_t i0 = qt * g.tile.q, m = std::min(g.tile.q, g.Tq - i0), row0 = bh * g.Tq + i0;
+                   const T* k_tile, const T* v_tile, T* dk_tile, T* dv_tile) {
+  const int64_t i0 = qt * g.tile.q, m = std::min(g.tile.q, g.Tq - i0), row0 = bh * g.Tq + i0, D = g.D;
   const T scale = static_cast<T>(g.scale);
-  const at::Tensor q_tile = wrap(in.q + row0 * g.D, m, g.D), do_tile = wrap(in.dout + row0 * g.D, m, g.D);
-  at::Tensor p_tile = wrap(s.probs.data(), m, n), dp_tile = wrap(s.dprobs.data(), m, n);
+  const T *q_tile = in.q + row0 * D, *do_tile = in.dout + row0 * D;
+  T *p_tile = s.probs.data(), *dp_tile = s.dprobs.data();
 
-  at::mm_out(p_tile, q_tile, k_tile.t());
+  gemm<T>(false, true, m, n, D, T(1), q_tile, D, k_tile, D, T(0), p_tile, n);
   if (cover == TileCover::kPartial) mask.hide(b, i0, m, j0, n, s.probs.data());
   for (int64_t r = 0; r < m; ++r) {
     T* p = s.probs.data() + r * n;
@@ -72,8 +73,8 @@ void backward_pair(const Geometry& g, const TileMask& mask, const BackwardData<T
     else
       exp_affine_row(p, n, scale, lse);
   }
-  dv_tile.addmm_(p_tile.t(), do_tile);
-  at::mm_out(dp_tile, do_tile, v_tile.t());
+  gemm<T>(true, false, n, D, m, T(1), p_tile, n, do_tile, D, T(1), dv_tile, D);
+  gemm<T>(false, true, m, n, D, T(1), do_tile, D, v_tile, D, T(0), dp_tile, n);
   for (int64_t r = 0; r < m; ++r) {
     const T* p = s.probs.data() + r * n;
     T* ds = s.dprobs.data() + r * n;
@@ -81,8 +82,8 @@ void backward_pair(const Geometry& g, const TileMask& mask, const BackwardData<T
 #pragma omp simd
     for (int64_t c = 0; c < n; ++c) ds[c] = p[c] * (ds[c] - delta);
   }
-  dk_tile.addmm_(dp_tile.t(), q_tile, 1, g.scale);
-  wrap(dq + row0 * g.D, m, g.D).addmm_(dp_tile, k_tile, 1, g.scale);
+  gemm<T>(true, false, n, D, m, scale, dp_tile, n, q_tile, D, T(1), dk_tile, D);
+  gemm<T>(false, false, m, D, n, scale, dp_tile, n, k_tile, D, T(1), dq + row0 * D, D);
 }
 
 // Task = (batch, kv head, class of key tiles); Note [Write races].
@@ -96,8 +97,8 @@ void backward_task(const Geometry& g, const TileMask& mask, const BackwardData<T
     const int64_t j0 = kt * g.tile.k, n = std::min(g.tile.k, g.Tk - j0), row0 = bkv * g.Tk + j0;
     std::fill(in.dk + row0 * D, in.dk + (row0 + n) * D, T(0));
     std::fill(in.dv + row0 * D, in.dv + (row0 + n) * D, T(0));
-    const at::Tensor k_tile = wrap(in.k + row0 * D, n, D), v_tile = wrap(in.v + row0 * D, n, D);
-    at::Tensor dk_tile = wrap(in.dk + row0 * D, n, D), dv_tile = wrap(in.dv + row0 * D, n, D);
+    const T *k_tile = in.k + row0 * D, *v_tile = in.v + row0 * D;
+    T *dk_tile = in.dk + row0 * D, *dv_tile = in.dv + row0 * D;
     for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h) {
       for (int64_t qt = 0; qt < g.q_tiles; ++qt) {
         const TileCover cover = mask.cover(b, qt, kt);
