@@ -2,8 +2,7 @@
 // Internals of the tiled attention kernel (attention.h), shared by the
 // forward (attention.cpp) and the backward (attention_backward.cpp): the
 // resolved shapes of a call, the mask evaluated per tile and per row, the
-// row-wise exponential, the small-matrix products on raw tile pointers, and a
-// load-balancing task loop on top of at::parallel_for. Not a public API; the
+// row-wise exponential, and a load-balancing task loop on top of at::parallel_for. Not a public API; the
 // tests use flash_attention_tiled to force small tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -131,12 +130,6 @@ T row_max(const T* x, int64_t n) {
 #pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < n; ++c) m = x[c] > m ? x[c] : m;
   return m;
-}
-
-// A [rows, cols] row-major tensor over raw memory, for the tile products.
-template <typename T>
-at::Tensor wrap(const T* p, int64_t rows, int64_t cols) {
-  return at::from_blob(const_cast<T*>(p), {rows, cols}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
 // Runs body(task, scratch) for task in [0, n) on the ATen threads, handing

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 
+#include "scaletrain/kernels/layer_norm_gelu.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/util/error.h"
 
@@ -62,22 +63,24 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& input) {
   return y;
 }
 
-MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout) {
+MLPImpl::MLPImpl(const GPTConfig& c) : dropout_(c.dropout), fused_(c.fused) {
   c_fc = register_module("c_fc", Linear(c.n_embd, c.mlp_width(), c.bias));
   c_proj = register_module("c_proj", Linear(c.mlp_width(), c.n_embd, c.bias));
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  // GPT-2's tanh approximation; the kernel takes ATen's op off the CPU.
+  auto gelu = [&](const torch::Tensor& h) { return fused_ ? kernels::gelu_tanh(h) : torch::gelu(h, "tanh"); };
   torch::Tensor y;
   if (tp)  // c_fc column-parallel, c_proj row-parallel: one reduction per MLP
-    y = row_parallel(torch::gelu(c_fc(tp->column_input(x)), "tanh"), *c_proj, *tp);
+    y = row_parallel(gelu(c_fc(tp->column_input(x))), *c_proj, *tp);
   else
-    y = c_proj(torch::gelu(c_fc(x), "tanh"));  // GPT-2's tanh approximation
+    y = c_proj(gelu(c_fc(x)));
   if (dropout_ > 0) y = torch::dropout(y, dropout_, is_training());
   return y;
 }
 
-BlockImpl::BlockImpl(const GPTConfig& c) {
+BlockImpl::BlockImpl(const GPTConfig& c) : fused_(c.fused) {
   auto ln = [&] {
     return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).elementwise_affine(true).eps(c.norm_eps));
   };
@@ -88,8 +91,18 @@ BlockImpl::BlockImpl(const GPTConfig& c) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
-  x = x + attn(ln_1(x));
-  return x + mlp(ln_2(x));
+  if (!fused_) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  const torch::Tensor a = attn(kernels::layer_norm(x, ln_1->weight, ln_1->bias, ln_1->options.eps()));
+  const double eps = ln_2->options.eps();
+  if (a.scalar_type() != x.scalar_type()) {  // autocast: a bf16 output added to the fp32 stream
+    x = x + a;
+    return x + mlp(kernels::layer_norm(x, ln_2->weight, ln_2->bias, eps));
+  }
+  auto [h, s] = kernels::add_layer_norm(a, x, ln_2->weight, ln_2->bias, eps);
+  return s + mlp(h);
 }
 
 GPTImpl::GPTImpl(const GPTConfig& c, bool materialize) : CausalLM(c) {

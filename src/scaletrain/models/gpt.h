@@ -47,6 +47,7 @@ class MLPImpl : public torch::nn::Module {
 
  private:
   double dropout_;
+  bool fused_;  // the tanh GELU in one pass each way (kernels/layer_norm_gelu.h)
 };
 TORCH_MODULE(MLP);
 
@@ -57,6 +58,11 @@ class BlockImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   MLP mlp{nullptr};
+
+ private:
+  // The LayerNorms in one pass each way, ln_2 with the residual add before it
+  // (kernels/layer_norm_gelu.h); false: the modules' ATen ops.
+  bool fused_;
 };
 TORCH_MODULE(Block);
 

@@ -126,8 +126,16 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const ModelConfig& c) {
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(torch::Tensor x) {
-  x = x + self_attn(input_layernorm(x));
-  const torch::Tensor h = post_attention_layernorm(x);
+  const torch::Tensor a = self_attn(input_layernorm(x));
+  torch::Tensor h;
+  // The residual add in the norm's pass; not under autocast, where a bf16
+  // output is added to the fp32 stream.
+  if (post_attention_layernorm->fused() && a.scalar_type() == x.scalar_type()) {
+    std::tie(h, x) = kernels::add_rms_norm(a, x, post_attention_layernorm->weight, post_attention_layernorm->eps());
+  } else {
+    x = x + a;
+    h = post_attention_layernorm(x);
+  }
   return x + (block_sparse_moe ? block_sparse_moe(h) : mlp(h));
 }
 

@@ -33,6 +33,8 @@ class RMSNormImpl : public torch::nn::Module {
   RMSNormImpl(int64_t width, double eps, bool fused = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
+  double eps() const { return eps_; }
+  bool fused() const { return fused_; }
 
  private:
   double eps_;

@@ -47,9 +47,10 @@ struct ModelOptions {
   // flash | naive: how attention is computed (Note [Attention paths] in
   // models/attention.h); model.dropout > 0 needs naive.
   std::string attention = "flash";
-  // true: the head and its cross-entropy in one chunked pass that never holds
-  // the [tokens, vocab] logits (kernels/linear_cross_entropy.h); false: the
-  // unfused ATen ops, for comparison.
+  // true: the CPU kernels of kernels/: the head and its cross-entropy in one
+  // chunked pass that never holds the [tokens, vocab] logits, the norms (with
+  // the residual add) and activations in one pass each way, and AdamW in one
+  // pass per element; false: the unfused ATen ops, for comparison.
   bool fused = true;
 };
 

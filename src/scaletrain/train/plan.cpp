@@ -376,11 +376,6 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   });
   if (model_ok) check_context_parallel(c, plan.model, problems);
   if (model_ok && p.tp > 1) problems.check([&] { parallel::tensor::check_tensor_parallel(plan.model, p.tp); });
-  // Under tp the head's loss is vocabulary-parallel, and GPT-2 has nothing
-  // else fused: the key would change nothing.
-  if (model_ok && p.tp > 1 && !c.model.fused && plan.model.family == "gpt2")
-    problems.add("model.fused=false changes nothing for GPT-2 under parallel.tp > 1 (the head's loss is "
-                 "vocabulary-parallel there and its norms are ATen's)");
   if (model_ok) check_expert_parallel(c, plan.model, dims_ok ? plan.dims.dp() : 0, problems);
   if (model_ok && dims_ok) {
     check_pipeline(c, plan.model, plan.dims.dp(), problems);

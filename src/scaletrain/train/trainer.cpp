@@ -278,6 +278,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   ao.weight_decay = cfg.train.weight_decay;
   if (cfg.parallel.zero.offload_optimizer == "nvme") ao.state_dir = cfg.parallel.zero.offload_dir;
   ao.fp8_moments = cfg.precision.fp8_opt_level == "O2" || cfg.precision.fp8_opt_level == "O3";
+  ao.fused = cfg.model.fused;  // one pass per element (kernels/adamw.h); false: ATen's ops
   r.opt = std::make_unique<optim::AdamW>(r.params, r.dp().decay_numel(), ao);
   for (size_t i = 0; i < r.opt->exp_avg().size(); ++i)
     r.opt_bytes += r.opt->exp_avg()[i].nbytes() + r.opt->exp_avg_sq()[i].nbytes();
