@@ -6,19 +6,22 @@
 # with model.attention / model.fused on and off, side by side in one run:
 #   - llama-tiny on one rank, one sequence of T = 1024 and 4096 per step;
 #   - examples/llama.yaml (Llama 3 vocabulary, ZeRO-3 on 2 ranks) at its
-#     original block size 256.
+#     original block size 256;
+#   - the main job (examples/main.yaml: GPT tiny, T = 128, DDP on 2 ranks),
+#     with the attention and the fused kernels switched separately.
 # Step times are medians of the steps after the first (the first pays for
 # allocations); the variants alternate, REPEATS rounds. A round disturbed by
 # a compiler or a test run is repeated (scripts/bench-common.sh).
-# usage: scripts/bench-kernels.sh [--build DIR] [--repeats N] [--skip-micro]
+# usage: scripts/bench-kernels.sh [--build DIR] [--repeats N] [--skip-micro] [--skip-llama]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BUILD=$ROOT/build REPEATS=2 MICRO=1
+BUILD=$ROOT/build REPEATS=2 MICRO=1 LLAMA=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=$2; shift 2 ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --skip-micro) MICRO=0; shift ;;
+    --skip-llama) LLAMA=0; shift ;;
     *) echo "bench-kernels.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -39,8 +42,11 @@ if ((MICRO)); then
   echo "== head + cross-entropy, V=128256 C=256 fp32"
   "$BUILD/bench/bench_linear_ce" --tokens 512,4096 --threads 1,2 --paths unfused,fused --reps 3
   wait_quiet
-  echo "== RMSNorm, add + RMSNorm, SwiGLU, 4096 rows fp32"
+  echo "== RMSNorm, add + RMSNorm, SwiGLU, LayerNorm, add + LayerNorm, GELU, 4096 rows fp32"
   "$BUILD/bench/bench_norm_activation" --reps 7 --warmup 1
+  wait_quiet
+  echo "== AdamW, one step over a flat fp32 buffer"
+  "$BUILD/bench/bench_adamw" --reps 7 --warmup 1
 fi
 
 bible "gen1:1-rev22:21" >"$WORK/kjv.txt"
@@ -94,6 +100,7 @@ run_case() {  # name nproc args...
   done
 }
 
+if ((LLAMA)); then
 echo "== the trainer, llama-tiny, 1 rank, 1 sequence per step"
 printf 'model:\n  preset: llama-tiny\ndata:\n  path: %s\ntrain:\n  steps: 6\n  global_batch: 1\n  micro_batch: 1\n  sample_tokens: 0\n' \
   "$WORK/kjv.tok" >"$WORK/tiny.yaml"
@@ -103,3 +110,12 @@ done
 echo "== examples/llama.yaml at block_size 256, ZeRO-3 on 2 ranks"
 run_case "llama.yaml T=256" 2 "$ROOT/examples/llama.yaml" --model.block_size=256 --data.path="$WORK/kjv.llama3.tok" \
   --data.tokenizer="$TOK" --train.steps=6 --train.sample_tokens=0
+fi
+
+echo "== the main job, examples/main.yaml (GPT tiny, T = 128, DDP on 2 ranks x 1 thread)"
+variants=("flash+fused:--model.attention=flash --model.fused=true"
+          "naive+unfused:--model.attention=naive --model.fused=false"
+          "naive+fused:--model.attention=naive --model.fused=true"
+          "flash+unfused:--model.attention=flash --model.fused=false")
+run_case "main job" 2 "$ROOT/examples/main.yaml" --data.path="$WORK/kjv.tok" --train.steps=15 \
+  --train.sample_tokens=0 --metrics.log_every=1
