@@ -72,6 +72,7 @@
 #include <string>
 #include <type_traits>
 
+#include "scaletrain/kernels/checks.h"
 #include "scaletrain/kernels/norm_activation.h"
 #include "scaletrain/kernels/vec_math.h"
 #include "scaletrain/util/error.h"
@@ -102,28 +103,12 @@ constexpr double kGeluA = 0.044715;
 template <typename X>
 using acc_t = std::conditional_t<std::is_same_v<X, double>, double, float>;
 
-template <typename T>
-constexpr at::ScalarType dtype_of() {
-  return c10::CppTypeToScalarType<T>::value;
-}
+using detail::check_floating;
+using detail::dtype_of;
+using detail::fail;
+using detail::str;
 
 // ---- checks ----------------------------------------------------------------
-
-template <typename T>
-std::string str(const T& value) {
-  std::ostringstream os;
-  os << value;
-  return os.str();
-}
-
-[[noreturn]] void fail(const char* op, const std::string& message) {
-  throw UsageError(std::string(op) + ": " + message);
-}
-
-void check_floating(const char* op, const Tensor& t, const char* name) {
-  if (!at::isFloatingType(t.scalar_type()))
-    fail(op, std::string(name) + " must be a floating tensor, got " + str(t.scalar_type()));
-}
 
 // weight or bias (`name`) against x [..., C].
 void check_param(const char* op, const Tensor& x, const Tensor& p, const char* name) {

@@ -49,6 +49,7 @@
 #include <string>
 #include <type_traits>
 
+#include "scaletrain/kernels/checks.h"
 #include "scaletrain/kernels/vec_math.h"
 #include "scaletrain/util/error.h"
 
@@ -98,28 +99,12 @@ void with_types(at::ScalarType in, at::ScalarType out, const F& f) {
   }
 }
 
-template <typename T>
-constexpr at::ScalarType dtype_of() {
-  return c10::CppTypeToScalarType<T>::value;
-}
+using detail::check_floating;
+using detail::dtype_of;
+using detail::fail;
+using detail::str;
 
 // ---- checks ----------------------------------------------------------------
-
-template <typename T>
-std::string str(const T& value) {
-  std::ostringstream os;
-  os << value;
-  return os.str();
-}
-
-[[noreturn]] void fail(const char* op, const std::string& message) {
-  throw UsageError(std::string(op) + ": " + message);
-}
-
-void check_floating(const char* op, const Tensor& t, const char* name) {
-  if (!at::isFloatingType(t.scalar_type()))
-    fail(op, std::string(name) + " must be a floating tensor, got " + str(t.scalar_type()));
-}
 
 void check_norm(const char* op, const Tensor& x, const Tensor& weight, double eps) {
   if (!x.defined() || !weight.defined()) fail(op, "x and weight must be defined");
