@@ -19,7 +19,7 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/zero/zero.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/hub_load.h"
+#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/model_config.h"
 
@@ -46,9 +46,9 @@ int main(int argc, char** argv) {
     st::parallel::fsdp::ShardedOptions o = st::parallel::zero::sharded_options(z);
     o.master_dtype = at::kFloat;
     if (whole)
-      o.deferred_init = st::train::hub_init(*model, dir);
+      o.deferred_init = st::hub::hub_init(*model, dir);
     else
-      o.deferred_slice_init = st::train::hub_slice_init(*model, dir);
+      o.deferred_slice_init = st::hub::hub_slice_init(*model, dir);
     st::parallel::fsdp::ShardedDataParallel engine(model, *model, *world, *world->group(), nullptr, o);
     world->group()->barrier().wait();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

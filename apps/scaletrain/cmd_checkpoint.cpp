@@ -5,13 +5,13 @@
 #include <filesystem>
 
 #include "commands.h"
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/models/hf_config.h"
-#include "scaletrain/train/hub_export.h"
-#include "scaletrain/train/peft_adapter.h"
+#include "scaletrain/hub/hub_export.h"
+#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -96,11 +96,11 @@ int consolidate(const std::string& arg, const std::string& out) {
   if (models::recorded_family(x.model.family) != "gpt2")
     throw UsageError("checkpoint consolidate writes GPT-2 files; " + dir + " holds a model of family " +
                      x.model.family);
-  models::GPT model(train::recorded_model(x, dir));  // fp32; every parameter is overwritten below
+  models::GPT model(hub::recorded_model(x, dir));  // fp32; every parameter is overwritten below
   std::vector<std::pair<std::string, at::Tensor>> outs;
   for (auto& item : model->named_parameters()) outs.emplace_back("model/" + item.key(), item.value());
   checkpoint::read_tensors(dir, x, outs);
-  checkpoint::export_hf_gpt2(model, out);
+  hub::export_hf_gpt2(model, out);
   std::printf("wrote %s: %zu tensors of step %lld (Hugging Face GPT-2 layout)\n", out.c_str(), outs.size(),
               static_cast<long long>(x.step));
   return 0;
@@ -108,11 +108,11 @@ int consolidate(const std::string& arg, const std::string& out) {
 
 int export_dir(const std::string& arg, const std::string& out, const std::string& max_shard_size,
                const std::string& dtype) {
-  train::HubExportOptions o;
+  hub::HubExportOptions o;
   o.max_shard_bytes = checkpoint::parse_shard_size(max_shard_size);  // a bad size before anything is read
   o.dtype = dtype;
   const std::string dir = resolve(arg);
-  const train::HubExportResult r = train::export_hub(dir, out, o);
+  const hub::HubExportResult r = hub::export_hub(dir, out, o);
   std::string files;
   for (const auto& f : r.files) files += (files.empty() ? "" : ", ") + f;
   std::printf("wrote %s: %lld tensors, %s in %s (Hugging Face Hub layout): %s\n", out.c_str(),
@@ -152,7 +152,7 @@ void add_checkpoint(CLI::App& app, Runner& run) {
     run = [dir, out, size, dtype, adapter, sized] {
       if (!*adapter) return export_dir(*dir, *out, *size, *dtype);
       if (sized) throw UsageError("--adapter writes the adapters as stored, in one file: no --dtype or --max-shard-size");
-      const int64_t n = train::export_adapter(resolve(*dir), *out);
+      const int64_t n = hub::export_adapter(resolve(*dir), *out);
       std::printf("wrote %s: %lld adapter tensors (PEFT layout): adapter_model.safetensors, adapter_config.json\n",
                   out->c_str(), static_cast<long long>(n));
       return 0;

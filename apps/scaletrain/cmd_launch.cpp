@@ -9,7 +9,8 @@
 // Elastic (torchrun's --nnodes MIN:MAX): every node runs the same command,
 //   scaletrain launch --nproc-per-node 4 --nnodes 2:4 --master-addr host0
 //       --master-port 29500 --max-restarts 3 -- scaletrain train run.yaml
-// and the launchers form rounds of 2 to 4 nodes (comm/elastic.h).
+// and the launchers form rounds of 2 to 4 nodes (launch/elastic.h) over a
+// store of comm/'s (comm/rendezvous_store.h), which NodeStoreAdapter hands in.
 //
 // The `--` is needed whenever the worker command has options of its own:
 // without it those would be parsed as the launcher's.
@@ -28,12 +29,55 @@
 #include <vector>
 
 #include "commands.h"
-#include "scaletrain/comm/elastic.h"
+#include "scaletrain/comm/rendezvous_store.h"
+#include "scaletrain/launch/elastic.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/train/accelerate_config.h"
 
 namespace scaletrain::cli {
+namespace {
+
+// The launchers' store for the elastic rounds: serves it when this host can
+// bind host:port (the first launcher there), else connects to the one that does.
+class NodeStoreAdapter : public launch::NodeStore {
+ public:
+  explicit NodeStoreAdapter(const launch::ElasticOptions& o) {
+    comm::RendezvousStoreOptions s;
+    s.host = o.host;
+    s.port = static_cast<uint16_t>(o.port);
+    s.secret = o.secret;
+    s.connect_timeout = o.join_timeout;
+    s.timeout = o.join_timeout;
+    s.is_server = true;
+    try {
+      store_ = c10::make_intrusive<comm::RendezvousStore>(s);
+    } catch (const comm::RendezvousStoreError& e) {
+      // Another node's launcher serves it (or this host does not own the address).
+      if (std::string(e.what()).find("cannot listen") == std::string::npos) throw;
+      s.is_server = false;
+      store_ = c10::make_intrusive<comm::RendezvousStore>(s);
+    }
+  }
+  void set(const std::string& key, const std::string& value) override { store_->set(key, bytes(value)); }
+  std::string get(const std::string& key) override { return text(store_->get(key)); }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
+    return text(store_->compareSet(key, bytes(expected), bytes(desired)));
+  }
+  bool check(const std::string& key) override { return store_->check({key}); }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    store_->wait(keys, timeout);
+  }
+  std::string local_host() override { return store_->localHost(); }
+
+ private:
+  static std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+  static std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
+  c10::intrusive_ptr<comm::RendezvousStore> store_;
+};
+
+}  // namespace
 
 void add_launch(CLI::App& app, Runner& run) {
   auto* sub = app.add_subcommand(
@@ -52,7 +96,7 @@ void add_launch(CLI::App& app, Runner& run) {
                                  "Nodes in the job: N, or MIN:MAX for an elastic job whose nodes may leave and join "
                                  "(rounds formed through the store at --master-addr:--master-port)")
                      ->capture_default_str();
-  auto elastic = std::make_shared<comm::ElasticOptions>();
+  auto elastic = std::make_shared<launch::ElasticOptions>();
   auto last_call_s = std::make_shared<double>(3), keepalive_s = std::make_shared<double>(10),
        join_s = std::make_shared<double>(600);
   sub->add_option("--rdzv-last-call", *last_call_s,
@@ -152,7 +196,8 @@ void add_launch(CLI::App& app, Runner& run) {
         elastic->keepalive_timeout = ms(*keepalive_s);
         elastic->join_timeout = ms(*join_s);
         if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) elastic->secret = s;
-        opts->rendezvous = std::make_shared<comm::ElasticRendezvous>(*elastic);
+        opts->rendezvous =
+            std::make_shared<launch::ElasticRendezvous>(*elastic, std::make_unique<NodeStoreAdapter>(*elastic));
       }
       return launch::run(*opts, *command);
     };

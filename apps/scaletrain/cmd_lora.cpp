@@ -1,11 +1,11 @@
 // `scaletrain lora merge BASE_DIR ADAPTER_DIR -o OUT_DIR`: a PEFT LoRA
-// adapter folded into its base model (train/peft_adapter.h).
+// adapter folded into its base model (hub/peft_adapter.h).
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "commands.h"
-#include "scaletrain/train/peft_adapter.h"
+#include "scaletrain/hub/peft_adapter.h"
 
 namespace scaletrain::cli {
 
@@ -24,7 +24,7 @@ void add_lora(CLI::App& app, Runner& run) {
   merge->add_option("--dtype", *dtype, "fp32 | bf16 | fp16 (default: each base tensor's dtype)");
   merge->callback([&run, base, adapter, out, dtype] {
     run = [base, adapter, out, dtype] {
-      const int64_t n = train::merge_adapter(*base, *adapter, *out, *dtype);
+      const int64_t n = hub::merge_adapter(*base, *adapter, *out, *dtype);
       std::printf("wrote %s: %s with %lld adapted layers merged from %s (Hugging Face Hub layout)\n", out->c_str(),
                   base->c_str(), static_cast<long long>(n), adapter->c_str());
       return 0;

@@ -142,7 +142,8 @@ void save(const std::string& name, const std::string& strategy) {
   st.run.optimizer_steps = run.opt->steps();
   checkpoint::Layout layout = run.layout();
   layout.mesh = run.mesh->dims().describe();
-  ckpt.save(layout, run.opt.get(), st);
+  const checkpoint::OptimizerMoments<optim::AdamW> moments(*run.opt);
+  ckpt.save(layout, &moments, st);
   ckpt.finish();
   world().group()->barrier().wait();
   if (world().rank() == 0) {
@@ -158,7 +159,8 @@ void load(const std::string& name, const std::string& strategy) {
   const auto dir = checkpoint::newest_checkpoint((root() / name).string());
   ASSERT_TRUE(dir.has_value()) << "run the CheckpointSave test of " << name << " first";
   Run run(strategy, 7);  // other initial weights: loading must overwrite every element
-  const auto index = checkpoint::load_checkpoint(*dir, run.layout(), run.opt.get());
+  checkpoint::OptimizerMoments<optim::AdamW> moments(*run.opt);
+  const auto index = checkpoint::load_checkpoint(*dir, run.layout(), &moments);
   if (run.sharded) run.sharded->after_step();
   EXPECT_EQ(run.opt->steps(), kSaved);
   const std::string what = index.strategy + " on " + std::to_string(index.world_size) + " -> " + strategy + " on " +

@@ -355,11 +355,11 @@ TEST(MixedPrecision, MasterWeightsKeepLearningWherePureBf16Stalls) {
   }
   EXPECT_EQ(pure->weight.to(at::kFloat).max().item<float>(), 1.0f) << "pure bf16 was expected to stall";
   // fp32 masters through the sharded engine (a Linear is a model of zero blocks).
-  struct OneLayer : models::Blockwise {
+  struct OneLayer : interfaces::Blockwise {
     int64_t num_blocks() const override { return 0; }
     std::string block_prefix(int64_t) const override { return ""; }
     std::string block_class() const override { return "Block"; }
-    void set_block_runner(models::BlockRunner) override {}
+    void set_block_runner(interfaces::BlockRunner) override {}
   } blocks;
   auto mixed = make();
   ShardedOptions o;

@@ -174,7 +174,8 @@ void save(const std::string& name, const std::string& strategy, int tp_degree) {
   st.run.optimizer_steps = run.opt->steps();
   checkpoint::Layout layout = run.layout();
   layout.mesh = run.mesh->dims().describe();
-  ckpt.save(layout, run.opt.get(), st);  // the index build checks that the pieces tile every tensor
+  const checkpoint::OptimizerMoments<optim::AdamW> moments(*run.opt);
+  ckpt.save(layout, &moments, st);  // the index build checks that the pieces tile every tensor
   world().group()->barrier().wait();
   if (world().rank() == 0) {
     auto newest = checkpoint::newest_checkpoint((root() / name).string());
@@ -191,7 +192,8 @@ void load(const std::string& name, const std::string& strategy, int tp_degree) {
   const auto dir = checkpoint::newest_checkpoint((root() / name).string());
   ASSERT_TRUE(dir.has_value()) << "run the save test of " << name << " first";
   Run run(strategy, tp_degree, 7);  // other initial weights: loading must overwrite every element
-  const auto index = checkpoint::load_checkpoint(*dir, run.layout(), run.opt.get());
+  checkpoint::OptimizerMoments<optim::AdamW> moments(*run.opt);
+  const auto index = checkpoint::load_checkpoint(*dir, run.layout(), &moments);
   if (run.sharded) run.sharded->after_step();
   EXPECT_EQ(run.opt->steps(), kSaved);
   const std::string what =

@@ -281,9 +281,9 @@ TEST(ZeroOptions, Stage3MaxLiveParametersBoundsTheGatheredElements) {
 // The trainer's keys reach the engine (train/strategy.cpp, sharded_setup).
 TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   static comm::Mesh mesh(world(), comm::MeshDims{});
-  train::Plan plan;  // fp32, nothing deferred
+  train::Plan plan;  // fp32, nothing deferred; the engine is the plan's, the keys the config's
+  plan.data_parallel = train::DataParallelism::kZero2;
   train::Config c;
-  c.parallel.strategy = "zero2";
   c.parallel.zero.reduce_bucket_mb = 2;
   c.parallel.zero.allgather_bucket_mb = 0.5;
   c.parallel.first_bucket_mb = 0.25;
@@ -294,7 +294,7 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   EXPECT_EQ(o.allgather_bucket_numel, 1 << 17);
   EXPECT_EQ(o.wrap.first_bucket_numel, 1 << 16);
   EXPECT_EQ(o.wrap.last_bucket_numel, 0);
-  c.parallel.strategy = "zero3";
+  plan.data_parallel = train::DataParallelism::kZero3;
   c.parallel.zero.prefetch_bucket_mb = 3;
   c.parallel.zero.max_live_parameters = 12345;
   o = train::sharded_setup(c, plan, mesh).options;

@@ -15,15 +15,18 @@ import sys
 # folder -> folders it may include directly (DESIGN.md, "Layers, bottom up").
 RULES = {
     "util": set(),
+    "interfaces": {"util"},  # what engines need from a module (blocks, deferred storage)
     "comm": {"util"},
     "precision": {"comm"},
     "optim": {"comm", "precision", "kernels"},  # kernels/adamw.h: the fused step
-    "parallel": {"comm", "precision", "optim", "kernels"},  # parallel/* may also use each other (composition)
+    # parallel/* may also use each other (composition)
+    "parallel": {"comm", "precision", "optim", "kernels", "interfaces"},
     "kernels": {"util"},
-    "models": {"precision", "util", "kernels"},
+    "models": {"precision", "util", "kernels", "interfaces", "estimate"},  # estimate: each family's spec
     "template": {"util"},
     "data": {"util", "template"},
     "checkpoint": {"comm", "util"},
+    "hub": {"checkpoint", "models", "interfaces", "util"},  # Hugging Face and PEFT formats
     "estimate": {"util"},
     "launch": {"util"},
     "rpc": {"comm"},
@@ -32,22 +35,11 @@ RULES = {
 
 # (including file, included file): why it is still there.
 KNOWN = {
-    ("comm/elastic.h", "launch/launcher.h"): "the node rendezvous lives in comm/; issue 35 moves it to launch/",
-    ("parallel/expert/expert_parallel.h", "models/moe.h"): "the expert engine takes the Mixtral block; issue 35",
-    ("checkpoint/hf_gpt2.h", "models/gpt.h"): "GPT-2 names belong to a hub/ layer that does not exist yet; issue 35",
-    ("checkpoint/sharded.h", "optim/adamw.h"): "checkpoints take AdamW's state by type; issue 35",
-    ("models/spec_catalog.h", "estimate/model_spec.h"): "the families' estimator specs; models/ may own them (issue 35)",
-    # The engines' model interfaces (Blockwise, BlockRunner) and deferred
-    # initialization still live in models/: issue 34 moves them beside the
-    # engines so that no engine includes models/.
-    ("parallel/pipeline/pipeline.cpp", "models/deferred.h"): "issue 34",
+    # The pipeline's and tensor parallelism's CausalLM paths take our
+    # families' model class (the generic ones, module_pipeline and
+    # parallelize_module, do not): issue 34.
     ("parallel/pipeline/pipeline.h", "models/causal_lm.h"): "issue 34",
     ("parallel/pipeline/stage.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/fsdp/flat_param.cpp", "models/deferred.h"): "issue 34",
-    ("parallel/fsdp/fsdp.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/fsdp/module_units.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/fsdp/wrap.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/tensor/tensor_parallel.h", "models/deferred.h"): "issue 34",
     ("parallel/tensor/tensor_parallel.h", "models/causal_lm.h"): "issue 34",
 }
 

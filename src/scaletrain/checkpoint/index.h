@@ -73,7 +73,7 @@ struct ModelShape {
   // compact JSON text: every dimension of any family, so `checkpoint export`
   // needs no run config. Empty in indexes written before it was recorded.
   std::string hf_config;
-  // A finetune run's adapters (train/peft_adapter.h): compact JSON of the
+  // A finetune run's adapters (hub/peft_adapter.h): compact JSON of the
   // method and the adapters' settings, and the base model they apply to.
   // Such a checkpoint holds the adapters (and their optimizer state) only.
   // Empty for a run that trains every parameter.

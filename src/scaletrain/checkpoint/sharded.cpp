@@ -42,7 +42,7 @@ struct OutPiece {
   at::Tensor data;  // 1-D, contiguous, CPU
 };
 
-std::vector<OutPiece> collect(const Layout& layout, const optim::AdamW* opt, bool copy) {
+std::vector<OutPiece> collect(const Layout& layout, const OptimizerState* opt, bool copy) {
   std::vector<OutPiece> out;
   for (const auto& slot : layout.slots) {
     std::vector<std::pair<const char*, at::Tensor>> sources{{kKinds[0], slot.tensor}};
@@ -251,7 +251,7 @@ void Checkpointer::commit_pending() {
   }
 }
 
-void Checkpointer::save(const Layout& layout, const optim::AdamW* opt, const SaveState& state) {
+void Checkpointer::save(const Layout& layout, const OptimizerState* opt, const SaveState& state) {
   const auto t0 = std::chrono::steady_clock::now();
   commit_pending();  // the previous asynchronous save
   auto pending = std::make_unique<Pending>();
@@ -328,7 +328,7 @@ std::vector<std::string> all_gather_text(comm::Group& g, const std::string& mine
 
 }  // namespace
 
-void Checkpointer::write_full(const Layout& layout, const optim::AdamW* opt, const std::string& dir) {
+void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, const std::string& dir) {
   comm::Group& g = group_;
   const std::vector<OutPiece> mine = layout.writer ? collect(layout, opt, /*copy=*/false) : std::vector<OutPiece>{};
   json desc = json::array();
@@ -423,7 +423,7 @@ void Checkpointer::write_full(const Layout& layout, const optim::AdamW* opt, con
   write_file_durably((fs::path(dir) / rank_name(0, "json")).string(), part.dump());
 }
 
-Index load_checkpoint(const std::string& dir, const Layout& layout, optim::AdamW* opt) {
+Index load_checkpoint(const std::string& dir, const Layout& layout, OptimizerState* opt) {
   Index index = read_index(dir);
   Reader reader(dir, index);
   for (const auto& slot : layout.slots) {

@@ -42,7 +42,6 @@
 
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/comm/group.h"
-#include "scaletrain/optim/adamw.h"
 
 namespace scaletrain::checkpoint {
 
@@ -110,6 +109,33 @@ struct SaveState {
   ModelShape model;  // for consolidation
 };
 
+// What a checkpoint saves and restores of an optimizer: two moments per
+// layout slot (Slot::optim_index), read and written as fp32 values whatever
+// the optimizer stores, and the step count. OptimizerMoments adapts any
+// optimizer with these members (optim::AdamW), so this layer does not
+// depend on optim/.
+class OptimizerState {
+ public:
+  virtual ~OptimizerState() = default;
+  virtual at::Tensor exp_avg_value(size_t i) const = 0;
+  virtual at::Tensor exp_avg_sq_value(size_t i) const = 0;
+  virtual void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) = 0;
+  virtual void set_steps(int64_t steps) = 0;
+};
+
+template <class Optimizer>
+class OptimizerMoments final : public OptimizerState {
+ public:
+  explicit OptimizerMoments(Optimizer& o) : o_(o) {}
+  at::Tensor exp_avg_value(size_t i) const override { return o_.exp_avg_value(i); }
+  at::Tensor exp_avg_sq_value(size_t i) const override { return o_.exp_avg_sq_value(i); }
+  void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) override { o_.set_moments(i, m, v); }
+  void set_steps(int64_t steps) override { o_.set_steps(steps); }
+
+ private:
+  Optimizer& o_;
+};
+
 class Checkpointer {
  public:
   // `group`: every rank of the job (barriers); rank 0 of it commits.
@@ -120,7 +146,7 @@ class Checkpointer {
 
   // Collective. Saves `layout`'s tensors and `opt`'s states (may be null)
   // for step state.run.step (Note [Checkpoint commit]).
-  void save(const Layout& layout, const optim::AdamW* opt, const SaveState& state);
+  void save(const Layout& layout, const OptimizerState* opt, const SaveState& state);
   // Collective. Commits a pending asynchronous save.
   void finish();
   // Seconds the last save() blocked the caller.
@@ -129,7 +155,7 @@ class Checkpointer {
  private:
   struct Pending;
   void commit_pending();  // join, barrier, rank 0 writes the index
-  void write_full(const Layout& layout, const optim::AdamW* opt, const std::string& dir);
+  void write_full(const Layout& layout, const OptimizerState* opt, const std::string& dir);
 
   comm::Group& group_;
   CheckpointOptions options_;
@@ -143,7 +169,7 @@ class Checkpointer {
 // checksums. Throws UsageError (one line naming the file or tensor) for a
 // corrupt file, a missing tensor, or a shape mismatch. Replicated sharded
 // strategies must call after_step() afterwards. Returns the index.
-Index load_checkpoint(const std::string& step_dir, const Layout& layout, optim::AdamW* opt);
+Index load_checkpoint(const std::string& step_dir, const Layout& layout, OptimizerState* opt);
 
 // Reads whole tensors of a checkpoint ("model/" + parameter name) into the given
 // tensors (numel must match; any dtype), one at a time; verifies checksums.

@@ -734,7 +734,7 @@ class RunningFlag {
 };
 
 // The elastic form of run(): rounds formed by opts.rendezvous (Note [Elastic
-// rounds] in comm/elastic.h). Each round starts this node's workers with the
+// rounds] in launch/elastic.h). Each round starts this node's workers with the
 // round's placement; a failure here is reported to the other nodes and
 // counted; a round ended elsewhere (a node failed, was lost, or is waiting to
 // join) stops the workers without counting; success ends the job.

@@ -26,9 +26,9 @@
 namespace scaletrain::launch {
 
 // Elastic membership (--nnodes MIN:MAX): how the launchers of the nodes agree
-// on each round of the job. launch/ only drives it; the implementation over
-// the rendezvous store lives in comm/ (comm/elastic.h), so this layer stays
-// torch-free. Note [Elastic rounds] in comm/elastic.h describes the protocol.
+// on each round of the job. launch/elastic.h implements it over any NodeStore
+// (Note [Elastic rounds] there describes the protocol); the CLI hands it the
+// rendezvous store of comm/, so this layer stays torch-free.
 class NodeRendezvous {
  public:
   virtual ~NodeRendezvous() = default;

@@ -16,7 +16,7 @@ namespace scaletrain::models {
 torch::Tensor CausalLM::forward(const torch::Tensor& idx) {
   torch::Tensor x = embed(idx);
   for (int64_t i = 0; i < num_blocks(); ++i) {
-    const BlockBody body = block_body(i);
+    const interfaces::BlockBody body = block_body(i);
     x = runner_ ? runner_(i, body, x) : body(x);
   }
   return head_logits(x);
@@ -25,7 +25,7 @@ torch::Tensor CausalLM::forward(const torch::Tensor& idx) {
 torch::Tensor CausalLM::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   torch::Tensor x = embed(idx);
   for (int64_t i = 0; i < num_blocks(); ++i) {
-    const BlockBody body = block_body(i);
+    const interfaces::BlockBody body = block_body(i);
     x = runner_ ? runner_(i, body, x) : body(x);
   }
   return head_loss(x, targets);
@@ -37,7 +37,7 @@ namespace {
 // backward as the interval from the gradient of its output (the block's
 // backward begins) to the gradient of its input (it has ended). Only while
 // a step is traced: otherwise the body runs as it is.
-BlockBody traced(BlockBody body, int64_t i) {
+interfaces::BlockBody traced(interfaces::BlockBody body, int64_t i) {
   if (!trace::on()) return body;
   return [body = std::move(body), i](const torch::Tensor& in) {
     trace::Span span("forward", "forward block", i);
@@ -58,8 +58,8 @@ BlockBody traced(BlockBody body, int64_t i) {
 
 }  // namespace
 
-BlockBody CausalLM::block_body(int64_t i) {
-  BlockBody body = [this, i](const torch::Tensor& in) { return run_block(i, in); };
+interfaces::BlockBody CausalLM::block_body(int64_t i) {
+  interfaces::BlockBody body = [this, i](const torch::Tensor& in) { return run_block(i, in); };
   if (checkpointing_ != ActivationCheckpointing::Full) return traced(std::move(body), i);
   CheckpointOptions ckpt;
   ckpt.preserve_rng = config_.dropout > 0;  // no dropout: no random draws to replay
@@ -181,7 +181,7 @@ torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const Tenso
 
 bool CausalLM::is_expert_parameter(const std::string&) const { return false; }
 
-void CausalLM::set_expert_parallel(std::shared_ptr<const ExpertParallelHooks>) {
+void CausalLM::set_expert_parallel(std::shared_ptr<const interfaces::ExpertParallelHooks>) {
   throw std::invalid_argument("expert parallelism needs a model with MoE layers (model family " + config_.family + ")");
 }
 

@@ -24,12 +24,13 @@
 
 #include "scaletrain/models/attention.h"
 #include "scaletrain/models/checkpoint.h"
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/blocks.h"
+#include "scaletrain/interfaces/deferred.h"
+#include "scaletrain/interfaces/experts.h"
 
 namespace scaletrain::models {
 
-struct MoeContext;           // models/moe.h
-struct ExpertParallelHooks;  // models/moe.h
+struct MoeContext;  // models/moe.h
 
 // Llama 3.1's frequency-dependent stretch of the rotary embedding (Hugging
 // Face's rope_scaling {"rope_type": "llama3", ...}); type "" is none.
@@ -131,31 +132,11 @@ struct TensorParallelSplit {
   bool partial_grad = false;
 };
 
-// How a parallel strategy takes part in a model's forward: the model calls the
-// runner for each transformer block instead of the block itself, and the
-// runner calls `body` (the block's forward) between whatever it must do before
-// and after (gather a sharded unit, register a pre-backward hook, recompute in
-// backward). No runner: blocks run directly.
-using BlockBody = std::function<torch::Tensor(const torch::Tensor&)>;
-using BlockRunner = std::function<torch::Tensor(int64_t index, const BlockBody& body, const torch::Tensor& x)>;
-
-// What a strategy needs to know about a module built of repeated blocks.
-class Blockwise {
- public:
-  virtual ~Blockwise() = default;
-  virtual int64_t num_blocks() const = 0;
-  // Parameter-name prefix of block i ("h.3."), as in named_parameters().
-  virtual std::string block_prefix(int64_t i) const = 0;
-  // Class name of the blocks, for transformer-based wrap policies.
-  virtual std::string block_class() const = 0;
-  virtual void set_block_runner(BlockRunner runner) = 0;
-};
-
 // A module a pipeline chunk takes over, under its dotted path in the model
 // ("model.embed_tokens"), so the chunk's parameter names are the model's.
 using NamedModule = std::pair<std::string, std::shared_ptr<torch::nn::Module>>;
 
-class CausalLM : public torch::nn::Module, public Blockwise {
+class CausalLM : public torch::nn::Module, public interfaces::Blockwise {
  public:
   explicit CausalLM(ModelConfig config) : config_(std::move(config)) {}
   const ModelConfig& config() const { return config_; }
@@ -180,8 +161,8 @@ class CausalLM : public torch::nn::Module, public Blockwise {
 
   // Block i's forward as a body for a BlockRunner, checkpointed when asked
   // (what forward() runs; pipeline chunks run their blocks through it too).
-  BlockBody block_body(int64_t i);
-  void set_block_runner(BlockRunner runner) override { runner_ = std::move(runner); }
+  interfaces::BlockBody block_body(int64_t i);
+  void set_block_runner(interfaces::BlockRunner runner) override { runner_ = std::move(runner); }
   int64_t num_blocks() const override { return config_.n_layer; }
   // Full: each block keeps only its input for backward and is recomputed
   // there (models/checkpoint.h).
@@ -211,7 +192,7 @@ class CausalLM : public torch::nn::Module, public Blockwise {
 
   // Initialization of parameter `name` into `p` (shaped like it); a model
   // built with materialize=false gets its values through this, in
-  // registration order (models/deferred.h).
+  // registration order (interfaces/deferred.h).
   virtual void init_parameter(const std::string& name, at::Tensor& p) const = 0;
 
   int64_t num_parameters() const;
@@ -233,7 +214,7 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // every MoE layer while tokens move through the hooks. A dense model has no
   // expert parameters and refuses the hooks.
   virtual bool is_expert_parameter(const std::string& name) const;
-  virtual void set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks);
+  virtual void set_expert_parallel(std::shared_ptr<const interfaces::ExpertParallelHooks> hooks);
 
   // Packed documents (Note [Packed documents] in models/attention.h): the
   // layout of the micro-batch that the next forwards (and their recomputation
@@ -253,7 +234,7 @@ class CausalLM : public torch::nn::Module, public Blockwise {
   // through init_parameter() (materialize) or does nothing.
   template <typename M>
   M settle(M module, bool materialize) {
-    if (!materialize) free_parameters(*module);
+    if (!materialize) interfaces::free_parameters(*module);
     return module;
   }
   void finish_construction(bool materialize);
@@ -270,7 +251,7 @@ class CausalLM : public torch::nn::Module, public Blockwise {
 
  private:
   ModelConfig config_;
-  BlockRunner runner_;
+  interfaces::BlockRunner runner_;
   ActivationCheckpointing checkpointing_ = ActivationCheckpointing::None;
 };
 using ModelPtr = std::shared_ptr<CausalLM>;
@@ -292,7 +273,7 @@ class LinearImpl;
 torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp);
 
 // The family's model for `config` (models/registry.cpp). materialize=false
-// builds it without parameter bytes (models/deferred.h).
+// builds it without parameter bytes (interfaces/deferred.h).
 ModelPtr make_model(const ModelConfig& config, bool materialize = true);
 
 // What tensor parallelism of degree `tp` cannot split in a model of this

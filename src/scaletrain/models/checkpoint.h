@@ -13,7 +13,7 @@
 // and the sharded engines count gradients with fire exactly as without
 // checkpointing, in the same backward pass.
 //
-// It composes with a BlockRunner (models/gpt.h): the model hands the runner a
+// It composes with a BlockRunner (interfaces/blocks.h): the model hands the runner a
 // body that checkpoints, and the runner does what it does around any body
 // (gather a sharded unit before it, hook its output so the unit is gathered
 // again before its backward, which is before the recomputation).

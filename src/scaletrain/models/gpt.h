@@ -69,7 +69,7 @@ TORCH_MODULE(Block);
 class GPTImpl : public CausalLM {
  public:
   // materialize=false builds the model without its parameters' bytes (see
-  // models/deferred.h); a strategy then fills them through init_parameter(),
+  // interfaces/deferred.h); a strategy then fills them through init_parameter(),
   // in registration order, before anything else draws random numbers.
   explicit GPTImpl(const GPTConfig& c, bool materialize = true);
   // GPT-2 initialisation: N(0, 0.02), zero biases, LayerNorm 1 / 0, and the

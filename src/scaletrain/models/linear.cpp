@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 
 namespace scaletrain::models {
 
@@ -117,19 +117,19 @@ void LinearImpl::quantize(const precision::NF4Options& o) {
   nf4_shape_ = weight.sizes().vec();
   nf4_options_ = o;
   base_dtype_ = weight.scalar_type();
-  const bool later = weight.numel() > 0 && weight.storage().nbytes() == 0;  // deferred (models/deferred.h)
+  const bool later = weight.numel() > 0 && weight.storage().nbytes() == 0;  // deferred (interfaces/deferred.h)
   std::vector<at::Tensor> values;
   if (later) {
     for (int64_t n : nf4_sizes(weight.numel(), o)) {
       values.push_back(at::empty({n}, at::kByte));
-      free_storage(values.back());
+      interfaces::free_storage(values.back());
     }
   } else {
     const precision::NF4Weight w = precision::nf4_quantize(weight.detach(), o);
     for (const auto& suffix : nf4_parameter_suffixes()) values.push_back(nf4_parameter_bytes(w, suffix).clone());
   }
   // The four take the weight's place in registration order, so a deferred
-  // model's initialization draws (models/deferred.h) keep their order.
+  // model's initialization draws (interfaces/deferred.h) keep their order.
   auto before = parameters_;
   parameters_.clear();
   at::Tensor* slots[] = {&weight_nf4, &weight_absmax, &weight_absmax_scale, &weight_absmax_offset};

@@ -48,7 +48,7 @@ class LinearImpl : public torch::nn::Module {
   //   weight_absmax_scale   fp32 bytes of the double-quant scales (empty without)
   //   weight_absmax_offset  fp32 bytes of the double-quant offset ([4]; empty without)
   // `weight` is removed. forward() dequantizes one layer at a time
-  // (precision::nf4_linear). A weight without bytes (models/deferred.h)
+  // (precision::nf4_linear). A weight without bytes (interfaces/deferred.h)
   // becomes parameters without bytes of the right sizes, filled later from
   // nf4_parameter_bytes().
   void quantize(const precision::NF4Options& o);

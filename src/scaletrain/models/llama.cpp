@@ -251,7 +251,7 @@ bool LlamaImpl::is_expert_parameter(const std::string& name) const {
   return name.find(".block_sparse_moe.experts.") != std::string::npos;
 }
 
-void LlamaImpl::set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks) {
+void LlamaImpl::set_expert_parallel(std::shared_ptr<const interfaces::ExpertParallelHooks> hooks) {
   if (!moe_) CausalLM::set_expert_parallel(hooks);  // refuses
   for (auto& m : *layers) m->as<LlamaDecoderLayer>()->block_sparse_moe->set_expert_parallel(hooks);
 }

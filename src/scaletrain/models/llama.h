@@ -112,7 +112,7 @@ class LlamaImpl : public CausalLM {
   NamedModule block_module(int64_t i) override;
   std::pair<std::string, at::Tensor> tied_head() override;
   bool is_expert_parameter(const std::string& name) const override;
-  void set_expert_parallel(std::shared_ptr<const ExpertParallelHooks> hooks) override;
+  void set_expert_parallel(std::shared_ptr<const interfaces::ExpertParallelHooks> hooks) override;
 
   // 6N + 12*L*(n_head*head_dim)*T, N without an untied embedding (a lookup)
   // and, for MoE models, with the k experts a token uses of each layer's E.

@@ -67,7 +67,7 @@ void init_adapter(const std::string& name, at::Tensor& out, const LoraOptions& o
   out.copy_(v);
 }
 
-InitFn with_adapter_init(InitFn base, LoraOptions o) {
+interfaces::InitFn with_adapter_init(interfaces::InitFn base, LoraOptions o) {
   return [base = std::move(base), o = std::move(o)](const std::string& name, at::Tensor& out) {
     if (is_adapter_parameter(name))
       init_adapter(name, out, o);
@@ -114,7 +114,7 @@ std::vector<std::string> apply_lora(CausalLM& model, const LoraOptions& o) {
     for (const char* part : {".lora_A.weight", ".lora_B.weight"}) {
       at::Tensor& t = part[6] == 'A' ? lin->lora_A : lin->lora_B;
       if (later)
-        free_storage(t);
+        interfaces::free_storage(t);
       else
         init_adapter(path + part, t, o);
     }

@@ -14,14 +14,14 @@
 //
 // Adapter values are drawn from a generator seeded by (seed, parameter
 // name), not the global one: every rank and every layout, materializing
-// parameters in any order (models/deferred.h), gets the same adapters.
+// parameters in any order (interfaces/deferred.h), gets the same adapters.
 #include <torch/torch.h>
 
 #include <string>
 #include <vector>
 
 #include "scaletrain/models/causal_lm.h"
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 
 namespace scaletrain::models {
 
@@ -72,6 +72,6 @@ TensorParallelSplit adapter_split(const std::string& name, const TensorParallelS
 void init_adapter(const std::string& name, at::Tensor& out, const LoraOptions& o);
 
 // `base` for every other parameter, init_adapter for adapters.
-InitFn with_adapter_init(InitFn base, LoraOptions o);
+interfaces::InitFn with_adapter_init(interfaces::InitFn base, LoraOptions o);
 
 }  // namespace scaletrain::models

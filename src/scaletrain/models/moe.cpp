@@ -98,7 +98,7 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t width, int64_t inner, MoeOptions 
     local_.push_back(experts->register_module(std::to_string(j), MoeExpert(width, inner)));
 }
 
-void SparseMoeBlockImpl::set_expert_parallel(ExpertParallelHooksPtr hooks) {
+void SparseMoeBlockImpl::set_expert_parallel(interfaces::ExpertParallelHooksPtr hooks) {
   TORCH_CHECK(hooks && hooks->local_experts > 0 && hooks->first_expert >= 0 &&
                   hooks->first_expert + hooks->local_experts <= o_.num_experts && first_ == 0 &&
                   static_cast<int64_t>(local_.size()) == o_.num_experts,

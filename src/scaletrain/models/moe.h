@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "scaletrain/interfaces/experts.h"
 #include "scaletrain/models/linear.h"
 
 namespace scaletrain::models {
@@ -93,20 +94,6 @@ Routing route(const torch::Tensor& logits, const MoeOptions& o, int64_t seq_len)
 torch::Tensor load_balancing_loss(const Routing& r, const MoeOptions& o, int64_t seq_len);
 torch::Tensor router_z_loss(const Routing& r);
 
-// Expert parallelism (filled in by a strategy; null: every expert is here).
-// `run` receives, for each local expert, the tokens routed to every expert
-// [M, C] sorted by expert with `counts` [E] per expert, and returns the
-// experts' outputs in the same order: the strategy moves the tokens to the
-// ranks that own their experts and back.
-struct ExpertParallelHooks {
-  int64_t first_expert = 0;  // this rank holds experts [first, first + local)
-  int64_t local_experts = 0;
-  std::function<torch::Tensor(const torch::Tensor& sorted, const std::vector<int64_t>& counts,
-                              const std::function<torch::Tensor(int64_t expert, const torch::Tensor& x)>& expert)>
-      run;
-};
-using ExpertParallelHooksPtr = std::shared_ptr<const ExpertParallelHooks>;
-
 class MoeExpertImpl : public torch::nn::Module {
  public:
   MoeExpertImpl(int64_t width, int64_t inner);
@@ -123,7 +110,7 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   // Expert parallelism: keeps only the hooks' experts (the others are
   // unregistered and freed) and moves tokens through the hooks from now on.
-  void set_expert_parallel(ExpertParallelHooksPtr hooks);
+  void set_expert_parallel(interfaces::ExpertParallelHooksPtr hooks);
   int64_t local_experts() const { return static_cast<int64_t>(local_.size()); }
   torch::nn::Linear gate{nullptr};  // the router: never FP8, never adapted
   // Holds the experts under their global index ("experts.J"): only this
@@ -135,7 +122,7 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   MoeOptions o_;
   std::vector<MoeExpert> local_;  // experts [first_, first_ + local_.size())
   int64_t first_ = 0;
-  ExpertParallelHooksPtr ep_;  // null: every expert is here
+  interfaces::ExpertParallelHooksPtr ep_;  // null: every expert is here
 };
 TORCH_MODULE(SparseMoeBlock);
 

@@ -54,7 +54,7 @@ at::Tensor NF4Source::bytes(const std::string& name) {
   return nf4_parameter_bytes(quantized_, l.suffix);
 }
 
-InitFn with_nf4_init(InitFn base, const CausalLM& model) {
+interfaces::InitFn with_nf4_init(interfaces::InitFn base, const CausalLM& model) {
   auto source = std::make_shared<NF4Source>(model, base);
   return [base = std::move(base), source](const std::string& name, at::Tensor& out) {
     if (source->owns(name))

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "scaletrain/models/causal_lm.h"
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/precision/nf4.h"
 
 namespace scaletrain::models {
@@ -62,6 +62,6 @@ class NF4Source {
 
 // `base` for every other parameter; NF4 parameters from the weights `base`
 // gives for "<layer>.weight".
-InitFn with_nf4_init(InitFn base, const CausalLM& model);
+interfaces::InitFn with_nf4_init(interfaces::InitFn base, const CausalLM& model);
 
 }  // namespace scaletrain::models

@@ -93,10 +93,13 @@ bool reset_rss_peak() {
 
 estimate::ModelSpec model_spec(const models::ModelConfig& m) { return models::estimator_spec(m); }
 
-estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const precision::PrecisionPolicy& policy,
-                            int world_size, int dp_shard, int64_t micro_batch, int64_t microbatches, bool gloo) {
+estimate::Layout run_layout(const Config& c, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
+                            bool gloo) {
   using estimate::Sharding;
   const auto& p = c.parallel;
+  const models::ModelConfig& m = plan.model;
+  const precision::PrecisionPolicy& policy = plan.policy;
+  const DataParallelism d = plan.data_parallel;
   estimate::Layout l;
   l.world_size = world_size;
   l.tp = p.tp;
@@ -107,7 +110,7 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
                                                : estimate::Schedule::k1F1B;
     l.virtual_stages = p.virtual_stages;
   }
-  l.micro_batch = micro_batch;
+  l.micro_batch = plan.micro_batch;
   l.microbatches = microbatches;
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
@@ -115,8 +118,8 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   l.fused_loss = m.fused && p.tp == 1;  // tensor parallelism keeps its vocabulary-parallel loss
   l.fused_blocks = m.fused && m.family != "gpt2";  // RMSNorm and SwiGLU: the llama family's
   l.fp8_linears = c.precision.fp8;
-  l.fp8_moments = c.precision.fp8_opt_level == "O2" || c.precision.fp8_opt_level == "O3";
-  l.fp16_masters = c.precision.fp8_opt_level == "O3";
+  l.fp8_moments = fp8_moments(plan.fp8_level);
+  l.fp16_masters = plan.fp8_level == Fp8OptLevel::kO3;
   l.ep = c.parallel.ep;
   l.cp = c.parallel.cp;
   l.gloo = gloo;
@@ -128,8 +131,10 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
   else
     l.precision = estimate::Precision::kFp32;
   l.bucket_bytes = static_cast<int64_t>(p.bucket_cap_mb * kMiB);
-  if (p.strategy == "zero1" || p.strategy == "zero2" || p.strategy == "zero3") {
-    l.sharding = p.strategy == "zero1" ? Sharding::kZero1 : p.strategy == "zero2" ? Sharding::kZero2 : Sharding::kZero3;
+  if (zero_stage(d) > 0) {
+    l.sharding = d == DataParallelism::kZero1 ? Sharding::kZero1
+                 : d == DataParallelism::kZero2 ? Sharding::kZero2
+                                                : Sharding::kZero3;
     l.bucket_bytes = static_cast<int64_t>(p.zero.reduce_bucket_mb * kMiB);
     l.prefetch_units = p.zero.prefetch_bucket_mb > 0 ? 1 : 0;
     if (l.sharding == Sharding::kZero3) {
@@ -146,13 +151,12 @@ estimate::Layout run_layout(const Config& c, const models::ModelConfig& m, const
       ahead = std::min<int64_t>(ahead, std::max<int64_t>(0, (p.zero.max_live_parameters - root - block) / block));
       l.prefetch_units = ahead;
     }
-  } else if (p.strategy == "fsdp") {
-    const std::string& s = p.fsdp.sharding_strategy;
+  } else if (uses_fsdp_keys(d)) {
     l.fsdp_names = true;
-    l.sharding = s == "FULL_SHARD"      ? Sharding::kZero3
-                 : s == "SHARD_GRAD_OP" ? Sharding::kZero2
-                 : s == "HYBRID_SHARD"  ? Sharding::kHybrid
-                                        : Sharding::kNone;
+    l.sharding = d == DataParallelism::kFullShard     ? Sharding::kZero3
+                 : d == DataParallelism::kShardGradOp ? Sharding::kZero2
+                 : d == DataParallelism::kHybridShard ? Sharding::kHybrid
+                                                      : Sharding::kNone;
     if (l.sharding == Sharding::kHybrid) l.gpus_per_node = static_cast<int64_t>(dp_shard) * p.tp;
     l.prefetch_units = p.fsdp.backward_prefetch != "NONE" || p.fsdp.forward_prefetch ? 1 : 0;
   }

@@ -39,6 +39,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/metrics.h"
+#include "scaletrain/train/plan.h"
 
 namespace scaletrain::train {
 
@@ -82,9 +83,8 @@ estimate::ModelSpec model_spec(const models::ModelConfig& model);
 // `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
 // `microbatches` per step and rank (accumulation, or a pipeline's);
 // `gloo`: the collectives run on Gloo.
-estimate::Layout run_layout(const Config& config, const models::ModelConfig& model,
-                            const precision::PrecisionPolicy& policy, int world_size, int dp_shard,
-                            int64_t micro_batch, int64_t microbatches, bool gloo);
+estimate::Layout run_layout(const Config& config, const Plan& plan, int world_size, int dp_shard,
+                            int64_t microbatches, bool gloo);
 
 // Measured figures of one rank, bytes (rss in MiB).
 struct MeasuredMemory {

@@ -1,6 +1,6 @@
 #include "scaletrain/train/model_config.h"
 
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/checkpoint/safetensors.h"
@@ -85,7 +85,7 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
     throw UsageError("model.n_kv_head / model.intermediate_size: GPT-2 files from model.init_from have neither");
   models::ModelConfig f;
   try {
-    f = checkpoint::hf_gpt2_file_config(m.init_from);
+    f = hub::hf_gpt2_file_config(m.init_from);
   } catch (const checkpoint::SafetensorsError& e) {  // a missing or malformed file: bad input, one line
     throw UsageError("model.init_from: " + std::string(e.what()));
   }

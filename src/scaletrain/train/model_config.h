@@ -7,7 +7,7 @@
 namespace scaletrain::train {
 
 // Without model.init_from: the preset with the non-zero model.* keys over it.
-// With it: the file's dimensions (checkpoint::hf_gpt2_file_config: the
+// With it: the file's dimensions (hub::hf_gpt2_file_config: the
 // weights' shapes and the config.json beside them). Explicit model.n_layer,
 // n_embd, vocab_size and n_head that disagree with the file are a one-line
 // UsageError; model.block_size may be shorter than the file's position table

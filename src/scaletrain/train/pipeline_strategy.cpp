@@ -42,7 +42,7 @@ class PipelineStrategy final : public DataParallel {
     pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), po, world.group().get());
 
     std::vector<std::shared_ptr<pl::ChunkRunner>> runners;
-    sharded_ = p.strategy != "ddp" && !(p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
+    sharded_ = !runs_ddp(run_plan.data_parallel);
     if (sharded_) {
       ShardedSetup setup = sharded_setup(c, run_plan, mesh);
       label_ = setup.label;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <functional>
+#include <map>
 
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/parallel/context/context_parallel.h"
@@ -38,11 +39,8 @@ class Problems {
   std::vector<std::string> list_;
 };
 
-bool is_zero(const std::string& strategy) { return strategy.rfind("zero", 0) == 0; }
-// FSDP's NO_SHARD runs DDP (parallel/ddp).
-bool runs_ddp(const ParallelOptions& p) {
-  return p.strategy == "ddp" || (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD");
-}
+DataParallelism dp_of(const Config& c) { return data_parallelism(c.parallel); }
+bool is_zero(const Config& c) { return zero_stage(dp_of(c)) > 0; }
 
 // Note [Settings that apply]: a key that the run would not read, set to a
 // value other than its default, is refused with the reason. Each rule names
@@ -56,13 +54,13 @@ struct ApplyRule {
 const std::vector<ApplyRule>& apply_rules() {
   static const std::vector<ApplyRule> rules = {
       {{"parallel.fsdp."},
-       [](const Config& c) { return c.parallel.strategy == "fsdp"; },
+       [](const Config& c) { return uses_fsdp_keys(dp_of(c)); },
        [](const Config& c) { return "parallel.fsdp applies to parallel.strategy=fsdp, not " + c.parallel.strategy; }},
       {{"parallel.fsdp.auto_wrap_policy", "parallel.fsdp.backward_prefetch", "parallel.fsdp.forward_prefetch",
         "parallel.fsdp.limit_all_gathers", "parallel.fsdp.sync_module_states",
         "parallel.fsdp.cpu_ram_efficient_loading", "parallel.fsdp.transformer_layer_cls",
         "parallel.fsdp.min_num_params"},
-       [](const Config& c) { return c.parallel.fsdp.sharding_strategy != "NO_SHARD"; },
+       [](const Config& c) { return dp_of(c) != DataParallelism::kNoShard; },
        [](const Config&) { return std::string("sharding_strategy NO_SHARD runs DDP, which has no units to gather"); }},
       {{"parallel.fsdp.transformer_layer_cls"},
        [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "transformer"; },
@@ -79,15 +77,15 @@ const std::vector<ApplyRule>& apply_rules() {
        [](const Config& c) { return c.finetune.method == "qlora"; },
        [](const Config& c) { return "it is read by finetune.method qlora, not " + c.finetune.method; }},
       {{"parallel.zero."},
-       [](const Config& c) { return is_zero(c.parallel.strategy); },
+       [](const Config& c) { return is_zero(c); },
        [](const Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
       {{"parallel.zero.reduce_bucket_mb", "parallel.zero.allgather_bucket_mb"},
-       [](const Config& c) { return c.parallel.strategy != "zero3"; },
+       [](const Config& c) { return dp_of(c) != DataParallelism::kZero3; },
        [](const Config&) {
          return std::string("stage 3 gathers and reduces one transformer block at a time (stages 1-2 read it)");
        }},
       {{"parallel.zero.prefetch_bucket_mb", "parallel.zero.max_live_parameters", "parallel.zero.offload_param"},
-       [](const Config& c) { return c.parallel.strategy == "zero3"; },
+       [](const Config& c) { return dp_of(c) == DataParallelism::kZero3; },
        [](const Config& c) {
          return "it concerns sharded parameters, which only zero3 has (strategy is " + c.parallel.strategy + ")";
        }},
@@ -97,12 +95,13 @@ const std::vector<ApplyRule>& apply_rules() {
        },
        [](const Config&) { return std::string("it is read only when offloading to nvme"); }},
       {{"parallel.bucket_cap_mb", "parallel.find_unused_parameters"},
-       [](const Config& c) { return runs_ddp(c.parallel); },
+       [](const Config& c) { return runs_ddp(dp_of(c)); },
        [](const Config& c) { return "DDP reads it; strategy " + c.parallel.strategy + " does not"; }},
       // ZeRO-1/2 cut their backward buckets with DDP's first and last caps.
       {{"parallel.first_bucket_mb", "parallel.last_bucket_mb"},
        [](const Config& c) {
-         return runs_ddp(c.parallel) || c.parallel.strategy == "zero1" || c.parallel.strategy == "zero2";
+         const DataParallelism d = dp_of(c);
+         return runs_ddp(d) || d == DataParallelism::kZero1 || d == DataParallelism::kZero2;
        },
        [](const Config& c) { return "DDP and ZeRO-1/2 read it; strategy " + c.parallel.strategy + " does not"; }},
       {{"parallel.schedule", "parallel.microbatches", "parallel.virtual_stages", "parallel.pp_balance"},
@@ -186,14 +185,11 @@ void check_fp8(const Config& c, Problems& problems) {
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level + " needs precision.fp8=true (every level has FP8 linears)");
   // O3 gathers FP8 weights and keeps fp16 masters in the shards (Note [FP8
   // weight gathers] in parallel/fsdp): it needs parameters that are sharded.
-  const bool sharded_params = c.parallel.strategy == "zero3" ||
-                              (c.parallel.strategy == "fsdp" && c.parallel.fsdp.sharding_strategy != "NO_SHARD");
-  if (p.fp8_opt_level == "O3" && !sharded_params)
+  const DataParallelism d = dp_of(c);
+  if (p.fp8_opt_level == "O3" && !shards_params(d) && d != DataParallelism::kShardGradOp)
     problems.add("precision.fp8_opt_level=O3 gathers FP8 weights and shards fp16 master weights: it needs "
                  "parallel.strategy=zero3 or fsdp with a sharding_strategy other than NO_SHARD (it is " +
-                 c.parallel.strategy +
-                 (c.parallel.strategy == "fsdp" ? " " + c.parallel.fsdp.sharding_strategy : std::string()) +
-                 "; O2 works with every strategy)");
+                 to_string(d) + "; O2 works with every strategy)");
   // O1 and up, and parallel.comm_dtype=fp8: gradients travel as FP8 (Note
   // [FP8 on the wire]), cast from fp32 sums.
   const std::string why = !p.fp8_opt_level.empty() ? "precision.fp8_opt_level=" + p.fp8_opt_level
@@ -225,7 +221,7 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
     problems.add(ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks");
   // Note [Experts in the sharded engine] (parallel/fsdp): experts shard over
   // their expert-data group, which a second data-parallel dimension would split.
-  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD")
+  if (dp_of(c) == DataParallelism::kHybridShard)
     problems.add(ep + " with parallel.fsdp.sharding_strategy=HYBRID_SHARD is not available: experts are sharded "
                  "over all the ranks that hold them (use FULL_SHARD or SHARD_GRAD_OP)");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
@@ -266,13 +262,14 @@ void check_finetune(const Config& c, Problems& problems) {
 void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<std::string>& notices) {
   const auto& p = c.parallel;
   const auto& z = p.zero;
-  const bool zero = is_zero(p.strategy);
-  const bool fsdp_offload = p.strategy == "fsdp" && p.fsdp.offload_params;
+  const DataParallelism d = dp_of(c);
+  const bool zero = is_zero(c);
+  const bool fsdp_offload = uses_fsdp_keys(d) && p.fsdp.offload_params;
   // Note [Offloaded shards] (parallel/fsdp/flat_param.h): on a CPU device the
   // host is the device's own memory; the same code runs, its copies are
   // host-to-host, and only the nvme file backing changes where bytes live.
   if (zero && z.offload_param != "none") {
-    if (p.strategy != "zero3")
+    if (d != DataParallelism::kZero3)
       problems.add("parallel.zero.offload_param=" + z.offload_param + " needs parallel.strategy=zero3 (stages 1 and " +
                    "2 keep whole parameters on every rank, got " + p.strategy + ")");
     else if (z.offload_optimizer == "none")
@@ -300,10 +297,9 @@ void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<
   else if (z.offload_pin_memory)
     problems.add("parallel.zero.offload_pin_memory=true would have no effect: offloaded state is always "
                  "page-locked on a GPU run");
-  if (p.strategy == "fsdp" && p.fsdp.sharding_strategy == "HYBRID_SHARD" && p.dp_replicate < 2)
+  if (d == DataParallelism::kHybridShard && p.dp_replicate < 2)
     problems.add("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
-  if ((p.strategy != "fsdp" || p.fsdp.sharding_strategy != "HYBRID_SHARD") && p.dp_replicate != 1 &&
-      p.strategy != "ddp")
+  if (d != DataParallelism::kHybridShard && p.dp_replicate != 1 && d != DataParallelism::kDdp)
     problems.add("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
                  " needs strategy ddp or fsdp with HYBRID_SHARD (" + p.strategy +
                  " shards over the whole data-parallel group)");
@@ -313,7 +309,7 @@ void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<
   if (p.comm_dtype == "bf16" && !c.precision.reduce_dtype.empty() && c.precision.reduce_dtype != "bf16")
     problems.add("parallel.comm_dtype=bf16 and precision.reduce_dtype=" + c.precision.reduce_dtype +
                  " disagree on the dtype gradients are reduced in");
-  if (c.checkpoint.async && p.strategy == "fsdp" && p.fsdp.state_dict_type == "FULL_STATE_DICT")
+  if (c.checkpoint.async && uses_fsdp_keys(d) && p.fsdp.state_dict_type == "FULL_STATE_DICT")
     problems.add(
         "checkpoint.async with parallel.fsdp.state_dict_type=FULL_STATE_DICT is not supported: the full "
         "state is gathered tensor by tensor, a collective that runs in the training thread");
@@ -326,7 +322,7 @@ void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Probl
   if (p.pp == 1) return;
   if (c.train.sample_tokens > 0)
     problems.add("sampling a pipeline-parallel model is not available; set train.sample_tokens=0");
-  if (p.tp > 1 && p.strategy != "ddp")
+  if (p.tp > 1 && dp_of(c) != DataParallelism::kDdp)
     problems.add("parallel.tp=" + std::to_string(p.tp) + " with parallel.pp composes with strategy ddp only (got '" +
                  p.strategy + "')");
   if (p.microbatches < 0) problems.add("parallel.microbatches must be positive");
@@ -338,12 +334,41 @@ void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Probl
                  std::to_string(p.pp) + " x virtual_stages=" + std::to_string(p.virtual_stages) + " chunks");
 }
 
+// precision.fp8_opt_level and the offload keys as the plan's enums.
+void resolve_precision_choices(const Config& c, Plan& plan) {
+  const std::string& level = c.precision.fp8_opt_level;
+  plan.fp8_level = level == "O1"   ? Fp8OptLevel::kO1
+                   : level == "O2" ? Fp8OptLevel::kO2
+                   : level == "O3" ? Fp8OptLevel::kO3
+                                   : Fp8OptLevel::kNone;
+  if (!level.empty() && plan.fp8_level == Fp8OptLevel::kNone)
+    throw UsageError("precision.fp8_opt_level '" + level + "' is not one of O1, O2, O3");
+  const auto offload = [](const std::string& key, const std::string& v) {
+    if (v == "none") return Offload::kNone;
+    if (v == "cpu") return Offload::kCpu;
+    if (v == "nvme") return Offload::kNvme;
+    throw UsageError(key + " '" + v + "' is not one of none, cpu, nvme");
+  };
+  const auto& z = c.parallel.zero;
+  const DataParallelism d = plan.data_parallel;
+  if (zero_stage(d) > 0) {
+    plan.offload_params = offload("parallel.zero.offload_param", z.offload_param);
+    plan.offload_optimizer = offload("parallel.zero.offload_optimizer", z.offload_optimizer);
+  } else if (uses_fsdp_keys(d) && c.parallel.fsdp.offload_params) {
+    plan.offload_params = Offload::kCpu;
+  }
+}
+
 }  // namespace
 
 Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvironment& env) {
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
+  // The checks below read these; a name validate_config would refuse stops here.
+  if (!problems.check([&] { plan.data_parallel = data_parallelism(p); })) problems.raise();
+  const DataParallelism d = plan.data_parallel;
+  problems.check([&] { resolve_precision_choices(c, plan); });
   problems.check([&] { plan.device = resolve_device(c.train.device, local_rank, env); });
   plan.cuda = plan.device.is_cuda();
   const bool model_ok = problems.check([&] { plan.model = resolve_model_config(c.model); });
@@ -356,10 +381,10 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   check_finetune(c, problems);
   check_fp8(c, problems);
   check_settings_apply(c, policy_ok ? &plan.policy : nullptr, problems);
-  if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(p))
+  if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(d))
     problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +
                  " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); " +
-                 (p.strategy == "ddp" ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
+                 (d == DataParallelism::kDdp ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
   if (policy_ok && plan.policy.reduce == at::kHalf && !plan.cuda)
     problems.add("precision.reduce_dtype=fp16 needs CUDA (Gloo sums 16-bit payloads only as bf16 here)");
   if (c.data.path.empty() && c.data.mixture.empty())
@@ -399,20 +424,76 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
 
   // Memory-efficient initialization: zero3 always, fsdp when asked. The cases
   // it does not cover build the whole model first, and say so.
-  const bool wants_deferred = p.strategy == "zero3" || (p.strategy == "fsdp" && p.fsdp.cpu_ram_efficient_loading);
+  const bool wants_deferred = d == DataParallelism::kZero3 || (uses_fsdp_keys(d) && p.fsdp.cpu_ram_efficient_loading);
   if (wants_deferred) {
     std::string why;
     if (p.pp > 1) why = "pipeline stages are cut from a whole model";
     plan.deferred_init = why.empty();
     if (!why.empty())
-      plan.notices.push_back(std::string(p.strategy == "zero3" ? "zero3's deferred initialization"
+      plan.notices.push_back(std::string(d == DataParallelism::kZero3 ? "zero3's deferred initialization"
                                                                : "parallel.fsdp.cpu_ram_efficient_loading") +
                              " does not apply to this run (" + why +
                              "): every rank builds the whole model once, then keeps its shard");
   }
-  plan.full_state_dict = p.strategy == "fsdp" && p.fsdp.state_dict_type == "FULL_STATE_DICT";
+  plan.full_state_dict = uses_fsdp_keys(d) && p.fsdp.state_dict_type == "FULL_STATE_DICT";
   problems.raise();
   return plan;
+}
+
+bool runs_ddp(DataParallelism d) { return d == DataParallelism::kDdp || d == DataParallelism::kNoShard; }
+
+bool shards_params(DataParallelism d) {
+  return d == DataParallelism::kZero3 || d == DataParallelism::kFullShard || d == DataParallelism::kHybridShard;
+}
+
+bool uses_fsdp_keys(DataParallelism d) {
+  return d == DataParallelism::kNoShard || d == DataParallelism::kFullShard || d == DataParallelism::kShardGradOp ||
+         d == DataParallelism::kHybridShard;
+}
+
+int zero_stage(DataParallelism d) {
+  switch (d) {
+    case DataParallelism::kZero1: return 1;
+    case DataParallelism::kZero2: return 2;
+    case DataParallelism::kZero3: return 3;
+    default: return 0;
+  }
+}
+
+std::string to_string(DataParallelism d) {
+  switch (d) {
+    case DataParallelism::kDdp: return "ddp";
+    case DataParallelism::kNoShard: return "fsdp NO_SHARD";
+    case DataParallelism::kZero1: return "zero1";
+    case DataParallelism::kZero2: return "zero2";
+    case DataParallelism::kZero3: return "zero3";
+    case DataParallelism::kFullShard: return "fsdp FULL_SHARD";
+    case DataParallelism::kShardGradOp: return "fsdp SHARD_GRAD_OP";
+    case DataParallelism::kHybridShard: return "fsdp HYBRID_SHARD";
+  }
+  return "?";
+}
+
+DataParallelism data_parallelism(const ParallelOptions& p) {
+  static const std::map<std::string, DataParallelism> strategies{{"ddp", DataParallelism::kDdp},
+                                                                 {"zero1", DataParallelism::kZero1},
+                                                                 {"zero2", DataParallelism::kZero2},
+                                                                 {"zero3", DataParallelism::kZero3}};
+  static const std::map<std::string, DataParallelism> fsdp{{"NO_SHARD", DataParallelism::kNoShard},
+                                                           {"FULL_SHARD", DataParallelism::kFullShard},
+                                                           {"SHARD_GRAD_OP", DataParallelism::kShardGradOp},
+                                                           {"HYBRID_SHARD", DataParallelism::kHybridShard}};
+  if (p.strategy == "fsdp") {
+    const auto it = fsdp.find(p.fsdp.sharding_strategy);
+    if (it == fsdp.end())
+      throw UsageError("parallel.fsdp.sharding_strategy '" + p.fsdp.sharding_strategy +
+                       "' is not one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD");
+    return it->second;
+  }
+  const auto it = strategies.find(p.strategy);
+  if (it == strategies.end())
+    throw UsageError("parallel.strategy '" + p.strategy + "' is not one of ddp, zero1, zero2, zero3, fsdp");
+  return it->second;
 }
 
 }  // namespace scaletrain::train

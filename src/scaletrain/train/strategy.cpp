@@ -1,6 +1,7 @@
-// Longer than 600 lines (issue 35): building the model and the parallelize
-// recipe together. Issue 35 splits them (building vs the ordered recipe of
-// public calls over a typed plan).
+// The data-parallel strategies behind train::DataParallel (DDP and the
+// sharded engine), and the parallelize recipe: tensor parallelism, experts,
+// context parallelism, then the data-parallel engine the plan names, over the
+// starting model that train/starting_model.cpp builds.
 #include "scaletrain/train/strategy.h"
 
 #include "scaletrain/parallel/expert/expert_parallel.h"
@@ -14,13 +15,9 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/checkpoint/hf_gpt2.h"
-#include "scaletrain/train/hub_load.h"
-#include "scaletrain/train/peft_adapter.h"
-#include "scaletrain/checkpoint/safetensors.h"
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
+#include "scaletrain/models/linear.h"
 #include "scaletrain/models/lora.h"
-#include "scaletrain/models/qlora.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/optim/file_backed.h"
 #include "scaletrain/train/device.h"
@@ -304,38 +301,6 @@ parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::Prec
 }
 
 namespace {
-// model.init_from reads Hugging Face GPT-2 files (make_plan refuses it for
-// other families).
-models::GPT as_gpt2(const models::ModelPtr& model) {
-  auto gpt = std::dynamic_pointer_cast<models::GPTImpl>(model);
-  if (!gpt) throw UsageError("model.init_from reads GPT-2 checkpoints only in this build");
-  return models::GPT(gpt);
-}
-}  // namespace
-
-// model.init_from: an HF GPT-2 file or a Hub directory into the whole, not
-// yet wrapped model.
-void init_from(models::ModelPtr& model, const std::string& path) {
-  if (path.empty()) return;
-  if (model->config().family != "gpt2") return load_hub_weights(*model, path);
-  try {
-    models::GPT gpt = as_gpt2(model);
-    checkpoint::import_hf_gpt2(gpt, path);
-  } catch (const checkpoint::SafetensorsError& e) {
-    throw UsageError("model.init_from: " + std::string(e.what()));
-  }
-}
-
-namespace {
-
-models::InitFn hf_init(const models::ModelPtr& model, const std::string& path) {
-  if (model->config().family != "gpt2") return hub_init(*model, path);
-  try {
-    return checkpoint::hf_gpt2_init(as_gpt2(model), path);
-  } catch (const checkpoint::SafetensorsError& e) {
-    throw UsageError("model.init_from: " + std::string(e.what()));
-  }
-}
 
 // Tensor parallelism comes first, then data parallelism over the split
 // parameters (DDP and the sharded engine broadcast, bucket and shard what each
@@ -343,7 +308,7 @@ models::InitFn hf_init(const models::ModelPtr& model, const std::string& path) {
 // function wrapped to draw each full tensor and keep this rank's part (Note
 // [Deferred tensor-parallel init] in parallel/tensor).
 TensorPlan apply_tensor_parallel(models::ModelPtr& model, comm::Mesh& mesh, const ParallelOptions& p,
-                                 models::InitFn* deferred_init) {
+                                 interfaces::InitFn* deferred_init) {
   if (p.tp <= 1) return std::nullopt;
   parallel::tensor::TensorParallelOptions to;
   to.sequence_parallel = p.sequence_parallel;
@@ -355,163 +320,12 @@ TensorPlan apply_tensor_parallel(models::ModelPtr& model, comm::Mesh& mesh, cons
 
 }  // namespace
 
-// finetune.method lora: the adapters to add (models/lora.h); none for full.
-std::optional<models::LoraOptions> lora_options(const Config& c, const models::ModelConfig& m) {
-  const FinetuneOptions& f = c.finetune;
-  if (f.method == "full") return std::nullopt;
-  models::LoraOptions o;
-  o.r = f.r;
-  o.alpha = f.alpha;
-  o.rslora = f.rslora;
-  o.dropout = f.dropout;
-  o.gaussian_init = f.init == "gaussian";
-  o.seed = c.train.seed;
-  std::stringstream names(f.target_modules);
-  for (std::string name; std::getline(names, name, ',');) {
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
-    if (!name.empty()) o.target_modules.push_back(name);
-  }
-  if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
-  if (f.adapter_from.empty()) return o;
-  // An adapter to start from decides its rank, scaling and layers; the
-  // config may leave them out, or agree.
-  const Adapter a = read_adapter(f.adapter_from, m.family);
-  const Config defaults;
-  const std::string from = " (finetune.adapter_from " + f.adapter_from + ")";
-  auto agree = [&](const std::string& key, bool same, const std::string& theirs) {
-    if (!same && config_value(c, key) != config_value(defaults, key))
-      throw UsageError(key + "=" + config_value(c, key) + " differs from the adapter's " + theirs + from +
-                       "; leave it out or match it");
-  };
-  agree("finetune.r", f.r == a.settings.r, "r " + std::to_string(a.settings.r));
-  agree("finetune.alpha", f.alpha == a.settings.alpha, "lora_alpha " + c10::str(a.settings.alpha));
-  agree("finetune.rslora", f.rslora == a.settings.rslora, std::string("use_rslora ") + (a.settings.rslora ? "true" : "false"));
-  o.r = a.settings.r;
-  o.alpha = a.settings.alpha;
-  o.rslora = a.settings.rslora;
-  // Layers named in the config stay (the adapter must then cover exactly
-  // them: check_adapter_fits, once they are adapted); else the adapter's.
-  if (config_value(c, "finetune.target_modules") == config_value(defaults, "finetune.target_modules"))
-    o.target_modules = a.settings.target_modules;
-  return o;
-}
-
-namespace {
-
-// finetune.method qlora: the NF4 layout of the base weights.
-std::optional<precision::NF4Options> nf4_options(const Config& c) {
-  if (c.finetune.method != "qlora") return std::nullopt;
-  precision::NF4Options o;
-  o.double_quant = c.finetune.double_quant;
-  return o;
-}
-
-// The adapters' starting values, by parameter name: drawn (models/lora.h),
-// or those of finetune.adapter_from, checked against the adapted `model`.
-models::InitFn adapter_values(const Config& c, const models::LoraOptions& lora, const models::CausalLM& model) {
-  if (c.finetune.adapter_from.empty())
-    return [lora](const std::string& name, at::Tensor& out) { models::init_adapter(name, out, lora); };
-  auto a = std::make_shared<Adapter>(read_adapter(c.finetune.adapter_from, model.config().family));
-  check_adapter_fits(*a, model, c.finetune.adapter_from);
-  return [a](const std::string& name, at::Tensor& out) {
-    torch::NoGradGuard no_grad;
-    out.copy_(a->tensors.at(name));
-  };
-}
-
-// An eager model's adapters (lora; qlora models are built by whole_qlora_model).
-void adapt(models::CausalLM& model, const Config& c, const models::ModelConfig& m) {
-  auto lora = lora_options(c, m);
-  if (!lora) return;
-  models::apply_lora(model, *lora);
-  if (c.finetune.adapter_from.empty()) return;
-  const models::InitFn values = adapter_values(c, *lora, model);
-  for (auto& item : model.named_parameters())
-    if (models::is_adapter_parameter(item.key())) values(item.key(), item.value());
-}
-
-// A deferred slice source that fills NF4 parameters: each rank reads the
-// layer's whole weight (one layer at a time), quantizes it and keeps its part.
-fsdp::FlatParam::SliceFill with_nf4_slices(fsdp::FlatParam::SliceFill base, const models::CausalLM& model) {
-  auto source = std::make_shared<models::NF4Source>(model, [base](const std::string& name, at::Tensor& w) {
-    at::Tensor flat = w.view(-1);
-    base(name, 0, flat.numel(), flat);
-  });
-  return [base = std::move(base), source](const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
-    if (!source->owns(name)) return base(name, begin, count, out);
-    out.copy_(source->bytes(name).narrow(0, begin, count));
-  };
-}
-
-// A deferred slice source that also draws adapters (they are not in the
-// files): the whole adapter is drawn and this rank's elements kept.
-fsdp::FlatParam::SliceFill with_adapter_slices(fsdp::FlatParam::SliceFill base, const models::CausalLM& model,
-                                                models::InitFn values) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& item : model.named_parameters())
-    if (models::is_adapter_parameter(item.key())) shapes[item.key()] = item.value().sizes().vec();
-  return [base = std::move(base), shapes = std::move(shapes), values = std::move(values)](
-             const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
-    auto it = shapes.find(name);
-    if (it == shapes.end()) return base(name, begin, count, out);
-    at::Tensor whole = at::empty(it->second, out.options());
-    values(name, whole);
-    out.copy_(whole.view(-1).narrow(0, begin, count));
-  };
-}
-
-// finetune.method qlora on a strategy that holds the whole model: built
-// without bytes, quantized in shape, then made whole one tensor at a time
-// (each layer's full-precision weight read or drawn, quantized and dropped),
-// so no rank ever holds the full-precision model.
-models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
-  models::ModelPtr model = models::make_model(mcfg, /*materialize=*/false);
-  models::set_deferred_dtype(*model, param_dtype);
-  models::InitFn init =
-      c.model.init_from.empty()
-          ? models::init_through(at::kFloat,
-                                 [raw = model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); })
-          : hf_init(model, c.model.init_from);  // checks the files against the unquantized model
-  const auto lora = lora_options(c, mcfg);
-  models::quantize_base(*model, *nf4_options(c));
-  models::apply_lora(*model, *lora);
-  init = models::with_nf4_init(init, *model);
-  const models::InitFn values = adapter_values(c, *lora, *model);
-  torch::NoGradGuard no_grad;
-  for (auto& item : model->named_parameters()) {
-    at::Tensor& p = item.value();
-    if (p.numel() > 0) models::alloc_storage(p);
-    (models::is_adapter_parameter(item.key()) ? values : init)(item.key(), p);
-  }
-  return model;
-}
-
-}  // namespace
-
-// The whole model on this rank, loaded from model.init_from, with its
-// adapters (QLoRA's built tensor by tensor, whole_qlora_model).
-models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype,
-                             const at::Device& device) {
-  models::ModelPtr model;
-  if (nf4_options(c)) {
-    model = whole_qlora_model(c, mcfg, param_dtype);
-  } else {
-    model = models::make_model(mcfg);
-    model->to(param_dtype);
-    init_from(model, c.model.init_from);
-    adapt(*model, c, mcfg);
-  }
-  model->to(device);  // parameters and buffers (Note [One device per rank])
-  return model;
-}
-
 namespace {
 
 // Deferred parameters on a device are drawn in host memory and copied, so a
 // model initializes to the same values on every device (the CPU generator's
 // draws; a device's own generator would give others).
-models::InitFn drawn_on_host(models::InitFn init) {
+interfaces::InitFn drawn_on_host(interfaces::InitFn init) {
   return [init = std::move(init)](const std::string& name, at::Tensor& out) {
     if (out.device().is_cpu()) return init(name, out);
     at::Tensor host = at::empty(out.sizes(), out.options().device(at::DeviceType::CPU));  // host: meant
@@ -526,17 +340,14 @@ models::InitFn drawn_on_host(models::InitFn init) {
 // file-backed mappings under offload_dir (read ahead per unit); every other
 // offloaded shard, and every gradient, is host memory, page-locked on a GPU.
 void set_offload(const Config& c, const Plan& plan, parallel::fsdp::ShardedOptions& o) {
-  const auto& p = c.parallel;
-  const auto& z = p.zero;
-  const bool zero = p.strategy.rfind("zero", 0) == 0;
-  const bool params = zero ? z.offload_param != "none" : p.strategy == "fsdp" && p.fsdp.offload_params;
-  const bool optimizer = zero && z.offload_optimizer != "none";
-  if (!params && !optimizer) return;
-  const bool files = zero && z.offload_param == "nvme";
+  const bool params = plan.offload_params != Offload::kNone;
+  if (!params && plan.offload_optimizer == Offload::kNone) return;
+  const bool files = plan.offload_params == Offload::kNvme;
   const bool pin = plan.cuda;  // copies to and from the GPU can then be asynchronous
   o.offload_params = params;
   o.read_ahead = files;
-  o.offload_alloc = [files, pin, dir = z.offload_dir](int64_t numel, at::ScalarType dtype, bool gradient) {
+  const std::string dir = c.parallel.zero.offload_dir;
+  o.offload_alloc = [files, pin, dir](int64_t numel, at::ScalarType dtype, bool gradient) {
     if (files && !gradient) return optim::file_backed_zeros(dir, numel, dtype);
     return host_empty(numel, dtype, pin);
   };
@@ -579,10 +390,12 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
   fsdp::ShardedOptions& o = out.options;
   o.master_dtype = at::kFloat;
   out.shard = &mesh.dp_cp();  // Note [Context-parallel groups] (comm/mesh.h)
-  out.label = p.strategy;
-  if (p.strategy == "fsdp") {
+  out.label = to_string(plan.data_parallel);
+  if (uses_fsdp_keys(plan.data_parallel)) {
     const auto& f = p.fsdp;
-    o.sharding = fsdp::parse_sharding(f.sharding_strategy);
+    o.sharding = plan.data_parallel == DataParallelism::kFullShard     ? fsdp::Sharding::FullShard
+                 : plan.data_parallel == DataParallelism::kShardGradOp ? fsdp::Sharding::ShardGradOp
+                                                                       : fsdp::Sharding::HybridShard;
     o.wrap.policy = fsdp::parse_wrap_policy(f.auto_wrap_policy);
     o.wrap.layer_cls = f.transformer_layer_cls;
     o.wrap.min_num_params = f.min_num_params;
@@ -594,10 +407,9 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
       out.shard = &mesh.dp_shard_cp();
       out.replicate = &mesh.dp_replicate();
     }
-    out.label = "fsdp " + f.sharding_strategy;
   } else {
     parallel::zero::ZeroOptions z;
-    z.stage = p.strategy.back() - '0';
+    z.stage = zero_stage(plan.data_parallel);
     z.reduce_bucket_numel = mib_to_numel(p.zero.reduce_bucket_mb, param_dtype);
     // Stage 1/2 units taper at both ends as DDP's buckets do, with DDP's caps.
     z.first_bucket_numel = std::max<int64_t>(1, mib_to_numel(p.first_bucket_mb, param_dtype));
@@ -611,7 +423,7 @@ ShardedSetup sharded_setup(const Config& c, const Plan& plan, comm::Mesh& mesh) 
   }
   o.reduce_dtype = plan.policy.reduce;
   o.fp8_reduce = fp8_wire_format(c.parallel, c.precision);
-  if (c.precision.fp8_opt_level == "O3") {
+  if (plan.fp8_level == Fp8OptLevel::kO3) {
     // MS-AMP's O3: fp16 masters (fp32 gradient shards), and the FP8 linears'
     // weights gathered as E4M3 (Note [FP8 weight gathers] in parallel/fsdp);
     // select_fp8_weights() names them once the model exists.
@@ -633,8 +445,7 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   const at::ScalarType param_dtype = plan.policy.param;
   Parallelized out;
   if (p.pp > 1) return parallelize_pipeline(c, plan, world, mesh);
-  const bool fsdp_no_shard = p.strategy == "fsdp" && p.fsdp.sharding_strategy == "NO_SHARD";
-  if (p.strategy == "ddp" || fsdp_no_shard) {  // FSDP's NO_SHARD is DDP
+  if (runs_ddp(plan.data_parallel)) {  // FSDP's NO_SHARD is DDP
     torch::manual_seed(c.train.seed);
     out.model = whole_model(c, mcfg, param_dtype, plan.device);
     TensorPlan tp_plan = apply_tensor_parallel(out.model, mesh, p, nullptr);
@@ -658,39 +469,17 @@ Parallelized parallelize(const Config& c, const Plan& plan, comm::World& world, 
   // initialized one tensor at a time (drawn in fp32, or read from
   // model.init_from); the engine keeps each rank's shard.
   if (setup.deferred) {
-    out.model = models::make_model(mcfg, /*materialize=*/false);
-    models::set_deferred_dtype(*out.model, param_dtype, plan.device);
-    if (c.model.init_from.empty())
-      o.deferred_init = models::init_through(
-          at::kFloat,
-          [raw = out.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
-    else if (p.tp == 1 && out.model->config().family != "gpt2")
-      o.deferred_slice_init = hub_slice_init(*out.model, c.model.init_from);  // each rank reads its part
-    else
-      o.deferred_init = hf_init(out.model, c.model.init_from);  // one tensor at a time from the file
-    if (auto lora = lora_options(c, mcfg)) {  // deferred adapters (and NF4 bytes), made when the engine asks
-      const auto nf4 = nf4_options(c);
-      if (nf4) models::quantize_base(*out.model, *nf4);
-      models::apply_lora(*out.model, *lora);
-      const models::InitFn values = adapter_values(c, *lora, *out.model);
-      if (o.deferred_init) {
-        if (nf4) o.deferred_init = models::with_nf4_init(o.deferred_init, *out.model);
-        o.deferred_init = [base = o.deferred_init, values](const std::string& name, at::Tensor& t) {
-          (models::is_adapter_parameter(name) ? values : base)(name, t);
-        };
-      }
-      if (o.deferred_slice_init) {
-        if (nf4) o.deferred_slice_init = with_nf4_slices(o.deferred_slice_init, *out.model);
-        o.deferred_slice_init = with_adapter_slices(o.deferred_slice_init, *out.model, values);
-      }
-    }
+    DeferredModel d = deferred_model(c, plan);
+    out.model = std::move(d.model);
+    o.deferred_init = std::move(d.init);
+    o.deferred_slice_init = std::move(d.slice_init);
   } else {
     out.model = whole_model(c, mcfg, param_dtype, plan.device);
   }
   if (p.ep > 1) {  // Note [Experts in the sharded engine] (parallel/fsdp): each rank keeps its experts
     // Drawn values are those of the whole model, whose experts this rank no longer has.
     if (o.deferred_init && c.model.init_from.empty())
-      o.deferred_init = models::replaying_draws(std::move(o.deferred_init), models::param_shapes(*out.model));
+      o.deferred_init = interfaces::replaying_draws(std::move(o.deferred_init), interfaces::param_shapes(*out.model));
     mesh.add_expert_parallel(world, p.ep);
     out.model->set_expert_parallel(parallel::expert::expert_parallel_hooks(mesh.ep(), mcfg.num_local_experts));
     o.expert_shard = &mesh.expert_dp();

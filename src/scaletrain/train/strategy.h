@@ -19,6 +19,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/plan.h"
+#include "scaletrain/train/starting_model.h"
 
 namespace scaletrain::train {
 
@@ -81,10 +82,6 @@ struct Parallelized {
 };
 Parallelized parallelize(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 
-// finetune.method lora: the adapters parallelize() adds (target_modules ""
-// gives the family's defaults); none for full.
-std::optional<models::LoraOptions> lora_options(const Config& config, const models::ModelConfig& model);
-
 // Pieces parallelize() shares with the pipeline strategy.
 struct ShardedSetup {
   parallel::fsdp::ShardedOptions options;
@@ -105,14 +102,6 @@ parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::Prec
 // precision.fp8_opt_level (Note [FP8 on the wire]); none otherwise.
 std::optional<precision::Fp8Format> fp8_wire_format(const ParallelOptions& parallel,
                                                     const precision::PrecisionOptions& p);
-// model.init_from: an HF GPT-2 file into the whole, not yet wrapped model.
-void init_from(models::ModelPtr& model, const std::string& path);
-// The whole model on this rank in `param_dtype` on `device`, loaded from
-// model.init_from, with the finetune section's adapters (QLoRA's base built
-// tensor by tensor, never whole in full precision). It is built and
-// initialized in host memory, so every device starts from the same values.
-models::ModelPtr whole_model(const Config& config, const models::ModelConfig& model, at::ScalarType param_dtype,
-                             const at::Device& device);
 // parallel.pp > 1 (train/pipeline_strategy.cpp).
 Parallelized parallelize_pipeline(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
 

@@ -36,7 +36,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/metrics.h"
-#include "scaletrain/train/peft_adapter.h"
+#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/batches.h"
 #include "scaletrain/train/device.h"
@@ -276,8 +276,8 @@ void setup(Run& r, const comm::WorldInfo& info) {
   ao.beta2 = cfg.train.beta2;
   ao.eps = cfg.train.eps;
   ao.weight_decay = cfg.train.weight_decay;
-  if (cfg.parallel.zero.offload_optimizer == "nvme") ao.state_dir = cfg.parallel.zero.offload_dir;
-  ao.fp8_moments = cfg.precision.fp8_opt_level == "O2" || cfg.precision.fp8_opt_level == "O3";
+  if (r.plan.offload_optimizer == Offload::kNvme) ao.state_dir = cfg.parallel.zero.offload_dir;
+  ao.fp8_moments = fp8_moments(r.plan.fp8_level);
   ao.fused = cfg.model.fused;  // one pass per element (kernels/adamw.h); false: ATen's ops
   r.opt = std::make_unique<optim::AdamW>(r.params, r.dp().decay_numel(), ao);
   for (size_t i = 0; i < r.opt->exp_avg().size(); ++i)
@@ -362,8 +362,8 @@ checkpoint::Layout adapters_only(checkpoint::Layout l) {
 void check_resumable(const checkpoint::Index& x, const std::string& from, const Run& r) {
   if (x.model.finetune.empty() == r.finetune.empty()) {
     if (r.finetune.empty()) return;
-    const auto saved = settings_from_json(nlohmann::json::parse(x.model.finetune), from + "/index.json");
-    const auto now = settings_from_json(nlohmann::json::parse(r.finetune), "this run");
+    const auto saved = hub::settings_from_json(nlohmann::json::parse(x.model.finetune), from + "/index.json");
+    const auto now = hub::settings_from_json(nlohmann::json::parse(r.finetune), "this run");
     if (saved.base != now.base)
       throw UsageError("checkpoint " + from + " holds adapters of base '" + saved.base +
                        "', but model.init_from is '" + now.base + "' ('' = the seeded random init)");
@@ -395,9 +395,9 @@ int64_t resume(Run& r) {
     r.layout.mesh = r.dims.describe();
     if (auto lora = lora_options(cfg, r.plan.model)) {  // adapters only (Note [PEFT adapter directories])
       r.layout = adapters_only(std::move(r.layout));
-      r.finetune = settings_to_json(adapter_settings(r.model(), *lora, cfg.finetune.method, cfg.model.init_from,
-                                                     cfg.finetune.double_quant))
-                       .dump();
+      const hub::AdapterSettings settings =
+          hub::adapter_settings(r.model(), *lora, cfg.finetune.method, cfg.model.init_from, cfg.finetune.double_quant);
+      r.finetune = hub::settings_to_json(settings).dump();
     }
   }
   if (!cfg.checkpoint.dir.empty())
@@ -408,7 +408,8 @@ int64_t resume(Run& r) {
   if (from.empty()) return 0;
   const auto t_load = std::chrono::steady_clock::now();
   check_resumable(checkpoint::read_index(from), from, r);
-  const checkpoint::Index index = checkpoint::load_checkpoint(from, r.layout, r.opt.get());
+  checkpoint::OptimizerMoments<optim::AdamW> moments(*r.opt);
+  const checkpoint::Index index = checkpoint::load_checkpoint(from, r.layout, &moments);
   r.dp().after_load();
   if (r.scaler && !index.state.loss_scaler.empty())
     r.scaler->load_state(precision::LossScalerState::from_map(index.state.loss_scaler));
@@ -666,7 +667,8 @@ void save_checkpoint(Run& r, int64_t done) {
        precision::fp8_scaling_state(r.fp8, {r.world->group().get()})},
       model_shape(r.plan.model)};
   st.model.finetune = r.finetune;
-  r.ckpt->save(r.layout, r.opt.get(), st);
+  const checkpoint::OptimizerMoments<optim::AdamW> moments(*r.opt);
+  r.ckpt->save(r.layout, &moments, st);
   if (r.lead)
     std::printf("scaletrain: checkpoint %s %s (training stalled %.3f s)\n",
                 r.cfg.checkpoint.async ? "started" : "saved", checkpoint::step_dir(r.cfg.checkpoint.dir, done).c_str(),
@@ -762,8 +764,8 @@ TrainResult run_training(const Config& cfg) {
   launch::heartbeat();
   const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
   r.sink = open_metrics(cfg, r.lead, start);
-  r.mem_layout = run_layout(cfg, plan.model, plan.policy, r.world->size(), r.mesh->dp_shard_cp().size(), plan.micro_batch,
-                            plan.accum, r.world->backend() == comm::BackendKind::Gloo);
+  r.mem_layout = run_layout(cfg, plan, r.world->size(), r.mesh->dp_shard_cp().size(), plan.accum,
+                            r.world->backend() == comm::BackendKind::Gloo);
   r.mem.rss_baseline_mb = r.rss_before_setup;
   r.mem.rss_peak_mb = current_rss_mb();
   report_memory_now(r, "setup");

@@ -52,7 +52,7 @@ struct Result {
 };
 
 Result run(const models::GPTConfig& c, ActivationCheckpointing ckpt, torch::Dtype dtype,
-           const models::BlockRunner& runner = nullptr, bool bf16_autocast = false) {
+           const interfaces::BlockRunner& runner = nullptr, bool bf16_autocast = false) {
   const Batch b = batch(c);
   torch::manual_seed(1234);
   models::GPT model(c);
@@ -118,7 +118,7 @@ TEST(ActivationCheckpointing, RecomputesUnderTheForwardsAutocast) {
 TEST(ActivationCheckpointing, ComposesWithABlockRunner) {
   const auto c = small();
   int calls = 0;
-  models::BlockRunner runner = [&calls](int64_t, const models::BlockBody& body, const torch::Tensor& x) {
+  interfaces::BlockRunner runner = [&calls](int64_t, const interfaces::BlockBody& body, const torch::Tensor& x) {
     ++calls;
     return body(x);
   };

@@ -1,5 +1,5 @@
 // Tests of the at::Tensor safetensors adapter (checkpoint/tensor_io.h) and the
-// Hugging Face GPT-2 mapping (checkpoint/hf_gpt2.h).
+// Hugging Face GPT-2 mapping (hub/hf_gpt2.h).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/models/gpt.h"
@@ -19,6 +19,7 @@
 namespace fs = std::filesystem;
 using namespace scaletrain;
 using namespace scaletrain::checkpoint;
+using namespace scaletrain::hub;
 
 namespace {
 

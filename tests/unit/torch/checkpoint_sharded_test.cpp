@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/data/dataset.h"
@@ -679,9 +679,9 @@ TEST(CheckpointConsolidate, ThenInitFromGivesTheSameParameters) {
   ASSERT_EQ(code, 0) << out;
   // The HF file holds exactly the checkpoint's parameters.
   const Index index = checkpoint::read_index(step);
-  models::GPTConfig c = checkpoint::hf_gpt2_config(hf.string(), index.model.n_head);
+  models::GPTConfig c = hub::hf_gpt2_config(hf.string(), index.model.n_head);
   models::GPT imported(c);
-  checkpoint::import_hf_gpt2(imported, hf.string());
+  hub::import_hf_gpt2(imported, hf.string());
   std::vector<std::pair<std::string, at::Tensor>> want;
   for (auto& item : imported->named_parameters())
     want.emplace_back("model/" + item.key(), torch::empty_like(item.value()));

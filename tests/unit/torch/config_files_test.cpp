@@ -11,7 +11,7 @@
 #include <string>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/deepspeed_config.h"
@@ -447,7 +447,7 @@ TEST(InitFrom, DimensionsFromTheFileAndItsConfigJson) {
   const models::GPTConfig s = train::resolve_model_config(m);
   EXPECT_EQ(s.block_size, 12);
   models::GPT model(s);
-  checkpoint::import_hf_gpt2(model, file);
+  hub::import_hf_gpt2(model, file);
   model->eval();
   const auto idx = torch::randint(0, 300, {2, 12}, torch::kLong);
   checkpoint::save_safetensors((dir / "ids.safetensors").string(), {{"ids", idx}});

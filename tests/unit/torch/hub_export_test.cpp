@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
@@ -20,7 +20,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
-#include "scaletrain/train/hub_load.h"
+#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/train/model_config.h"
 
 namespace scaletrain::test {
@@ -171,7 +171,7 @@ TEST(HubExport, LlamaZero3CheckpointExportsShardsThatLoadBackExactly) {
   EXPECT_EQ(c.n_head, 4);
   EXPECT_EQ(c.kv_heads(), 2);
   auto model = models::make_model(c);
-  train::load_hub_weights(*model, out.string());
+  hub::load_hub_weights(*model, out.string());
   int n = 0;
   for (const auto& item : model->named_parameters()) {
     EXPECT_TRUE(item.value().equal(checkpoint_tensor(ckpt, x, "model/" + item.key()))) << item.key();
@@ -233,7 +233,7 @@ TEST(HubExport, Gpt2TensorParallelCheckpointExportsTheHuggingFaceLayout) {
   EXPECT_EQ(c.n_head, 2);
   EXPECT_EQ(c.n_layer, 2);
   models::GPT gpt(c);
-  checkpoint::import_hf_gpt2(gpt, out.string());
+  hub::import_hf_gpt2(gpt, out.string());
   for (const auto& item : gpt->named_parameters())
     EXPECT_TRUE(item.value().equal(checkpoint_tensor(ckpt, x, "model/" + item.key()))) << item.key();
 

@@ -16,7 +16,7 @@
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
-#include "scaletrain/train/hub_load.h"
+#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/model_config.h"
 #include "scaletrain/estimate/model_spec.h"
@@ -284,7 +284,7 @@ models::ModelConfig hub_config(const fs::path& dir) {
 std::string load_error(const fs::path& dir, const models::ModelConfig& c) {
   auto model = models::make_model(c);
   try {
-    train::load_hub_weights(*model, dir.string());
+    hub::load_hub_weights(*model, dir.string());
   } catch (const UsageError& e) {
     return e.what();
   }
@@ -296,7 +296,7 @@ std::string load_error(const fs::path& dir, const models::ModelConfig& c) {
 void expect_hub_loss_matches(const fs::path& dir) {
   const models::ModelConfig c = hub_config(dir);
   auto model = models::make_model(c);
-  train::load_hub_weights(*model, dir.string());
+  hub::load_hub_weights(*model, dir.string());
   torch::manual_seed(1);
   const at::Tensor ids = torch::randint(0, c.vocab_size, {2, 20}, torch::kLong);
   nlohmann::json rows = nlohmann::json::array();
@@ -331,14 +331,14 @@ TEST(LlamaHub, MixtralDirectoryLoadsAndGivesTheReferenceLoss) {
   expect_hub_loss_matches(dir);
 }
 
-// What a sharded rank reads (train::hub_slice_init): any range of the
+// What a sharded rank reads (hub::hub_slice_init): any range of the
 // flattened tensor, converted from the file's bf16, equals that range of the
 // whole tensor; a range outside the tensor is a one-line error.
 TEST(LlamaHub, SliceReadsEqualTheWholeTensor) {
   const fs::path dir = write_hub("hub_slices");
   const models::ModelConfig c = hub_config(dir);
   auto model = models::make_model(c, /*materialize=*/false);
-  const auto fill = train::hub_slice_init(*model, dir.string());
+  const auto fill = hub::hub_slice_init(*model, dir.string());
   const checkpoint::HubWeights hub(dir.string());
   int checked = 0;
   for (const auto& name : {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"}) {

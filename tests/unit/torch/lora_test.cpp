@@ -326,7 +326,7 @@ TEST(Qlora, DeferredNf4ParametersGetTheEagerBytes) {
   models::quantize_base(*deferred, {});
   auto* raw = deferred.get();
   auto init = models::with_nf4_init(
-      models::init_through(at::kFloat, [raw](const std::string& n, at::Tensor& t) { raw->init_parameter(n, t); }),
+      interfaces::init_through(at::kFloat, [raw](const std::string& n, at::Tensor& t) { raw->init_parameter(n, t); }),
       *deferred);
   auto e = eager->named_parameters();
   int nf4 = 0;

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
@@ -24,8 +24,8 @@
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/lora.h"
-#include "scaletrain/train/hub_load.h"
-#include "scaletrain/train/peft_adapter.h"
+#include "scaletrain/hub/hub_load.h"
+#include "scaletrain/hub/peft_adapter.h"
 
 namespace scaletrain::test {
 namespace {
@@ -104,14 +104,14 @@ double our_loss(const fs::path& hub, const at::Tensor& ids, const fs::path& adap
   auto m = models::make_model(c);
   if (c.family == "gpt2") {
     models::GPT gpt(std::dynamic_pointer_cast<models::GPTImpl>(m));
-    checkpoint::import_hf_gpt2(gpt, hub.string());
+    hub::import_hf_gpt2(gpt, hub.string());
   } else {
-    train::load_hub_weights(*m, hub.string());
+    hub::load_hub_weights(*m, hub.string());
   }
   if (!adapter.empty()) {
-    const train::Adapter a = train::read_adapter(adapter.string(), c.family);
+    const hub::Adapter a = hub::read_adapter(adapter.string(), c.family);
     models::apply_lora(*m, a.settings.lora_options(0));
-    train::check_adapter_fits(a, *m, adapter.string());
+    hub::check_adapter_fits(a, *m, adapter.string());
     torch::NoGradGuard g;
     for (auto& item : m->named_parameters())
       if (models::is_adapter_parameter(item.key())) item.value().copy_(a.tensors.at(item.key()));

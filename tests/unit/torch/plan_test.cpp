@@ -47,6 +47,53 @@ TEST(Plan, AcceptsTheDefaultsAndLaysOutTheBatch) {
   EXPECT_FALSE(p.full_state_dict);
 }
 
+// The strings of the parallel and precision sections become the plan's
+// enums once; the engines are chosen from these.
+TEST(Plan, ResolvesTheStrategyIntoOneEnum) {
+  const std::vector<std::pair<std::vector<std::string>, DataParallelism>> cases{
+      {{"parallel.strategy=ddp"}, DataParallelism::kDdp},
+      {{"parallel.strategy=zero1"}, DataParallelism::kZero1},
+      {{"parallel.strategy=zero2"}, DataParallelism::kZero2},
+      {{"parallel.strategy=zero3"}, DataParallelism::kZero3},
+      {{"parallel.strategy=fsdp"}, DataParallelism::kFullShard},
+      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"}, DataParallelism::kShardGradOp},
+      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=NO_SHARD"}, DataParallelism::kNoShard},
+      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=HYBRID_SHARD", "parallel.dp_replicate=2"},
+       DataParallelism::kHybridShard},
+  };
+  for (const auto& [overrides, want] : cases) {
+    const Plan p = make_plan(base(overrides), 4);
+    EXPECT_EQ(p.data_parallel, want) << overrides[0] << " -> " << to_string(p.data_parallel);
+  }
+  EXPECT_TRUE(runs_ddp(DataParallelism::kNoShard));
+  EXPECT_FALSE(runs_ddp(DataParallelism::kZero1));
+  EXPECT_TRUE(shards_params(DataParallelism::kHybridShard));
+  EXPECT_FALSE(shards_params(DataParallelism::kShardGradOp));
+  EXPECT_EQ(zero_stage(DataParallelism::kZero2), 2);
+  EXPECT_EQ(zero_stage(DataParallelism::kFullShard), 0);
+  EXPECT_EQ(to_string(DataParallelism::kShardGradOp), "fsdp SHARD_GRAD_OP");
+
+  const Plan o3 = make_plan(base({"parallel.strategy=zero3", "precision.fp8=true", "precision.fp8_opt_level=O3",
+                                  "parallel.zero.offload_optimizer=cpu"}),
+                            2);
+  EXPECT_EQ(o3.fp8_level, Fp8OptLevel::kO3);
+  EXPECT_EQ(o3.offload_optimizer, Offload::kCpu);
+  EXPECT_EQ(o3.offload_params, Offload::kNone);
+  EXPECT_EQ(make_plan(base({"parallel.strategy=fsdp", "parallel.fsdp.offload_params=true"}), 2).offload_params,
+            Offload::kCpu);
+  EXPECT_EQ(make_plan(base(), 2).fp8_level, Fp8OptLevel::kNone);
+  // A name the config reader refuses first (overrides, YAML) is refused
+  // here too when a program fills the Config itself.
+  Config bad = base();
+  bad.parallel.strategy = "zero4";
+  try {
+    make_plan(bad, 2);
+    ADD_FAILURE() << "parallel.strategy=zero4 was planned";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.strategy 'zero4' is not one of"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Plan, ReportsEveryProblemAtOnce) {
   const std::string msg = refusal(
       {"parallel.tp=3", "parallel.schedule=gpipe", "precision.hysteresis=4", "parallel.zero.offload_pin_memory=true"});

@@ -700,7 +700,7 @@ TEST(TrainerStrategies, LlamaHubDirectoryInitializesEveryStrategy) {
   EXPECT_GT(std::abs(ddp[0] - random[0]), 1e-2) << "the first loss did not come from the file's weights";
 }
 
-// zero3 initializes 16-bit parameters deferred too (models::set_deferred_dtype,
+// zero3 initializes 16-bit parameters deferred too (interfaces::set_deferred_dtype,
 // init drawn in fp32 and rounded, as an eager model converted by to()): the
 // same curve as zero2, which builds the whole model eagerly and converts it.
 TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
@@ -717,7 +717,7 @@ TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
 
 // model.init_from under deferred initialization: zero3 and FSDP with
 // cpu_ram_efficient_loading read the Hugging Face file one tensor at a time
-// (checkpoint::hf_gpt2_init) and keep their shards; zero2 loads the whole
+// (hub::hf_gpt2_init) and keep their shards; zero2 loads the whole
 // model first. Same file, same first loss bit for bit, same curve.
 TEST(TrainerStrategies, DeferredInitializationLoadsInitFromOneTensorAtATime) {
   const fs::path ckpt = scratch() / "init_from_ckpt", hf = scratch() / "init_from.safetensors";

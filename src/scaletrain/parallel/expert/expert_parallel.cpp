@@ -46,12 +46,12 @@ torch::Tensor all_to_all_rows(comm::Group& group, const torch::Tensor& x, const 
   return AllToAllRows::apply(x, static_cast<int64_t>(reinterpret_cast<intptr_t>(&group)), in_rows, out_rows);
 }
 
-models::ExpertParallelHooksPtr expert_parallel_hooks(comm::Group& ep, int64_t num_experts) {
+interfaces::ExpertParallelHooksPtr expert_parallel_hooks(comm::Group& ep, int64_t num_experts) {
   const int64_t p = ep.size();
   if (p < 1 || num_experts % p != 0)
     throw std::invalid_argument("expert parallel degree " + std::to_string(p) + " does not divide the " +
                                 std::to_string(num_experts) + " experts");
-  auto hooks = std::make_shared<models::ExpertParallelHooks>();
+  auto hooks = std::make_shared<interfaces::ExpertParallelHooks>();
   const int64_t local = num_experts / p, me = ep.rank();
   hooks->first_expert = me * local;
   hooks->local_experts = local;

@@ -23,13 +23,13 @@
 #include <torch/torch.h>
 
 #include "scaletrain/comm/group.h"
-#include "scaletrain/models/moe.h"
+#include "scaletrain/interfaces/experts.h"
 
 namespace scaletrain::parallel::expert {
 
 // Hooks for a model whose MoE layers have `num_experts` experts each, split
 // over `ep` (which must divide it).
-models::ExpertParallelHooksPtr expert_parallel_hooks(comm::Group& ep, int64_t num_experts);
+interfaces::ExpertParallelHooksPtr expert_parallel_hooks(comm::Group& ep, int64_t num_experts);
 
 // The all_to_all_v above as an autograd function: rows of `x` split by
 // in_rows go out, rows split by out_rows come back; backward sends the

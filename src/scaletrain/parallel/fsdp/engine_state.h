@@ -103,7 +103,7 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   bool may_prefetch(size_t u) const;
   int64_t live_numel() const;
   // Hooks.
-  at::Tensor run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x);
+  at::Tensor run_block(int64_t i, const interfaces::BlockBody& body, const at::Tensor& x);
   void pre_backward(size_t u);
   void on_grad_ready(size_t slot);
   // Note [Gather on use] (user modules): the units' buffers by storage, the

@@ -1,6 +1,6 @@
 #include "scaletrain/parallel/fsdp/flat_param.h"
 
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/precision/fp8.h"
 
 #include <c10/core/StorageImpl.h>
@@ -88,7 +88,7 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
       // the parameter shards; frozen-only steps never pay for it).
       reduce_out_ = at::empty({k_}, full_.options().dtype(options_.reduce_dtype));
       options_.keep_full_grads = false;  // the in-place layout needs a shard view of the same dtype
-      models::free_storage(grad_full_);
+      interfaces::free_storage(grad_full_);
     }
   }
   if (device_shard_.defined() && !deferred) refresh_device_copy();
@@ -180,7 +180,7 @@ void FlatParam::set_fp8_amax(const std::vector<double>& amax) {
 
 comm::Work FlatParam::start_unshard(bool exact) {
   if (unsharded()) return comm::Work();
-  models::alloc_storage(full_);
+  interfaces::alloc_storage(full_);
   torch::NoGradGuard no_grad;
   at::Tensor src;
   const bool fp8 = options_.fp8_gather && !exact;
@@ -221,12 +221,12 @@ comm::Work FlatParam::start_unshard(bool exact) {
 }
 
 void FlatParam::reshard() {
-  if (!options_.replicated_params) models::free_storage(full_);
+  if (!options_.replicated_params) interfaces::free_storage(full_);
 }
 
 void FlatParam::alloc_grad_full() {
   if (grad_full_.storage().nbytes() > 0) return;
-  models::alloc_storage(grad_full_);
+  interfaces::alloc_storage(grad_full_);
   grad_full_.zero_();
 }
 
@@ -286,7 +286,7 @@ void FlatParam::finish_reduce() {
     g.add_(reduce_out_.to(g.device()));
   }
   for (auto& p : params_) p.mutable_grad().reset();
-  models::free_storage(grad_full_);
+  interfaces::free_storage(grad_full_);
 }
 
 void FlatParam::zero_grad() {

@@ -119,7 +119,7 @@ class FlatParam {
  public:
   // `params` share dtype, device and requires_grad; `decay_count` of them, at
   // the front, get weight decay. `group` is the group the buffer is sharded
-  // over. `deferred`: the parameters hold no bytes yet (models/deferred.h);
+  // over. `deferred`: the parameters hold no bytes yet (interfaces/deferred.h);
   // their values arrive through load_param().
   FlatParam(std::string unit, std::vector<std::string> names, std::vector<at::Tensor> params, size_t decay_count,
             comm::Group& group, FlatParamOptions options, bool deferred = false);

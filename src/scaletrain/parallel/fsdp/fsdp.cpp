@@ -222,7 +222,7 @@ void ShardedDataParallel::State::prefetch(size_t u, int dir) {
   }
 }
 
-at::Tensor ShardedDataParallel::State::run_block(int64_t i, const models::BlockBody& body, const at::Tensor& x) {
+at::Tensor ShardedDataParallel::State::run_block(int64_t i, const interfaces::BlockBody& body, const at::Tensor& x) {
   const size_t u = unit_of_block[static_cast<size_t>(i)];
   if (summoned || u == 0) return body(x);
   Unit& unit = units[u];
@@ -414,7 +414,7 @@ void ShardedDataParallel::State::check_after_step_called(const char* where) cons
                    "call engine->after_step() after every optimizer step");
 }
 
-ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks,
+ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, interfaces::Blockwise& blocks,
                                          comm::World& world, comm::Group& shard, comm::Group* replicate,
                                          ShardedOptions options)
     : module_(std::move(module)), blocks_(&blocks), options_(options), state_(std::make_shared<State>()) {
@@ -590,7 +590,7 @@ void ShardedDataParallel::init(comm::World& world, comm::Group& shard, comm::Gro
     }));
     s.accumulators.push_back(std::move(acc));
   }
-  blocks_->set_block_runner([weak](int64_t i, const models::BlockBody& body, const at::Tensor& x) {
+  blocks_->set_block_runner([weak](int64_t i, const interfaces::BlockBody& body, const at::Tensor& x) {
     if (auto st = weak.lock()) return st->run_block(i, body, x);
     return body(x);
   });

@@ -79,7 +79,8 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/comm/world.h"
-#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/interfaces/blocks.h"
+#include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/parallel/fsdp/wrap.h"
@@ -130,10 +131,10 @@ struct ShardedOptions {
   comm::Group* expert_shard = nullptr;
   double expert_scale = 1.0;
   // Memory-efficient initialization: the model was built without parameter
-  // bytes (models/deferred.h); each parameter is initialized by this function
+  // bytes (interfaces/deferred.h); each parameter is initialized by this function
   // into a temporary, one at a time in registration order (on rank 0 only and
   // broadcast, with sync_module_states), and only this rank's part is kept.
-  models::InitFn deferred_init;
+  interfaces::InitFn deferred_init;
   // Instead of deferred_init, from a source that can produce any part of a
   // parameter (model files): every rank fills only the part it keeps, straight
   // from the source, so no rank holds a whole tensor and nothing is broadcast
@@ -190,7 +191,7 @@ class ShardedDataParallel {
   // `module` is also `blocks` (e.g. a model). Parameters are sharded over
   // `shard`; HybridShard also needs `replicate` (the other data-parallel
   // dimension). `world` creates the engine's second group (Note [Unit order]).
-  ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, models::Blockwise& blocks, comm::World& world,
+  ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, interfaces::Blockwise& blocks, comm::World& world,
                       comm::Group& shard, comm::Group* replicate, ShardedOptions options = {});
   // Any module (fully_shard below): `units` picks the submodules gathered and
   // freed as one (module_units.h); each is gathered when an operator first
@@ -303,8 +304,8 @@ class ShardedDataParallel {
  private:
   void init(comm::World& world, comm::Group& shard, comm::Group* replicate);
   std::shared_ptr<torch::nn::Module> module_;
-  std::unique_ptr<models::Blockwise> own_blocks_;  // a user module's units (ModuleBlocks)
-  models::Blockwise* blocks_;
+  std::unique_ptr<interfaces::Blockwise> own_blocks_;  // a user module's units (ModuleBlocks)
+  interfaces::Blockwise* blocks_;
   ShardedOptions options_;
   std::shared_ptr<State> state_;
   std::unique_ptr<GatherOnUse> gather_on_use_;  // user modules only

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/interfaces/blocks.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -44,13 +44,13 @@ std::vector<std::string> select_units(const torch::nn::Module& module, const Mod
 // the order select_units() gives. Nothing calls set_block_runner's runner:
 // units are gathered when an operator first reads their parameters (Note
 // [Gather on use]), so the module's forward stays the user's.
-class ModuleBlocks : public models::Blockwise {
+class ModuleBlocks : public interfaces::Blockwise {
  public:
   explicit ModuleBlocks(std::vector<std::string> names) : names_(std::move(names)) {}
   int64_t num_blocks() const override { return static_cast<int64_t>(names_.size()); }
   std::string block_prefix(int64_t i) const override { return names_.at(static_cast<size_t>(i)) + "."; }
   std::string block_class() const override { return "unit"; }
-  void set_block_runner(models::BlockRunner) override {}
+  void set_block_runner(interfaces::BlockRunner) override {}
 
  private:
   std::vector<std::string> names_;

@@ -61,7 +61,7 @@ std::vector<UnitPlan> bucket_units(const std::vector<int64_t>& block_numel, cons
 
 }  // namespace
 
-std::vector<UnitPlan> plan_units(const models::Blockwise& model, const std::vector<int64_t>& block_numel,
+std::vector<UnitPlan> plan_units(const interfaces::Blockwise& model, const std::vector<int64_t>& block_numel,
                                  const WrapOptions& options) {
   const int64_t n = model.num_blocks();
   if (static_cast<int64_t>(block_numel.size()) != n) throw std::invalid_argument("plan_units: one count per block");

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/interfaces/blocks.h"
 
 namespace scaletrain::parallel::fsdp {
 
@@ -62,7 +62,7 @@ struct UnitPlan {
 //
 // Plans units over `model`'s blocks; `block_numel[i]` is block i's parameter
 // count. Throws std::invalid_argument for a layer_cls the model does not have.
-std::vector<UnitPlan> plan_units(const models::Blockwise& model, const std::vector<int64_t>& block_numel,
+std::vector<UnitPlan> plan_units(const interfaces::Blockwise& model, const std::vector<int64_t>& block_numel,
                                  const WrapOptions& options);
 
 WrapPolicy parse_wrap_policy(const std::string& s);  // transformer | size | none

@@ -5,7 +5,7 @@
 #include <chrono>
 #include <set>
 
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 
@@ -94,7 +94,7 @@ Pipeline::Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, Pip
   head_moves_ = head_.defined() && head_.requires_grad() && p > 1;
   if (head_copy_) kept.insert(head_.unsafeGetTensorImpl());
   for (const auto& t : model_->parameters())
-    if (!kept.count(t.unsafeGetTensorImpl())) models::free_storage(t);
+    if (!kept.count(t.unsafeGetTensorImpl())) interfaces::free_storage(t);
   actions_ = stage_actions(shape_, s);
 }
 

@@ -42,7 +42,7 @@ ChunkImpl::ChunkImpl(models::ModelPtr model, ChunkSpec spec) : model_(std::move(
 at::Tensor ChunkImpl::forward(const at::Tensor& input, const at::Tensor& targets) {
   at::Tensor x = spec_.first() ? model_->embed(input) : input;
   for (int64_t i = spec_.begin; i < spec_.end; ++i) {
-    const models::BlockBody body = model_->block_body(i);  // checkpointed if the model says so
+    const interfaces::BlockBody body = model_->block_body(i);  // checkpointed if the model says so
     x = runner_ ? runner_(i - spec_.begin, body, x) : body(x);
   }
   return spec_.last() ? model_->head_loss(x, targets) : x;

@@ -41,7 +41,7 @@ struct ChunkSpec {
   bool last() const { return index == chunks - 1; }
 };
 
-class ChunkImpl : public torch::nn::Module, public models::Blockwise {
+class ChunkImpl : public torch::nn::Module, public interfaces::Blockwise {
  public:
   ChunkImpl(models::ModelPtr model, ChunkSpec spec);
 
@@ -55,12 +55,12 @@ class ChunkImpl : public torch::nn::Module, public models::Blockwise {
   int64_t num_blocks() const override { return spec_.end - spec_.begin; }
   std::string block_prefix(int64_t i) const override { return model_->block_prefix(spec_.begin + i); }
   std::string block_class() const override { return model_->block_class(); }
-  void set_block_runner(models::BlockRunner runner) override { runner_ = std::move(runner); }
+  void set_block_runner(interfaces::BlockRunner runner) override { runner_ = std::move(runner); }
 
  private:
   models::ModelPtr model_;
   ChunkSpec spec_;
-  models::BlockRunner runner_;
+  interfaces::BlockRunner runner_;
 };
 TORCH_MODULE(Chunk);
 

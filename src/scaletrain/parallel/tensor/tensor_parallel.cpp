@@ -144,7 +144,7 @@ TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, 
         auto sizes = p.sizes().vec();
         sizes[l.dim] /= tp.size();
         at::Tensor shell = at::empty(sizes, p.options().requires_grad(false));
-        models::free_storage(shell);
+        interfaces::free_storage(shell);
         p.set_data(shell);
       }
     } else {
@@ -190,7 +190,7 @@ std::vector<FullRun> full_runs(const ParamLayout& l, int rank, int size, int64_t
   return out;
 }
 
-models::InitFn tensor_parallel_init(models::InitFn full_init, const TensorParallelPlan& plan) {
+interfaces::InitFn tensor_parallel_init(interfaces::InitFn full_init, const TensorParallelPlan& plan) {
   return [full_init = std::move(full_init), plan](const std::string& name, at::Tensor& out) {
     const ParamLayout& l = plan.layout(name);
     comm::Group& tp = *plan.tp;

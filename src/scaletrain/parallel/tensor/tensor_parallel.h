@@ -54,7 +54,7 @@
 #include <vector>
 
 #include "scaletrain/comm/group.h"
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::parallel::tensor {
@@ -69,7 +69,7 @@ struct TensorParallelOptions {
   // Broadcast the full weights from tp rank 0 before splitting, so every
   // rank splits the same model even if their initializations differed.
   bool broadcast_initial_weights = true;
-  // The model was built without parameter bytes (models/deferred.h): only
+  // The model was built without parameter bytes (interfaces/deferred.h): only
   // the shapes are split here, and the values arrive later through the
   // function tensor_parallel_init() makes (Note [Deferred tensor-parallel init]).
   bool deferred = false;
@@ -141,7 +141,7 @@ std::vector<FullRun> full_runs(const ParamLayout& layout, int rank, int size, in
 // init function, so every rank of a tp group must call the function equally
 // often: true for the sharded engine, which calls it on all ranks or on the
 // data-parallel rank 0 of every tp rank (one whole tp group).
-models::InitFn tensor_parallel_init(models::InitFn full_init, const TensorParallelPlan& plan);
+interfaces::InitFn tensor_parallel_init(interfaces::InitFn full_init, const TensorParallelPlan& plan);
 
 // Parameters by how they enter the global gradient norm: each split
 // parameter's shards are disjoint parts of it (their squared norms add up over

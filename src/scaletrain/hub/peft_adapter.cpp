@@ -1,4 +1,4 @@
-#include "scaletrain/train/peft_adapter.h"
+#include "scaletrain/hub/peft_adapter.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
@@ -15,11 +15,11 @@
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/linear.h"
-#include "scaletrain/train/hub_export.h"
+#include "scaletrain/hub/hub_export.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -49,7 +49,7 @@ std::string leaf(const std::string& path) {
 // The Hub name of our layer path (a module, not a parameter).
 std::string hub_layer(const std::string& family, const std::string& layer) {
   if (family != "gpt2") return layer;
-  const std::string w = checkpoint::hf_gpt2_name(layer + ".weight");
+  const std::string w = hub::hf_gpt2_name(layer + ".weight");
   return w.substr(0, w.size() - std::string(".weight").size());
 }
 
@@ -140,7 +140,7 @@ std::string our_tensor_name(const std::string& family, const std::string& peft_n
   if (hub.empty()) return "";
   std::string layer = hub;
   if (family == "gpt2") {
-    const std::string hf = checkpoint::hf_gpt2_name("");
+    const std::string hf = hub::hf_gpt2_name("");
     if (layer.rfind(hf, 0) != 0) return "";
     layer = layer.substr(hf.size());
   }
@@ -369,4 +369,4 @@ int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_di
   return static_cast<int64_t>(deltas.size());
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

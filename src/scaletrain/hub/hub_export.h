@@ -1,7 +1,7 @@
 #pragma once
 // `scaletrain checkpoint export`: a training checkpoint of any layout as a
 // Hugging Face Hub directory, the inverse of model.init_from
-// (train/hub_load.h, checkpoint/hf_gpt2.h).
+// (hub/hub_load.h, hub/hf_gpt2.h).
 //
 // Note [Hub export]
 // The model is the one the index records (ModelShape::hf_config, written by
@@ -10,7 +10,7 @@
 // to list its parameters, names and shapes: each is then read whole from the
 // checkpoint's pieces (checkpoint::read_tensors, checksums verified), renamed
 // and reshaped as the family's Hub files have it (llama family: our names are
-// Hugging Face's; gpt2: checkpoint/hf_gpt2.h's "transformer." prefix and
+// Hugging Face's; gpt2: hub/hf_gpt2.h's "transformer." prefix and
 // Conv1D transposes), converted to the asked dtype and streamed into the
 // shards, one tensor in memory at a time. Beside them: config.json
 // (models::config_to_hf, torch_dtype the written dtype) and the
@@ -26,7 +26,7 @@
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/models/causal_lm.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 
 struct HubExportOptions {
   // Largest tensor bytes per shard (Note [Hub shards] in checkpoint/hub_write.h).
@@ -61,4 +61,4 @@ HubExportResult export_hub(const std::string& step_dir, const std::string& out_d
 void write_directory(const std::string& out_dir, const std::string& what,
                      const std::function<void(const std::string& tmp)>& fill);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

@@ -1,40 +1,23 @@
 // The node-level rendezvous of elastic jobs. See Note [Elastic rounds] in
 // elastic.h.
-#include "scaletrain/comm/elastic.h"
+#include "scaletrain/launch/elastic.h"
 
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
 
-namespace scaletrain::comm {
+namespace scaletrain::launch {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }
 
 }  // namespace
 
-ElasticRendezvous::ElasticRendezvous(ElasticOptions options) : o_(std::move(options)) {
-  RendezvousStoreOptions s;
-  s.host = o_.host;
-  s.port = static_cast<uint16_t>(o_.port);
-  s.secret = o_.secret;
-  s.connect_timeout = o_.join_timeout;
-  s.timeout = o_.join_timeout;
-  s.is_server = true;
-  try {
-    store_ = c10::make_intrusive<RendezvousStore>(s);
-  } catch (const RendezvousStoreError& e) {
-    // Another node's launcher serves it (or this host does not own the
-    // address): connect as a client.
-    if (std::string(e.what()).find("cannot listen") == std::string::npos) throw;
-    s.is_server = false;
-    store_ = c10::make_intrusive<RendezvousStore>(s);
-  }
+ElasticRendezvous::ElasticRendezvous(ElasticOptions options, std::unique_ptr<NodeStore> store)
+    : o_(std::move(options)), store_(std::move(store)) {
   next_ = has("round") ? std::stoi(text("round")) : 0;
 }
 
@@ -44,14 +27,11 @@ std::string ElasticRendezvous::key(const std::string& k) const { return "elastic
 std::string ElasticRendezvous::round_key(const std::string& k) const {
   return "elastic/r" + std::to_string(current_.round) + "/" + k;
 }
-bool ElasticRendezvous::has(const std::string& k) { return store_->check({key(k)}); }
-std::string ElasticRendezvous::text(const std::string& k) {
-  auto v = store_->get(key(k));
-  return {v.begin(), v.end()};
-}
+bool ElasticRendezvous::has(const std::string& k) { return store_->check(key(k)); }
+std::string ElasticRendezvous::text(const std::string& k) { return store_->get(key(k)); }
 int64_t ElasticRendezvous::counter(const std::string& k) { return store_->add(key(k), 0); }
 
-launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
+NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
   const auto start = Clock::now();
   for (;;) {
     const int R = next_;
@@ -76,8 +56,7 @@ launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
       }
       if (n >= o_.max_nodes || (n >= o_.min_nodes && Clock::now() - changed >= o_.last_call)) {
         const std::string c = std::to_string(std::min<int64_t>(n, o_.max_nodes));
-        auto v = store_->compareSet(key(r + "closed"), {}, bytes(c));
-        count = std::stoll(std::string(v.begin(), v.end()));
+        count = std::stoll(store_->compare_set(key(r + "closed"), "", c));
         break;
       }
       if (Clock::now() - start > o_.join_timeout)
@@ -91,7 +70,7 @@ launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
       store_->add(key(r + "waiting"), 1);
       continue;
     }
-    store_->set(key(r + "node" + std::to_string(place)), bytes(store_->localHost() + "\t" + std::to_string(nproc)));
+    store_->set(key(r + "node" + std::to_string(place)), store_->local_host() + "\t" + std::to_string(nproc));
     Round rd;
     rd.round = R;
     rd.nodes = static_cast<int>(count);
@@ -99,8 +78,7 @@ launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
     for (int64_t i = 1; i <= count; ++i) {
       const std::string k = key(r + "node" + std::to_string(i));
       store_->wait({k}, o_.join_timeout);
-      auto v = store_->get(k);
-      const std::string line(v.begin(), v.end());
+      const std::string line = store_->get(k);
       const auto tab = line.find('\t');
       const int n = std::stoi(line.substr(tab + 1));
       if (i == 1) rd.master_addr = line.substr(0, tab);
@@ -109,7 +87,7 @@ launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
     }
     rd.master_port = o_.port + 1;
     // Late starters read where the job is.
-    if (!has("round") || std::stoi(text("round")) < R) store_->set(key("round"), bytes(std::to_string(R)));
+    if (!has("round") || std::stoi(text("round")) < R) store_->set(key("round"), std::to_string(R));
     current_ = rd;
     place_ = static_cast<int>(place);
     seen_.clear();
@@ -117,15 +95,12 @@ launch::NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
   }
 }
 
-void ElasticRendezvous::end_round(const std::string& why) { store_->compareSet(round_key("end"), {}, bytes(why)); }
+void ElasticRendezvous::end_round(const std::string& why) { store_->compare_set(round_key("end"), "", why); }
 
 std::string ElasticRendezvous::interrupted() {
   try {
-    store_->set(round_key("alive/" + std::to_string(place_)), bytes(std::to_string(++beat_)));
-    if (store_->check({round_key("end")})) {
-      auto v = store_->get(round_key("end"));
-      return std::string(v.begin(), v.end());
-    }
+    store_->set(round_key("alive/" + std::to_string(place_)), std::to_string(++beat_));
+    if (store_->check(round_key("end"))) return store_->get(round_key("end"));
     if (has("abort")) return "the job was ended: " + text("abort");
     if (current_.nodes < o_.max_nodes && store_->add(round_key("waiting"), 0) > 0) {
       end_round("a node is waiting to join");
@@ -133,7 +108,7 @@ std::string ElasticRendezvous::interrupted() {
     }
     const auto now = Clock::now();
     for (int i = 1; i <= current_.nodes; ++i) {
-      if (i == place_ || store_->check({round_key("done/" + std::to_string(i))})) continue;  // itself, or finished
+      if (i == place_ || store_->check(round_key("done/" + std::to_string(i)))) continue;  // itself, or finished
       const int64_t v = store_->add(round_key("alive/" + std::to_string(i)), 0);
       auto it = seen_.find(i);
       if (it == seen_.end() || it->second.first != v) {
@@ -165,7 +140,7 @@ int ElasticRendezvous::fail_round(const std::string& why) {
     end_round(why);
     if (store_->add(round_key("failed"), 1) == 1) {
       const int64_t k = store_->add(key("failures"), 1);
-      store_->set(key("failure/" + std::to_string(k)), bytes("round " + std::to_string(current_.round) + ": " + why));
+      store_->set(key("failure/" + std::to_string(k)), "round " + std::to_string(current_.round) + ": " + why);
     }
     return static_cast<int>(counter("failures"));
   } catch (const std::exception& e) {
@@ -185,8 +160,8 @@ std::vector<std::string> ElasticRendezvous::failures() {
 
 void ElasticRendezvous::succeeded() {
   try {
-    store_->set(round_key("done/" + std::to_string(place_)), bytes("1"));
-    store_->set(key("done"), bytes("1"));
+    store_->set(round_key("done/" + std::to_string(place_)), "1");
+    store_->set(key("done"), "1");
     std::vector<std::string> all;
     for (int i = 1; i <= current_.nodes; ++i) all.push_back(round_key("done/" + std::to_string(i)));
     store_->wait(all, std::chrono::seconds(10));
@@ -197,9 +172,9 @@ void ElasticRendezvous::succeeded() {
 
 void ElasticRendezvous::abort(const std::string& why) {
   try {
-    store_->compareSet(key("abort"), {}, bytes(why));
+    store_->compare_set(key("abort"), "", why);
   } catch (const std::exception&) {
   }
 }
 
-}  // namespace scaletrain::comm
+}  // namespace scaletrain::launch

@@ -30,7 +30,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/lora.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 
 struct AdapterSettings {
   std::string method = "lora";  // lora | qlora (ours; PEFT does not record it)
@@ -94,4 +94,4 @@ int64_t export_adapter(const std::string& step_dir, const std::string& out_dir);
 int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_dir,
                       const std::string& dtype = "");
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

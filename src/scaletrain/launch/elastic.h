@@ -1,6 +1,8 @@
 #pragma once
 // The node-level rendezvous of elastic jobs (`scaletrain launch --nnodes
-// MIN:MAX`): launch::NodeRendezvous over a RendezvousStore.
+// MIN:MAX`): NodeRendezvous over a key-value store the launchers share
+// (NodeStore). The store itself is comm's (comm/rendezvous_store.h, a c10d
+// store); the CLI hands it in, so this layer stays torch-free.
 //
 // Note [Elastic rounds]
 // The launchers of all nodes share one store at --master-addr:--master-port:
@@ -34,10 +36,25 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/comm/rendezvous_store.h"
 #include "scaletrain/launch/launcher.h"
 
-namespace scaletrain::comm {
+namespace scaletrain::launch {
+
+// The launchers' shared store, as the rounds use it. Every call may throw
+// (std::exception) when the store cannot be reached.
+class NodeStore {
+ public:
+  virtual ~NodeStore() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  virtual std::string get(const std::string& key) = 0;  // waits for the key up to the store's timeout
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Sets `key` to `desired` when it holds `expected` ("": when it is absent);
+  // returns what it holds afterwards, so every caller learns the one winner.
+  virtual std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) = 0;
+  virtual bool check(const std::string& key) = 0;
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  virtual std::string local_host() = 0;  // this node's address as the other nodes reach it
+};
 
 struct ElasticOptions {
   // The launchers' store (--master-addr, --master-port); the workers' store
@@ -55,10 +72,10 @@ struct ElasticOptions {
   std::string secret;
 };
 
-class ElasticRendezvous : public launch::NodeRendezvous {
+class ElasticRendezvous : public NodeRendezvous {
  public:
-  // Serves the store if this host can bind host:port, else connects to it.
-  explicit ElasticRendezvous(ElasticOptions options);
+  // `store` is the launchers' store at options.host:options.port.
+  ElasticRendezvous(ElasticOptions options, std::unique_ptr<NodeStore> store);
   ~ElasticRendezvous() override;
 
   Round next_round(int nproc) override;
@@ -67,8 +84,6 @@ class ElasticRendezvous : public launch::NodeRendezvous {
   std::vector<std::string> failures() override;
   void succeeded() override;
   void abort(const std::string& why) override;
-
-  bool serves_store() const { return store_->isServer(); }
 
  private:
   std::string key(const std::string& k) const;  // "elastic/" + k
@@ -80,7 +95,7 @@ class ElasticRendezvous : public launch::NodeRendezvous {
   std::string store_gone(const std::exception& e) const;
 
   ElasticOptions o_;
-  c10::intrusive_ptr<RendezvousStore> store_;
+  std::unique_ptr<NodeStore> store_;
   int next_ = 0;           // the round this node joins next
   Round current_;          // the round its workers run in
   int place_ = 0;          // 1-based place in current_ (join order)
@@ -89,4 +104,4 @@ class ElasticRendezvous : public launch::NodeRendezvous {
   std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> seen_;
 };
 
-}  // namespace scaletrain::comm
+}  // namespace scaletrain::launch

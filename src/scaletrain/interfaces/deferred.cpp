@@ -1,4 +1,4 @@
-#include "scaletrain/models/deferred.h"
+#include "scaletrain/interfaces/deferred.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
@@ -6,7 +6,7 @@
 #include <memory>
 #include <stdexcept>
 
-namespace scaletrain::models {
+namespace scaletrain::interfaces {
 
 void alloc_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
@@ -77,4 +77,4 @@ ParamShapes param_shapes(const torch::nn::Module& module) {
   return out;
 }
 
-}  // namespace scaletrain::models
+}  // namespace scaletrain::interfaces

@@ -2,7 +2,7 @@
 // model.init_from for families whose parameter names are Hugging Face's
 // (the llama family): a Hub directory (or one safetensors file) into a
 // model, whole or one tensor at a time. GPT-2 files keep their own mapping
-// (checkpoint/hf_gpt2.h: Conv1D transposes, prefixes, mask buffers).
+// (hub/hf_gpt2.h: Conv1D transposes, prefixes, mask buffers).
 #include <functional>
 #include <memory>
 #include <string>
@@ -10,7 +10,7 @@
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/models/causal_lm.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 
 // Checks the file against the model before anything is written: every
 // parameter present with its shape, nothing else but entries that are not
@@ -22,7 +22,7 @@ void load_hub_weights(models::CausalLM& model, const std::string& path);
 
 // The same as an initialization function for deferred models: checked now,
 // each parameter read from the mapped files when the strategy asks for it.
-models::InitFn hub_init(const models::CausalLM& model, const std::string& path);
+interfaces::InitFn hub_init(const models::CausalLM& model, const std::string& path);
 
 // The same for a sharded strategy that asks each rank for its part of each
 // parameter only (parallel/fsdp: ShardedOptions::deferred_slice_init):
@@ -31,4 +31,4 @@ models::InitFn hub_init(const models::CausalLM& model, const std::string& path);
 using SliceInitFn = std::function<void(const std::string& name, int64_t begin, int64_t count, at::Tensor& out)>;
 SliceInitFn hub_slice_init(const models::CausalLM& model, const std::string& path);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

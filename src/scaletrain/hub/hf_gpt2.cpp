@@ -1,4 +1,4 @@
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 
 #include <nlohmann/json.hpp>
 
@@ -16,7 +16,14 @@
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
 
-namespace scaletrain::checkpoint {
+namespace scaletrain::hub {
+
+using checkpoint::Dtype;
+using checkpoint::dtype_name;
+using checkpoint::HubWeights;
+using checkpoint::save_safetensors;
+using checkpoint::tensor_from_view;
+using checkpoint::TensorView;
 namespace {
 
 constexpr const char* kPrefix = "transformer.";
@@ -176,7 +183,7 @@ void import_hf_gpt2(models::GPT& model, const std::string& path) {
   }
 }
 
-models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path) {
+interfaces::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path) {
   auto file = std::make_shared<const HubWeights>(path);
   auto hf = std::make_shared<const HfTensors>(index_file(*file));
   check_file(model, *hf, path);
@@ -269,4 +276,4 @@ models::GPTConfig hf_gpt2_file_config(const std::string& path) {
   return c;
 }
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

@@ -1,4 +1,4 @@
-#include "scaletrain/train/hub_export.h"
+#include "scaletrain/hub/hub_export.h"
 
 #include <torch/torch.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/checkpoint/hf_gpt2.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/checkpoint/tensor_io.h"
@@ -17,7 +17,7 @@
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 namespace {
 
 namespace fs = std::filesystem;
@@ -58,7 +58,7 @@ HubExportResult write_export(const std::string& dir, const checkpoint::Index& x,
                              const HubExportOptions& o) {
   const models::ModelConfig config = recorded_model(x, dir);
   const bool gpt2 = config.family == "gpt2";
-  if (gpt2) checkpoint::check_hf_gpt2_exportable(config, dir);
+  if (gpt2) hub::check_hf_gpt2_exportable(config, dir);
   const bool convert = !o.dtype.empty();
   const Dtype to = convert ? asked_dtype(o.dtype) : Dtype::F32;
 
@@ -85,14 +85,14 @@ HubExportResult write_export(const std::string& dir, const checkpoint::Index& x,
     if (tensors.empty()) written = out;
     // The Hub file's shape: a view of a tensor of ours (gpt2's Conv1D weights transposed).
     const at::Tensor probe = at::empty(shape, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
-    const at::Tensor hf_probe = gpt2 ? checkpoint::hf_gpt2_tensor(name, probe) : probe;
+    const at::Tensor hf_probe = gpt2 ? hub::hf_gpt2_tensor(name, probe) : probe;
     auto read = [dir, &x, key, name, shape, stored, out, gpt2]() {
       at::Tensor whole = at::empty(shape, at::TensorOptions().dtype(checkpoint::torch_dtype(stored, key)));
       checkpoint::read_tensors(dir, x, {{key, whole}});
-      const at::Tensor hf = gpt2 ? checkpoint::hf_gpt2_tensor(name, whole) : whole;
+      const at::Tensor hf = gpt2 ? hub::hf_gpt2_tensor(name, whole) : whole;
       return hf.to(checkpoint::torch_dtype(out, key)).contiguous();
     };
-    tensors.push_back({gpt2 ? checkpoint::hf_gpt2_name(name) : name, out, hf_probe.sizes().vec(), read});
+    tensors.push_back({gpt2 ? hub::hf_gpt2_name(name) : name, out, hf_probe.sizes().vec(), read});
   }
   for (const auto& [key, t] : x.tensors)
     if (key.rfind("model/", 0) == 0 && !params.count(key))
@@ -187,4 +187,4 @@ HubExportResult export_hub(const std::string& step_dir, const std::string& out_d
   return r;
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

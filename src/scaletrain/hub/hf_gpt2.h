@@ -25,7 +25,7 @@
 
 #include "scaletrain/models/gpt.h"
 
-namespace scaletrain::checkpoint {
+namespace scaletrain::hub {
 
 // The Hugging Face name of our GPT parameter `name` ("transformer." + name),
 // and its value as that file stores it (Conv1D weights transposed: a view,
@@ -60,7 +60,7 @@ void import_hf_gpt2(models::GPT& model, const std::string& path);
 // deferred.h): the file is checked against `model` now (by shapes), and each
 // parameter is read from the memory-mapped file when the strategy asks for
 // it, so a sharded strategy loads one tensor at a time and keeps its shard.
-models::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path);
+interfaces::InitFn hf_gpt2_init(const models::GPT& model, const std::string& path);
 
 // The GPTConfig an HF GPT-2 file describes: vocab_size and n_embd from
 // wte.weight, block_size from wpe.weight, n_layer from the h.N blocks present
@@ -80,4 +80,4 @@ models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head);
 // not taken: dropout is a training choice (model.dropout).
 models::GPTConfig hf_gpt2_file_config(const std::string& path);
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

@@ -1,10 +1,10 @@
-#include "scaletrain/train/hub_load.h"
+#include "scaletrain/hub/hub_load.h"
 
 #include <set>
 
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::train {
+namespace scaletrain::hub {
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -42,7 +42,7 @@ void load_hub_weights(models::CausalLM& model, const std::string& path) {
   for (auto& item : model.named_parameters()) item.value().copy_(hub.read(item.key(), item.value().scalar_type()));
 }
 
-models::InitFn hub_init(const models::CausalLM& model, const std::string& path) {
+interfaces::InitFn hub_init(const models::CausalLM& model, const std::string& path) {
   auto hub = std::make_shared<checkpoint::HubWeights>(path);
   check_hub_weights(model, *hub);
   return [hub](const std::string& name, at::Tensor& out) {
@@ -59,4 +59,4 @@ SliceInitFn hub_slice_init(const models::CausalLM& model, const std::string& pat
   };
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::hub

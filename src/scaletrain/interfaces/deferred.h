@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace scaletrain::models {
+namespace scaletrain::interfaces {
 
 // Fills `out` (shaped like the parameter `name`) with its initial value.
 using InitFn = std::function<void(const std::string& name, at::Tensor& out)>;
@@ -53,4 +53,4 @@ using ParamShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 InitFn replaying_draws(InitFn init, ParamShapes order);
 ParamShapes param_shapes(const torch::nn::Module& module);
 
-}  // namespace scaletrain::models
+}  // namespace scaletrain::interfaces
