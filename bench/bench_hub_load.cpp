@@ -16,11 +16,11 @@
 #include <string>
 
 #include "scaletrain/comm/world.h"
+#include "scaletrain/hub/hub_load.h"
+#include "scaletrain/observe/memory.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/zero/zero.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/hub/hub_load.h"
-#include "scaletrain/train/memory_report.h"
 #include "scaletrain/train/model_config.h"
 
 namespace st = scaletrain;
@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
     st::train::ModelOptions mo;
     mo.init_from = dir;
     const st::models::ModelConfig config = st::train::resolve_model_config(mo);
-    const double rss_before = st::train::rss_peak_mb();
+    const double rss_before = st::observe::rss_peak_mb();
     const auto t0 = std::chrono::steady_clock::now();
 
     auto model = st::models::make_model(config, /*materialize=*/false);
@@ -55,10 +55,11 @@ int main(int argc, char** argv) {
 
     double shard_mib = 0;
     for (const auto& t : engine.shards()) shard_mib += static_cast<double>(t.nbytes()) / (1 << 20);
-    std::printf("rank %d of %d (%s): peak RSS %.0f MiB (%.0f before loading), file-backed now %.0f MiB, "
-                "shards %.0f MiB, %.1f s\n",
-                world->rank(), world->size(), whole ? "whole tensors from rank 0" : "own slices",
-                st::train::rss_peak_mb(), rss_before, st::train::rss_file_mb(), shard_mib, seconds);
+    std::printf(
+        "rank %d of %d (%s): peak RSS %.0f MiB (%.0f before loading), file-backed now %.0f MiB, "
+        "shards %.0f MiB, %.1f s\n",
+        world->rank(), world->size(), whole ? "whole tensors from rank 0" : "own slices", st::observe::rss_peak_mb(),
+        rss_before, st::observe::rss_file_mb(), shard_mib, seconds);
     std::fflush(stdout);
     world->group()->barrier().wait();
   } catch (const std::exception& e) {

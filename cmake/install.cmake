@@ -25,6 +25,7 @@ set(SCALETRAIN_INTERNAL_HEADERS
 file(GLOB_RECURSE _st_headers RELATIVE ${PROJECT_SOURCE_DIR}/src/scaletrain CONFIGURE_DEPENDS
      ${PROJECT_SOURCE_DIR}/src/scaletrain/*.h)
 list(REMOVE_ITEM _st_headers ${SCALETRAIN_INTERNAL_HEADERS})
+list(FILTER _st_headers EXCLUDE REGEX "_internal\\.h$")  # the pieces of one split file share these
 if(NOT SCALETRAIN_RPC)
   list(FILTER _st_headers EXCLUDE REGEX "^rpc/")
 endif()

@@ -38,15 +38,15 @@
 #include <thread>
 #include <vector>
 
-#include "commands.h"
 #include <nlohmann/json.hpp>
+#include "commands.h"
+#include "plot.h"
 
 #include "scaletrain/data/prepare.h"
 #include "scaletrain/data/records.h"
 #include "scaletrain/data/token_file.h"
 #include "scaletrain/data/token_shards.h"
 #include "scaletrain/data/tokenizer.h"
-#include "scaletrain/train/plot.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -207,22 +207,22 @@ int run_prepare(const PrepareArgs& args) {
 }
 
 int run_plot(const PlotArgs& args) {
-  train::PlotOptions options;
+  PlotOptions options;
   if (args.timeline) {
     if (args.metrics.size() != 1 || !args.labels.empty())
       throw UsageError("plot --timeline draws one trace file (no --labels)");
     options.title = args.title.empty() ? args.metrics.front() : args.title;
     options.width = 1400;
-    train::plot_timeline(args.metrics.front(), args.output, options);
+    plot_timeline(args.metrics.front(), args.output, options);
     std::printf("plot: wrote %s\n", args.output.c_str());
     return 0;
   }
   if (args.metrics.size() == 1 && args.labels.empty()) {
     options.title = args.title.empty() ? args.metrics.front() : args.title;
-    train::plot_metrics(args.metrics.front(), args.output, options);
+    plot_metrics(args.metrics.front(), args.output, options);
   } else {
     options.title = args.title;
-    train::plot_runs(args.metrics, args.labels, args.output, options);
+    plot_runs(args.metrics, args.labels, args.output, options);
   }
   std::printf("plot: wrote %s\n", args.output.c_str());
   return 0;

@@ -77,130 +77,169 @@ class NodeStoreAdapter : public launch::NodeStore {
   c10::intrusive_ptr<comm::RendezvousStore> store_;
 };
 
-}  // namespace
+// What the flags of `scaletrain launch` are parsed into. Shared (through a
+// shared_ptr) with the callback, which runs after parsing, when add_launch()
+// has long returned, and with the runner it stores.
+struct LaunchFlags {
+  launch::LaunchOptions opts;
+  std::vector<std::string> command;
+  std::string config_file;
+  std::string nnodes_text = "1";  // "N" or "MIN:MAX"
+  launch::ElasticOptions elastic;
+  double last_call_s = 3, keepalive_s = 10, join_s = 600;  // --rdzv-last-call, --rdzv-keepalive-timeout, --rdzv-timeout
+  // The flags that --config_file can also set.
+  CLI::Option *nproc = nullptr, *nnodes = nullptr, *node_rank = nullptr, *addr = nullptr, *port = nullptr;
+};
 
-void add_launch(CLI::App& app, Runner& run) {
-  auto* sub = app.add_subcommand(
-      "launch", "Run a worker command once per local rank with the torchrun environment "
-                "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), relaying its output prefixed by rank");
-  // Shared with the callback, which runs after parsing, when this function
-  // has long returned.
-  auto opts = std::make_shared<launch::LaunchOptions>();
-  auto command = std::make_shared<std::vector<std::string>>();
+// Which of those flags were given explicitly: those win over the file.
+struct GivenFlags {
+  bool nproc = false, nnodes = false, node_rank = false, addr = false, port = false;
+};
 
-  auto config_file = std::make_shared<std::string>();
-  auto* nproc = sub->add_option("--nproc-per-node", opts->nproc_per_node,
-                                "Workers to start on this node (required unless --config_file gives num_processes)");
-  auto nnodes_text = std::make_shared<std::string>("1");
-  auto* nnodes = sub->add_option("--nnodes", *nnodes_text,
-                                 "Nodes in the job: N, or MIN:MAX for an elastic job whose nodes may leave and join "
-                                 "(rounds formed through the store at --master-addr:--master-port)")
-                     ->capture_default_str();
-  auto elastic = std::make_shared<launch::ElasticOptions>();
-  auto last_call_s = std::make_shared<double>(3), keepalive_s = std::make_shared<double>(10),
-       join_s = std::make_shared<double>(600);
-  sub->add_option("--rdzv-last-call", *last_call_s,
+// How many workers and nodes: --nproc-per-node, --nnodes, and the --rdzv-*
+// times of the elastic rounds.
+void add_size_options(CLI::App* sub, LaunchFlags& f) {
+  f.nproc = sub->add_option("--nproc-per-node", f.opts.nproc_per_node,
+                            "Workers to start on this node (required unless --config_file gives num_processes)");
+  f.nnodes = sub->add_option("--nnodes", f.nnodes_text,
+                             "Nodes in the job: N, or MIN:MAX for an elastic job whose nodes may leave and join "
+                             "(rounds formed through the store at --master-addr:--master-port)")
+                 ->capture_default_str();
+  sub->add_option("--rdzv-last-call", f.last_call_s,
                   "Elastic: a round with at least MIN nodes closes once no node joined for S seconds")
       ->capture_default_str();
-  sub->add_option("--rdzv-keepalive-timeout", *keepalive_s,
+  sub->add_option("--rdzv-keepalive-timeout", f.keepalive_s,
                   "Elastic: a node whose launcher has not beaten for S seconds is lost, and the round ends")
       ->capture_default_str();
-  sub->add_option("--rdzv-timeout", *join_s, "Elastic: give up when no round forms within S seconds")
+  sub->add_option("--rdzv-timeout", f.join_s, "Elastic: give up when no round forms within S seconds")
       ->capture_default_str();
-  auto* node_rank =
-      sub->add_option("--node-rank", opts->node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
-  auto* addr = sub->add_option("--master-addr", opts->master_addr, "Host of the rank-0 node (rendezvous)")
-                   ->capture_default_str();
-  auto* port = sub->add_option("--master-port", opts->master_port,
-                               "Rendezvous port on the master; default: a free port when one node runs the job "
-                               "(--nnodes 1), else 29500");
-  sub->add_option("--config_file,--config-file", *config_file,
+}
+
+// Where this node sits and where the job meets: --node-rank, --master-addr,
+// --master-port, and the Accelerate config file that can set them.
+void add_placement_options(CLI::App* sub, LaunchFlags& f) {
+  f.node_rank =
+      sub->add_option("--node-rank", f.opts.node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
+  f.addr = sub->add_option("--master-addr", f.opts.master_addr, "Host of the rank-0 node (rendezvous)")
+               ->capture_default_str();
+  f.port = sub->add_option("--master-port", f.opts.master_port,
+                           "Rendezvous port on the master; default: a free port when one node runs the job "
+                           "(--nnodes 1), else 29500");
+  sub->add_option("--config_file,--config-file", f.config_file,
                   "Accelerate config file (as `accelerate launch --config_file`): its launcher keys set the flags "
                   "not given, its training keys reach each `scaletrain train` worker");
-  sub->add_option("--log-dir", opts->log_dir, "Also write each rank's output to DIR/rank<N>.log");
-  sub->add_option("--threads", opts->threads,
+}
+
+// How the workers run (logs, threads, timeout, restarts, heartbeat), then
+// the worker command itself.
+void add_worker_options(CLI::App* sub, LaunchFlags& f) {
+  launch::LaunchOptions& opts = f.opts;
+  sub->add_option("--log-dir", opts.log_dir, "Also write each rank's output to DIR/rank<N>.log");
+  sub->add_option("--threads", opts.threads,
                   "Intra-op threads per worker (OMP_NUM_THREADS, SCALETRAIN_THREADS); default: an "
                   "inherited OMP_NUM_THREADS, else usable cores / nproc-per-node (at least 1)");
-  sub->add_option("--timeout", opts->timeout_s, "Kill all workers and fail (exit 124) after S seconds; 0 = none")
+  sub->add_option("--timeout", opts.timeout_s, "Kill all workers and fail (exit 124) after S seconds; 0 = none")
       ->capture_default_str();
-  sub->add_option("--max-restarts", opts->max_restarts,
+  sub->add_option("--max-restarts", opts.max_restarts,
                   "Start the whole group again up to N times after a worker fails (not after exit 2, a refused "
                   "input); workers see SCALETRAIN_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT, and `scaletrain "
                   "train` goes on from the newest intact checkpoint")
       ->capture_default_str();
-  sub->add_option("--heartbeat-timeout", opts->heartbeat_timeout_s,
+  sub->add_option("--heartbeat-timeout", opts.heartbeat_timeout_s,
                   "Kill a worker whose heartbeat (sent by `scaletrain train` while it sets up and after every "
                   "step) is older than S seconds, and report it; the restart policy applies; 0 = off")
       ->capture_default_str();
-  sub->add_option("command", *command, "Worker command and its arguments, after --")->required();
+  sub->add_option("command", f.command, "Worker command and its arguments, after --")->required();
+}
 
-  sub->callback([&run, opts, command, config_file, nproc, nnodes, node_rank, addr, port, nnodes_text, elastic,
-                 last_call_s, keepalive_s, join_s] {
-    // "N" or "MIN:MAX".
-    const std::string& nn = *nnodes_text;
-    const auto colon = nn.find(':');
-    auto whole = [&](const std::string& v) {
-      size_t used = 0;
-      int n = 0;
-      try {
-        n = std::stoi(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != v.size()) throw UsageError("launch: --nnodes must be N or MIN:MAX, got '" + nn + "'");
-      return n;
-    };
-    if (colon == std::string::npos) {
-      opts->nnodes = whole(nn);
-    } else {
-      opts->min_nodes = whole(nn.substr(0, colon));
-      opts->max_nodes = whole(nn.substr(colon + 1));
+// --nnodes: "N" or "MIN:MAX".
+void parse_nnodes(const std::string& nn, launch::LaunchOptions& opts) {
+  const auto colon = nn.find(':');
+  auto whole = [&](const std::string& v) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
     }
-    for (double* v : {last_call_s.get(), keepalive_s.get(), join_s.get()})
+    if (used == 0 || used != v.size()) throw UsageError("launch: --nnodes must be N or MIN:MAX, got '" + nn + "'");
+    return n;
+  };
+  if (colon == std::string::npos) {
+    opts.nnodes = whole(nn);
+  } else {
+    opts.min_nodes = whole(nn.substr(0, colon));
+    opts.max_nodes = whole(nn.substr(colon + 1));
+  }
+}
+
+// The runner: the config file's launcher keys for the flags not given, the
+// port, the elastic rendezvous, then launch::run().
+int run_launch(LaunchFlags& f, bool from_file, const GivenFlags& given) {
+  launch::LaunchOptions& opts = f.opts;
+  bool port_chosen = given.port;
+  if (from_file) {
+    const auto l = train::read_accelerate_launch(f.config_file);
+    if (!given.nnodes) opts.nnodes = l.num_machines;
+    if (!given.nproc) opts.nproc_per_node = l.num_processes / l.num_machines;
+    if (!given.node_rank) opts.node_rank = l.machine_rank;
+    if (!given.addr && !l.main_process_ip.empty()) opts.master_addr = l.main_process_ip;
+    if (!given.port && l.main_process_port > 0) {
+      opts.master_port = l.main_process_port;
+      port_chosen = true;
+    }
+    for (const auto& n : l.notes) std::fprintf(stderr, "scaletrain launch: note: %s\n", n.c_str());
+    // Inherited by every worker: `scaletrain train` reads the training keys.
+    const std::string abs = std::filesystem::absolute(f.config_file).string();
+    ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
+  }
+  // One node and no port given: a free one, so two jobs on one host do not meet at one store.
+  if (!port_chosen && opts.nnodes == 1 && opts.max_nodes == 0) opts.master_port = launch::free_port();
+  if (opts.max_nodes > 0) {
+    if (opts.min_nodes < 1 || opts.max_nodes < opts.min_nodes)
+      throw UsageError("launch: --nnodes MIN:MAX needs 1 <= MIN <= MAX, got " + std::to_string(opts.min_nodes) + ":" +
+                       std::to_string(opts.max_nodes));
+    auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
+    launch::ElasticOptions& elastic = f.elastic;
+    elastic.host = opts.master_addr;
+    elastic.port = opts.master_port;
+    elastic.min_nodes = opts.min_nodes;
+    elastic.max_nodes = opts.max_nodes;
+    elastic.last_call = ms(f.last_call_s);
+    elastic.keepalive_timeout = ms(f.keepalive_s);
+    elastic.join_timeout = ms(f.join_s);
+    if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) elastic.secret = s;
+    opts.rendezvous = std::make_shared<launch::ElasticRendezvous>(elastic, std::make_unique<NodeStoreAdapter>(elastic));
+  }
+  return launch::run(opts, f.command);
+}
+
+}  // namespace
+
+void add_launch(CLI::App& app, Runner& run) {
+  auto* sub =
+      app.add_subcommand("launch",
+                         "Run a worker command once per local rank with the torchrun environment "
+                         "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), relaying its output prefixed by rank");
+  // Shared with the callback, which runs after parsing, when this function
+  // has long returned.
+  auto f = std::make_shared<LaunchFlags>();
+  add_size_options(sub, *f);
+  add_placement_options(sub, *f);
+  add_worker_options(sub, *f);
+
+  sub->callback([&run, f] {
+    parse_nnodes(f->nnodes_text, f->opts);
+    for (double* v : {&f->last_call_s, &f->keepalive_s, &f->join_s})
       if (!(*v > 0) || *v > 1e7) throw UsageError("launch: --rdzv-* times must be positive seconds");
-    const bool from_file = !config_file->empty();
-    if (!from_file && nproc->count() == 0)
+    const bool from_file = !f->config_file.empty();
+    if (!from_file && f->nproc->count() == 0)
       throw CLI::RequiredError("--nproc-per-node (or --config_file with num_processes)");
     // Which flags were given explicitly: those win over the file.
-    const bool given[] = {nproc->count() > 0, nnodes->count() > 0, node_rank->count() > 0, addr->count() > 0,
-                          port->count() > 0};
-    run = [opts, command, config_file, from_file, given, elastic, last_call_s, keepalive_s, join_s] {
-      bool port_chosen = given[4];
-      if (from_file) {
-        const auto l = train::read_accelerate_launch(*config_file);
-        if (!given[1]) opts->nnodes = l.num_machines;
-        if (!given[0]) opts->nproc_per_node = l.num_processes / l.num_machines;
-        if (!given[2]) opts->node_rank = l.machine_rank;
-        if (!given[3] && !l.main_process_ip.empty()) opts->master_addr = l.main_process_ip;
-        if (!given[4] && l.main_process_port > 0) {
-          opts->master_port = l.main_process_port;
-          port_chosen = true;
-        }
-        for (const auto& n : l.notes) std::fprintf(stderr, "scaletrain launch: note: %s\n", n.c_str());
-        // Inherited by every worker: `scaletrain train` reads the training keys.
-        const std::string abs = std::filesystem::absolute(*config_file).string();
-        ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
-      }
-      // One node and no port given: a free one, so two jobs on one host do not meet at one store.
-      if (!port_chosen && opts->nnodes == 1 && opts->max_nodes == 0) opts->master_port = launch::free_port();
-      if (opts->max_nodes > 0) {
-        if (opts->min_nodes < 1 || opts->max_nodes < opts->min_nodes)
-          throw UsageError("launch: --nnodes MIN:MAX needs 1 <= MIN <= MAX, got " + std::to_string(opts->min_nodes) +
-                           ":" + std::to_string(opts->max_nodes));
-        auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); };
-        elastic->host = opts->master_addr;
-        elastic->port = opts->master_port;
-        elastic->min_nodes = opts->min_nodes;
-        elastic->max_nodes = opts->max_nodes;
-        elastic->last_call = ms(*last_call_s);
-        elastic->keepalive_timeout = ms(*keepalive_s);
-        elastic->join_timeout = ms(*join_s);
-        if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) elastic->secret = s;
-        opts->rendezvous =
-            std::make_shared<launch::ElasticRendezvous>(*elastic, std::make_unique<NodeStoreAdapter>(*elastic));
-      }
-      return launch::run(*opts, *command);
-    };
+    const GivenFlags given{f->nproc->count() > 0, f->nnodes->count() > 0, f->node_rank->count() > 0,
+                           f->addr->count() > 0, f->port->count() > 0};
+    run = [f, from_file, given] { return run_launch(*f, from_file, given); };
   });
 }
 

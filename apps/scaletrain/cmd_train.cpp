@@ -5,9 +5,9 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "scaletrain/observe/metrics.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/deepspeed_config.h"
-#include "scaletrain/train/metrics.h"
 #include "scaletrain/train/trainer.h"
 
 namespace scaletrain::cli {
@@ -54,8 +54,8 @@ void add_bench_gemm(CLI::App& app, Runner& run) {
   cmd->add_option("--threads", *threads, "torch threads (0 = libtorch default)");
   cmd->callback([&run, n, threads] {
     run = [n, threads] {
-      if (*threads > 0) train::set_compute_threads(*threads);
-      double f = train::measure_gemm_flops(*n);
+      if (*threads > 0) observe::set_compute_threads(*threads);
+      double f = observe::measure_gemm_flops(*n);
       std::printf("gemm %lldx%lld fp32, %d thread(s): %.2f GFLOP/s (use as metrics.peak_flops: %.4g)\n",
                   static_cast<long long>(*n), static_cast<long long>(*n), torch::get_num_threads(), f / 1e9, f);
       return 0;

@@ -19,7 +19,7 @@
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/engines.h"
 
 namespace scaletrain::test {
 namespace {
@@ -278,7 +278,7 @@ TEST(ZeroOptions, Stage3MaxLiveParametersBoundsTheGatheredElements) {
   EXPECT_GT(peak[1], 0);
 }
 
-// The trainer's keys reach the engine (train/strategy.cpp, sharded_setup).
+// The trainer's keys reach the engine (train/engine_plan.cpp, then sharded_setup).
 TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   static comm::Mesh mesh(world(), comm::MeshDims{});
   train::Plan plan;  // fp32, nothing deferred; the engine is the plan's, the keys the config's
@@ -288,7 +288,8 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   c.parallel.zero.allgather_bucket_mb = 0.5;
   c.parallel.first_bucket_mb = 0.25;
   c.parallel.last_bucket_mb = 0;
-  ShardedOptions o = train::sharded_setup(c, plan, mesh).options;
+  plan.engines = train::plan_engines(c, plan);
+  ShardedOptions o = train::sharded_setup(plan, mesh).options;
   EXPECT_EQ(o.wrap.policy, parallel::fsdp::WrapPolicy::Buckets);
   EXPECT_EQ(o.wrap.min_num_params, 2 << 18);  // 2 MiB of fp32
   EXPECT_EQ(o.allgather_bucket_numel, 1 << 17);
@@ -297,7 +298,8 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   plan.data_parallel = train::DataParallelism::kZero3;
   c.parallel.zero.prefetch_bucket_mb = 3;
   c.parallel.zero.max_live_parameters = 12345;
-  o = train::sharded_setup(c, plan, mesh).options;
+  plan.engines = train::plan_engines(c, plan);
+  o = train::sharded_setup(plan, mesh).options;
   EXPECT_EQ(o.prefetch_bytes, 3 << 20);
   EXPECT_EQ(o.max_live_numel, 12345);
   EXPECT_FALSE(o.limit_all_gathers);  // the live bound replaces FSDP's two units

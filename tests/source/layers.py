@@ -30,6 +30,7 @@ RULES = {
     "estimate": {"util"},
     "launch": {"util"},
     "rpc": {"comm"},
+    "observe": {"comm", "estimate", "util"},  # metrics, traces, memory: what a run shows
     "train": None,  # all of the above
 }
 

@@ -364,8 +364,11 @@ void TensorView::check_access(Dtype want, std::size_t align) const {
   }
 }
 
-SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const std::string& source) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
+namespace {
+
+// The header length the file starts with, checked against the file's size,
+// and the header's bytes checked for UTF-8 and NUL bytes.
+uint64_t header_length(const unsigned char* bytes, std::size_t size, const std::string& source) {
   if (size < 8) fail(source, "file is " + std::to_string(size) + " bytes, too short for the 8-byte header length");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(bytes[i]) << (8 * i);
@@ -385,17 +388,12 @@ SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const
     fail(source, "header is not valid JSON: NUL byte at byte " +
                      std::to_string(static_cast<const unsigned char*>(nul) - header));
   }
+  return n;
+}
 
-  SafetensorsView view;
-  view.source_ = source;
-  std::vector<Entry> entries;
-  HeaderSax sax(source, &entries, &view.index_, &view.metadata_);
-  const char* text = reinterpret_cast<const char*>(header);
-  nlohmann::json::sax_parse(text, text + n, &sax, nlohmann::json::input_format_t::json, /*strict=*/true);
-  if (!sax.done()) fail(source, "header is not a complete JSON object");
-
-  // Sizes first (overflow-checked), then the tiling of the data section.
-  const uint64_t data_len = size - 8 - n;
+// Each tensor's byte size from its dtype and shape (overflow-checked),
+// against its data_offsets.
+void check_sizes(const std::vector<Entry>& entries, const std::string& source) {
   for (const Entry& e : entries) {
     uint64_t want = 0;
     if (!shape_bytes(e.shape, e.dtype, &want)) {
@@ -412,6 +410,11 @@ SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const
                        std::to_string(e.end - e.begin));
     }
   }
+}
+
+// The entries in data order, which must tile the data section of
+// `data_len` bytes exactly.
+std::vector<std::size_t> data_order(const std::vector<Entry>& entries, uint64_t data_len, const std::string& source) {
   std::vector<std::size_t> order(entries.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
@@ -440,6 +443,28 @@ SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const
     fail(source, "tensors end at data offset " + std::to_string(expected) + " but the data section is only " +
                      std::to_string(data_len) + " bytes (truncated file?)");
   }
+  return order;
+}
+
+}  // namespace
+
+SafetensorsView SafetensorsView::parse(const void* data, std::size_t size, const std::string& source) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  const uint64_t n = header_length(bytes, size, source);
+  const unsigned char* header = bytes + 8;
+
+  SafetensorsView view;
+  view.source_ = source;
+  std::vector<Entry> entries;
+  HeaderSax sax(source, &entries, &view.index_, &view.metadata_);
+  const char* text = reinterpret_cast<const char*>(header);
+  nlohmann::json::sax_parse(text, text + n, &sax, nlohmann::json::input_format_t::json, /*strict=*/true);
+  if (!sax.done()) fail(source, "header is not a complete JSON object");
+
+  // Sizes first (overflow-checked), then the tiling of the data section.
+  const uint64_t data_len = size - 8 - n;
+  check_sizes(entries, source);
+  const std::vector<std::size_t> order = data_order(entries, data_len, source);
 
   // Everything is in bounds: form the views, in data order.
   const unsigned char* base = header + n;

@@ -326,11 +326,8 @@ std::vector<std::string> all_gather_text(comm::Group& g, const std::string& mine
   return out;
 }
 
-}  // namespace
-
-void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, const std::string& dir) {
-  comm::Group& g = group_;
-  const std::vector<OutPiece> mine = layout.writer ? collect(layout, opt, /*copy=*/false) : std::vector<OutPiece>{};
+// What every rank holds of every tensor, on every rank (Note [Full state dict]).
+std::map<std::string, FullTensor> gather_holdings(comm::Group& g, const std::vector<OutPiece>& mine) {
   json desc = json::array();
   for (const auto& p : mine)
     desc.push_back({p.tensor, p.shape, static_cast<int>(p.data.scalar_type()), p.begin, p.data.numel()});
@@ -343,7 +340,11 @@ void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, c
       t.dtype = static_cast<at::ScalarType>(d[2].get<int>());
       if (d[4].get<int64_t>() > 0) t.held.push_back({r, d[3].get<int64_t>(), d[4].get<int64_t>()});
     }
-  // The file's tensors in data order, the same on every rank.
+  return tensors;
+}
+
+// One whole tensor per name, in name order; sorts each tensor's holdings by begin.
+std::vector<TensorRef> whole_refs(std::map<std::string, FullTensor>& tensors) {
   std::vector<TensorRef> refs;
   for (auto& [name, t] : tensors) {
     std::sort(t.held.begin(), t.held.end(), [](const Holding& a, const Holding& b) { return a.begin < b.begin; });
@@ -356,22 +357,36 @@ void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, c
                     nullptr,
                     static_cast<size_t>(numel) * c10::elementSize(t.dtype)});
   }
+  return refs;
+}
+
+std::string tensor_of(const TensorRef& ref) { return ref.name.substr(0, ref.name.rfind('@')); }
+
+// This rank's pieces of tensor `name`, by begin.
+std::vector<const OutPiece*> pieces_of(const std::vector<OutPiece>& mine, const std::string& name) {
+  std::vector<const OutPiece*> out;
+  for (const auto& p : mine)
+    if (p.tensor == name && p.data.numel() > 0) out.push_back(&p);
+  std::sort(out.begin(), out.end(), [](const OutPiece* a, const OutPiece* b) { return a->begin < b->begin; });
+  return out;
+}
+
+}  // namespace
+
+void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, const std::string& dir) {
+  comm::Group& g = group_;
+  const std::vector<OutPiece> mine = layout.writer ? collect(layout, opt, /*copy=*/false) : std::vector<OutPiece>{};
+  std::map<std::string, FullTensor> tensors = gather_holdings(g, mine);
+  // The file's tensors in data order, the same on every rank.
+  std::vector<TensorRef> refs = whole_refs(tensors);
   std::vector<size_t> order(refs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return data_before(refs[a], refs[b]); });
-  auto tensor_of = [&](const TensorRef& ref) { return ref.name.substr(0, ref.name.rfind('@')); };
-  auto my_pieces = [&](const std::string& name) {
-    std::vector<const OutPiece*> out;
-    for (const auto& p : mine)
-      if (p.tensor == name && p.data.numel() > 0) out.push_back(&p);
-    std::sort(out.begin(), out.end(), [](const OutPiece* a, const OutPiece* b) { return a->begin < b->begin; });
-    return out;
-  };
   const int tag = 7;
   if (g.rank() != 0) {  // send my ranges of each tensor, in data order
     for (size_t i : order) {
       std::vector<at::Tensor> parts;
-      for (const OutPiece* p : my_pieces(tensor_of(refs[i]))) parts.push_back(p->data);
+      for (const OutPiece* p : pieces_of(mine, tensor_of(refs[i]))) parts.push_back(p->data);
       if (!parts.empty()) g.send(at::cat(parts), 0, tag).wait();
     }
     return;
@@ -384,7 +399,7 @@ void Checkpointer::write_full(const Layout& layout, const OptimizerState* opt, c
     const std::string name = tensor_of(ref);
     const FullTensor& t = tensors.at(name);
     whole = at::empty({ref.shape[0]}, at::TensorOptions().dtype(t.dtype));
-    for (const OutPiece* p : my_pieces(name)) whole.narrow(0, p->begin, p->data.numel()).copy_(p->data);
+    for (const OutPiece* p : pieces_of(mine, name)) whole.narrow(0, p->begin, p->data.numel()).copy_(p->data);
     for (int r = 1; r < g.size(); ++r) {
       int64_t n = 0;
       for (const auto& h : t.held) n += h.rank == r ? h.numel : 0;

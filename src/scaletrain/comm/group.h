@@ -107,7 +107,7 @@ void reset_comm_profile();
 double bus_factor(const std::string& op, int n);
 
 namespace detail {
-struct CommProfile;  // one collective's record (group.cpp)
+struct CommProfile;  // one collective's record (comm/profile.cpp)
 }
 
 // Handle of an operation in flight. Move-only; waiting twice is a no-op.
@@ -169,7 +169,7 @@ enum class BackendKind { Gloo, Nccl };
 //    (the peer had seen its kind) waits for the peer's fingerprint until
 //    the timeout and then says so, while the peer's collective times out
 //    waiting for it: both diagnosed, neither reaching the backend's data.
-// The store work lives in CollectiveTracker (group.cpp); World owns the
+// The store work lives in CollectiveTracker (comm/tracker.cpp); World owns the
 // responder (world.cpp).
 class CollectiveTracker {
  public:
@@ -221,7 +221,7 @@ class CollectiveTracker {
 };
 
 namespace detail {
-class ScratchPool;  // see Note [Scratch buffers]; defined in group.cpp
+class ScratchPool;  // see Note [Scratch buffers]; defined in group_internal.h
 }  // namespace detail
 
 class Group {

@@ -72,8 +72,7 @@ Mesh::Mesh(World& world, MeshDims dims) : dims_(dims.resolved(world.size())), ra
   // Named by the mesh's instance number (every rank builds meshes in the same
   // order), its shape and the group's first member: unique within the job even
   // when one process builds several meshes, and agreed by all members.
-  static std::atomic<int> instances{0};
-  const std::string prefix = "mesh" + std::to_string(instances.fetch_add(1)) + "/" + dims_.describe() + "/";
+  const std::string prefix = "mesh" + std::to_string(world.next_instance("mesh")) + "/" + dims_.describe() + "/";
   auto name = [&](const char* dim, const std::vector<int>& ranks) {
     return prefix + dim + "/" + std::to_string(ranks.front());
   };
@@ -128,8 +127,8 @@ void Mesh::add_expert_parallel(World& world, int ep) {
   std::vector<int> ep_ranks, edp_ranks;
   for (int j = (i / ep) * ep; j < (i / ep + 1) * ep; ++j) ep_ranks.push_back(dp[static_cast<size_t>(j)]);
   for (int j = i % ep; j < n; j += ep) edp_ranks.push_back(dp[static_cast<size_t>(j)]);
-  static std::atomic<int> instances{0};
-  const std::string prefix = "experts" + std::to_string(instances.fetch_add(1)) + "/ep" + std::to_string(ep) + "/";
+  const std::string prefix =
+      "experts" + std::to_string(world.next_instance("experts")) + "/ep" + std::to_string(ep) + "/";
   auto make = [&](const std::string& dim, std::vector<int> ranks) {
     if (static_cast<int>(ranks.size()) == world.size()) return world.group();
     const std::string name = prefix + dim + "/" + std::to_string(ranks.front());

@@ -39,6 +39,104 @@ std::string numericHost(const sockaddr* sa, socklen_t len) {
   return buf;
 }
 
+// One request's fields as read off the wire; which ones are set depends on the op.
+struct Request {
+  uint32_t magic = 0, version = 0;  // hello
+  bool counts = false;              // hello: the client counts as a worker
+  std::string secret;               // hello
+  std::string key;                  // set, get, add, compare-set, delete
+  Bytes value;                      // set; compare-set's desired value
+  Bytes expected;                   // compare-set
+  std::vector<std::string> keys;    // check, wait
+  int64_t number = 0;               // add's delta; wait-for-workers' count
+  int64_t ms = 0;                   // get, wait, wait-for-workers: the timeout
+};
+
+// Reads the body of an `op` request to its end (a hello of another protocol
+// only as far as its magic and version). Throws ProtocolError.
+Request readRequest(Op op, Reader& r) {
+  Request q;
+  switch (op) {
+    case kHello:
+      q.magic = r.u32();
+      q.version = r.u32();
+      if (q.magic != kMagic || q.version != kVersion) return q;
+      q.counts = r.u8() != 0;
+      q.secret = r.str();
+      break;
+    case kSet:
+      q.key = r.str();
+      q.value = r.blob();
+      break;
+    case kGet:
+      q.key = r.str();
+      q.ms = r.i64();
+      break;
+    case kAdd:
+      q.key = r.str();
+      q.number = r.i64();
+      break;
+    case kCompareSet:
+      q.key = r.str();
+      q.expected = r.blob();
+      q.value = r.blob();
+      break;
+    case kDelete:
+      q.key = r.str();
+      break;
+    case kCheck:
+      q.keys = r.keys();
+      break;
+    case kNumKeys:
+      break;
+    case kWait:
+      q.keys = r.keys();
+      q.ms = r.i64();
+      break;
+    case kWaitWorkers:
+      q.number = r.i64();
+      q.ms = r.i64();
+      break;
+    default:
+      throw ProtocolError("unknown opcode");
+  }
+  r.expectEnd();
+  return q;
+}
+
+// Why a hello is refused ("" when it is not): another protocol, or not the
+// shared secret `required` (when there is one).
+std::string helloRefusal(const Request& q, const std::string& required) {
+  if (q.magic != kMagic || q.version != kVersion)
+    return "protocol mismatch (server speaks version " + std::to_string(kVersion) + ")";
+  if (!required.empty() && !sameSecret(q.secret, required))
+    return q.secret.empty() ? "this store requires a shared secret (set SCALETRAIN_STORE_SECRET)"
+                            : "wrong shared secret (SCALETRAIN_STORE_SECRET): this is probably another job's store; "
+                              "give each job its own --master-port";
+  return "";
+}
+
+// An add's current value: false unless all of it is a decimal integer.
+bool parseInteger(const Bytes& value, int64_t& out) {
+  const std::string text(value.begin(), value.end());
+  size_t used = 0;
+  try {
+    out = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  return used != 0 && used == text.size();
+}
+
+// A compare-set's answer when it does not set: what `key` holds instead of
+// `expected`; null when it holds `expected`. Same rule as c10d::TCPStore: an
+// absent key counts as holding "".
+const Bytes* heldInstead(const std::map<std::string, Bytes>& data, const std::string& key, const Bytes& expected) {
+  auto it = data.find(key);
+  if (it == data.end()) return expected.empty() ? nullptr : &expected;
+  return it->second == expected ? nullptr : &it->second;
+}
+
 }  // namespace
 
 RendezvousStore::Server::Server(const Options& options) : options_(options) {
@@ -298,32 +396,22 @@ void RendezvousStore::Server::parse(uint64_t id, Client& c) {
 
 void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
   const auto op = static_cast<Op>(r.u8());
-  Writer w;
   if (!c.hello && op != kHello) throw ProtocolError("no handshake");
+  if (c.hello && op == kHello) throw ProtocolError("second hello");
+  Request q = readRequest(op, r);
+  Writer w;
   switch (op) {
     case kHello: {
-      if (c.hello) throw ProtocolError("second hello");
-      const uint32_t magic = r.u32(), version = r.u32();
-      if (magic != kMagic || version != kVersion) {
-        w.u8(kError).str("protocol mismatch (server speaks version " + std::to_string(kVersion) + ")");
-        reply(c, w);
-        close(id, c);
-        return;
-      }
-      const bool counts = r.u8() != 0;
-      const std::string secret = r.str();
-      r.expectEnd();
-      if (!options_.secret.empty() && !sameSecret(secret, options_.secret)) {
-        w.u8(kError).str(secret.empty() ? "this store requires a shared secret (set SCALETRAIN_STORE_SECRET)"
-                                        : "wrong shared secret (SCALETRAIN_STORE_SECRET): this is probably another job's store; "
-                                          "give each job its own --master-port");
+      const std::string refusal = helloRefusal(q, options_.secret);
+      if (!refusal.empty()) {
+        w.u8(kError).str(refusal);
         reply(c, w);
         close(id, c);
         return;
       }
       c.hello = true;
       reply(c, w.u8(kOk));
-      if (counts) {
+      if (q.counts) {
         ++joined_;
         std::vector<uint64_t> ids;
         for (auto& [wid, waiter] : waiters_)
@@ -333,93 +421,53 @@ void RendezvousStore::Server::handle(uint64_t id, Client& c, Reader& r) {
       return;
     }
     case kSet: {
-      std::string key = r.str();
-      Bytes value = r.blob();
-      r.expectEnd();
-      if (!fits(key, value.size())) return reply(c, w.u8(kError).str(storeFull()));
+      if (!fits(q.key, q.value.size())) return reply(c, w.u8(kError).str(storeFull()));
       reply(c, w.u8(kOk));
-      setKey(key, std::move(value));
+      setKey(q.key, std::move(q.value));
       return;
     }
     case kGet: {
-      std::string key = r.str();
-      const int64_t ms = r.i64();
-      r.expectEnd();
-      auto it = data_.find(key);
+      auto it = data_.find(q.key);
       if (it != data_.end()) return reply(c, w.u8(kOk).blob(it->second));
-      Waiter waiter{kGet, {key}, 0, deadlineAfter(std::chrono::milliseconds(ms))};
-      return addWaiter(id, std::move(waiter));
+      return addWaiter(id, Waiter{kGet, {q.key}, 0, deadlineAfter(std::chrono::milliseconds(q.ms))});
     }
     case kAdd: {
-      std::string key = r.str();
-      const int64_t delta = r.i64();
-      r.expectEnd();
       int64_t current = 0;
-      auto it = data_.find(key);
-      if (it != data_.end()) {
-        const std::string text(it->second.begin(), it->second.end());
-        size_t used = 0;
-        try {
-          current = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size())
-          return reply(c, w.u8(kError).str("add: value of key '" + key + "' is not an integer"));
-      }
-      const int64_t next = current + delta;
+      auto it = data_.find(q.key);
+      if (it != data_.end() && !parseInteger(it->second, current))
+        return reply(c, w.u8(kError).str("add: value of key '" + q.key + "' is not an integer"));
+      const int64_t next = current + q.number;
       const std::string text = std::to_string(next);
-      if (!fits(key, text.size())) return reply(c, w.u8(kError).str(storeFull()));
+      if (!fits(q.key, text.size())) return reply(c, w.u8(kError).str(storeFull()));
       reply(c, w.u8(kOk).i64(next));
-      setKey(key, Bytes(text.begin(), text.end()));
+      setKey(q.key, Bytes(text.begin(), text.end()));
       return;
     }
     case kCompareSet: {
-      std::string key = r.str();
-      Bytes expected = r.blob(), desired = r.blob();
-      r.expectEnd();
-      // Same rule as c10d::TCPStore: an absent key counts as holding "".
-      auto it = data_.find(key);
-      const bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-      if (!matches) {
-        return reply(c, w.u8(kOk).blob(it == data_.end() ? expected : it->second));
-      }
-      if (!fits(key, desired.size())) return reply(c, w.u8(kError).str(storeFull()));
-      reply(c, w.u8(kOk).blob(desired));
-      setKey(key, std::move(desired));
+      if (const Bytes* held = heldInstead(data_, q.key, q.expected)) return reply(c, w.u8(kOk).blob(*held));
+      if (!fits(q.key, q.value.size())) return reply(c, w.u8(kError).str(storeFull()));
+      reply(c, w.u8(kOk).blob(q.value));
+      setKey(q.key, std::move(q.value));
       return;
     }
     case kDelete: {
-      std::string key = r.str();
-      r.expectEnd();
-      auto it = data_.find(key);
+      auto it = data_.find(q.key);
       if (it == data_.end()) return reply(c, w.u8(kOk).u8(0));
-      data_bytes_ -= static_cast<int64_t>(key.size() + it->second.size());
+      data_bytes_ -= static_cast<int64_t>(q.key.size() + it->second.size());
       data_.erase(it);
       return reply(c, w.u8(kOk).u8(1));
     }
-    case kCheck: {
-      auto keys = r.keys();
-      r.expectEnd();
-      return reply(c, w.u8(kOk).u8(hasAll(keys) ? 1 : 0));
-    }
+    case kCheck:
+      return reply(c, w.u8(kOk).u8(hasAll(q.keys) ? 1 : 0));
     case kNumKeys:
-      r.expectEnd();
       return reply(c, w.u8(kOk).i64(static_cast<int64_t>(data_.size())));
     case kWait: {
-      auto keys = r.keys();
-      const int64_t ms = r.i64();
-      r.expectEnd();
-      if (hasAll(keys)) return reply(c, w.u8(kOk));
-      Waiter waiter{kWait, std::move(keys), 0, deadlineAfter(std::chrono::milliseconds(ms))};
-      return addWaiter(id, std::move(waiter));
+      if (hasAll(q.keys)) return reply(c, w.u8(kOk));
+      return addWaiter(id, Waiter{kWait, std::move(q.keys), 0, deadlineAfter(std::chrono::milliseconds(q.ms))});
     }
     case kWaitWorkers: {
-      const int64_t count = r.i64(), ms = r.i64();
-      r.expectEnd();
-      if (joined_ >= count) return reply(c, w.u8(kOk));
-      Waiter waiter{kWaitWorkers, {}, count, deadlineAfter(std::chrono::milliseconds(ms))};
-      return addWaiter(id, std::move(waiter));
+      if (joined_ >= q.number) return reply(c, w.u8(kOk));
+      return addWaiter(id, Waiter{kWaitWorkers, {}, q.number, deadlineAfter(std::chrono::milliseconds(q.ms))});
     }
   }
   throw ProtocolError("unknown opcode");

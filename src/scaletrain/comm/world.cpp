@@ -185,6 +185,11 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   return w;
 }
 
+int World::next_instance(const std::string& kind) {
+  std::lock_guard<std::mutex> lock(instances_mu_);
+  return instances_[kind]++;
+}
+
 std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int> ranks) {
   auto it = std::find(ranks.begin(), ranks.end(), info_.rank);
   if (it == ranks.end())

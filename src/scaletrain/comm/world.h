@@ -5,7 +5,9 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -58,6 +60,10 @@ class World {
   // members call it; `name` must be unique within the job and the same on
   // every member, as it namespaces the group's keys in the store.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
+  // 0, 1, 2... per `kind` on this rank: what makes the names of groups that
+  // objects create (a mesh's, a sharded engine's) unique. Members create
+  // those objects in the same order, so they draw the same numbers.
+  int next_instance(const std::string& kind);
   bool debug_collectives() const { return options_.debug_collectives; }
 
  private:
@@ -69,6 +75,8 @@ class World {
   c10::intrusive_ptr<c10d::Store> store_;
   std::shared_ptr<Group> world_;
   std::shared_ptr<Responder> responder_;  // null in a world of one
+  std::mutex instances_mu_;
+  std::map<std::string, int> instances_;  // next_instance()
 };
 
 }  // namespace scaletrain::comm

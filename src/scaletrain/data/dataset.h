@@ -24,7 +24,7 @@
 // targets. With `use_mask`, a target position whose token is not marked gets
 // kIgnoreIndex instead of its id, and the loss skips it (the trainer's loss
 // averages over the targets of the global batch, Note [Masked loss] in
-// train/trainer.cpp). Without `packing`, sample i is document i alone: its
+// train/batches.h). Without `packing`, sample i is document i alone: its
 // first block + 1 tokens, padded with pad_id inputs and kIgnoreIndex targets,
 // so a pad is never a target and no attention crosses into another record;
 // num_samples = the number of documents.

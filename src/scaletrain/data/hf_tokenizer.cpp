@@ -263,41 +263,131 @@ static std::unique_ptr<BpeModel> build_model(const json& m, bool byte_level, con
   return std::make_unique<BpeModel>(std::move(vocab), merges, o, source);
 }
 
-std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) throw UsageError("tokenizer " + path + ": " + std::strerror(errno));
-  std::string file = path;
+namespace {
+
+// Where a tokenizer is: `file` (tokenizer.json, or a directory's), or GPT-2's
+// two files.
+struct TokenizerFiles {
+  std::string file;
   bool gpt2_files = false;
   std::string vocab_file, merges_file;
+};
+
+TokenizerFiles find_files(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw UsageError("tokenizer " + path + ": " + std::strerror(errno));
+  TokenizerFiles f;
+  f.file = path;
   if (S_ISDIR(st.st_mode)) {
     const std::string dir = path.back() == '/' ? path : path + "/";
     if (is_file(dir + "tokenizer.json")) {
-      file = dir + "tokenizer.json";
+      f.file = dir + "tokenizer.json";
     } else if (is_file(dir + "encoder.json") && is_file(dir + "vocab.bpe")) {
-      gpt2_files = true, vocab_file = dir + "encoder.json", merges_file = dir + "vocab.bpe";
+      f.gpt2_files = true, f.vocab_file = dir + "encoder.json", f.merges_file = dir + "vocab.bpe";
     } else if (is_file(dir + "vocab.json") && is_file(dir + "merges.txt")) {
-      gpt2_files = true, vocab_file = dir + "vocab.json", merges_file = dir + "merges.txt";
+      f.gpt2_files = true, f.vocab_file = dir + "vocab.json", f.merges_file = dir + "merges.txt";
     } else {
       throw UsageError(
           "tokenizer " + path +
           ": the directory has no tokenizer.json (nor encoder.json + vocab.bpe, nor vocab.json + merges.txt)");
     }
   }
+  return f;
+}
+
+// GPT-2's own release as a tokenizer.json "model": a byte-level vocabulary,
+// one merge per line after a "#version" header.
+json gpt2_model(const std::string& vocab_file, const std::string& merges_file, const std::string& source) {
+  json model = {{"type", "BPE"}, {"vocab", parse_json(vocab_file, "tokenizer " + vocab_file)}};
+  json merges = json::array();
+  std::istringstream lines(read_file(merges_file, source));
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty() || line.rfind("#version", 0) == 0) continue;
+    merges.push_back(line);
+  }
+  model["merges"] = std::move(merges);
+  return model;
+}
+
+// The added tokens of tokenizer.json `j`: into the vocabulary (`tokens`),
+// `added`, and the matchers of `impl`.
+void load_added_tokens(const json& j, const std::string& source, HfTokenizer::Impl& impl,
+                       std::vector<std::string>& tokens, std::vector<AddedToken>& added) {
+  for (const json& a : j.value("added_tokens", json::array())) {
+    AddedToken tok;
+    tok.id = checked_id(a.at("id"), source, "an added token");
+    tok.content = a.at("content").get<std::string>();
+    tok.special = a.value("special", false);
+    tok.lstrip = a.value("lstrip", false);
+    tok.rstrip = a.value("rstrip", false);
+    tok.normalized = a.value("normalized", !tok.special);
+    if (a.value("single_word", false))
+      throw UsageError(source + ": unsupported single_word added token '" + tok.content + "'");
+    if (tokens.size() <= tok.id) tokens.resize(static_cast<std::size_t>(tok.id) + 1);
+    tokens[tok.id] = tok.content;
+    const int index = static_cast<int>(added.size());
+    if (tok.normalized && !impl.normalizer.empty()) {
+      std::string n;
+      impl.normalizer.apply(tok.content, n);
+      impl.normalized_added.add(n, index);
+    } else {
+      (tok.normalized ? impl.normalized_added : impl.raw_added).add(tok.content, index);
+    }
+    added.push_back(std::move(tok));
+  }
+}
+
+// Post-processor: only the single-sequence template matters for ids.
+void load_post_processor(const json& j, const std::string& source, const std::vector<std::string>& tokens,
+                         std::vector<HfTokenizer::Impl::Item>& single) {
+  std::vector<json> processors;
+  const json pp = j.value("post_processor", json());
+  if (!pp.is_null()) {
+    if (pp.value("type", "") == "Sequence")
+      for (const json& p : pp.at("processors")) processors.push_back(p);
+    else
+      processors.push_back(pp);
+  }
+  for (const json& p : processors) {
+    const std::string type = p.value("type", "");
+    if (type == "ByteLevel") continue;  // only moves offsets
+    if (type != "TemplateProcessing") throw UsageError(source + ": unsupported post_processor type " + type);
+    single.clear();
+    for (const json& item : p.at("single")) {
+      HfTokenizer::Impl::Item it;
+      if (item.contains("SpecialToken")) {
+        const std::string name = item["SpecialToken"].at("id").get<std::string>();
+        const json& specials = p.at("special_tokens");
+        if (!specials.contains(name))
+          throw UsageError(source + ": post_processor names special token '" + name + "' it does not define");
+        for (const json& id : specials[name].at("ids")) {
+          it.ids.push_back(checked_id(id, source, "post_processor token '" + name + "'"));
+          if (it.ids.back() >= tokens.size() || tokens[it.ids.back()].empty())
+            throw UsageError(source + ": post_processor token '" + name + "' has id " + std::to_string(it.ids.back()) +
+                             ", which is not in the vocabulary");
+        }
+      } else if (item.contains("Sequence") && item["Sequence"].value("id", "A") == "A") {
+        it.is_sequence = true;
+      } else {
+        throw UsageError(source + ": unsupported post_processor item " + item.dump());
+      }
+      single.push_back(std::move(it));
+    }
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
+  const auto [file, gpt2_files, vocab_file, merges_file] = find_files(path);
   try {
     if (gpt2_files) {
       // GPT-2's own release: a byte-level vocabulary, one merge per line after
       // a "#version" header, and the ByteLevel pre-tokenizer with its regex.
       const std::string source = "tokenizer " + merges_file;
       std::unique_ptr<HfTokenizer> t(new HfTokenizer(vocab_file));
-      json model = {{"type", "BPE"}, {"vocab", parse_json(vocab_file, "tokenizer " + vocab_file)}};
-      json merges = json::array();
-      std::istringstream lines(read_file(merges_file, source));
-      for (std::string line; std::getline(lines, line);) {
-        if (!line.empty() && line.back() == '\r') line.pop_back();
-        if (line.empty() || line.rfind("#version", 0) == 0) continue;
-        merges.push_back(line);
-      }
-      model["merges"] = std::move(merges);
+      const json model = gpt2_model(vocab_file, merges_file, source);
       t->impl_ = std::make_unique<Impl>(Normalizer(nullptr, source),
                                         PreTokenizer(json{{"type", "ByteLevel"}, {"add_prefix_space", false}}, source),
                                         Decoder(json{{"type", "ByteLevel"}}, source));
@@ -318,67 +408,12 @@ std::unique_ptr<HfTokenizer> HfTokenizer::load(const std::string& path) {
     Impl& impl = *t->impl_;
     impl.bpe = build_model(j["model"], impl.pre.byte_level(), source, t->tokens_);
 
-    for (const json& a : j.value("added_tokens", json::array())) {
-      AddedToken tok;
-      tok.id = checked_id(a.at("id"), source, "an added token");
-      tok.content = a.at("content").get<std::string>();
-      tok.special = a.value("special", false);
-      tok.lstrip = a.value("lstrip", false);
-      tok.rstrip = a.value("rstrip", false);
-      tok.normalized = a.value("normalized", !tok.special);
-      if (a.value("single_word", false))
-        throw UsageError(source + ": unsupported single_word added token '" + tok.content + "'");
-      if (t->tokens_.size() <= tok.id) t->tokens_.resize(static_cast<std::size_t>(tok.id) + 1);
-      t->tokens_[tok.id] = tok.content;
-      const int index = static_cast<int>(t->added_.size());
-      if (tok.normalized && !impl.normalizer.empty()) {
-        std::string n;
-        impl.normalizer.apply(tok.content, n);
-        impl.normalized_added.add(n, index);
-      } else {
-        (tok.normalized ? impl.normalized_added : impl.raw_added).add(tok.content, index);
-      }
-      t->added_.push_back(std::move(tok));
-    }
+    load_added_tokens(j, source, impl, t->tokens_, t->added_);
     t->special_.assign(t->tokens_.size(), false);
     for (const auto& a : t->added_)
       if (a.special) t->special_[a.id] = true;
 
-    // Post-processor: only the single-sequence template matters for ids.
-    std::vector<json> processors;
-    const json pp = j.value("post_processor", json());
-    if (!pp.is_null()) {
-      if (pp.value("type", "") == "Sequence")
-        for (const json& p : pp.at("processors")) processors.push_back(p);
-      else
-        processors.push_back(pp);
-    }
-    for (const json& p : processors) {
-      const std::string type = p.value("type", "");
-      if (type == "ByteLevel") continue;  // only moves offsets
-      if (type != "TemplateProcessing") throw UsageError(source + ": unsupported post_processor type " + type);
-      impl.single.clear();
-      for (const json& item : p.at("single")) {
-        Impl::Item it;
-        if (item.contains("SpecialToken")) {
-          const std::string name = item["SpecialToken"].at("id").get<std::string>();
-          const json& specials = p.at("special_tokens");
-          if (!specials.contains(name))
-            throw UsageError(source + ": post_processor names special token '" + name + "' it does not define");
-          for (const json& id : specials[name].at("ids")) {
-            it.ids.push_back(checked_id(id, source, "post_processor token '" + name + "'"));
-            if (it.ids.back() >= t->tokens_.size() || t->tokens_[it.ids.back()].empty())
-              throw UsageError(source + ": post_processor token '" + name + "' has id " +
-                               std::to_string(it.ids.back()) + ", which is not in the vocabulary");
-          }
-        } else if (item.contains("Sequence") && item["Sequence"].value("id", "A") == "A") {
-          it.is_sequence = true;
-        } else {
-          throw UsageError(source + ": unsupported post_processor item " + item.dump());
-        }
-        impl.single.push_back(std::move(it));
-      }
-    }
+    load_post_processor(j, source, t->tokens_, impl.single);
     return t;
   } catch (const json::exception& e) {
     // A field of the wrong type or a missing required field.

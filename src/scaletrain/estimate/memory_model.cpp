@@ -1,4 +1,6 @@
 // Per-rank memory and per-step communication of a layout. See memory_model.h.
+// The names of a layout's choices and its one-line description are in
+// report.cpp.
 //
 // Note [Rank grid]
 // ----------------
@@ -63,45 +65,6 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::estimate {
-
-const char* sharding_name(Sharding s, bool fsdp) {
-  switch (s) {
-    case Sharding::kNone: return fsdp ? "fsdp-no-shard" : "ddp";
-    case Sharding::kZero1: return "zero-1";
-    case Sharding::kZero2: return fsdp ? "fsdp-shard-grad-op" : "zero-2";
-    case Sharding::kZero3: return fsdp ? "fsdp-full-shard" : "zero-3";
-    case Sharding::kHybrid: return fsdp ? "fsdp-hybrid-shard" : "zero-3-hybrid";
-  }
-  return "?";
-}
-
-const char* precision_name(Precision p) {
-  switch (p) {
-    case Precision::kFp32: return "fp32";
-    case Precision::kMixed16: return "mixed16";
-    case Precision::kAutocast16: return "autocast16";
-    case Precision::kPure16: return "pure16";
-  }
-  return "?";
-}
-
-const char* schedule_name(Schedule s) {
-  switch (s) {
-    case Schedule::kGPipe: return "gpipe";
-    case Schedule::k1F1B: return "1f1b";
-    case Schedule::kInterleaved: return "interleaved";
-  }
-  return "?";
-}
-
-const char* recompute_name(Recompute r) {
-  switch (r) {
-    case Recompute::kNone: return "none";
-    case Recompute::kSelective: return "selective";
-    case Recompute::kFull: return "full";
-  }
-  return "?";
-}
 
 namespace {
 
@@ -329,10 +292,240 @@ double inflight_microbatches(Schedule schedule, int64_t pp, int64_t stage, int64
   return 1;
 }
 
+namespace {
+
+// One layer's activations of one micro-batch under recompute policy `r`
+// (Note [Activations of a run]); `layer_params`: its weights, for FP8 linears.
+double layer_activations(const ModelSpec& spec, const Layout& l, const Widths& w, int64_t s_rank, double layer_params,
+                         Recompute r) {
+  const int64_t t = l.tp;
+  const double act_scale = w.compute / 2.0;  // the formulas assume 16-bit activations
+  double bytes = act_scale * activation_bytes_per_layer(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r,
+                                                        l.dropout, l.flash_attention, l.fused_blocks);
+  if (l.cp > 1 && !l.flash_attention && r != Recompute::kFull && r != Recompute::kSelective) {
+    // The ring composed of autograd ops (parallel/context) keeps the
+    // scores of the 2 cp + 1 chunk pairs it computes, each (s / 2cp)^2:
+    // (2 cp + 1) / 4 times the s_rank^2 counted above.
+    const double att = l.dropout ? 5 : 2, a = static_cast<double>(spec.num_heads);
+    bytes += act_scale * att * a * static_cast<double>(s_rank) * s_rank * l.micro_batch *
+             ((2.0 * l.cp + 1) / 4.0 - 1.0) / static_cast<double>(t);
+  }
+  if (l.fp8_linears)
+    bytes +=
+        fp8_linear_activation_change(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute, layer_params);
+  if (spec.num_experts > 0 && r != Recompute::kFull) {
+    // An MoE block (models/moe.h) keeps each token k times as an expert
+    // input (the dense count has it once) and k expert outputs for their
+    // weighting, and the router's logits and probabilities in fp32.
+    const double k = static_cast<double>(spec.experts_per_token);
+    const double sb = static_cast<double>(s_rank) * l.micro_batch;
+    bytes += sb * spec.hidden_size * (2 * k - 1) * w.compute + 2 * sb * static_cast<double>(spec.num_experts) * 4.0;
+  }
+  return bytes;
+}
+
+// Activations of one micro-batch of a stage with shapes, and the gradients in
+// flight in its backward (peak.cpp, Note [The worst moment]).
+void set_activations(StageShape& shape, const ModelSpec& spec, const Layout& l, const Widths& w, int64_t stage,
+                     int64_t s_rank) {
+  const int64_t t = l.tp;
+  const double act_scale = w.compute / 2.0;  // the formulas assume 16-bit activations
+  const bool first = stage == 0, last = stage == l.pp - 1;
+  shape.inflight = inflight_microbatches(l.schedule, l.pp, stage, l.microbatches, l.virtual_stages);
+  shape.act_layer = layer_activations(spec, l, w, s_rank, shape.layer_params, l.recompute);
+  shape.act_layer_full = layer_activations(spec, l, w, s_rank, shape.layer_params, Recompute::kNone);
+  const double sb = static_cast<double>(s_rank) * l.micro_batch;
+  const double sbh = sb * spec.hidden_size, sbv = sb * spec.vocab_size;
+  const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
+  if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
+  if (last) {
+    const double norm_kept = spec.norm == Norm::kLayerNorm || l.fused_blocks ? 1 : 2;  // tensors a norm keeps
+    shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;                         // the final norm
+    // Head input (the final norm's output) + the loss's fp32 log-softmax;
+    // fused (never under tp), the head's input and weight gradients
+    // formed in forward instead.
+    const double fused = 2 * sbh * act_scale + static_cast<double>(spec.vocab_size) * spec.hidden_size * w.grad;
+    if (!spec.encoder) shape.act_last += 2 * sbh * act_scale / sp_div + (l.fused_loss ? fused : 4 * sbv / t);
+  }
+  // Backward of one layer: the residual gradient, the gradient of the
+  // MLP's hidden output and of its input less the saved hidden output
+  // freed by then, and one weight gradient before it is accumulated.
+  // Backward of the loss: two more fp32 log-softmax-sized tensors.
+  const double I = static_cast<double>(spec.intermediate_size);
+  shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
+  if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
+  // Flash attention's backward (kernels/attention.cpp) holds fp32
+  // contiguous copies of q, k, v, its output and the output's gradient,
+  // and dq, dk, dv: 8 fp32 tensors of s*b*h/t at once, a moment of its own.
+  if (l.flash_attention) shape.ws_layer = std::max(shape.ws_layer, 32 * sbh / t);
+  // The ring (parallel/context) adds nothing here: the keys, values and
+  // gradients it passes around are smaller than the kernel's workspace
+  // above and not alive at its moment (bench/RESULTS.md section 20).
+  // FP8 linears: the largest linear's backward decodes its input, weight
+  // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
+  if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);
+  if (last && !spec.encoder) shape.ws_last = l.fused_loss ? 0 : 8 * sbv / t;
+}
+
+// Model states of P weights, Tr of them trained, `experts` of them this
+// rank's experts, over the sharding group e.shard.
+void set_model_states(RankEstimate& e, const Layout& l, const Widths& w, double P, double Tr, double experts) {
+  const int64_t N = e.shard;
+  const bool shard_opt = l.sharding != Sharding::kNone;
+  const bool shard_grad =
+      l.sharding == Sharding::kZero2 || l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  const bool shard_weights = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  auto count = [&](double n, bool sharded) {
+    return sharded ? (n + experts * static_cast<double>(l.ep - 1)) / static_cast<double>(N) : n;
+  };
+  e.params = count(P + (l.lora_rank > 0 ? Tr : 0), shard_weights) * w.weight;
+  e.gradients = count(Tr, shard_grad) * w.grad;
+  e.master = count(Tr, shard_opt) * w.master;
+  if (l.fp16_masters) {  // O3: the trainable shards (or the separate masters) are fp16
+    if (w.master > 0)
+      e.master = count(Tr, shard_opt) * 2.0;
+    else if (shard_weights)
+      e.params -= count(Tr, true) * (w.weight - 2.0);
+  }
+  e.optimizer = count(Tr, shard_opt) * (l.fp8_moments ? 3.0 : w.optimizer);
+  if (l.offload_optimizer) {
+    e.host += e.master + e.optimizer;
+    e.master = e.optimizer = 0;
+  }
+  if (l.offload_params) {
+    e.host += e.params;
+    e.params = 0;
+  }
+}
+
+// Communication of one step (bytes sent per rank) and its time; e.dp and
+// e.shard are the layout's.
+void add_step_comm(RankEstimate& e, const ModelSpec& spec, const Layout& l, const Widths& w, int64_t stage, int64_t nl,
+                   double P, double Tr, int64_t seq) {
+  const bool raw = spec.shapeless(), first = stage == 0, last = stage == l.pp - 1;
+  const int64_t t = l.tp, pp = l.pp, dp = e.dp, dpc = dp * l.cp, N = e.shard, gpn = l.gpus_per_node;
+  const bool shard_weights = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  const int64_t s_rank = seq / l.cp;  // the tokens of each sequence a rank holds
+  const double m = static_cast<double>(l.microbatches);
+  const double grad_bytes = Tr * w.grad, gather_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.compute;
+  const double trainable_gather = Tr * w.compute;
+  // The sharding group (dp ranks, or the intra-node shard group of hybrid)
+  // and, for hybrid, the replica group across nodes.
+  double group_bytes = 0, replica_bytes = 0;
+  switch (l.sharding) {
+    case Sharding::kNone:
+      group_bytes = all_reduce(grad_bytes, dpc);
+      break;
+    case Sharding::kZero1:  // reduce-scatter grads, all-gather updated weights: the all-reduce volume
+      group_bytes = gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
+      break;
+    case Sharding::kZero2:  // no full gradient is kept, so every micro-batch is reduce-scattered
+      group_bytes = m * gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
+      break;
+    case Sharding::kZero3:
+    case Sharding::kHybrid:  // gather for forward and again for backward, reduce-scatter grads
+      group_bytes = m * (2 * gather_or_scatter(gather_bytes, N) + gather_or_scatter(grad_bytes, N));
+      replica_bytes = all_reduce(grad_bytes / N, dpc / N);
+      break;
+  }
+  e.dp_comm_bytes = group_bytes + replica_bytes;
+  double tp_time_bytes = 0;
+  if (!raw && l.cp > 1) {
+    // Per layer and micro-batch: cp - 1 hops of this rank's keys and values
+    // forward (again under full recompute), and in backward cp - 1 hops of
+    // them and cp of their fp32 gradients (parallel/context, Note [Ring backward]).
+    const double kv = 2.0 * static_cast<double>(s_rank) * l.micro_batch * kv_width(spec) / t;
+    const double cpm1 = static_cast<double>(l.cp - 1), forwards = l.recompute == Recompute::kFull ? 2 : 1;
+    e.cp_comm_bytes = nl * m * (forwards * cpm1 * kv * w.compute + cpm1 * kv * w.compute + l.cp * kv * 4.0);
+  }
+  if (!raw && t > 1) {
+    const double act = static_cast<double>(s_rank) * l.micro_batch * spec.hidden_size * w.compute;
+    const double per_layer_ops = l.recompute == Recompute::kFull ? 6 : 4;  // fwd 2, bwd 2, recompute 2
+    e.tp_comm_bytes = nl * m * per_layer_ops * all_reduce(act, t);
+    tp_time_bytes = e.tp_comm_bytes;
+  }
+  if (!raw && pp > 1) {
+    double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
+    if (l.sequence_parallel) act /= static_cast<double>(t);
+    const double directions = (first || last) ? 1 : 2;
+    e.pp_comm_bytes = directions * m * act;
+  }
+  const auto secs = [&](double bytes, bool intra) {
+    return bytes / ((intra ? l.intra_node_gbps : l.inter_node_gbps) * 1e9);
+  };
+  const int64_t group = shard_weights ? N : dp;
+  e.comm_seconds = secs(group_bytes, intra_node(t, group, gpn)) +
+                   secs(replica_bytes, intra_node(t * group, dp / group, gpn)) +
+                   secs(tp_time_bytes, intra_node(1, t, gpn)) + secs(e.pp_comm_bytes, intra_node(t * dp, pp, gpn)) +
+                   secs(e.cp_comm_bytes, intra_node(t, l.cp, gpn));
+}
+
+// Stage `stage` of the layout, `nl` layers; `e` starts as the largest stage
+// so far, with what every stage shares (dp, shard).
+RankEstimate estimate_stage(RankEstimate e, const ModelSpec& spec, const Layout& l, const ParamCounts& c, int64_t stage,
+                            int64_t nl, int64_t seq) {
+  const Widths w = widths(l.precision);
+  const bool raw = spec.shapeless();
+  const int64_t t = l.tp, pp = l.pp, N = e.shard;
+  e.worst_stage = stage;
+  e.seq_len = raw ? 0 : seq;
+  const bool first = stage == 0, last = stage == pp - 1;
+  // Parameters of this stage's TP slice.
+  int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
+  if (l.ep > 1) layer_tp -= c.per_layer_experts - ceil_div(c.per_layer_experts, l.ep);  // this rank's experts
+  const int64_t emb_tp = ceil_div(c.embedding_tp_split, t) + (c.embedding - c.embedding_tp_split);
+  const int64_t head_full = c.head > 0 ? c.head : (spec.tie_word_embeddings && pp > 1 ? c.embedding_tp_split : 0);
+  const int64_t head_tp = ceil_div(head_full, t);
+  int64_t params = raw ? spec.raw_params : nl * layer_tp;
+  if (!raw && first) params += emb_tp;
+  if (!raw && last) params += c.final_norm + c.pooler + head_tp;
+  e.stage_params = params;
+  e.trainable_params = params;
+  if (l.lora_rank > 0) {
+    e.trainable_params = nl * (l.lora_layer_params > 0 ? l.lora_layer_params
+                                                       : lora_params_per_layer(spec, l.lora_rank, l.lora_targets, t));
+    e.frozen_params = params;  // base weights stay, frozen
+  }
+  // QLoRA: the blocks' linear weights count as the weight-width parameters
+  // their NF4 bytes equal (Pq of them stand for Q weights).
+  const double Q = l.qlora ? static_cast<double>(ceil_div(nl * linear_params_per_layer(spec), t)) : 0.0;
+  const double Pq = Q * kNf4BytesPerParam / w.weight;
+  const double P = static_cast<double>(params) - Q + Pq, Tr = static_cast<double>(e.trainable_params);
+
+  // Model states (ZeRO paper accounting; frozen LoRA bases have weights only).
+  // Under expert parallelism a rank's experts are sharded over the N/ep
+  // ranks that hold them (Note [Experts in the sharded engine]), so its
+  // share of a sharded state counts them ep times before dividing by N.
+  const double experts = l.ep > 1 && !raw ? static_cast<double>(nl * ceil_div(c.per_layer_experts, l.ep)) : 0.0;
+  set_model_states(e, l, w, P, Tr, experts);
+
+  // Activations of one micro-batch (Note [Activations of a run]), and what
+  // comes and goes around them (peak.cpp, Note [The worst moment]).
+  StageShape shape;
+  shape.shapes = !raw;
+  shape.layers = nl;
+  shape.layer_params = static_cast<double>(layer_tp) - (nl > 0 ? (Q - Pq) / static_cast<double>(nl) : 0.0);
+  shape.root_params = static_cast<double>((first ? emb_tp : 0) + (last ? c.final_norm + c.pooler + head_tp : 0));
+  shape.params = P + (l.lora_rank > 0 ? Tr : 0);
+  shape.trainable = Tr;
+  shape.largest_tensor = raw ? P : static_cast<double>(ceil_div(c.largest_module, t));
+  if (!raw) set_activations(shape, spec, l, w, stage, seq / l.cp);
+  StageWidths sw;
+  sw.weight = w.weight;
+  sw.grad = w.grad;
+  sw.compute = w.compute;
+  sw.optimizer_state = w.optimizer / 2;
+  add_transient_memory(shape, sw, l, N, e);
+  e.total = e.params + e.gradients + e.master + e.optimizer + e.gathered + e.comm_buffers + e.activations + e.workspace;
+  add_step_comm(e, spec, l, w, stage, nl, P, Tr, seq);
+  return e;
+}
+
+}  // namespace
+
 RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
   validate_layout(spec, l);
   const ParamCounts c = count_params(spec);
-  const Widths w = widths(l.precision);
   const bool raw = spec.shapeless();
   const int64_t t = l.tp, pp = l.pp, dp = l.world_size / (t * pp * l.cp);
   // The ranks that hold the same parameters: dp x cp (Note [Context-parallel groups]).
@@ -348,17 +541,11 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
     best.shard = std::max<int64_t>(1, std::min(dpc, gpn / t));
     while (dpc % best.shard != 0) --best.shard;
   }
-  const int64_t N = best.shard;
-  const bool shard_opt = l.sharding != Sharding::kNone;
-  const bool shard_grad = l.sharding == Sharding::kZero2 || l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
-  const bool shard_weights = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
   const int64_t seq = l.seq_len > 0 ? l.seq_len : (spec.max_positions > 0 ? spec.max_positions : 2048);
   if (l.cp > 1 && seq % (2 * l.cp) != 0)
-    throw UsageError("impossible layout: cp=" + std::to_string(l.cp) + " needs a sequence length divisible by 2 x cp = " +
-                     std::to_string(2 * l.cp) + ", got " + std::to_string(seq));
-  const int64_t s_rank = seq / l.cp;  // the tokens of each sequence a rank holds
-  const double act_scale = w.compute / 2.0;  // the formulas assume 16-bit activations
-  const double m = static_cast<double>(l.microbatches);
+    throw UsageError("impossible layout: cp=" + std::to_string(l.cp) +
+                     " needs a sequence length divisible by 2 x cp = " + std::to_string(2 * l.cp) + ", got " +
+                     std::to_string(seq));
 
   best.total = -1;
   std::vector<int64_t> stage_layers(pp, 0);
@@ -371,209 +558,10 @@ RankEstimate estimate_rank(const ModelSpec& spec, const Layout& l) {
       for (int64_t s = 0; s < pp; ++s) stage_layers[s] = spec.num_layers / pp + (s < spec.num_layers % pp ? 1 : 0);
   }
   for (int64_t stage = 0; stage < pp; ++stage) {
-    RankEstimate e = best;
-    e.worst_stage = stage;
-    e.seq_len = raw ? 0 : seq;
-    const bool first = stage == 0, last = stage == pp - 1;
-    const int64_t nl = raw ? 0 : stage_layers[stage];
-    // Parameters of this stage's TP slice.
-    int64_t layer_tp = ceil_div(c.per_layer_tp_split, t) + (c.per_layer - c.per_layer_tp_split);
-    if (l.ep > 1) layer_tp -= c.per_layer_experts - ceil_div(c.per_layer_experts, l.ep);  // this rank's experts
-    const int64_t emb_tp = ceil_div(c.embedding_tp_split, t) + (c.embedding - c.embedding_tp_split);
-    const int64_t head_full = c.head > 0 ? c.head : (spec.tie_word_embeddings && pp > 1 ? c.embedding_tp_split : 0);
-    const int64_t head_tp = ceil_div(head_full, t);
-    int64_t params = raw ? spec.raw_params : nl * layer_tp;
-    if (!raw && first) params += emb_tp;
-    if (!raw && last) params += c.final_norm + c.pooler + head_tp;
-    e.stage_params = params;
-    e.trainable_params = params;
-    if (l.lora_rank > 0) {
-      e.trainable_params = nl * (l.lora_layer_params > 0 ? l.lora_layer_params
-                                                         : lora_params_per_layer(spec, l.lora_rank, l.lora_targets, t));
-      e.frozen_params = params;  // base weights stay, frozen
-    }
-    // QLoRA: the blocks' linear weights count as the weight-width parameters
-    // their NF4 bytes equal (Pq of them stand for Q weights).
-    const double Q = l.qlora ? static_cast<double>(ceil_div(nl * linear_params_per_layer(spec), t)) : 0.0;
-    const double Pq = Q * kNf4BytesPerParam / w.weight;
-    const double P = static_cast<double>(params) - Q + Pq, Tr = static_cast<double>(e.trainable_params);
-
-    // Model states (ZeRO paper accounting; frozen LoRA bases have weights only).
-    // Under expert parallelism a rank's experts are sharded over the N/ep
-    // ranks that hold them (Note [Experts in the sharded engine]), so its
-    // share of a sharded state counts them ep times before dividing by N.
-    const double experts = l.ep > 1 && !raw ? static_cast<double>(nl * ceil_div(c.per_layer_experts, l.ep)) : 0.0;
-    auto count = [&](double n, bool sharded) {
-      return sharded ? (n + experts * static_cast<double>(l.ep - 1)) / static_cast<double>(N) : n;
-    };
-    e.params = count(P + (l.lora_rank > 0 ? Tr : 0), shard_weights) * w.weight;
-    e.gradients = count(Tr, shard_grad) * w.grad;
-    e.master = count(Tr, shard_opt) * w.master;
-    if (l.fp16_masters) {  // O3: the trainable shards (or the separate masters) are fp16
-      if (w.master > 0)
-        e.master = count(Tr, shard_opt) * 2.0;
-      else if (shard_weights)
-        e.params -= count(Tr, true) * (w.weight - 2.0);
-    }
-    e.optimizer = count(Tr, shard_opt) * (l.fp8_moments ? 3.0 : w.optimizer);
-    if (l.offload_optimizer) {
-      e.host += e.master + e.optimizer;
-      e.master = e.optimizer = 0;
-    }
-    if (l.offload_params) {
-      e.host += e.params;
-      e.params = 0;
-    }
-
-    // Activations of one micro-batch (Note [Activations of a run]), and what
-    // comes and goes around them (peak.cpp, Note [The worst moment]).
-    StageShape shape;
-    shape.shapes = !raw;
-    shape.layers = nl;
-    shape.layer_params = static_cast<double>(layer_tp) - (nl > 0 ? (Q - Pq) / static_cast<double>(nl) : 0.0);
-    shape.root_params = static_cast<double>((first ? emb_tp : 0) + (last ? c.final_norm + c.pooler + head_tp : 0));
-    shape.params = P + (l.lora_rank > 0 ? Tr : 0);
-    shape.trainable = Tr;
-    shape.largest_tensor = raw ? P : static_cast<double>(ceil_div(c.largest_module, t));
-    if (!raw) {
-      shape.inflight = inflight_microbatches(l.schedule, pp, stage, l.microbatches, l.virtual_stages);
-      auto layer = [&](Recompute r) {
-        double bytes = act_scale * activation_bytes_per_layer(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r,
-                                                              l.dropout, l.flash_attention, l.fused_blocks);
-        if (l.cp > 1 && !l.flash_attention && r != Recompute::kFull && r != Recompute::kSelective) {
-          // The ring composed of autograd ops (parallel/context) keeps the
-          // scores of the 2 cp + 1 chunk pairs it computes, each (s / 2cp)^2:
-          // (2 cp + 1) / 4 times the s_rank^2 counted above.
-          const double att = l.dropout ? 5 : 2, a = static_cast<double>(spec.num_heads);
-          bytes += act_scale * att * a * static_cast<double>(s_rank) * s_rank * l.micro_batch *
-                   ((2.0 * l.cp + 1) / 4.0 - 1.0) / static_cast<double>(t);
-        }
-        if (l.fp8_linears)
-          bytes += fp8_linear_activation_change(s_rank, l.micro_batch, spec, t, l.sequence_parallel, r, w.compute,
-                                                shape.layer_params);
-        if (spec.num_experts > 0 && r != Recompute::kFull) {
-          // An MoE block (models/moe.h) keeps each token k times as an expert
-          // input (the dense count has it once) and k expert outputs for their
-          // weighting, and the router's logits and probabilities in fp32.
-          const double k = static_cast<double>(spec.experts_per_token);
-          const double sb = static_cast<double>(s_rank) * l.micro_batch;
-          bytes += sb * spec.hidden_size * (2 * k - 1) * w.compute + 2 * sb * static_cast<double>(spec.num_experts) * 4.0;
-        }
-        return bytes;
-      };
-      shape.act_layer = layer(l.recompute);
-      shape.act_layer_full = layer(Recompute::kNone);
-      const double sb = static_cast<double>(s_rank) * l.micro_batch;
-      const double sbh = sb * spec.hidden_size, sbv = sb * spec.vocab_size;
-      const double sp_div = l.sequence_parallel ? static_cast<double>(t) : 1.0;
-      if (first && l.dropout) shape.act_first = sbh / sp_div;  // embedding dropout mask, 1 byte per element
-      if (last) {
-        const double norm_kept = spec.norm == Norm::kLayerNorm || l.fused_blocks ? 1 : 2;  // tensors a norm keeps
-        shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;    // the final norm
-        // Head input (the final norm's output) + the loss's fp32 log-softmax;
-        // fused (never under tp), the head's input and weight gradients
-        // formed in forward instead.
-        const double fused = 2 * sbh * act_scale + static_cast<double>(spec.vocab_size) * spec.hidden_size * w.grad;
-        if (!spec.encoder) shape.act_last += 2 * sbh * act_scale / sp_div + (l.fused_loss ? fused : 4 * sbv / t);
-      }
-      // Backward of one layer: the residual gradient, the gradient of the
-      // MLP's hidden output and of its input less the saved hidden output
-      // freed by then, and one weight gradient before it is accumulated.
-      // Backward of the loss: two more fp32 log-softmax-sized tensors.
-      const double I = static_cast<double>(spec.intermediate_size);
-      shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
-      if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
-      // Flash attention's backward (kernels/attention.cpp) holds fp32
-      // contiguous copies of q, k, v, its output and the output's gradient,
-      // and dq, dk, dv: 8 fp32 tensors of s*b*h/t at once, a moment of its own.
-      if (l.flash_attention) shape.ws_layer = std::max(shape.ws_layer, 32 * sbh / t);
-      // The ring (parallel/context) adds nothing here: the keys, values and
-      // gradients it passes around are smaller than the kernel's workspace
-      // above and not alive at its moment (bench/RESULTS.md section 20).
-      // FP8 linears: the largest linear's backward decodes its input, weight
-      // and output gradient to fp32 (Note [FP8 linears] in precision/fp8.h).
-      if (l.fp8_linears) shape.ws_layer += 4 * (sb * I / t + sbh / sp_div + spec.hidden_size * I / t);
-      if (last && !spec.encoder) shape.ws_last = l.fused_loss ? 0 : 8 * sbv / t;
-    }
-    StageWidths sw;
-    sw.weight = w.weight;
-    sw.grad = w.grad;
-    sw.compute = w.compute;
-    sw.optimizer_state = w.optimizer / 2;
-    add_transient_memory(shape, sw, l, N, e);
-    e.total =
-        e.params + e.gradients + e.master + e.optimizer + e.gathered + e.comm_buffers + e.activations + e.workspace;
-
-    // Communication of one step (bytes sent per rank).
-    const double grad_bytes = Tr * w.grad, gather_bytes = (P + (l.lora_rank > 0 ? Tr : 0)) * w.compute;
-    const double trainable_gather = Tr * w.compute;
-    // The sharding group (dp ranks, or the intra-node shard group of hybrid)
-    // and, for hybrid, the replica group across nodes.
-    double group_bytes = 0, replica_bytes = 0;
-    switch (l.sharding) {
-      case Sharding::kNone: group_bytes = all_reduce(grad_bytes, dpc); break;
-      case Sharding::kZero1:  // reduce-scatter grads, all-gather updated weights: the all-reduce volume
-        group_bytes = gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
-        break;
-      case Sharding::kZero2:  // no full gradient is kept, so every micro-batch is reduce-scattered
-        group_bytes = m * gather_or_scatter(grad_bytes, dpc) + gather_or_scatter(trainable_gather, dpc);
-        break;
-      case Sharding::kZero3:
-      case Sharding::kHybrid:  // gather for forward and again for backward, reduce-scatter grads
-        group_bytes = m * (2 * gather_or_scatter(gather_bytes, N) + gather_or_scatter(grad_bytes, N));
-        replica_bytes = all_reduce(grad_bytes / N, dpc / N);
-        break;
-    }
-    e.dp_comm_bytes = group_bytes + replica_bytes;
-    double tp_time_bytes = 0;
-    if (!raw && l.cp > 1) {
-      // Per layer and micro-batch: cp - 1 hops of this rank's keys and values
-      // forward (again under full recompute), and in backward cp - 1 hops of
-      // them and cp of their fp32 gradients (parallel/context, Note [Ring backward]).
-      const double kv = 2.0 * static_cast<double>(s_rank) * l.micro_batch * kv_width(spec) / t;
-      const double cpm1 = static_cast<double>(l.cp - 1), forwards = l.recompute == Recompute::kFull ? 2 : 1;
-      e.cp_comm_bytes = nl * m * (forwards * cpm1 * kv * w.compute + cpm1 * kv * w.compute + l.cp * kv * 4.0);
-    }
-    if (!raw && t > 1) {
-      const double act = static_cast<double>(s_rank) * l.micro_batch * spec.hidden_size * w.compute;
-      const double per_layer_ops = l.recompute == Recompute::kFull ? 6 : 4;  // fwd 2, bwd 2, recompute 2
-      e.tp_comm_bytes = nl * m * per_layer_ops * all_reduce(act, t);
-      tp_time_bytes = e.tp_comm_bytes;
-    }
-    if (!raw && pp > 1) {
-      double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
-      if (l.sequence_parallel) act /= static_cast<double>(t);
-      const double directions = (first || last) ? 1 : 2;
-      e.pp_comm_bytes = directions * m * act;
-    }
-    const auto secs = [&](double bytes, bool intra) {
-      return bytes / ((intra ? l.intra_node_gbps : l.inter_node_gbps) * 1e9);
-    };
-    const int64_t group = shard_weights ? N : dp;
-    e.comm_seconds = secs(group_bytes, intra_node(t, group, gpn)) +
-                     secs(replica_bytes, intra_node(t * group, dp / group, gpn)) +
-                     secs(tp_time_bytes, intra_node(1, t, gpn)) + secs(e.pp_comm_bytes, intra_node(t * dp, pp, gpn)) +
-                     secs(e.cp_comm_bytes, intra_node(t, l.cp, gpn));
+    const RankEstimate e = estimate_stage(best, spec, l, c, stage, raw ? 0 : stage_layers[stage], seq);
     if (e.total > best.total) best = e;
   }
   return best;
-}
-
-std::string describe(const Layout& l, const RankEstimate& e) {
-  std::ostringstream o;
-  o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp;
-  if (l.ep > 1) o << " ep=" << l.ep;
-  if (l.cp > 1) o << " cp=" << l.cp;
-  o << " " << sharding_name(l.sharding, l.fsdp_names);
-  if (l.sharding == Sharding::kHybrid) o << "(shard=" << e.shard << ")";
-  if (l.offload_optimizer) o << " offload-opt";
-  if (l.offload_params) o << " offload-param";
-  o << " " << precision_name(l.precision);
-  if (l.pp > 1) o << " " << schedule_name(l.schedule) << " m=" << l.microbatches;
-  if (l.recompute != Recompute::kNone) o << " recompute=" << recompute_name(l.recompute);
-  if (l.sequence_parallel) o << " sp";
-  if (l.lora_rank > 0) o << (l.qlora ? " qlora=" : " lora=") << l.lora_rank;
-  return o.str();
 }
 
 }  // namespace scaletrain::estimate

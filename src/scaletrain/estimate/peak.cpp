@@ -53,14 +53,16 @@
 
 namespace scaletrain::estimate {
 
-void add_transient_memory(const StageShape& s, const StageWidths& w, const Layout& l, int64_t n, RankEstimate& e) {
-  const bool ddp = l.sharding == Sharding::kNone;
-  const bool zero3 = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
-  const bool whole_unit_grads = l.sharding == Sharding::kZero2 || zero3;  // grads sharded after each unit's reduce
-  const double frac = s.params > 0 ? s.trainable / s.params : 1.0;
-  const double g = frac * w.grad;  // gradient bytes per parameter of a unit
+namespace {
 
-  // Units of the sharded engine.
+// Units of the sharded engine on the stage (elements): one layer, the root,
+// a block unit of `per_unit` layers, and how many block units there are.
+struct EngineUnits {
+  double layer = 0, root = 0, unit = 0;
+  int64_t per_unit = 1, units = 0;
+};
+
+EngineUnits engine_units(const StageShape& s, const StageWidths& w, const Layout& l, bool zero3) {
   const double layer = s.shapes ? s.layer_params : 0.0;
   double root = s.shapes ? s.root_params : 0.0, unit = layer;
   int64_t per_unit = 1, units = s.layers;
@@ -76,6 +78,34 @@ void add_transient_memory(const StageShape& s, const StageWidths& w, const Layou
       root += static_cast<double>(s.layers % per_unit) * layer;
     }
   }
+  return {layer, root, unit, per_unit, units};
+}
+
+// The optimizer step's temporaries (bytes); `largest` is the largest unit.
+double step_temporaries(const StageShape& s, const StageWidths& w, const Layout& l, int64_t n, double largest,
+                        int64_t units) {
+  const bool ddp = l.sharding == Sharding::kNone;
+  const double opt_tensor = ddp ? s.largest_tensor : std::ceil(largest / static_cast<double>(n));
+  double step = std::max(16.0 * opt_tensor, 2.0 * w.optimizer_state * opt_tensor);
+  if (ddp) step = std::max(step, s.trainable * w.grad);  // the one-time bucket rebuild
+  if (l.sharding == Sharding::kZero1 || l.sharding == Sharding::kZero2) {
+    const double flat_outputs = l.gloo && n > 1 ? static_cast<double>(std::min<int64_t>(2, units + 1)) * largest : 0.0;
+    step = std::max(step, (s.params / static_cast<double>(n) + flat_outputs) * w.weight);
+  }
+  return step;
+}
+
+}  // namespace
+
+void add_transient_memory(const StageShape& s, const StageWidths& w, const Layout& l, int64_t n, RankEstimate& e) {
+  const bool ddp = l.sharding == Sharding::kNone;
+  const bool zero3 = l.sharding == Sharding::kZero3 || l.sharding == Sharding::kHybrid;
+  const bool whole_unit_grads = l.sharding == Sharding::kZero2 || zero3;  // grads sharded after each unit's reduce
+  const double frac = s.params > 0 ? s.trainable / s.params : 1.0;
+  const double g = frac * w.grad;  // gradient bytes per parameter of a unit
+
+  // Units of the sharded engine.
+  const auto [layer, root, unit, per_unit, units] = engine_units(s, w, l, zero3);
   const double largest = std::max(unit, root);
 
   // Buffers the engine keeps between steps.
@@ -127,13 +157,7 @@ void add_transient_memory(const StageShape& s, const StageWidths& w, const Layou
   if (!s.shapes && whole_unit_grads) consider({0.0, largest * g, gathered});
 
   // The optimizer step's temporaries.
-  const double opt_tensor = ddp ? s.largest_tensor : std::ceil(largest / static_cast<double>(n));
-  double step = std::max(16.0 * opt_tensor, 2.0 * w.optimizer_state * opt_tensor);
-  if (ddp) step = std::max(step, s.trainable * w.grad);  // the one-time bucket rebuild
-  if (l.sharding == Sharding::kZero1 || l.sharding == Sharding::kZero2) {
-    const double flat_outputs = l.gloo && n > 1 ? static_cast<double>(std::min<int64_t>(2, units + 1)) * largest : 0.0;
-    step = std::max(step, (s.params / static_cast<double>(n) + flat_outputs) * w.weight);
-  }
+  const double step = step_temporaries(s, w, l, n, largest, units);
   consider({step, 0.0, 0.0});
 
   e.gathered = worst.gathered;

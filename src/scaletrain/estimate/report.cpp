@@ -1,4 +1,5 @@
-// Tables and JSON for the estimator. See report.h.
+// Tables and JSON for the estimator (report.h), and the names and one-line
+// description of a layout (memory_model.h).
 #include "scaletrain/estimate/report.h"
 
 #include <algorithm>
@@ -340,6 +341,79 @@ nlohmann::json plan_json(const ModelSpec& spec, const PlanOptions& o, const std:
                            {"text", text}});
   }
   return out;
+}
+
+// The names of a layout's choices (memory_model.h).
+
+const char* sharding_name(Sharding s, bool fsdp) {
+  switch (s) {
+    case Sharding::kNone:
+      return fsdp ? "fsdp-no-shard" : "ddp";
+    case Sharding::kZero1:
+      return "zero-1";
+    case Sharding::kZero2:
+      return fsdp ? "fsdp-shard-grad-op" : "zero-2";
+    case Sharding::kZero3:
+      return fsdp ? "fsdp-full-shard" : "zero-3";
+    case Sharding::kHybrid:
+      return fsdp ? "fsdp-hybrid-shard" : "zero-3-hybrid";
+  }
+  return "?";
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kMixed16:
+      return "mixed16";
+    case Precision::kAutocast16:
+      return "autocast16";
+    case Precision::kPure16:
+      return "pure16";
+  }
+  return "?";
+}
+
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kGPipe:
+      return "gpipe";
+    case Schedule::k1F1B:
+      return "1f1b";
+    case Schedule::kInterleaved:
+      return "interleaved";
+  }
+  return "?";
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::kNone:
+      return "none";
+    case Recompute::kSelective:
+      return "selective";
+    case Recompute::kFull:
+      return "full";
+  }
+  return "?";
+}
+
+std::string describe(const Layout& l, const RankEstimate& e) {
+  std::ostringstream o;
+  o << "tp=" << l.tp << " pp=" << l.pp << " dp=" << e.dp;
+  if (l.ep > 1) o << " ep=" << l.ep;
+  if (l.cp > 1) o << " cp=" << l.cp;
+  o << " " << sharding_name(l.sharding, l.fsdp_names);
+  if (l.sharding == Sharding::kHybrid) o << "(shard=" << e.shard << ")";
+  if (l.offload_optimizer) o << " offload-opt";
+  if (l.offload_params) o << " offload-param";
+  o << " " << precision_name(l.precision);
+  if (l.pp > 1) o << " " << schedule_name(l.schedule) << " m=" << l.microbatches;
+  if (l.recompute != Recompute::kNone) o << " recompute=" << recompute_name(l.recompute);
+  if (l.sequence_parallel) o << " sp";
+  if (l.lora_rank > 0) o << (l.qlora ? " qlora=" : " lora=") << l.lora_rank;
+  return o.str();
 }
 
 }  // namespace scaletrain::estimate

@@ -73,7 +73,7 @@ class DistributedOptimizer {
 };
 
 namespace detail {
-// Hooks rpc.cpp calls (Note [Distributed backward]).
+// Hooks the RPC agent calls (rpc/agent.cpp, rpc.cpp; Note [Distributed backward]).
 int64_t current();
 void set_current(int64_t context);
 void on_send(int64_t context, const std::string& key, const std::string& to, const at::Tensor& sent);

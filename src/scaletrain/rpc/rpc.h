@@ -57,7 +57,7 @@ class RpcError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct RRefState;  // rpc.cpp
+struct RRefState;  // rpc_internal.h
 class RRef;
 
 // An argument or a result.

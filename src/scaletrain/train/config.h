@@ -176,7 +176,7 @@ struct MetricsOptions {
   int64_t log_every = 1;  // steps between log lines
   bool progress = true;   // progress bar when stdout is a terminal
   // Steps to trace (1-based, inclusive: {first, last}); empty: none. YAML
-  // `[3, 4]` or a single step, `--metrics.trace_steps=3,4` (train/tracing.h).
+  // `[3, 4]` or a single step, `--metrics.trace_steps=3,4` (observe/tracing.h).
   std::vector<int64_t> trace_steps;
   std::string trace_dir = "trace";  // rank<N>.json per rank, trace.json merged (rank 0)
 };

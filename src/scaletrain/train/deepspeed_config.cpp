@@ -244,6 +244,31 @@ void map_offload(const Reader& r, const json& z, const std::string& key, std::st
     if (o.contains(k)) r.notice(prefix + "." + k, o[k], "file-backed states are read and written whole, per step");
 }
 
+// zero_optimization's keys that are accepted and act on nothing here, each
+// with a notice (Note [DeepSpeed mapping]); "auto" values are shown resolved.
+void zero_keys_without_effect(const Reader& r, const json& z, const std::string& P, double hidden) {
+  if (z.contains("stage3_param_persistence_threshold")) {
+    json v = z["stage3_param_persistence_threshold"];
+    if (Reader::is_auto(v)) v = static_cast<int64_t>(10 * hidden);  // shown resolved
+    r.integer(z, P, "stage3_param_persistence_threshold");
+    r.notice(P + ".stage3_param_persistence_threshold", v, "every parameter is sharded, however small");
+  }
+  if (z.contains("stage3_max_reuse_distance")) {
+    r.integer(z, P, "stage3_max_reuse_distance");
+    r.notice(P + ".stage3_max_reuse_distance", z["stage3_max_reuse_distance"],
+             "gathered units are released after use; stage3_max_live_parameters bounds them");
+  }
+  if (z.contains("sub_group_size")) {
+    r.integer(z, P, "sub_group_size");
+    r.notice(P + ".sub_group_size", z["sub_group_size"], "each rank's optimizer steps its whole shard at once");
+  }
+  for (const char* k : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"}) {
+    r.boolean(z, P, k);
+    if (Reader::asks(z, k))
+      r.notice(P + "." + k, z[k], "checkpoints are written sharded; `scaletrain checkpoint` consolidates them");
+  }
+}
+
 void map_zero(const Reader& r, const json& root, Config& c, double element_bytes) {
   if (!root.contains("zero_optimization")) return;
   const std::string P = "zero_optimization";
@@ -304,27 +329,7 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
     map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path);
   if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path);
   set_if(o.offload_dir, nvme_path);
-  // Accepted, no effect (Note [DeepSpeed mapping]).
-  if (z.contains("stage3_param_persistence_threshold")) {
-    json v = z["stage3_param_persistence_threshold"];
-    if (Reader::is_auto(v)) v = static_cast<int64_t>(10 * hidden);  // shown resolved
-    r.integer(z, P, "stage3_param_persistence_threshold");
-    r.notice(P + ".stage3_param_persistence_threshold", v, "every parameter is sharded, however small");
-  }
-  if (z.contains("stage3_max_reuse_distance")) {
-    r.integer(z, P, "stage3_max_reuse_distance");
-    r.notice(P + ".stage3_max_reuse_distance", z["stage3_max_reuse_distance"],
-             "gathered units are released after use; stage3_max_live_parameters bounds them");
-  }
-  if (z.contains("sub_group_size")) {
-    r.integer(z, P, "sub_group_size");
-    r.notice(P + ".sub_group_size", z["sub_group_size"], "each rank's optimizer steps its whole shard at once");
-  }
-  for (const char* k : {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"}) {
-    r.boolean(z, P, k);
-    if (Reader::asks(z, k))
-      r.notice(P + "." + k, z[k], "checkpoints are written sharded; `scaletrain checkpoint` consolidates them");
-  }
+  zero_keys_without_effect(r, z, P, hidden);
 }
 
 // activation_checkpointing: the section turns block recomputation on.

@@ -13,7 +13,7 @@
 #include "scaletrain/parallel/pipeline/data_parallel.h"
 #include "scaletrain/parallel/pipeline/pipeline.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/engines.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -23,28 +23,16 @@ namespace pl = parallel::pipeline;
 
 class PipelineStrategy final : public DataParallel {
  public:
-  PipelineStrategy(const Config& c, models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
+  PipelineStrategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
       : model_(std::move(model)), mesh_(mesh), device_type_(run_plan.device.type()) {
-    const auto& p = c.parallel;
-    if (p.tp > 1) {
-      parallel::tensor::TensorParallelOptions to;
-      to.sequence_parallel = p.sequence_parallel;
-      plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), to);
-    }
-    pl::PipelineOptions po;
-    po.schedule = pl::parse_schedule(p.schedule);
-    po.microbatches = static_cast<int>(run_plan.accum);
-    po.virtual_stages = p.virtual_stages;
-    po.balance = pl::parse_balance(p.pp_balance);
-    po.micro_batch = run_plan.micro_batch;
-    po.sequence_parallel_tp = p.tp > 1 && p.sequence_parallel;
-    po.tp_size = p.tp;
-    pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), po, world.group().get());
+    if (run_plan.dims.tp > 1) plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), run_plan.engines.tensor);
+    pipe_ =
+        std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), run_plan.engines.pipeline, world.group().get());
 
     std::vector<std::shared_ptr<pl::ChunkRunner>> runners;
     sharded_ = !runs_ddp(run_plan.data_parallel);
     if (sharded_) {
-      ShardedSetup setup = sharded_setup(c, run_plan, mesh);
+      ShardedSetup setup = sharded_setup(run_plan, mesh);
       label_ = setup.label;
       shard_group_ = setup.shard;
       for (const auto& ch : pipe_->chunks()) {
@@ -59,8 +47,7 @@ class PipelineStrategy final : public DataParallel {
       counted_ = params_;  // shards partition each stage's gradient over the shard group
     } else {
       label_ = "ddp";
-      parallel::DDPOptions o = ddp_options(p, c.precision);
-      if (run_plan.policy.reduce == at::kBFloat16) o.comm_dtype = at::kBFloat16;
+      const parallel::DDPOptions& o = run_plan.engines.ddp;
       for (const auto& ch : pipe_->chunks()) {
         auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);
         ddps_.push_back(r);
@@ -204,12 +191,12 @@ class PipelineStrategy final : public DataParallel {
 
 }  // namespace
 
-Parallelized parallelize_pipeline(const Config& c, const Plan& plan, comm::World& world, comm::Mesh& mesh) {
+Parallelized parallelize_pipeline(const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   Parallelized out;
-  torch::manual_seed(c.train.seed);
-  out.model = whole_model(c, plan.model, plan.policy.param, plan.device);
+  torch::manual_seed(plan.engines.start.seed);
+  out.model = whole_model(plan.engines.start, plan.model, plan.policy.param, plan.device);
   try {
-    out.dp = std::make_unique<PipelineStrategy>(c, out.model, world, mesh, plan);
+    out.dp = std::make_unique<PipelineStrategy>(out.model, world, mesh, plan);
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());
   }

@@ -437,6 +437,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   }
   plan.full_state_dict = uses_fsdp_keys(d) && p.fsdp.state_dict_type == "FULL_STATE_DICT";
   problems.raise();
+  plan.engines = plan_engines(c, plan);
   return plan;
 }
 

@@ -24,6 +24,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/device.h"
+#include "scaletrain/train/engine_plan.h"
 
 namespace scaletrain::train {
 
@@ -72,7 +73,12 @@ struct Plan {
   Offload offload_params = Offload::kNone;     // sharded parameters (zero3, fsdp)
   Offload offload_optimizer = Offload::kNone;  // the fp32 shards and Adam moments (zero1-3)
   std::vector<std::string> notices;    // lines rank 0 prints once at start ("scaletrain: note: ...")
+  EnginePlan engines;                  // what parallelize() builds (train/engine_plan.h)
 };
+
+// The engine sections of `config` as the engines' options, for a plan whose
+// checks passed (make_plan calls it last).
+EnginePlan plan_engines(const Config& config, const Plan& plan);
 
 // Validates `config` for `world_size` ranks, the device resolved for the rank
 // with `local_rank`; throws UsageError listing every problem (Note [One plan]).

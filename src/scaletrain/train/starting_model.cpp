@@ -50,67 +50,14 @@ interfaces::InitFn hf_init(const models::ModelPtr& model, const std::string& pat
   }
 }
 
-}  // namespace
-
-// finetune.method lora: the adapters to add (models/lora.h); none for full.
-std::optional<models::LoraOptions> lora_options(const Config& c, const models::ModelConfig& m) {
-  const FinetuneOptions& f = c.finetune;
-  if (f.method == "full") return std::nullopt;
-  models::LoraOptions o;
-  o.r = f.r;
-  o.alpha = f.alpha;
-  o.rslora = f.rslora;
-  o.dropout = f.dropout;
-  o.gaussian_init = f.init == "gaussian";
-  o.seed = c.train.seed;
-  std::stringstream names(f.target_modules);
-  for (std::string name; std::getline(names, name, ',');) {
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
-    if (!name.empty()) o.target_modules.push_back(name);
-  }
-  if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
-  if (f.adapter_from.empty()) return o;
-  // An adapter to start from decides its rank, scaling and layers; the
-  // config may leave them out, or agree.
-  const hub::Adapter a = hub::read_adapter(f.adapter_from, m.family);
-  const Config defaults;
-  const std::string from = " (finetune.adapter_from " + f.adapter_from + ")";
-  auto agree = [&](const std::string& key, bool same, const std::string& theirs) {
-    if (!same && config_value(c, key) != config_value(defaults, key))
-      throw UsageError(key + "=" + config_value(c, key) + " differs from the adapter's " + theirs + from +
-                       "; leave it out or match it");
-  };
-  agree("finetune.r", f.r == a.settings.r, "r " + std::to_string(a.settings.r));
-  agree("finetune.alpha", f.alpha == a.settings.alpha, "lora_alpha " + c10::str(a.settings.alpha));
-  agree("finetune.rslora", f.rslora == a.settings.rslora, std::string("use_rslora ") + (a.settings.rslora ? "true" : "false"));
-  o.r = a.settings.r;
-  o.alpha = a.settings.alpha;
-  o.rslora = a.settings.rslora;
-  // Layers named in the config stay (the adapter must then cover exactly
-  // them: check_adapter_fits, once they are adapted); else the adapter's.
-  if (config_value(c, "finetune.target_modules") == config_value(defaults, "finetune.target_modules"))
-    o.target_modules = a.settings.target_modules;
-  return o;
-}
-
-namespace {
-
-// finetune.method qlora: the NF4 layout of the base weights.
-std::optional<precision::NF4Options> nf4_options(const Config& c) {
-  if (c.finetune.method != "qlora") return std::nullopt;
-  precision::NF4Options o;
-  o.double_quant = c.finetune.double_quant;
-  return o;
-}
-
 // The adapters' starting values, by parameter name: drawn (models/lora.h),
 // or those of finetune.adapter_from, checked against the adapted `model`.
-interfaces::InitFn adapter_values(const Config& c, const models::LoraOptions& lora, const models::CausalLM& model) {
-  if (c.finetune.adapter_from.empty())
+interfaces::InitFn adapter_values(const StartingPlan& s, const models::LoraOptions& lora,
+                                  const models::CausalLM& model) {
+  if (s.adapter_from.empty())
     return [lora](const std::string& name, at::Tensor& out) { models::init_adapter(name, out, lora); };
-  auto a = std::make_shared<hub::Adapter>(hub::read_adapter(c.finetune.adapter_from, model.config().family));
-  hub::check_adapter_fits(*a, model, c.finetune.adapter_from);
+  auto a = std::make_shared<hub::Adapter>(hub::read_adapter(s.adapter_from, model.config().family));
+  hub::check_adapter_fits(*a, model, s.adapter_from);
   return [a](const std::string& name, at::Tensor& out) {
     torch::NoGradGuard no_grad;
     out.copy_(a->tensors.at(name));
@@ -118,12 +65,11 @@ interfaces::InitFn adapter_values(const Config& c, const models::LoraOptions& lo
 }
 
 // An eager model's adapters (lora; qlora models are built by whole_qlora_model).
-void adapt(models::CausalLM& model, const Config& c, const models::ModelConfig& m) {
-  auto lora = lora_options(c, m);
-  if (!lora) return;
-  models::apply_lora(model, *lora);
-  if (c.finetune.adapter_from.empty()) return;
-  const interfaces::InitFn values = adapter_values(c, *lora, model);
+void adapt(models::CausalLM& model, const StartingPlan& s) {
+  if (!s.lora) return;
+  models::apply_lora(model, *s.lora);
+  if (s.adapter_from.empty()) return;
+  const interfaces::InitFn values = adapter_values(s, *s.lora, model);
   for (auto& item : model.named_parameters())
     if (models::is_adapter_parameter(item.key())) values(item.key(), item.value());
 }
@@ -162,19 +108,18 @@ fsdp::FlatParam::SliceFill with_adapter_slices(fsdp::FlatParam::SliceFill base, 
 // without bytes, quantized in shape, then made whole one tensor at a time
 // (each layer's full-precision weight read or drawn, quantized and dropped),
 // so no rank ever holds the full-precision model.
-models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
+models::ModelPtr whole_qlora_model(const StartingPlan& s, const models::ModelConfig& mcfg, at::ScalarType param_dtype) {
   models::ModelPtr model = models::make_model(mcfg, /*materialize=*/false);
   interfaces::set_deferred_dtype(*model, param_dtype);
   interfaces::InitFn init =
-      c.model.init_from.empty()
-          ? interfaces::init_through(at::kFloat,
-                                 [raw = model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); })
-          : hf_init(model, c.model.init_from);  // checks the files against the unquantized model
-  const auto lora = lora_options(c, mcfg);
-  models::quantize_base(*model, *nf4_options(c));
-  models::apply_lora(*model, *lora);
+      s.init_from.empty()
+          ? interfaces::init_through(at::kFloat, [raw = model.get()](const std::string& name,
+                                                                     at::Tensor& t) { raw->init_parameter(name, t); })
+          : hf_init(model, s.init_from);  // checks the files against the unquantized model
+  models::quantize_base(*model, *s.nf4);
+  models::apply_lora(*model, *s.lora);
   init = models::with_nf4_init(init, *model);
-  const interfaces::InitFn values = adapter_values(c, *lora, *model);
+  const interfaces::InitFn values = adapter_values(s, *s.lora, *model);
   torch::NoGradGuard no_grad;
   for (auto& item : model->named_parameters()) {
     at::Tensor& p = item.value();
@@ -188,16 +133,16 @@ models::ModelPtr whole_qlora_model(const Config& c, const models::ModelConfig& m
 
 // The whole model on this rank, loaded from model.init_from, with its
 // adapters (QLoRA's built tensor by tensor, whole_qlora_model).
-models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, at::ScalarType param_dtype,
+models::ModelPtr whole_model(const StartingPlan& s, const models::ModelConfig& mcfg, at::ScalarType param_dtype,
                              const at::Device& device) {
   models::ModelPtr model;
-  if (nf4_options(c)) {
-    model = whole_qlora_model(c, mcfg, param_dtype);
+  if (s.nf4) {
+    model = whole_qlora_model(s, mcfg, param_dtype);
   } else {
     model = models::make_model(mcfg);
     model->to(param_dtype);
-    init_from(model, c.model.init_from);
-    adapt(*model, c, mcfg);
+    init_from(model, s.init_from);
+    adapt(*model, s);
   }
   model->to(device);  // parameters and buffers (Note [One device per rank])
   return model;
@@ -207,33 +152,32 @@ models::ModelPtr whole_model(const Config& c, const models::ModelConfig& mcfg, a
 // fills each parameter: drawn in fp32, or read from model.init_from (whole
 // tensors, or each rank its slice), with the adapters and NF4 of the
 // finetune section made when the engine asks.
-DeferredModel deferred_model(const Config& c, const Plan& plan) {
+DeferredModel deferred_model(const Plan& plan) {
   const models::ModelConfig& mcfg = plan.model;
-  const auto& p = c.parallel;
+  const StartingPlan& s = plan.engines.start;
   DeferredModel d;
   d.model = models::make_model(mcfg, /*materialize=*/false);
   interfaces::set_deferred_dtype(*d.model, plan.policy.param, plan.device);
-  if (c.model.init_from.empty())
+  if (s.init_from.empty())
     d.init = interfaces::init_through(
         at::kFloat,
         [raw = d.model.get()](const std::string& name, at::Tensor& t) { raw->init_parameter(name, t); });
-  else if (p.tp == 1 && d.model->config().family != "gpt2")
-    d.slice_init = hub::hub_slice_init(*d.model, c.model.init_from);  // each rank reads its part
+  else if (plan.dims.tp == 1 && d.model->config().family != "gpt2")
+    d.slice_init = hub::hub_slice_init(*d.model, s.init_from);  // each rank reads its part
   else
-    d.init = hf_init(d.model, c.model.init_from);  // one tensor at a time from the file
-  if (auto lora = lora_options(c, mcfg)) {  // deferred adapters (and NF4 bytes), made when the engine asks
-    const auto nf4 = nf4_options(c);
-    if (nf4) models::quantize_base(*d.model, *nf4);
-    models::apply_lora(*d.model, *lora);
-    const interfaces::InitFn values = adapter_values(c, *lora, *d.model);
+    d.init = hf_init(d.model, s.init_from);  // one tensor at a time from the file
+  if (s.lora) {                              // deferred adapters (and NF4 bytes), made when the engine asks
+    if (s.nf4) models::quantize_base(*d.model, *s.nf4);
+    models::apply_lora(*d.model, *s.lora);
+    const interfaces::InitFn values = adapter_values(s, *s.lora, *d.model);
     if (d.init) {
-      if (nf4) d.init = models::with_nf4_init(d.init, *d.model);
+      if (s.nf4) d.init = models::with_nf4_init(d.init, *d.model);
       d.init = [base = d.init, values](const std::string& name, at::Tensor& t) {
         (models::is_adapter_parameter(name) ? values : base)(name, t);
       };
     }
     if (d.slice_init) {
-      if (nf4) d.slice_init = with_nf4_slices(d.slice_init, *d.model);
+      if (s.nf4) d.slice_init = with_nf4_slices(d.slice_init, *d.model);
       d.slice_init = with_adapter_slices(d.slice_init, *d.model, values);
     }
   }

@@ -1,6 +1,7 @@
 #pragma once
 // The data-parallel strategy of a run behind one small interface, so the
-// training loop reads the same for DDP, ZeRO-1/2/3 and every FSDP strategy.
+// training loop reads the same for DDP, ZeRO-1/2/3 and every FSDP strategy,
+// and parallelize(), the recipe that builds it from a plan.
 #include <torch/torch.h>
 
 #include <functional>
@@ -9,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/causal_lm.h"
@@ -17,7 +17,7 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/precision/policy.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/starting_model.h"
 
@@ -74,35 +74,12 @@ class DataParallel {
 
 // Builds the model (deferred when the strategy initializes it shard by
 // shard; whole and loaded first with model.init_from) and the strategy the
-// config asks for. Throws UsageError, one line,
-// for combinations this build cannot run.
+// plan resolved (its EnginePlan: train/engine_plan.h). Throws UsageError,
+// one line, for combinations this build cannot run.
 struct Parallelized {
   models::ModelPtr model;
   std::unique_ptr<DataParallel> dp;
 };
-Parallelized parallelize(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
-
-// Pieces parallelize() shares with the pipeline strategy.
-struct ShardedSetup {
-  parallel::fsdp::ShardedOptions options;
-  comm::Group* shard = nullptr;      // the group parameters are sharded over
-  comm::Group* replicate = nullptr;  // HYBRID_SHARD's replicas, else null
-  bool deferred = false;             // build the model without bytes (zero3, cpu_ram_efficient_loading)
-  bool no_sync = true;               // accumulate whole gradients until the last micro-batch
-  std::string label;                 // for describe()
-};
-ShardedSetup sharded_setup(const Config& config, const Plan& plan, comm::Mesh& mesh);
-// With FP8 weight gathers (precision.fp8_opt_level=O3), selects the weights
-// of `module`'s FP8 linears (models::fp8_weight_names) as the ones to gather in FP8.
-void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& module);
-// DDP's options from the parallel section (bucket caps, unused parameters,
-// comm dtype) and the precision section (FP8 gradient communication).
-parallel::DDPOptions ddp_options(const ParallelOptions& p, const precision::PrecisionOptions& precision);
-// The FP8 format gradients travel in under parallel.comm_dtype=fp8 or a
-// precision.fp8_opt_level (Note [FP8 on the wire]); none otherwise.
-std::optional<precision::Fp8Format> fp8_wire_format(const ParallelOptions& parallel,
-                                                    const precision::PrecisionOptions& p);
-// parallel.pp > 1 (train/pipeline_strategy.cpp).
-Parallelized parallelize_pipeline(const Config& config, const Plan& plan, comm::World& world, comm::Mesh& mesh);
+Parallelized parallelize(const Plan& plan, comm::World& world, comm::Mesh& mesh);
 
 }  // namespace scaletrain::train

@@ -12,7 +12,7 @@
 //
 // Times are this process's steady clock in nanoseconds. The trainer aligns
 // the ranks' clocks through the store before the first traced step (Note
-// [Trace clocks] in train/tracing.cpp) and hands the offset to to_chrome_json().
+// [Trace clocks] in observe/tracing.cpp) and hands the offset to to_chrome_json().
 //
 // Threads: a thread that records is a lane of its own, named by
 // name_thread() (the training loop names itself "compute") or "thread N".

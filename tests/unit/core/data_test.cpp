@@ -19,7 +19,7 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/data/token_file.h"
 #include "scaletrain/data/tokenizer.h"
-#include "scaletrain/train/plot.h"
+#include "scaletrain/plot.h"  // apps/scaletrain/plot.h: the CLI's pictures
 #include "scaletrain/util/error.h"
 
 namespace fs = std::filesystem;
@@ -420,16 +420,16 @@ TEST(PlotTest, WritesSvgWithTwoCurves) {
   out << "\n";  // blank lines are skipped
   out.close();
 
-  const auto records = train::read_metrics(metrics);
+  const auto records = cli::read_metrics(metrics);
   ASSERT_EQ(records.size(), 50u);
   EXPECT_EQ(records[9].step, 10);
   EXPECT_DOUBLE_EQ(records[9].loss, 0.5);
   EXPECT_DOUBLE_EQ(records[9].mfu, 0.4);
 
   const auto svg_path = dir.file("curves.svg");
-  train::PlotOptions opts;
+  cli::PlotOptions opts;
   opts.title = "run <a&b>";
-  train::plot_metrics(metrics, svg_path, opts);
+  cli::plot_metrics(metrics, svg_path, opts);
   const std::string svg = read_raw(svg_path);
   EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
   EXPECT_NE(svg.find("<svg xmlns=\"http://www.w3.org/2000/svg\""), std::string::npos);
@@ -447,7 +447,7 @@ TEST(PlotTest, WritesSvgWithTwoCurves) {
 }
 
 TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
-  std::vector<train::MetricsRecord> r(6);
+  std::vector<cli::MetricsRecord> r(6);
   for (int i = 0; i < 6; ++i) {
     r[i].step = i;
     r[i].loss = 3.0 - 0.1 * i;
@@ -455,10 +455,10 @@ TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
   }
   r[3].loss = std::numeric_limits<double>::quiet_NaN();
   // A resumed run re-logs step 2; its (null) throughput replaces the first.
-  train::MetricsRecord again = r[2];
+  cli::MetricsRecord again = r[2];
   again.tokens_per_s = std::numeric_limits<double>::quiet_NaN();
   r.push_back(again);
-  const std::string svg = train::render_svg(r, {});
+  const std::string svg = cli::render_svg(r, {});
   // Loss splits into steps [0..2] and [4..5]; so does throughput, at step 2
   // into [0..1] and [3..5].
   std::size_t polylines = 0;
@@ -466,7 +466,7 @@ TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
     ++polylines;
   }
   EXPECT_EQ(polylines, 4u);
-  EXPECT_NE(train::render_svg({}, {}).find("no data"), std::string::npos);
+  EXPECT_NE(cli::render_svg({}, {}).find("no data"), std::string::npos);
 }
 
 // A restarted run's log: steps 1-4, a restart record resuming from step 2,
@@ -483,21 +483,21 @@ TEST(PlotTest, RestartsAreMarkedAndReRunStepsKeepTheLast) {
   log += "{\"record\":\"restart\",\"attempt\":1,\"resumed_from_step\":2,\"reason\":\"attempt 0: rank 1 exited\"}\n";
   for (int s = 3; s <= 5; ++s) log += step(s, 1.0);
   write_raw(path, log);
-  const auto records = train::read_metrics(path);
+  const auto records = cli::read_metrics(path);
   ASSERT_EQ(records.size(), 8u);
   EXPECT_EQ(records[4].restart, 1);
   EXPECT_EQ(records[4].step, 2);
-  const std::string svg = train::render_svg(records, {});
+  const std::string svg = cli::render_svg(records, {});
   std::size_t marks = 0;
   for (auto p = svg.find(">restart</text>"); p != std::string::npos; p = svg.find(">restart</text>", p + 1)) ++marks;
   EXPECT_EQ(marks, 2u);  // loss and throughput
   // Steps 3 and 4 plot the second attempt's loss (1.0), not the first's (9.0):
   // the same picture as a log holding only the last of each step.
-  std::vector<train::MetricsRecord> last{records[0], records[1], records[4], records[5], records[6], records[7]};
-  EXPECT_EQ(svg, train::render_svg(last, {}));
-  std::vector<train::MetricsRecord> first{records[0], records[1], records[2], records[3], records[4], records[7]};
-  EXPECT_NE(svg, train::render_svg(first, {}));
-  EXPECT_EQ(train::render_svg({records.begin(), records.begin() + 4}, {}).find(">restart</text>"), std::string::npos);
+  std::vector<cli::MetricsRecord> last{records[0], records[1], records[4], records[5], records[6], records[7]};
+  EXPECT_EQ(svg, cli::render_svg(last, {}));
+  std::vector<cli::MetricsRecord> first{records[0], records[1], records[2], records[3], records[4], records[7]};
+  EXPECT_NE(svg, cli::render_svg(first, {}));
+  EXPECT_EQ(cli::render_svg({records.begin(), records.begin() + 4}, {}).find(">restart</text>"), std::string::npos);
 }
 
 // An MoE run's log gets a third panel: one curve per expert of its share of
@@ -511,19 +511,19 @@ TEST(PlotTest, MoeRunsGetTheirExpertsShares) {
            ",\"tokens_per_s\":100,\"moe_tokens_per_expert\":[" + std::to_string(10 + s) + ",20,30," +
            std::to_string(40 - s) + "]}\n";
   write_raw(path, log);
-  const auto records = train::read_metrics(path);
+  const auto records = cli::read_metrics(path);
   ASSERT_EQ(records.size(), 5u);
   EXPECT_EQ(records[0].moe_tokens_per_expert, (std::vector<double>{11, 20, 30, 39}));
-  const std::string svg = train::render_svg(records, {});
+  const std::string svg = cli::render_svg(records, {});
   std::size_t polylines = 0;
   for (auto p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) ++polylines;
   EXPECT_EQ(polylines, 2u + 4u);  // loss, throughput, 4 experts
   EXPECT_NE(svg.find("Share of slots per expert (4 experts"), std::string::npos);
   EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);
   // A dense run's log keeps two panels.
-  std::vector<train::MetricsRecord> dense = records;
+  std::vector<cli::MetricsRecord> dense = records;
   for (auto& r : dense) r.moe_tokens_per_expert.clear();
-  EXPECT_EQ(train::render_svg(dense, {}).find("Share of slots"), std::string::npos);
+  EXPECT_EQ(cli::render_svg(dense, {}).find("Share of slots"), std::string::npos);
 }
 
 // Two runs on one picture: seven panels, one curve per run in each, a legend
@@ -543,7 +543,7 @@ TEST(PlotTest, ComparesRunsOnOnePictureWithALegend) {
   };
   const auto fp32 = log("fp32.jsonl", 5.0, 1.0), bf16 = log("bf16.jsonl", 5.2, 65536.0);
   const auto svg_path = dir.file("compare.svg");
-  train::plot_runs({fp32, bf16}, {"fp32", "bf16 <mixed>"}, svg_path);
+  cli::plot_runs({fp32, bf16}, {"fp32", "bf16 <mixed>"}, svg_path);
   const std::string svg = read_raw(svg_path);
   auto count = [&](const std::string& needle) {
     size_t n = 0;
@@ -563,9 +563,9 @@ TEST(PlotTest, ComparesRunsOnOnePictureWithALegend) {
   ASSERT_EQ(rc, 0) << "rsvg-convert could not render the SVG (is librsvg2-bin installed?)";
   EXPECT_EQ(read_raw(png).substr(1, 3), "PNG");
   // Default labels are the file names; labels that do not match are refused.
-  train::plot_runs({fp32, bf16}, {}, svg_path);
+  cli::plot_runs({fp32, bf16}, {}, svg_path);
   EXPECT_NE(read_raw(svg_path).find(">fp32.jsonl</text>"), std::string::npos);
-  EXPECT_THROW(train::plot_runs({fp32, bf16}, {"only one"}, svg_path), UsageError);
+  EXPECT_THROW(cli::plot_runs({fp32, bf16}, {"only one"}, svg_path), UsageError);
 }
 
 TEST(PlotTest, RejectsMalformedLines) {
@@ -585,11 +585,11 @@ TEST(PlotTest, RejectsMalformedLines) {
   };
   for (const auto& [line, problem] : cases) {
     write_raw(path, good + "\n" + line + "\n");
-    expect_usage_error([&] { train::read_metrics(path); }, {path, "line 3", problem});
+    expect_usage_error([&] { cli::read_metrics(path); }, {path, "line 3", problem});
   }
-  expect_usage_error([&] { train::read_metrics(dir.file("missing.jsonl")); }, {"missing.jsonl"});
+  expect_usage_error([&] { cli::read_metrics(dir.file("missing.jsonl")); }, {"missing.jsonl"});
   write_raw(path, "\n");
-  expect_usage_error([&] { train::plot_metrics(path, dir.file("o.svg")); }, {path, "no records"});
+  expect_usage_error([&] { cli::plot_metrics(path, dir.file("o.svg")); }, {path, "no records"});
 }
 
 // Note [Document segments]: where each window's documents are, from a file's

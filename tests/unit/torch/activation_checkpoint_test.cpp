@@ -11,9 +11,9 @@
 
 #include "scaletrain/models/checkpoint.h"
 #include "scaletrain/models/gpt.h"
+#include "scaletrain/observe/memory.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/memory_report.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
@@ -132,7 +132,7 @@ TEST(ActivationCheckpointing, ComposesWithABlockRunner) {
 // tensor-byte counter: with checkpointing only the block inputs (and the
 // head's part) stay, a fraction of the plain model's activations.
 TEST(ActivationCheckpointing, KeepsLessForBackward) {
-  ASSERT_TRUE(train::TensorBytes::install());
+  ASSERT_TRUE(observe::TensorBytes::install());
   models::GPTConfig c = small();
   c.n_layer = 4;
   c.n_embd = 64;
@@ -142,9 +142,9 @@ TEST(ActivationCheckpointing, KeepsLessForBackward) {
   auto saved = [&](ActivationCheckpointing ckpt) {
     models::GPT model(c);
     model->set_activation_checkpointing(ckpt);
-    const int64_t before = train::TensorBytes::current();
+    const int64_t before = observe::TensorBytes::current();
     torch::Tensor loss = model->loss(b.idx, b.targets);
-    const int64_t kept = train::TensorBytes::current() - before;
+    const int64_t kept = observe::TensorBytes::current() - before;
     loss.backward();
     return kept;
   };

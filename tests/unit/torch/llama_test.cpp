@@ -14,12 +14,12 @@
 
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/estimate/model_spec.h"
+#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
-#include "scaletrain/hub/hub_load.h"
-#include "scaletrain/train/memory_report.h"
+#include "scaletrain/models/spec_catalog.h"
 #include "scaletrain/train/model_config.h"
-#include "scaletrain/estimate/model_spec.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
@@ -115,7 +115,7 @@ TEST(Llama, Qwen2IsLlamaWithQkvBias) {
 // small ones.
 TEST(Llama, ParameterCountsArePublished) {
   auto count = [](const std::string& preset) {
-    return estimate::count_params(train::model_spec(models::model_preset(preset))).total;
+    return estimate::count_params(models::estimator_spec(models::model_preset(preset))).total;
   };
   EXPECT_EQ(count("llama-2-7b"), 6738415616);
   EXPECT_EQ(count("llama-3-8b"), 8030261248);

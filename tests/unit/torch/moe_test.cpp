@@ -18,7 +18,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
 #include "scaletrain/models/moe.h"
-#include "scaletrain/train/memory_report.h"
+#include "scaletrain/models/spec_catalog.h"
 
 namespace scaletrain::test {
 namespace {
@@ -157,11 +157,11 @@ TEST(Moe, MixtralLossEqualsThePythonReference) {
 // token (2 of 8 experts), counted by the estimator from the preset; and the
 // estimator's count of the tiny preset equals the model's own.
 TEST(Moe, ParameterCountsArePublished) {
-  const auto big = estimate::count_params(train::model_spec(models::model_preset("mixtral-8x7b")));
+  const auto big = estimate::count_params(models::estimator_spec(models::model_preset("mixtral-8x7b")));
   EXPECT_EQ(big.total, 46702792704);
   EXPECT_EQ(big.active, 12879925248);
   const models::ModelConfig tiny = models::model_preset("mixtral-tiny");
-  EXPECT_EQ(estimate::count_params(train::model_spec(tiny)).total, models::make_model(tiny)->num_parameters());
+  EXPECT_EQ(estimate::count_params(models::estimator_spec(tiny)).total, models::make_model(tiny)->num_parameters());
 }
 
 // Note [Auxiliary losses]: the layer's output carries the gradient of

@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "scaletrain/observe/memory.h"
 #include "scaletrain/precision/nf4.h"
-#include "scaletrain/train/memory_report.h"
 
 namespace scaletrain::precision {
 namespace {
@@ -444,19 +444,20 @@ TEST(NF4Linear, DenseWeightDoesNotOutliveItsUse) {
   const int64_t dense_bytes = 256 * 512 * 8;
   const at::Tensor x = at::randn({4, 512}, at::kDouble).requires_grad_();
   const at::Tensor b = at::randn({256}, at::kDouble).requires_grad_();
-  ASSERT_TRUE(train::TensorBytes::install()) << "libtorch kept another CPU allocator";
-  const int64_t before = train::TensorBytes::current();
-  train::TensorBytes::reset_peak();
+  ASSERT_TRUE(observe::TensorBytes::install()) << "libtorch kept another CPU allocator";
+  const int64_t before = observe::TensorBytes::current();
+  observe::TensorBytes::reset_peak();
   at::Tensor y = nf4_linear(x, q, b);
-  const int64_t held = train::TensorBytes::current() - before;
-  EXPECT_GE(train::TensorBytes::peak() - before, dense_bytes) << "the counter sees the dequantized weight";
+  const int64_t held = observe::TensorBytes::current() - before;
+  EXPECT_GE(observe::TensorBytes::peak() - before, dense_bytes) << "the counter sees the dequantized weight";
   EXPECT_LT(held, dense_bytes / 4) << "bytes still held after forward: " << held;
   EXPECT_LE(held, static_cast<int64_t>(y.nbytes()) + 4096);
-  train::TensorBytes::reset_peak();
+  observe::TensorBytes::reset_peak();
   y.sum().backward();
-  EXPECT_GE(train::TensorBytes::peak() - before, dense_bytes) << "backward dequantizes again";
+  EXPECT_GE(observe::TensorBytes::peak() - before, dense_bytes) << "backward dequantizes again";
   y = at::Tensor();
-  EXPECT_LE(train::TensorBytes::current() - before, static_cast<int64_t>(x.grad().nbytes() + b.grad().nbytes()) + 4096);
+  EXPECT_LE(observe::TensorBytes::current() - before,
+            static_cast<int64_t>(x.grad().nbytes() + b.grad().nbytes()) + 4096);
 }
 
 TEST(NF4Linear, RefusesMismatchedShapes) {

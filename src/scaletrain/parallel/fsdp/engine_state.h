@@ -1,5 +1,5 @@
 #pragma once
-// The sharded engine's state (internal: fsdp.cpp and fully_shard.cpp).
+// The sharded engine's state (internal: fsdp.cpp, fsdp_init.cpp and fully_shard.cpp).
 #include <torch/torch.h>
 
 #include <chrono>

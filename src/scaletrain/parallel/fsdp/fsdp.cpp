@@ -1,29 +1,23 @@
-// Longer than 600 lines (issue 35): the sharded engine's hooks, its
-// construction and its step API. The engine's state is in engine_state.h and
-// user modules' path in fully_shard.cpp; the constructor (init) is the next
-// seam to move out.
+// The sharded engine's hooks (gathers, prefetches, the backward's reduces,
+// Note [Step protocol]) and its step API: forward, gradients, the optimizer's
+// shards, after_step, FullParams. Its construction is in fsdp_init.cpp, its
+// state in engine_state.h, user modules' path in fully_shard.cpp.
 #include "scaletrain/parallel/fsdp/fsdp.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <deque>
 #include <limits>
-#include <map>
 #include <mutex>
 #include <stdexcept>
-#include <tuple>
 #include <unordered_map>
 
-#include "scaletrain/comm/compat.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/parallel/ddp/ddp_comm.h"
 #include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
@@ -36,43 +30,6 @@ using engine::Slot;
 using engine::Unit;
 using engine::replicated_params;
 using engine::reshard_after_forward;
-
-Sharding parse_sharding(const std::string& s) {
-  if (s == "zero1") return Sharding::Zero1;
-  if (s == "zero2") return Sharding::Zero2;
-  if (s == "zero3") return Sharding::Zero3;
-  if (s == "FULL_SHARD") return Sharding::FullShard;
-  if (s == "SHARD_GRAD_OP") return Sharding::ShardGradOp;
-  if (s == "HYBRID_SHARD") return Sharding::HybridShard;
-  throw std::invalid_argument("unknown sharding '" + s +
-                              "' (zero1 | zero2 | zero3 | FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD)");
-}
-
-std::string to_string(Sharding s) {
-  switch (s) {
-    case Sharding::Zero1:
-      return "zero1";
-    case Sharding::Zero2:
-      return "zero2";
-    case Sharding::Zero3:
-      return "zero3";
-    case Sharding::FullShard:
-      return "FULL_SHARD";
-    case Sharding::ShardGradOp:
-      return "SHARD_GRAD_OP";
-    case Sharding::HybridShard:
-      return "HYBRID_SHARD";
-  }
-  return "?";
-}
-
-BackwardPrefetch parse_backward_prefetch(const std::string& s) {
-  if (s == "BACKWARD_PRE") return BackwardPrefetch::Pre;
-  if (s == "BACKWARD_POST") return BackwardPrefetch::Post;
-  if (s == "NONE" || s == "NO_PREFETCH") return BackwardPrefetch::None;
-  throw std::invalid_argument("unknown backward_prefetch '" + s + "' (BACKWARD_PRE | BACKWARD_POST | NONE)");
-}
-
 
 void ShardedDataParallel::State::start_unshard(size_t u) {
   Unit& unit = units[u];
@@ -414,193 +371,6 @@ void ShardedDataParallel::State::check_after_step_called(const char* where) cons
                    "call engine->after_step() after every optimizer step");
 }
 
-ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, interfaces::Blockwise& blocks,
-                                         comm::World& world, comm::Group& shard, comm::Group* replicate,
-                                         ShardedOptions options)
-    : module_(std::move(module)), blocks_(&blocks), options_(options), state_(std::make_shared<State>()) {
-  init(world, shard, replicate);
-}
-
-void ShardedDataParallel::init(comm::World& world, comm::Group& shard, comm::Group* replicate) {
-  State& s = *state_;
-  s.options = options_;
-  s.shard = &shard;
-  if (options_.sharding == Sharding::HybridShard) {
-    if (replicate == nullptr) throw std::invalid_argument("HYBRID_SHARD needs a replicate group");
-    s.replicate = replicate;
-  } else if (replicate != nullptr && replicate->size() > 1) {
-    throw std::invalid_argument(to_string(options_.sharding) +
-                                " shards over one group; use HYBRID_SHARD to replicate across another");
-  }
-  if (options_.max_inflight_reduces < 1) throw std::invalid_argument("max_inflight_reduces must be at least 1");
-  // Every engine gets its own reduce group; members create engines in the
-  // same order, so the counter agrees across them.
-  static std::atomic<int> instances{0};
-  const std::string instance = std::to_string(instances.fetch_add(1));
-  s.grads_group = world.new_group(shard.name() + "/grads/" + instance, shard.ranks());
-  if (static_cast<bool>(options_.expert_param) != (options_.expert_shard != nullptr))
-    throw std::invalid_argument("sharded data parallel: expert_param and expert_shard go together");
-  if (options_.expert_shard != nullptr) {  // Note [Experts in the sharded engine]
-    if (options_.sharding == Sharding::HybridShard)
-      throw std::invalid_argument("HYBRID_SHARD does not shard experts; use FULL_SHARD or SHARD_GRAD_OP");
-    s.expert_shard = options_.expert_shard;
-    s.expert_grads_group =
-        world.new_group(s.expert_shard->name() + "/grads/" + instance, s.expert_shard->ranks());
-  }
-  auto is_expert = [&](const std::string& name) { return s.expert_shard != nullptr && options_.expert_param(name); };
-
-  // 1. Rank 0's weights everywhere (over the shard group, then across
-  // replicas); an expert's from the first rank of its expert-data group.
-  auto named = module_->named_parameters();
-  const bool deferred = static_cast<bool>(options_.deferred_init) || static_cast<bool>(options_.deferred_slice_init);
-  if (options_.sync_module_states && !deferred) {
-    std::vector<at::Tensor> shared, experts;
-    for (auto& item : named) (is_expert(item.key()) ? experts : shared).push_back(item.value());
-    ddp_comm::broadcast_coalesced(shard, shared, 0);
-    if (s.replicate) ddp_comm::broadcast_coalesced(*s.replicate, shared, 0);
-    if (!experts.empty()) ddp_comm::broadcast_coalesced(*s.expert_shard, experts, 0);
-  }
-
-  // 2. Units: the wrap policy over blocks, the rest in the root.
-  const int64_t nblocks = blocks_->num_blocks();
-  std::vector<int64_t> block_numel(static_cast<size_t>(nblocks), 0);
-  std::vector<int64_t> block_of_param;
-  for (auto& item : named) {
-    int64_t b = -1;
-    for (int64_t i = 0; i < nblocks && b < 0; ++i)
-      if (item.key().rfind(blocks_->block_prefix(i), 0) == 0) b = i;
-    block_of_param.push_back(b);
-    if (b >= 0) block_numel[static_cast<size_t>(b)] += item.value().numel();
-  }
-  const std::vector<UnitPlan> plan = plan_units(*blocks_, block_numel, options_.wrap);
-  s.units.resize(plan.size() + 1);
-  s.units[0].name = "root";
-  s.unit_of_block.assign(static_cast<size_t>(nblocks), 0);
-  for (size_t u = 0; u < plan.size(); ++u) {
-    s.units[u + 1].name = plan[u].name;
-    s.units[u + 1].first_block = plan[u].first_block;
-    s.units[u + 1].last_block = plan[u].last_block;
-    for (int64_t b = plan[u].first_block; b <= plan[u].last_block; ++b) s.unit_of_block[static_cast<size_t>(b)] = u + 1;
-  }
-  for (size_t u = s.units.size(); u-- > 1;) s.reduce_order.push_back(u);
-  s.reduce_order.push_back(0);
-
-  // 3. Flat buffers per unit: one per (dtype, trainable), decayed matrices first.
-  FlatParamOptions fo;
-  fo.replicated_params = replicated_params(options_.sharding);
-  fo.keep_full_grads = options_.sharding == Sharding::Zero1;
-  fo.reduce_dtype = options_.reduce_dtype;
-  fo.fp8_reduce = options_.fp8_reduce;
-  if (options_.fp8_gather && replicated_params(options_.sharding))
-    throw std::invalid_argument(to_string(options_.sharding) + " keeps parameters whole: FP8 weight gathers need "
-                                "sharded parameters");
-  std::vector<Slot> where(named.size());  // every parameter's place, for deferred init
-  for (size_t u = 0; u < s.units.size(); ++u) {
-    // key: (dtype, trainable, FP8-gathered, expert) -> (decayed, not decayed) indices into `named`
-    std::map<std::tuple<int, bool, bool, bool>, std::pair<std::vector<size_t>, std::vector<size_t>>> groups;
-    for (size_t i = 0; i < named.size(); ++i) {
-      const int64_t b = block_of_param[i];
-      const size_t owner = b < 0 ? 0 : s.unit_of_block[static_cast<size_t>(b)];
-      if (owner != u) continue;
-      const at::Tensor& p = named[i].value();
-      const bool fp8 = options_.fp8_gather && p.requires_grad() && options_.fp8_gather_param &&
-                       options_.fp8_gather_param(named[i].key());
-      auto& g = groups[{static_cast<int>(p.scalar_type()), p.requires_grad(), fp8, is_expert(named[i].key())}];
-      (p.requires_grad() && p.dim() >= 2 ? g.first : g.second).push_back(i);
-    }
-    Unit& unit = s.units[u];
-    for (auto& [key_fp8, members] : groups) {
-      const std::pair<int, bool> key{std::get<0>(key_fp8), std::get<1>(key_fp8)};
-      fo.fp8_gather = std::get<2>(key_fp8) ? options_.fp8_gather : std::nullopt;
-      fo.grad_dtype = key.second ? options_.grad_dtype : at::ScalarType::Undefined;
-      const bool expert = std::get<3>(key_fp8);
-      comm::Group& group = expert ? *s.expert_shard : shard;
-      fo.reduce_group = expert ? s.expert_grads_group.get() : s.grads_group.get();
-      fo.grad_scale = expert ? options_.expert_scale : 1.0;
-      std::vector<size_t> order = members.first;
-      order.insert(order.end(), members.second.begin(), members.second.end());
-      std::vector<std::string> names;
-      std::vector<at::Tensor> params;
-      for (size_t i : order) {
-        names.push_back(named[i].key());
-        params.push_back(named[i].value());
-      }
-      // Frozen flats are never updated: their shard stays in the parameter
-      // dtype (a uint8 NF4 flat must not become fp32, nor a bf16 one double).
-      fo.master_dtype = options_.master_dtype == at::ScalarType::Undefined || !key.second
-                            ? params.front().scalar_type()
-                            : options_.master_dtype;
-      // Note [Offloaded shards]: optimizer offload moves what the optimizer
-      // steps; parameter offload moves every shard.
-      const bool offload = options_.offload_alloc && (key.second || options_.offload_params);
-      fo.offload_alloc = offload ? options_.offload_alloc : nullptr;
-      fo.gather_from_host = offload && options_.offload_params;
-      fo.read_ahead = fo.gather_from_host && options_.read_ahead;
-      unit.flats.push_back(
-          std::make_unique<FlatParam>(unit.name, names, params, members.first.size(), group, fo, deferred));
-      for (size_t j = 0; j < order.size(); ++j) where[order[j]] = {u, unit.flats.size() - 1, j};
-      if (key.second) {
-        for (size_t j = 0; j < params.size(); ++j) s.slots.push_back({u, unit.flats.size() - 1, j});
-        unit.trainable += static_cast<int>(params.size());
-      }
-    }
-    unit.pending = unit.trainable;
-    for (auto& f : unit.flats) {
-      unit.numel += f->padded_numel();
-      unit.bytes += f->padded_numel() * static_cast<int64_t>(f->params().front().element_size());
-    }
-  }
-  if (s.slots.empty()) throw std::invalid_argument("sharded data parallel: the module has no trainable parameters");
-  if (options_.deferred_slice_init) {
-    // Each rank reads its own part of each parameter: the peak is the shards.
-    for (size_t i = 0; i < named.size(); ++i)
-      s.units[where[i].unit].flats[where[i].flat]->load_param_slice(where[i].index, options_.deferred_slice_init);
-  } else if (deferred) {
-    // One parameter at a time: the peak is the shards plus one tensor. An
-    // expert comes from the first rank of its expert-data group.
-    const bool source = shard.rank() == 0 && (s.replicate == nullptr || s.replicate->rank() == 0);
-    for (size_t i = 0; i < named.size(); ++i) {
-      const at::Tensor& p = named[i].value();
-      at::Tensor value = at::empty(p.sizes(), p.options().requires_grad(false));
-      const bool expert = is_expert(named[i].key());
-      if ((expert ? s.expert_shard->rank() == 0 : source) || !options_.sync_module_states)
-        options_.deferred_init(named[i].key(), value);
-      if (options_.sync_module_states && expert) {
-        s.expert_shard->broadcast(value, 0).wait();
-      } else if (options_.sync_module_states) {
-        shard.broadcast(value, 0).wait();
-        if (s.replicate) s.replicate->broadcast(value, 0).wait();
-      }
-      s.units[where[i].unit].flats[where[i].flat]->load_param(where[i].index, value);
-    }
-  }
-  if (deferred)  // optimizer offload's device copies of the values just loaded
-    for (auto& unit : s.units)
-      for (auto& f : unit.flats) f->refresh_device_copy();
-  s.refresh_fp8_scales();
-
-  // 4. Hooks: after each gradient's accumulation, and around every block.
-  std::weak_ptr<State> weak = state_;
-  for (size_t k = 0; k < s.slots.size(); ++k) {
-    const Slot& sl = s.slots[k];
-    const at::Tensor& p = s.units[sl.unit].flats[sl.flat]->params()[sl.index];
-    auto acc = torch::autograd::impl::grad_accumulator(p);
-    acc->add_post_hook(comm::compat::post_hook([weak, k] {
-      if (auto st = weak.lock()) st->on_grad_ready(k);
-    }));
-    s.accumulators.push_back(std::move(acc));
-  }
-  blocks_->set_block_runner([weak](int64_t i, const interfaces::BlockBody& body, const at::Tensor& x) {
-    if (auto st = weak.lock()) return st->run_block(i, body, x);
-    return body(x);
-  });
-}
-
-ShardedDataParallel::~ShardedDataParallel() {
-  gather_on_use_.reset();
-  blocks_->set_block_runner(nullptr);
-}
-
 at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   {
@@ -745,59 +515,6 @@ std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
   std::vector<at::Tensor> out;
   for (auto& p : module_->parameters()) out.push_back(p.detach().clone());
   return out;
-}
-
-std::vector<ShardedDataParallel::ShardView> ShardedDataParallel::shard_views() const {
-  std::vector<ShardView> out;
-  for (bool trainable : {true, false})
-    for (auto& unit : state_->units)
-      for (auto& f : unit.flats)
-        if (f->trainable() == trainable) out.push_back({f->shard(), trainable, f->pieces()});
-  return out;
-}
-
-int ShardedDataParallel::replica_rank() const { return state_->replicate ? state_->replicate->rank() : 0; }
-
-int ShardedDataParallel::num_units() const { return static_cast<int>(state_->units.size()); }
-
-std::vector<std::string> ShardedDataParallel::unit_names() const {
-  std::vector<std::string> out;
-  for (auto& u : state_->units) out.push_back(u.name);
-  return out;
-}
-
-int64_t ShardedDataParallel::param_bytes() const {
-  int64_t b = 0;
-  for (auto& unit : state_->units)
-    for (auto& f : unit.flats) b += f->param_bytes();
-  return b;
-}
-
-int64_t ShardedDataParallel::offloaded_bytes() const {
-  int64_t b = 0;
-  for (auto& unit : state_->units)
-    for (auto& f : unit.flats) b += f->offloaded_bytes();
-  return b;
-}
-
-int64_t ShardedDataParallel::grad_bytes() const {
-  int64_t b = 0;
-  for (auto& unit : state_->units)
-    for (auto& f : unit.flats) b += f->grad_bytes();
-  return b;
-}
-
-double ShardedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
-ShardedDataParallel::Stats ShardedDataParallel::stats() const { return state_->stats; }
-void ShardedDataParallel::reset_stats() {
-  state_->wait_ms = 0;
-  state_->stats = {};
-}
-
-int ShardedDataParallel::stale_units() const {
-  int n = 0;
-  for (auto& unit : state_->units) n += unit.stale ? 1 : 0;
-  return n;
 }
 
 }  // namespace scaletrain::parallel::fsdp

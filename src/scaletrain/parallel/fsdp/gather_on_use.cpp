@@ -61,7 +61,7 @@ std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
     for (const c10::IValue& v : fn.inputs()) visit(v, wanted);
   }
   // Exceptions cannot leave a RecordFunction callback (libtorch logs and
-  // drops them); `use` reports failures itself (see fsdp.cpp).
+  // drops them); `use` reports failures itself (see fully_shard.cpp).
   for (auto& [impl, u] : wanted) {
     GatherOnUse::Quiet quiet;
     impl->use(u);

@@ -1,4 +1,10 @@
 #pragma once
+// The pictures of `scaletrain plot`, each a self-contained SVG: training
+// curves from a metrics log (plot_curves.cpp), several runs compared on one
+// picture (plot_compare.cpp), and a Chrome trace as a timeline
+// (plot_timeline.cpp); their shared drawing helpers are svg.h. The library
+// only writes the logs and traces; drawing them is the CLI's job.
+//
 // Training curves from a metrics log, as a self-contained SVG.
 //
 // The input is the trainer's JSON-lines metrics file: one object per line with
@@ -13,22 +19,22 @@
 #include <string>
 #include <vector>
 
-namespace scaletrain::train {
+namespace scaletrain::cli {
 
 // One line of the metrics log. Fields that were absent or JSON null are NaN;
 // null is how a JSON writer emits a non-finite float (e.g. a diverged loss),
 // and such points are drawn as gaps in the curve rather than rejected.
 struct MetricsRecord {
-  int64_t step = 0;          // optimizer step (required, integer)
-  double loss = 0;           // training loss (required key; may be null)
-  double lr = 0;             // learning rate (optional)
-  double step_ms = 0;        // wall time of the step in ms (optional)
-  double tokens_per_s = 0;   // throughput over all ranks (required key; may be null)
-  double mfu = 0;            // model FLOPs utilization, 0..1 (optional)
-  double peak_rss_mb = 0;    // peak resident memory in MiB (optional)
-  double comm_wait_ms = 0;   // time blocked on collectives in ms (optional)
-  double grad_norm = 0;      // global gradient norm before clipping (optional)
-  double loss_scale = 0;     // dynamic loss scale (optional)
+  int64_t step = 0;         // optimizer step (required, integer)
+  double loss = 0;          // training loss (required key; may be null)
+  double lr = 0;            // learning rate (optional)
+  double step_ms = 0;       // wall time of the step in ms (optional)
+  double tokens_per_s = 0;  // throughput over all ranks (required key; may be null)
+  double mfu = 0;           // model FLOPs utilization, 0..1 (optional)
+  double peak_rss_mb = 0;   // peak resident memory in MiB (optional)
+  double comm_wait_ms = 0;  // time blocked on collectives in ms (optional)
+  double grad_norm = 0;     // global gradient norm before clipping (optional)
+  double loss_scale = 0;    // dynamic loss scale (optional)
   // MoE models (optional): slots each expert took this step (models/moe.h).
   std::vector<double> moe_tokens_per_expert;
   // A {"record": "restart", ...} line: a restarted attempt (`restart`, its
@@ -64,8 +70,7 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
 
 // read_metrics + render_svg + write to svg_path. Throws UsageError if the log
 // has no records or the SVG cannot be written.
-void plot_metrics(const std::string& metrics_path, const std::string& svg_path,
-                  const PlotOptions& options = {});
+void plot_metrics(const std::string& metrics_path, const std::string& svg_path, const PlotOptions& options = {});
 
 // Several runs on one picture (fp32 against bf16, DDP against ZeRO-3): one
 // panel per quantity (loss, learning rate, tokens/s, MFU, peak RSS, gradient
@@ -82,7 +87,7 @@ std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOption
 void plot_runs(const std::vector<std::string>& metrics_paths, const std::vector<std::string>& labels,
                const std::string& svg_path, const PlotOptions& options = {});
 
-// A Chrome trace (what metrics.trace_steps writes, train/tracing.h) as a
+// A Chrome trace (what metrics.trace_steps writes, observe/tracing.h) as a
 // timeline: one lane per rank and thread (compute, then the comm lanes), time
 // running left to right in milliseconds, each span a box colored by its kind
 // (forward, backward, optimizer, data, checkpoint, a collective, a wait on
@@ -94,4 +99,4 @@ void plot_runs(const std::vector<std::string>& metrics_paths, const std::vector<
 std::string render_timeline_svg(const std::string& trace_json, const std::string& source, const PlotOptions& options);
 void plot_timeline(const std::string& trace_path, const std::string& svg_path, const PlotOptions& options = {});
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::cli

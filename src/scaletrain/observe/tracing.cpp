@@ -1,4 +1,4 @@
-#include "scaletrain/train/tracing.h"
+#include "scaletrain/observe/tracing.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -16,7 +16,7 @@
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -58,8 +58,8 @@ void write_file(const fs::path& path, const std::string& content) {
 // trace (otherData.clocks), so a reader knows what a gap of a few
 // microseconds between ranks means; on one host through a local store it is
 // tens of microseconds.
-StepTracer::StepTracer(const MetricsOptions& options, comm::World& world, std::string description)
-    : steps_(options.trace_steps), dir_(options.trace_dir), description_(std::move(description)), world_(&world) {
+StepTracer::StepTracer(std::vector<int64_t> steps, std::string dir, comm::World& world, std::string description)
+    : steps_(std::move(steps)), dir_(std::move(dir)), description_(std::move(description)), world_(&world) {
   if (steps_.empty()) return;
   trace::name_thread("compute");
   prefix_ = attempt_prefix("trace");
@@ -121,8 +121,7 @@ void StepTracer::write() {
   written_ = true;
   const trace::Recording rec = trace::take();
   const int rank = world_->rank(), n = world_->size();
-  const std::string events =
-      trace::to_chrome_events(rec, rank, "rank " + std::to_string(rank), offset_ns_, origin_ns_);
+  const std::string events = trace::to_chrome_events(rec, rank, "rank " + std::to_string(rank), offset_ns_, origin_ns_);
   const json clock{{"rank", rank}, {"offset_us", offset_ns_ / 1000.0}, {"error_us", error_ns_ / 1000.0}};
   json other{{"steps", traced_}, {"world_size", n}, {"run", description_}};
   {
@@ -142,10 +141,11 @@ void StepTracer::write() {
   }
   const fs::path path = fs::path(dir_) / "trace.json";
   write_file(path, merged.dump());
-  std::printf("scaletrain: trace of steps %lld-%lld written to %s (every rank's) and %s/rank<N>.json; open it in "
-              "chrome://tracing or ui.perfetto.dev, or draw it with scaletrain plot --timeline\n",
-              static_cast<long long>(steps_[0]), static_cast<long long>(traced_.empty() ? steps_[0] : traced_.back()),
-              path.string().c_str(), dir_.c_str());
+  std::printf(
+      "scaletrain: trace of steps %lld-%lld written to %s (every rank's) and %s/rank<N>.json; open it in "
+      "chrome://tracing or ui.perfetto.dev, or draw it with scaletrain plot --timeline\n",
+      static_cast<long long>(steps_[0]), static_cast<long long>(traced_.empty() ? steps_[0] : traced_.back()),
+      path.string().c_str(), dir_.c_str());
   std::fflush(stdout);
 }
 
@@ -205,9 +205,10 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
     std::fflush(stdout);
     return;
   }
-  std::printf("scaletrain: communication over %lld steps, per rank (means over the ranks in each group; exposed: "
-              "blocked in wait, the slowest rank's)\n",
-              static_cast<long long>(steps));
+  std::printf(
+      "scaletrain: communication over %lld steps, per rank (means over the ranks in each group; exposed: "
+      "blocked in wait, the slowest rank's)\n",
+      static_cast<long long>(steps));
   std::printf("  %-14s %-14s %5s %8s %10s %10s %11s %10s\n", "group", "op", "ranks", "calls", "MiB", "time ms",
               "exposed ms", "busbw GB/s");
   bool untimed = false;
@@ -223,8 +224,9 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
                 row.count / row.ranks, row.bytes / row.ranks / 1048576.0, time, row.exposed_max * 1e3, busbw);
   }
   if (untimed)
-    std::printf("  (- and *: calls whose completion the backend does not report, such as Gloo's send and recv, "
-                "have no time and no bandwidth, only their exposed wait)\n");
+    std::printf(
+        "  (- and *: calls whose completion the backend does not report, such as Gloo's send and recv, "
+        "have no time and no bandwidth, only their exposed wait)\n");
   if (expected_bubble) {
     std::printf("  pipeline bubble (share of a step a stage does not compute; median of the steps after the first):");
     for (const auto& r : ranks)
@@ -235,4 +237,4 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
   std::fflush(stdout);
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe

@@ -1,4 +1,4 @@
-#include "scaletrain/train/metrics.h"
+#include "scaletrain/observe/metrics.h"
 
 #include <torch/cuda.h>
 
@@ -17,7 +17,7 @@
 
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 
 MetricsSink::MetricsSink(const std::string& path, int64_t total_steps, bool progress, bool append)
     : total_(total_steps), bar_(progress && isatty(STDOUT_FILENO)) {
@@ -144,4 +144,4 @@ double measure_gemm_flops(int64_t n, int reps) {
   return 2.0 * n * n * n / *std::min_element(secs.begin(), secs.end());
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe

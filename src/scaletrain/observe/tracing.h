@@ -8,20 +8,19 @@
 #include <vector>
 
 #include "scaletrain/comm/world.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/metrics.h"
+#include "scaletrain/observe/metrics.h"
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 
-// Records metrics.trace_steps on every rank and writes trace_dir/rank<N>.json
-// per rank and trace_dir/trace.json (rank 0: every rank's events, one process
-// per rank) after the last traced step. Clocks are aligned through the store
-// when it is built (Note [Trace clocks] in tracing.cpp). Inactive (and free)
-// without trace_steps.
+// Records `steps` (metrics.trace_steps: {first, last}, 1-based) on every
+// rank and writes `dir`/rank<N>.json per rank and `dir`/trace.json (rank 0:
+// every rank's events, one process per rank) after the last traced step.
+// Clocks are aligned through the store when it is built (Note [Trace clocks]
+// in tracing.cpp). Inactive (and free) when `steps` is empty.
 class StepTracer {
  public:
   // Collective (through the store) when tracing is asked for.
-  StepTracer(const MetricsOptions& options, comm::World& world, std::string description);
+  StepTracer(std::vector<int64_t> steps, std::string dir, comm::World& world, std::string description);
   bool active() const { return !steps_.empty(); }
   // Around step `step` (1-based).
   void begin_step(int64_t step);
@@ -49,4 +48,4 @@ class StepTracer {
 void report_comm_summary(comm::World& world, int64_t steps, const std::vector<double>& bubbles,
                          std::optional<double> expected_bubble, bool lead, MetricsSink& sink);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe

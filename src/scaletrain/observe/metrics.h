@@ -7,19 +7,19 @@
 #include <string>
 #include <vector>
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 
 struct StepMetrics {
-  int64_t step = 0;         // 1-based optimizer step
-  double loss = 0;          // mean training loss over the global batch
-  double lr = 0;            // learning rate used by this step
-  double step_ms = 0;       // wall time of the step
-  double tokens_per_s = 0;  // global tokens per second
-  double mfu = 0;           // model FLOPs utilization per rank, 0..1
-  double peak_rss_mb = 0;   // this process's peak resident set
-  double comm_wait_ms = 0;  // time backward/step blocked on communication
-  double grad_norm = 0;     // global gradient norm before clipping
-  double loss_scale = 1;    // loss scale of this step (1 without loss scaling)
+  int64_t step = 0;           // 1-based optimizer step
+  double loss = 0;            // mean training loss over the global batch
+  double lr = 0;              // learning rate used by this step
+  double step_ms = 0;         // wall time of the step
+  double tokens_per_s = 0;    // global tokens per second
+  double mfu = 0;             // model FLOPs utilization per rank, 0..1
+  double peak_rss_mb = 0;     // this process's peak resident set
+  double comm_wait_ms = 0;    // time backward/step blocked on communication
+  double grad_norm = 0;       // global gradient norm before clipping
+  double loss_scale = 1;      // loss scale of this step (1 without loss scaling)
   int64_t skipped_steps = 0;  // steps skipped so far because gradients overflowed
   // The device allocator's peaks (a GPU run; negative: no device allocator, RSS is the figure).
   double device_max_allocated_mb = -1;
@@ -68,4 +68,4 @@ double measure_gemm_flops(int64_t n = 1024, int reps = 7);
 // timed between device synchronizations).
 double measure_device_gemm_flops(int64_t n = 8192, int reps = 7);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe

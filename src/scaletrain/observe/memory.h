@@ -1,7 +1,8 @@
 #pragma once
-// The memory estimator's per-rank prediction for this run next to what the
+// The memory estimator's per-rank prediction for a run next to what the
 // ranks really hold, logged by the trainer after setup and at the end of a
 // run (a line on stdout and a {"record": "memory"} line in metrics.path).
+// The layout the estimator predicts for comes from train/memory_layout.h.
 //
 // Note [What is measured]
 // -----------------------
@@ -35,13 +36,9 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/estimate/memory_model.h"
-#include "scaletrain/models/causal_lm.h"
-#include "scaletrain/precision/policy.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/metrics.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/observe/metrics.h"
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 
 // Live bytes of CPU tensors, counted by a wrapper installed around libtorch's
 // CPU allocator (process-wide, like the allocator it wraps). Tensors
@@ -73,19 +70,6 @@ void release_free_heap();
 // false when the kernel does not allow it (then rss_peak_mb() is the lifetime peak).
 bool reset_rss_peak();
 
-// The estimator's description of a model of this config.
-estimate::ModelSpec model_spec(const models::ModelConfig& model);
-// The estimator's layout of this run: strategy, precision, world and degrees,
-// micro-batch, sequence length, recomputation, dropout, buckets, prefetch,
-// pipeline stages and schedule (the prediction is then the worst stage's),
-// and the finetune section's adapters (their parameters per block counted on
-// a model built without bytes) and NF4 base.
-// `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
-// `microbatches` per step and rank (accumulation, or a pipeline's);
-// `gloo`: the collectives run on Gloo.
-estimate::Layout run_layout(const Config& config, const Plan& plan, int world_size, int dp_shard,
-                            int64_t microbatches, bool gloo);
-
 // Measured figures of one rank, bytes (rss in MiB).
 struct MeasuredMemory {
   double states = 0;              // parameters + gradients + optimizer states held now
@@ -102,7 +86,7 @@ struct MeasuredMemory {
 // Takes the maximum of every rank's `local` figures over `all` (collective),
 // then on `lead` prints memory_line() and writes memory_record() to `sink`.
 // An estimator that cannot describe the layout prints why instead.
-void report_memory(const std::string& phase, const models::ModelConfig& model, const estimate::Layout& layout,
+void report_memory(const std::string& phase, const estimate::ModelSpec& model, const estimate::Layout& layout,
                    const MeasuredMemory& local, comm::Group& all, bool lead, MetricsSink& sink);
 
 // One log line ("memory after setup ..." / "memory at the end ...") comparing
@@ -113,4 +97,4 @@ std::string memory_line(const std::string& phase, const estimate::Layout& layout
 nlohmann::json memory_record(const std::string& phase, const estimate::Layout& layout,
                              const estimate::RankEstimate& predicted, const MeasuredMemory& measured, int ranks);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe

@@ -1,5 +1,5 @@
-// Predicted vs measured memory of a run. See memory_report.h, Note [What is measured].
-#include "scaletrain/train/memory_report.h"
+// Predicted vs measured memory of a run. See memory.h, Note [What is measured].
+#include "scaletrain/observe/memory.h"
 
 #include <cmath>
 
@@ -12,12 +12,9 @@
 #include <fstream>
 #include <mutex>
 
-#include "scaletrain/models/lora.h"
-#include "scaletrain/models/spec_catalog.h"
-#include "scaletrain/train/strategy.h"
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::train {
+namespace scaletrain::observe {
 namespace {
 
 // Note [Counting allocator]: each allocation gets a 64-byte header (c10's
@@ -91,93 +88,6 @@ bool reset_rss_peak() {
   return static_cast<bool>(out);
 }
 
-estimate::ModelSpec model_spec(const models::ModelConfig& m) { return models::estimator_spec(m); }
-
-estimate::Layout run_layout(const Config& c, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
-                            bool gloo) {
-  using estimate::Sharding;
-  const auto& p = c.parallel;
-  const models::ModelConfig& m = plan.model;
-  const precision::PrecisionPolicy& policy = plan.policy;
-  const DataParallelism d = plan.data_parallel;
-  estimate::Layout l;
-  l.world_size = world_size;
-  l.tp = p.tp;
-  l.pp = p.pp;
-  if (p.pp > 1) {
-    l.schedule = p.schedule == "gpipe"         ? estimate::Schedule::kGPipe
-                 : p.schedule == "interleaved" ? estimate::Schedule::kInterleaved
-                                               : estimate::Schedule::k1F1B;
-    l.virtual_stages = p.virtual_stages;
-  }
-  l.micro_batch = plan.micro_batch;
-  l.microbatches = microbatches;
-  l.seq_len = m.block_size;
-  l.dropout = m.dropout > 0;
-  l.flash_attention = m.attention == "flash";
-  l.fused_loss = m.fused && p.tp == 1;  // tensor parallelism keeps its vocabulary-parallel loss
-  l.fused_blocks = m.fused && m.family != "gpt2";  // RMSNorm and SwiGLU: the llama family's
-  l.fp8_linears = c.precision.fp8;
-  l.fp8_moments = fp8_moments(plan.fp8_level);
-  l.fp16_masters = plan.fp8_level == Fp8OptLevel::kO3;
-  l.ep = c.parallel.ep;
-  l.cp = c.parallel.cp;
-  l.gloo = gloo;
-  l.recompute = c.model.activation_checkpointing == "full" ? estimate::Recompute::kFull : estimate::Recompute::kNone;
-  if (policy.param != at::kFloat)
-    l.precision = estimate::Precision::kMixed16;  // 16-bit weights, fp32 master shards
-  else if (policy.autocast())
-    l.precision = estimate::Precision::kAutocast16;
-  else
-    l.precision = estimate::Precision::kFp32;
-  l.bucket_bytes = static_cast<int64_t>(p.bucket_cap_mb * kMiB);
-  if (zero_stage(d) > 0) {
-    l.sharding = d == DataParallelism::kZero1 ? Sharding::kZero1
-                 : d == DataParallelism::kZero2 ? Sharding::kZero2
-                                                : Sharding::kZero3;
-    l.bucket_bytes = static_cast<int64_t>(p.zero.reduce_bucket_mb * kMiB);
-    l.prefetch_units = p.zero.prefetch_bucket_mb > 0 ? 1 : 0;
-    if (l.sharding == Sharding::kZero3) {
-      // The engine gathers blocks ahead while the bytes ahead are below
-      // prefetch_bucket_mb (the last may overshoot), and starts none that
-      // would put more than max_live_parameters elements gathered at once,
-      // the root's and the block in use included.
-      const estimate::ParamCounts n = estimate::count_params(model_spec(m));
-      const int64_t block = (n.per_layer - n.per_layer_tp_split) + n.per_layer_tp_split / p.tp;
-      const int64_t root = n.embedding + n.final_norm + n.head;
-      const double block_bytes = static_cast<double>(block) * c10::elementSize(policy.param);
-      int64_t ahead = static_cast<int64_t>(std::ceil(p.zero.prefetch_bucket_mb * kMiB / block_bytes));
-      ahead = std::min<int64_t>(ahead, std::max<int64_t>(0, m.n_layer - 1));
-      ahead = std::min<int64_t>(ahead, std::max<int64_t>(0, (p.zero.max_live_parameters - root - block) / block));
-      l.prefetch_units = ahead;
-    }
-  } else if (uses_fsdp_keys(d)) {
-    l.fsdp_names = true;
-    l.sharding = d == DataParallelism::kFullShard     ? Sharding::kZero3
-                 : d == DataParallelism::kShardGradOp ? Sharding::kZero2
-                 : d == DataParallelism::kHybridShard ? Sharding::kHybrid
-                                                      : Sharding::kNone;
-    if (l.sharding == Sharding::kHybrid) l.gpus_per_node = static_cast<int64_t>(dp_shard) * p.tp;
-    l.prefetch_units = p.fsdp.backward_prefetch != "NONE" || p.fsdp.forward_prefetch ? 1 : 0;
-  }
-  if (auto lora = lora_options(c, m)) {
-    l.lora_rank = lora->r;
-    l.qlora = c.finetune.method == "qlora";
-    // The targets are layer names of any family: count the adapters of a
-    // model built without bytes rather than map the names onto the
-    // estimator's target sets; a split factor counts 1/tp per rank
-    // (Note [LoRA under tensor parallelism]).
-    auto shell = models::make_model(m, /*materialize=*/false);
-    models::apply_lora(*shell, *lora);
-    int64_t n = 0;
-    for (const auto& item : shell->named_parameters())
-      if (models::is_adapter_parameter(item.key()))
-        n += item.value().numel() / (shell->parameter_split(item.key()).dim >= 0 ? p.tp : 1);
-    l.lora_layer_params = m.n_layer > 0 ? n / m.n_layer : 0;
-  }
-  return l;
-}
-
 namespace {
 double mib(double bytes) { return bytes / kMiB; }
 std::string fmt(const char* f, double a) {
@@ -203,8 +113,9 @@ std::string memory_line(const std::string& phase, const estimate::Layout& layout
                   fmt("%.1f", mib(e.activations)) + recomputed(e) + " + workspace " + fmt("%.1f", mib(e.workspace)) +
                   " | measured tensors: states " + fmt("%.1f", mib(m.states));
   if (end) {
-    s += ", activations " + (m.activations > 0 ? fmt("%.1f", mib(m.activations)) : std::string("n/a")) + ", peak " + fmt("%.1f", mib(m.tensor_peak)) +
-         " (predicted/peak " + fmt("%.3f", m.tensor_peak > 0 ? e.total / m.tensor_peak : 0.0) + ")";
+    s += ", activations " + (m.activations > 0 ? fmt("%.1f", mib(m.activations)) : std::string("n/a")) + ", peak " +
+         fmt("%.1f", mib(m.tensor_peak)) + " (predicted/peak " +
+         fmt("%.3f", m.tensor_peak > 0 ? e.total / m.tensor_peak : 0.0) + ")";
     s += " | rss: baseline " + fmt("%.0f", m.rss_baseline_mb) + " MiB, training peak " + fmt("%.0f", m.rss_peak_mb) +
          " (+" + fmt("%.1f", m.rss_peak_mb - m.rss_baseline_mb) + ": tensors, file-backed pages +" +
          fmt("%.1f", m.rss_file_growth_mb) + ", freed heap glibc keeps (" + fmt("%.1f", m.heap_free_mb) +
@@ -245,7 +156,7 @@ nlohmann::json memory_record(const std::string& phase, const estimate::Layout& l
             {"heap_free_end", m.heap_free_mb}}}};
 }
 
-void report_memory(const std::string& phase, const models::ModelConfig& model, const estimate::Layout& layout,
+void report_memory(const std::string& phase, const estimate::ModelSpec& model, const estimate::Layout& layout,
                    const MeasuredMemory& local, comm::Group& all, bool lead, MetricsSink& sink) {
   auto t = torch::tensor({local.states, local.activations, local.tensors, local.tensor_peak, local.rss_baseline_mb,
                           local.rss_peak_mb, local.rss_file_growth_mb, local.heap_free_mb},
@@ -256,7 +167,7 @@ void report_memory(const std::string& phase, const models::ModelConfig& model, c
   const MeasuredMemory m{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
   estimate::RankEstimate e;
   try {
-    e = estimate::estimate_rank(model_spec(model), layout);
+    e = estimate::estimate_rank(model, layout);
   } catch (const UsageError& err) {
     std::printf("scaletrain: memory %s: no estimate (%s)\n", phase.c_str(), err.what());
     std::fflush(stdout);
@@ -267,4 +178,4 @@ void report_memory(const std::string& phase, const models::ModelConfig& model, c
   sink.write_record(memory_record(phase, layout, e, m, all.size()).dump());
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::observe
