@@ -17,6 +17,7 @@ packages=(
   nodejs                            # runs the reference tokenizers (tests, bench)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # libFuzzer + sanitizers for fuzz/ (the main build uses g++)
+  clang-tidy                        # CTest source.clang_tidy_core (.clang-tidy)
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
   bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
   iproute2 procps

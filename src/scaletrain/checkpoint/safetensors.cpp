@@ -552,7 +552,9 @@ void SafetensorsFile::release(const unsigned char* p, std::size_t n) const noexc
   const auto hi = (reinterpret_cast<std::uintptr_t>(p) + n + page - 1) / page * page;
   const auto map_lo = reinterpret_cast<std::uintptr_t>(map_);
   const auto map_hi = (map_lo + map_bytes_ + page - 1) / page * page;
-  ::madvise(reinterpret_cast<void*>(std::max(lo, map_lo)), std::min(hi, map_hi) - std::max(lo, map_lo), MADV_DONTNEED);
+  // madvise takes the page-aligned address computed above.
+  ::madvise(reinterpret_cast<void*>(std::max(lo, map_lo)),  // NOLINT(performance-no-int-to-ptr)
+            std::min(hi, map_hi) - std::max(lo, map_lo), MADV_DONTNEED);
 }
 
 void SafetensorsFile::unmap() noexcept {

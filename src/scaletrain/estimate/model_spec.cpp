@@ -92,7 +92,8 @@ ParamCounts count_params(const ModelSpec& s) {
   c.largest_linear = std::max(h * (s.fused_qkv ? q_out + 2 * kv_out : q_out), h * I);
 
   const double block_buffers = s.causal_mask_buffers ? static_cast<double>(P * P) / 8.0 + 4.0 : 0.0;
-  const double rotary = s.rotary_buffer ? 4.0 * static_cast<double>(hd / 2) : 0.0;
+  const int64_t frequencies = hd / 2;  // one per pair of rotated dimensions
+  const double rotary = s.rotary_buffer ? 4.0 * static_cast<double>(frequencies) : 0.0;
   const double position_ids = 8.0 * static_cast<double>(s.position_id_buffers * P);
   c.buffer_bytes = block_buffers * static_cast<double>(L) + rotary + position_ids;
   // Accelerate's units: each block (with its buffers), the embeddings as one

@@ -73,6 +73,7 @@ AccelerateRow accelerate_row(double total, double largest, AccelDtype dtype) {
 std::vector<AccelerateRow> accelerate_rows(const ParamCounts& c, const std::vector<AccelDtype>& dtypes) {
   const double total = 4.0 * static_cast<double>(c.base_model) + c.buffer_bytes;
   std::vector<AccelerateRow> rows;
+  rows.reserve(dtypes.size());
   for (AccelDtype d : dtypes) rows.push_back(accelerate_row(total, c.largest_layer_bytes, d));
   return rows;
 }

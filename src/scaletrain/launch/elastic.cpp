@@ -116,7 +116,7 @@ std::string ElasticRendezvous::interrupted() {
         continue;
       }
       if (now - it->second.second >= o_.keepalive_timeout) {
-        const std::string why = "node " + std::to_string(i - 1) + " stopped answering for " +
+        std::string why = "node " + std::to_string(i - 1) + " stopped answering for " +
                                 std::to_string(o_.keepalive_timeout.count() / 1000) + " s (lost)";
         end_round(why);
         return why;

@@ -26,7 +26,7 @@ namespace {
 
 // A line longer than this without a newline (a progress bar redrawn with
 // '\r', binary junk) is printed in pieces so memory stays bounded.
-constexpr size_t kMaxLine = 64 * 1024;
+constexpr size_t kMaxLine = size_t{64} * 1024;
 // After the last worker has exited, how long we keep reading pipes still held
 // open by processes that escaped the process group (setsid daemons).
 constexpr double kDrainSeconds = 1.0;

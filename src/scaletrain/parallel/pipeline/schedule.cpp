@@ -49,6 +49,7 @@ std::vector<Action> interleaved(const ScheduleShape& sh, int s) {
   // steady state would; otherwise the warm-up fills the pipeline's depth.
   const int warmup = m == p ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
   std::vector<Action> out;
+  out.reserve(2 * static_cast<size_t>(total));
   for (int k = 0; k < warmup; ++k) out.push_back(fwd(k));
   for (int k = 0; k < total - warmup; ++k) {
     out.push_back(fwd(warmup + k));
@@ -150,6 +151,7 @@ Replay simulate(const ScheduleShape& sh, const std::vector<std::vector<Action>>&
 
 Replay simulate(const ScheduleShape& sh, double tf, double tb) {
   std::vector<std::vector<Action>> orders;
+  orders.reserve(static_cast<size_t>(sh.stages));
   for (int s = 0; s < sh.stages; ++s) orders.push_back(stage_actions(sh, s));
   return simulate(sh, orders, tf, tb);
 }
