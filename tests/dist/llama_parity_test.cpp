@@ -234,10 +234,10 @@ TEST(LlamaTp, DataTimesTensorParallel) {
 // before any model is built and from parallelize_tensor.
 TEST(LlamaTp, MoreRanksThanKvHeadsIsAnError) {
   const auto c = gqa_llama().config();
-  EXPECT_NO_THROW(tp::check_tensor_parallel(c, 2));
+  EXPECT_NO_THROW(scaletrain::models::check_tensor_parallel(c, 2));
   for (int degree : {4, 8}) {
     try {
-      tp::check_tensor_parallel(c, degree);
+      scaletrain::models::check_tensor_parallel(c, degree);
       ADD_FAILURE() << "no error for tp=" << degree << " over 2 kv heads";
     } catch (const UsageError& e) {
       const std::string msg = e.what();

@@ -281,8 +281,8 @@ TEST(TensorParallelGPT, ImpossibleLayoutFailsWithOneLine) {
     expect_error(models::GPTConfig{kVocab, kSeq, 1, 3, 24}, "model.n_head=3");
     expect_error(models::GPTConfig{kVocab + 1, kSeq, 1, 4, 32}, "model.vocab_size=65");
   }
-  EXPECT_THROW(tp::check_tensor_parallel(small_gpt(), 3), UsageError);
-  EXPECT_NO_THROW(tp::check_tensor_parallel(small_gpt(), 4));
+  EXPECT_THROW(scaletrain::models::check_tensor_parallel(small_gpt(), 3), UsageError);
+  EXPECT_NO_THROW(scaletrain::models::check_tensor_parallel(small_gpt(), 4));
   // Sequence parallelism with a sequence tp does not divide.
   if (n > 1) {
     auto model = make_model(at::kFloat);

@@ -4,9 +4,9 @@
 Each folder may include only the folders its row allows (and what those
 allow, transitively); an include outside that is an upward or sideways
 dependency and fails the check, naming the file, the line and the rule.
-KNOWN lists the violations that exist today, each with the reason it is not
-fixed yet (issue 35 moves them); one that disappears must be removed from
-KNOWN, so the list only shrinks. Usage: layers.py SRC_DIR (src/scaletrain).
+KNOWN lists violations allowed for now, each with the reason it is not
+fixed yet (empty today); one that disappears must be removed from KNOWN, so
+the list only shrinks. Usage: layers.py SRC_DIR (src/scaletrain).
 """
 import os
 import re
@@ -35,14 +35,7 @@ RULES = {
 }
 
 # (including file, included file): why it is still there.
-KNOWN = {
-    # The pipeline's and tensor parallelism's CausalLM paths take our
-    # families' model class (the generic ones, module_pipeline and
-    # parallelize_module, do not): issue 34.
-    ("parallel/pipeline/pipeline.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/pipeline/stage.h", "models/causal_lm.h"): "issue 34",
-    ("parallel/tensor/tensor_parallel.h", "models/causal_lm.h"): "issue 34",
-}
+KNOWN = {}  # (including file, included file): why it is still there
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"scaletrain/([^"]+)"')
 

@@ -127,6 +127,12 @@ TensorParallelSplit CausalLM::parameter_split(const std::string& name) const {
   return adapter_split(name, tensor_parallel_split(layer + "weight"));
 }
 
+std::vector<std::string> CausalLM::split_problems(int tp) const { return tensor_parallel_problems(config_, tp); }
+
+interfaces::StageShape CausalLM::stage_shape() const {
+  return {config_.n_embd, config_.block_size, config_.vocab_size};
+}
+
 void CausalLM::finish_construction(bool materialize) {
   if (!materialize) return;  // each module gave its bytes back as it was built
   torch::NoGradGuard no_grad;
@@ -166,11 +172,6 @@ torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor&
   auto sum = F::cross_entropy(logits.view({-1, logits.size(-1)}), t,
                               F::CrossEntropyFuncOptions().ignore_index(kIgnoreTarget).reduction(torch::kSum));
   return sum / (t != kIgnoreTarget).sum().clamp_min(1).to(sum.scalar_type());
-}
-
-torch::Tensor mean_over_targets(const torch::Tensor& per_token, const torch::Tensor& targets) {
-  const auto valid = (targets != kIgnoreTarget).reshape(per_token.sizes());
-  return (per_token * valid.to(per_token.scalar_type())).sum() / valid.sum().clamp_min(1).to(per_token.scalar_type());
 }
 
 torch::Tensor row_parallel(const torch::Tensor& y, LinearImpl& proj, const TensorParallelHooks& tp) {

@@ -1,9 +1,10 @@
 #pragma once
-// The one interface the engines use: a decoder-only causal language model
-// made of an embedding, a list of repeated blocks, and a head with its loss.
-// Model families (models/gpt.h, models/llama.h, ...) implement it; the
-// engines (parallel/, checkpoint/, estimate/) see only this, so adding a
-// family touches models/ and nothing else.
+// The base class of our families: a decoder-only causal language model made
+// of an embedding, a list of repeated blocks, and a head with its loss.
+// Model families (models/gpt.h, models/llama.h, ...) implement it. It
+// implements the interfaces the engines drive (interfaces/blocks.h,
+// stages.h, tensor_split.h, deferred.h, experts.h); the engines include only
+// those, so adding a family touches models/ and nothing else.
 //
 // What a family says about itself, and who asks:
 //   embed / block i / head_loss       pipeline chunks run the pieces separately
@@ -11,7 +12,7 @@
 //   set_block_runner                  ZeRO-3/FSDP gather a unit around its blocks
 //   tensor_parallel_split(name)       parallel/tensor splits each parameter
 //   TensorParallelHooks               the model calls them at the boundaries
-//   pipeline_pieces, tied_head        pipeline chunks own the right modules
+//   first/last_pieces, tied_head      pipeline chunks own the right modules
 //   init_parameter                    deferred init draws one tensor at a time
 //   flops_per_token                   MFU
 #include <torch/torch.h>
@@ -22,11 +23,13 @@
 #include <utility>
 #include <vector>
 
-#include "scaletrain/models/attention.h"
-#include "scaletrain/models/checkpoint.h"
 #include "scaletrain/interfaces/blocks.h"
 #include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/interfaces/experts.h"
+#include "scaletrain/interfaces/stages.h"
+#include "scaletrain/interfaces/tensor_split.h"
+#include "scaletrain/models/attention.h"
+#include "scaletrain/models/checkpoint.h"
 
 namespace scaletrain::models {
 
@@ -84,73 +87,30 @@ struct ModelConfig {
 };
 using GPTConfig = ModelConfig;  // the name the GPT-only code had
 
-// How a layer-splitting strategy (tensor parallelism, parallel/tensor) takes
-// part in the forward without a second model class. The model stays free of
-// communication: the strategy fills these in and the modules call them at the
-// boundaries of Megatron's column-parallel / row-parallel pairs. No hooks
-// (null) is the plain single-process model.
-using TensorFn = std::function<torch::Tensor(const torch::Tensor&)>;
-struct TensorParallelHooks {
-  // Input of a column-parallel linear: the f operator (identity forward,
-  // all-reduce backward) or, under sequence parallelism, the all-gather
-  // along the sequence.
-  TensorFn column_input;
-  // Output of a row-parallel linear before its bias: the g operator
-  // (all-reduce) or, under sequence parallelism, the reduce-scatter.
-  TensorFn row_output;
-  // Token ids [B, T] and this rank's rows of the embedding -> the token
-  // embedding [B, T, C] (or its sequence shard [B, T/tp, C]).
-  std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& weight)> embed_tokens;
-  // First position of this rank's part of a sequence whose local length is
-  // `n` (0 unless sequence parallel): what a position embedding adds.
-  std::function<int64_t(int64_t n)> sequence_offset;
-  // Final hidden states and this rank's vocabulary rows of the head -> full
-  // logits [B, T, V] (gathered; for forward() and generate(), not the loss).
-  std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& head)> logits;
-  // Final hidden states, head rows and targets -> mean next-token
-  // cross-entropy, with logits that stay sharded over the vocabulary.
-  std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& head, const torch::Tensor& targets)> loss;
-  // Token ids sampled by generate() [B, 1] -> the ids every rank continues
-  // with (tp rank 0's): the ranks of a split model must feed the same tokens.
-  TensorFn broadcast_tokens;
-  // The hooks generate() runs with instead of these; null: these. Sequence
-  // parallelism cannot split a sampled context of any length, and without
-  // autograd it saves nothing, so its hooks name plain tensor-parallel ones.
-  std::shared_ptr<const TensorParallelHooks> sampling;
-};
-using TensorParallelHooksPtr = std::shared_ptr<const TensorParallelHooks>;
+// Tensor parallelism's hooks and splits, and a pipeline's pieces, are the
+// engines' interfaces (interfaces/tensor_split.h, interfaces/stages.h),
+// under the names the families have always used.
+using TensorFn = interfaces::TensorFn;
+using TensorParallelHooks = interfaces::TensorParallelHooks;
+using TensorParallelHooksPtr = interfaces::TensorParallelHooksPtr;
+using TensorParallelSplit = interfaces::TensorParallelSplit;
+using NamedModule = interfaces::NamedModule;
 
-// How a parameter is cut across a tensor-parallel group. dim -1: replicated.
-// The split dimension holds `blocks` equal parts split separately (a fused
-// q|k|v weight: 3), so each rank keeps part r of every block. A replicated
-// parameter may still see a different part of the computation on each rank
-// (partial_grad: a column-parallel layer's LoRA A, Note [LoRA under tensor
-// parallelism] in models/lora.h): its gradient is then summed over tp.
-struct TensorParallelSplit {
-  int64_t dim = -1;
-  int64_t blocks = 1;
-  bool partial_grad = false;
-};
-
-// A module a pipeline chunk takes over, under its dotted path in the model
-// ("model.embed_tokens"), so the chunk's parameter names are the model's.
-using NamedModule = std::pair<std::string, std::shared_ptr<torch::nn::Module>>;
-
-class CausalLM : public torch::nn::Module, public interfaces::Blockwise {
+class CausalLM : public torch::nn::Module, public interfaces::Staged, public interfaces::TensorSplittable {
  public:
   explicit CausalLM(ModelConfig config) : config_(std::move(config)) {}
   const ModelConfig& config() const { return config_; }
 
   // The pieces, as a pipeline stage runs them separately:
   // token ids [B, T] -> hidden [B, T, C] (embedding, dropout);
-  virtual torch::Tensor embed(const torch::Tensor& idx) = 0;
+  torch::Tensor embed(const torch::Tensor& idx) override = 0;
   // block i, hidden -> hidden (what block_body() wraps);
-  virtual torch::Tensor run_block(int64_t i, const torch::Tensor& x) = 0;
+  torch::Tensor run_block(int64_t i, const torch::Tensor& x) override = 0;
   // last hidden states -> final norm, head -> logits [B, T, V], or the mean
   // next-token cross-entropy against `targets` (vocabulary-parallel under
   // tensor parallelism: the full logits are never formed).
   virtual torch::Tensor head_logits(const torch::Tensor& x) = 0;
-  virtual torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets) = 0;
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets) override = 0;
 
   // The whole model: idx [B, T] int64 -> logits [B, T, vocab]; the loss.
   torch::Tensor forward(const torch::Tensor& idx);
@@ -161,7 +121,7 @@ class CausalLM : public torch::nn::Module, public interfaces::Blockwise {
 
   // Block i's forward as a body for a BlockRunner, checkpointed when asked
   // (what forward() runs; pipeline chunks run their blocks through it too).
-  interfaces::BlockBody block_body(int64_t i);
+  interfaces::BlockBody block_body(int64_t i) override;
   void set_block_runner(interfaces::BlockRunner runner) override { runner_ = std::move(runner); }
   int64_t num_blocks() const override { return config_.n_layer; }
   // Full: each block keeps only its input for backward and is recomputed
@@ -175,20 +135,25 @@ class CausalLM : public torch::nn::Module, public interfaces::Blockwise {
   virtual TensorParallelSplit tensor_parallel_split(const std::string& name) const = 0;
   // What parallel/tensor asks: the family's split, and for a LoRA adapter
   // the split that follows its layer's (models/lora.h).
-  TensorParallelSplit parameter_split(const std::string& name) const;
-  virtual void set_tensor_parallel(TensorParallelHooksPtr hooks) = 0;
-  const TensorParallelHooksPtr& tensor_parallel() const { return tp_; }
+  TensorParallelSplit parameter_split(const std::string& name) const override;
+  std::vector<std::string> split_problems(int tp) const override;  // tensor_parallel_problems(config(), tp)
+  void set_tensor_parallel(TensorParallelHooksPtr hooks) override = 0;
+  const TensorParallelHooksPtr& tensor_parallel() const override { return tp_; }
+  torch::nn::Module& split_module() override { return *this; }
 
   // Pipelines: the modules the first chunk owns besides its blocks (the
   // embeddings), those the last owns (final norm, an untied head), and block
   // i's module.
-  virtual std::vector<NamedModule> first_pieces() = 0;
-  virtual std::vector<NamedModule> last_pieces() = 0;
-  virtual NamedModule block_module(int64_t i) = 0;
+  std::vector<NamedModule> first_pieces() override = 0;
+  std::vector<NamedModule> last_pieces() override = 0;
+  NamedModule block_module(int64_t i) override = 0;
   // A head tied to the token embedding: its parameter name and tensor (used
   // by the first chunk and the last, Note [Tied head across stages]); an
   // undefined tensor when the head is its own parameter.
-  virtual std::pair<std::string, at::Tensor> tied_head() = 0;
+  std::pair<std::string, at::Tensor> tied_head() override = 0;
+  torch::nn::Module& staged_module() override { return *this; }
+  // Hidden width, the longest sequence and the vocabulary, from the config.
+  interfaces::StageShape stage_shape() const override;
 
   // Initialization of parameter `name` into `p` (shaped like it); a model
   // built with materialize=false gets its values through this, in
@@ -260,11 +225,10 @@ using ModelPtr = std::shared_ptr<CausalLM>;
 // are not kIgnoreTarget (0 when there are none); 16-bit logits are upcast
 // first (the softmax over the vocabulary needs fp32).
 torch::Tensor causal_lm_cross_entropy(torch::Tensor logits, const torch::Tensor& targets);
-// The target id a loss skips (data::kIgnoreIndex, as torch's ignore_index).
-inline constexpr int64_t kIgnoreTarget = -100;
-// The mean of per-token losses over the positions whose target is not
-// kIgnoreTarget: the sum divided by their count (at least 1).
-torch::Tensor mean_over_targets(const torch::Tensor& per_token, const torch::Tensor& targets);
+// The target id a loss skips (data::kIgnoreIndex, as torch's ignore_index),
+// and the mean of per-token losses over the other positions.
+using interfaces::kIgnoreTarget;
+using interfaces::mean_over_targets;
 
 // A row-parallel linear's output: the partial products of every rank are
 // reduced by the hook, and the (replicated) bias is added once, after it.
@@ -280,6 +244,8 @@ ModelPtr make_model(const ModelConfig& config, bool materialize = true);
 // config, one line each ("tp=4 does not divide the 2 key/value heads");
 // empty: it can. Callable before any model is built.
 std::vector<std::string> tensor_parallel_problems(const ModelConfig& config, int tp);
+// Throws a one-line UsageError naming every dimension tp does not divide.
+void check_tensor_parallel(const ModelConfig& config, int tp);
 
 // Presets of every family: "tiny", "gpt2", ..., "llama-tiny", "smollm2-135m", ...
 ModelConfig model_preset(const std::string& name);

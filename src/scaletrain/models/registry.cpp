@@ -149,6 +149,14 @@ std::vector<std::string> tensor_parallel_problems(const ModelConfig& config, int
   return family_of(config.family).tensor_parallel_problems(config, tp);
 }
 
+void check_tensor_parallel(const ModelConfig& config, int tp) {
+  const auto problems = tensor_parallel_problems(config, tp);
+  if (problems.empty()) return;
+  std::string line;
+  for (const auto& p : problems) line += (line.empty() ? "" : "; ") + p;
+  throw UsageError(line);
+}
+
 ModelConfig model_preset(const std::string& name) {
   auto it = presets().find(name);
   if (it == presets().end()) {

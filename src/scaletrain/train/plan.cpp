@@ -400,7 +400,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
     plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp}.resolved(world_size);
   });
   if (model_ok) check_context_parallel(c, plan.model, problems);
-  if (model_ok && p.tp > 1) problems.check([&] { parallel::tensor::check_tensor_parallel(plan.model, p.tp); });
+  if (model_ok && p.tp > 1) problems.check([&] { models::check_tensor_parallel(plan.model, p.tp); });
   if (model_ok) check_expert_parallel(c, plan.model, dims_ok ? plan.dims.dp() : 0, problems);
   if (model_ok && dims_ok) {
     check_pipeline(c, plan.model, plan.dims.dp(), problems);

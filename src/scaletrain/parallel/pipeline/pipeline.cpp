@@ -52,13 +52,14 @@ std::string shape_string(const std::vector<int64_t>& s) {
 
 }  // namespace
 
-Pipeline::Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone)
+Pipeline::Pipeline(std::shared_ptr<interfaces::Staged> model, comm::Group& pp, comm::Group* dp, PipelineOptions options,
+                   comm::Group* everyone)
     : model_(std::move(model)), pp_(pp), dp_(dp), options_(options) {
   const int p = pp_.size(), v = options_.virtual_stages, s = pp_.rank();
   shape_ = {options_.schedule, p, options_.microbatches, v};
   check_schedule(shape_);
-  if (options_.seq_len == 0) options_.seq_len = model_->config().block_size;
-  act_options_ = model_->parameters().front().options().requires_grad(false);
+  if (options_.seq_len == 0) options_.seq_len = model_->stage_shape().max_sequence;
+  act_options_ = model_->staged_module().parameters().front().options().requires_grad(false);
 
   // 1. Cut the blocks into p*v chunks; every rank must cut the same way.
   BlockCosts costs = options_.balance == Balance::Time ? measured_costs(*model_, options_.micro_batch)
@@ -93,7 +94,7 @@ Pipeline::Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, Pip
   // from the start and never changes: nothing to refresh, no gradient.
   head_moves_ = head_.defined() && head_.requires_grad() && p > 1;
   if (head_copy_) kept.insert(head_.unsafeGetTensorImpl());
-  for (const auto& t : model_->parameters())
+  for (const auto& t : model_->staged_module().parameters())
     if (!kept.count(t.unsafeGetTensorImpl())) interfaces::free_storage(t);
   actions_ = stage_actions(shape_, s);
 }
@@ -112,9 +113,9 @@ void Pipeline::check_shapes() {
   shapes_checked_ = true;
   const int p = pp_.size();
   if (p == 1) return;
-  const auto& c = model_->config();
+  const int64_t width = model_->stage_shape().width;
   const int64_t seq = options_.sequence_parallel_tp ? options_.seq_len / options_.tp_size : options_.seq_len;
-  const std::vector<int64_t> mine{options_.micro_batch, seq, c.n_embd,
+  const std::vector<int64_t> mine{options_.micro_batch, seq, width,
                                   static_cast<int64_t>(c10::typeMetaToScalarType(act_options_.dtype()))};
   std::vector<comm::Work> sends;
   std::vector<at::Tensor> bufs;
@@ -156,126 +157,162 @@ at::Tensor Pipeline::recv_activation(int mb, int chunk, bool grad, const at::Ten
   return t;
 }
 
+// What one step keeps between its actions.
+struct Pipeline::StepRun {
+  const std::vector<at::Tensor>& inputs;
+  const std::vector<at::Tensor>& targets;
+  double loss_scale;
+  const ForwardWrapper& wrap;
+  const std::vector<double>& weights;
+  at::Tensor act_like;  // shape and dtype of an activation between chunks
+  struct Live {
+    at::Tensor input, output;  // output: the chunk's output, or its scaled loss
+  };
+  std::map<std::pair<int, int>, Live> live;                        // (micro-batch, chunk)
+  std::map<std::pair<int, int>, at::Tensor> local_fwd, local_bwd;  // neighbours on this stage (p == 1)
+  std::vector<comm::Work> sends;
+  std::vector<at::Tensor> in_transit;  // kept alive until their sends complete
+  std::vector<int> backwards;          // per local chunk
+  double loss_sum = 0;
+  bool head_sent = false, head_received = false;
+
+  double weight(int mb, int m) const { return weights.empty() ? 1.0 / m : weights[static_cast<size_t>(mb)]; }
+};
+
+void Pipeline::send(StepRun& run, at::Tensor t, int to, int tag) {
+  run.in_transit.push_back(t.contiguous());
+  run.sends.push_back(pp_.send(run.in_transit.back(), to, tag));
+}
+
 double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
                       const ForwardWrapper& wrap, const std::vector<double>& weights) {
-  const int p = pp_.size(), m = options_.microbatches, last_stage = p - 1;
+  const int p = pp_.size(), m = options_.microbatches;
   if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m ||
       (!weights.empty() && static_cast<int>(weights.size()) != m))
     throw std::invalid_argument("pipeline step: expected " + std::to_string(m) + " micro-batches");
-  auto weight = [&](int mb) { return weights.empty() ? 1.0 / m : weights[static_cast<size_t>(mb)]; };
   stats_ = StepStats{};
   const auto t_step = Clock::now();
   const int64_t heap0 = heap_in_use();
   if (!shapes_checked_) check_shapes();
 
-  const auto& c = model_->config();
+  const int64_t width = model_->stage_shape().width;
   const int64_t seq = options_.sequence_parallel_tp ? options_.seq_len / options_.tp_size : options_.seq_len;
-  const at::Tensor act_like = at::empty({options_.micro_batch, seq, c.n_embd}, act_options_);
-
-  struct Live {
-    at::Tensor input, output;  // output: the chunk's output, or its scaled loss
-  };
-  std::map<std::pair<int, int>, Live> live;                         // (micro-batch, chunk)
-  std::map<std::pair<int, int>, at::Tensor> local_fwd, local_bwd;  // neighbours on this stage (p == 1)
-  std::vector<comm::Work> sends;
-  std::vector<at::Tensor> in_transit;  // kept alive until their sends complete
-  std::vector<int> backwards(chunks_.size(), 0);
-  double loss_sum = 0;
-  bool head_sent = false, head_received = false;
-  auto send = [&](at::Tensor t, int to, int tag) {
-    in_transit.push_back(t.contiguous());
-    sends.push_back(pp_.send(in_transit.back(), to, tag));
-  };
-
+  StepRun run{inputs, targets, loss_scale, wrap, weights, at::empty({options_.micro_batch, seq, width}, act_options_)};
+  run.backwards.assign(chunks_.size(), 0);
   for (const Action& a : actions_) {
-    const size_t j = static_cast<size_t>(a.chunk / p);
-    Chunk& chunk = chunks_[j];
-    const ChunkSpec& spec = chunk->spec();
-    const std::pair<int, int> key{a.microbatch, a.chunk};
     if (a.kind == Action::Kind::Forward) {
-      at::Tensor in;
-      if (spec.first()) {
-        in = inputs[static_cast<size_t>(a.microbatch)];
-      } else {
-        if (p == 1) {
-          in = local_fwd.at(key);
-          local_fwd.erase(key);
-        } else {
-          in = recv_activation(a.microbatch, a.chunk, false, act_like);
-        }
-        in.requires_grad_(true);
-      }
-      if (head_copy_ && head_moves_ && spec.last() && !head_received) {
-        // Note [Tied head across stages]: this step's weights of the embedding.
-        at::Tensor w = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
-        const auto t0 = Clock::now();
-        pp_.recv(w, 0, kHeadWeight).wait();
-        stats_.wait_ms += ms_since(t0);
-        torch::NoGradGuard no_grad;
-        head_.copy_(w);
-        head_received = true;
-      }
-      const auto t0 = Clock::now();
-      trace::Span span("pipeline", "forward micro-batch", a.microbatch);
-      at::Tensor tgt = spec.last() ? targets[static_cast<size_t>(a.microbatch)] : at::Tensor();
-      auto body = [&] {
-        at::Tensor out = chunk->forward(in, tgt);
-        if (head_moves_ && spec.first() && !head_sent) {  // whole here, even under ZeRO-3
-          send(head_.detach().clone(), last_stage, kHeadWeight);
-          head_sent = true;
-        }
-        return out;
-      };
-      at::Tensor out = runners_[j]->forward([&] { return wrap ? wrap(body) : body(); });
-      if (spec.last()) {
-        loss_sum += out.item<double>() * weight(a.microbatch);
-        out = out * (loss_scale * weight(a.microbatch));
-      } else if (p == 1) {
-        local_fwd[{a.microbatch, a.chunk + 1}] = out.detach();
-      } else {
-        send(out.detach(), (a.chunk + 1) % p, activation_tag(a.microbatch, a.chunk, m, false));
-      }
-      live[key] = {in, out};
-      stats_.compute_ms += ms_since(t0);
+      run_forward(run, a);
       stats_.peak_activation_bytes = std::max(stats_.peak_activation_bytes, heap_in_use() - heap0);
     } else {
-      Live l = std::move(live.at(key));
-      live.erase(key);
-      at::Tensor g;
-      if (!spec.last()) {
-        if (p == 1) {
-          g = local_bwd.at(key);
-          local_bwd.erase(key);
-        } else {
-          g = recv_activation(a.microbatch, a.chunk, true, l.output);
-        }
-      }
-      const auto t0 = Clock::now();
-      trace::Span span("pipeline", "backward micro-batch", a.microbatch);
-      const bool last = ++backwards[j] == m;
-      runners_[j]->backward(
-          [&] {
-            if (spec.last()) l.output.backward();
-            else l.output.backward(g);
-          },
-          last);
-      if (!spec.first()) {
-        at::Tensor gi = l.input.grad();
-        if (p == 1) local_bwd[{a.microbatch, a.chunk - 1}] = gi;
-        else send(gi, (a.chunk - 1 + p) % p, activation_tag(a.microbatch, a.chunk, m, true));
-      }
-      stats_.compute_ms += ms_since(t0);
+      run_backward(run, a);
     }
   }
   {
     const auto t0 = Clock::now();
-    for (auto& w : sends) w.wait();
+    for (auto& w : run.sends) w.wait();
     stats_.wait_ms += ms_since(t0);
   }
   for (auto& r : runners_) r->end_step();
+  exchange_head_grad();
+  // The loss is computed once, on the last stage; every stage reports it.
+  at::Tensor l = torch::full({1}, run.loss_sum, torch::kDouble);
+  if (p > 1) pp_.broadcast(l, p - 1).wait();
+  stats_.step_ms = ms_since(t_step);
+  return l.item<double>();
+}
 
-  // The head's share of the tied embedding's gradient, averaged like every
-  // other gradient.
+void Pipeline::run_forward(StepRun& run, const Action& a) {
+  const int p = pp_.size(), m = options_.microbatches;
+  const size_t j = static_cast<size_t>(a.chunk / p);
+  Chunk& chunk = chunks_[j];
+  const ChunkSpec& spec = chunk->spec();
+  const std::pair<int, int> key{a.microbatch, a.chunk};
+  at::Tensor in;
+  if (spec.first()) {
+    in = run.inputs[static_cast<size_t>(a.microbatch)];
+  } else {
+    if (p == 1) {
+      in = run.local_fwd.at(key);
+      run.local_fwd.erase(key);
+    } else {
+      in = recv_activation(a.microbatch, a.chunk, false, run.act_like);
+    }
+    in.requires_grad_(true);
+  }
+  if (head_copy_ && head_moves_ && spec.last() && !run.head_received) {
+    // Note [Tied head across stages]: this step's weights of the embedding.
+    at::Tensor w = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
+    const auto t0 = Clock::now();
+    pp_.recv(w, 0, kHeadWeight).wait();
+    stats_.wait_ms += ms_since(t0);
+    torch::NoGradGuard no_grad;
+    head_.copy_(w);
+    run.head_received = true;
+  }
+  const auto t0 = Clock::now();
+  trace::Span span("pipeline", "forward micro-batch", a.microbatch);
+  at::Tensor tgt = spec.last() ? run.targets[static_cast<size_t>(a.microbatch)] : at::Tensor();
+  auto body = [&] {
+    at::Tensor out = chunk->forward(in, tgt);
+    if (head_moves_ && spec.first() && !run.head_sent) {  // whole here, even under ZeRO-3
+      send(run, head_.detach().clone(), p - 1, kHeadWeight);
+      run.head_sent = true;
+    }
+    return out;
+  };
+  at::Tensor out = runners_[j]->forward([&] { return run.wrap ? run.wrap(body) : body(); });
+  if (spec.last()) {
+    run.loss_sum += out.item<double>() * run.weight(a.microbatch, m);
+    out = out * (run.loss_scale * run.weight(a.microbatch, m));
+  } else if (p == 1) {
+    run.local_fwd[{a.microbatch, a.chunk + 1}] = out.detach();
+  } else {
+    send(run, out.detach(), (a.chunk + 1) % p, activation_tag(a.microbatch, a.chunk, m, false));
+  }
+  run.live[key] = {in, out};
+  stats_.compute_ms += ms_since(t0);
+}
+
+void Pipeline::run_backward(StepRun& run, const Action& a) {
+  const int p = pp_.size(), m = options_.microbatches;
+  const size_t j = static_cast<size_t>(a.chunk / p);
+  const ChunkSpec& spec = chunks_[j]->spec();
+  const std::pair<int, int> key{a.microbatch, a.chunk};
+  StepRun::Live l = std::move(run.live.at(key));
+  run.live.erase(key);
+  at::Tensor g;
+  if (!spec.last()) {
+    if (p == 1) {
+      g = run.local_bwd.at(key);
+      run.local_bwd.erase(key);
+    } else {
+      g = recv_activation(a.microbatch, a.chunk, true, l.output);
+    }
+  }
+  const auto t0 = Clock::now();
+  trace::Span span("pipeline", "backward micro-batch", a.microbatch);
+  const bool last = ++run.backwards[j] == m;
+  runners_[j]->backward(
+      [&] {
+        if (spec.last())
+          l.output.backward();
+        else
+          l.output.backward(g);
+      },
+      last);
+  if (!spec.first()) {
+    at::Tensor gi = l.input.grad();
+    if (p == 1)
+      run.local_bwd[{a.microbatch, a.chunk - 1}] = gi;
+    else
+      send(run, gi, (a.chunk - 1 + p) % p, activation_tag(a.microbatch, a.chunk, m, true));
+  }
+  stats_.compute_ms += ms_since(t0);
+}
+
+// The head's share of the tied embedding's gradient, averaged like every
+// other gradient (Note [Tied head across stages]).
+void Pipeline::exchange_head_grad() {
   if (head_copy_ && head_moves_) {
     at::Tensor g = head_.grad().contiguous();
     if (dp_ && dp_->size() > 1) dp_->all_reduce(g, comm::ReduceOp::Avg).wait();
@@ -284,15 +321,10 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   } else if (head_moves_ && chunks_.front()->spec().first()) {
     at::Tensor g = at::empty_like(head_, at::MemoryFormat::Contiguous).detach();
     const auto t0 = Clock::now();
-    pp_.recv(g, last_stage, kHeadGrad).wait();
+    pp_.recv(g, pp_.size() - 1, kHeadGrad).wait();
     stats_.wait_ms += ms_since(t0);
     runners_.front()->add_to_grad(head_name_, g);
   }
-  // The loss is computed once, on the last stage; every stage reports it.
-  at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
-  if (p > 1) pp_.broadcast(l, last_stage).wait();
-  stats_.step_ms = ms_since(t_step);
-  return l.item<double>();
 }
 
 double clip_grad_norm(const std::vector<at::Tensor>& counted, const std::vector<at::Tensor>& shared,

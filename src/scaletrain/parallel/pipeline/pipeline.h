@@ -25,7 +25,6 @@
 #include <vector>
 
 #include "scaletrain/comm/group.h"
-#include "scaletrain/models/causal_lm.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/pipeline/stage.h"
 
@@ -80,7 +79,8 @@ class Pipeline {
   // UsageError for shapes the schedule cannot run (check_schedule).
   // `everyone`: the group that must agree on measured cuts (Balance::Time;
   // the world when several pipelines run side by side), or null for pp.
-  Pipeline(models::ModelPtr model, comm::Group& pp, comm::Group* dp, PipelineOptions options, comm::Group* everyone = nullptr);
+  Pipeline(std::shared_ptr<interfaces::Staged> model, comm::Group& pp, comm::Group* dp, PipelineOptions options,
+           comm::Group* everyone = nullptr);
 
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<ChunkSpec>& all_chunks() const { return specs_; }
@@ -108,10 +108,15 @@ class Pipeline {
   const ScheduleShape& shape() const { return shape_; }
 
  private:
+  struct StepRun;  // pipeline.cpp
   at::Tensor recv_activation(int mb, int chunk, bool grad, const at::Tensor& like);
+  void send(StepRun& run, at::Tensor t, int to, int tag);
+  void run_forward(StepRun& run, const Action& a);
+  void run_backward(StepRun& run, const Action& a);
+  void exchange_head_grad();
   void check_shapes();
 
-  models::ModelPtr model_;
+  std::shared_ptr<interfaces::Staged> model_;
   at::TensorOptions act_options_;  // dtype of the activations between chunks
   std::string head_name_;          // a tied head (Note [Tied head across stages]), or ""
   at::Tensor head_;

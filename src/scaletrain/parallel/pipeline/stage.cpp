@@ -26,7 +26,8 @@ void register_path(torch::nn::Module& root, const std::string& path, std::shared
 }
 }  // namespace
 
-ChunkImpl::ChunkImpl(models::ModelPtr model, ChunkSpec spec) : model_(std::move(model)), spec_(spec) {
+ChunkImpl::ChunkImpl(std::shared_ptr<interfaces::Staged> model, ChunkSpec spec)
+    : model_(std::move(model)), spec_(spec) {
   if (spec_.begin >= spec_.end || spec_.end > model_->num_blocks())
     throw std::invalid_argument("pipeline chunk " + std::to_string(spec_.index) + " has no blocks");
   if (spec_.first())
@@ -93,7 +94,7 @@ double numel(const torch::nn::Module& m) {
 }
 }  // namespace
 
-BlockCosts parameter_costs(models::CausalLM& model) {
+BlockCosts parameter_costs(interfaces::Staged& model) {
   BlockCosts c;
   for (int64_t i = 0; i < model.num_blocks(); ++i) c.blocks.push_back(numel(*model.block_module(i).second));
   for (auto& piece : model.first_pieces()) c.first_extra += numel(*piece.second);
@@ -103,13 +104,13 @@ BlockCosts parameter_costs(models::CausalLM& model) {
   return c;
 }
 
-BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats) {
-  const auto& cfg = model.config();
+BlockCosts measured_costs(interfaces::Staged& model, int64_t batch, int repeats) {
+  const interfaces::StageShape shape = model.stage_shape();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
   // Drawn with a host generator, then moved beside the parameters.
-  const at::Tensor w = model.parameters().front();  // a copy: parameters() returns a temporary vector
-  const at::Tensor idx = torch::randint(cfg.vocab_size, {batch, cfg.block_size}, gen, torch::kLong).to(w.device());
-  const at::Tensor x0 = torch::randn({batch, cfg.block_size, cfg.n_embd}, gen).to(w.device(), w.scalar_type());
+  const at::Tensor w = model.staged_module().parameters().front();  // a copy: parameters() returns a temporary vector
+  const at::Tensor idx = torch::randint(shape.vocab, {batch, shape.max_sequence}, gen, torch::kLong).to(w.device());
+  const at::Tensor x0 = torch::randn({batch, shape.max_sequence, shape.width}, gen).to(w.device(), w.scalar_type());
   auto time = [&](const std::function<at::Tensor()>& fn) {
     std::vector<double> ms;
     for (int r = 0; r < repeats; ++r) {
@@ -125,7 +126,7 @@ BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats) {
     c.blocks.push_back(time([&] { return model.run_block(i, x0.detach().requires_grad_(true)); }));
   c.first_extra = time([&] { return model.embed(idx); });
   c.last_extra = time([&] { return model.head_loss(x0.detach().requires_grad_(true), idx); });
-  model.zero_grad();
+  model.staged_module().zero_grad();
   return c;
 }
 

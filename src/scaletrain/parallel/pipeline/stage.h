@@ -25,10 +25,12 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
-#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/interfaces/stages.h"
 
 namespace scaletrain::parallel::pipeline {
 
@@ -43,14 +45,14 @@ struct ChunkSpec {
 
 class ChunkImpl : public torch::nn::Module, public interfaces::Blockwise {
  public:
-  ChunkImpl(models::ModelPtr model, ChunkSpec spec);
+  ChunkImpl(std::shared_ptr<interfaces::Staged> model, ChunkSpec spec);
 
   // First chunk: token ids [B, T] -> hidden [B, T, C]; others: hidden ->
   // hidden; the last chunk returns the mean cross-entropy against `targets`.
   at::Tensor forward(const at::Tensor& input, const at::Tensor& targets);
 
   const ChunkSpec& spec() const { return spec_; }
-  const models::ModelPtr& model() const { return model_; }
+  const std::shared_ptr<interfaces::Staged>& model() const { return model_; }
 
   int64_t num_blocks() const override { return spec_.end - spec_.begin; }
   std::string block_prefix(int64_t i) const override { return model_->block_prefix(spec_.begin + i); }
@@ -58,7 +60,7 @@ class ChunkImpl : public torch::nn::Module, public interfaces::Blockwise {
   void set_block_runner(interfaces::BlockRunner runner) override { runner_ = std::move(runner); }
 
  private:
-  models::ModelPtr model_;
+  std::shared_ptr<interfaces::Staged> model_;
   ChunkSpec spec_;
   interfaces::BlockRunner runner_;
 };
@@ -76,10 +78,10 @@ struct BlockCosts {
   std::vector<double> blocks;
   double first_extra = 0, last_extra = 0;
 };
-BlockCosts parameter_costs(models::CausalLM& model);
+BlockCosts parameter_costs(interfaces::Staged& model);
 // The same by measured time: forward + backward of one micro-batch of
 // `batch` sequences through each block, the embedding and the head (median of
 // `repeats`). Every rank must use the same costs: measure on one, broadcast.
-BlockCosts measured_costs(models::CausalLM& model, int64_t batch, int repeats = 3);
+BlockCosts measured_costs(interfaces::Staged& model, int64_t batch, int repeats = 3);
 
 }  // namespace scaletrain::parallel::pipeline

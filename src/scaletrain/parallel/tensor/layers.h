@@ -1,7 +1,7 @@
 #pragma once
 // Megatron's tensor-parallel layers as functions of (input, this rank's
 // shard of the weights, the tp group). parallelize_tensor() applies them to
-// the model's own modules through models::TensorParallelHooks; they are also
+// the model's own modules through interfaces::TensorParallelHooks; they are also
 // usable on their own (and tested so) for any model.
 //
 // Activations are [B, T, ...]: batch first, the sequence in dimension 1

@@ -15,12 +15,12 @@ namespace scaletrain::parallel::tensor {
 namespace {
 
 // Each parameter's split, as the model's plan says (Note [Fused qkv split]).
-ParamLayout layout_of(const models::CausalLM& model, const std::string& name, const at::Tensor& p,
+ParamLayout layout_of(const interfaces::TensorSplittable& model, const std::string& name, const at::Tensor& p,
                       bool sequence_parallel) {
   ParamLayout l;
   l.name = name;
   l.full_shape = p.sizes().vec();
-  const models::TensorParallelSplit split = model.parameter_split(name);
+  const interfaces::TensorParallelSplit split = model.parameter_split(name);
   l.dim = split.dim;
   l.blocks = split.blocks;
   // Replicated parameters (norms, position embeddings, row-parallel biases)
@@ -48,8 +48,8 @@ std::vector<int64_t> blocked_sizes(std::vector<int64_t> sizes, const ParamLayout
 }
 
 // Builds the hooks through which the model's own modules run tensor-parallel.
-models::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
-  auto hooks = std::make_shared<models::TensorParallelHooks>();
+interfaces::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
+  auto hooks = std::make_shared<interfaces::TensorParallelHooks>();
   auto column_input = [g, sp](const torch::Tensor& x) {
     return sp ? gather_from_sequence(x, *g, kSequenceDim) : copy_to_tp_region(x, *g);
   };
@@ -74,8 +74,8 @@ models::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
     // As the single-process loss: 16-bit logits are upcast for the softmax.
     if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf)
       logits = logits.to(torch::kFloat);
-    // Targets the loss skips (models::kIgnoreTarget) add nothing and are not counted.
-    return models::mean_over_targets(vocab_parallel_cross_entropy(logits, targets, *g), targets);
+    // Targets the loss skips (interfaces::kIgnoreTarget) add nothing and are not counted.
+    return interfaces::mean_over_targets(vocab_parallel_cross_entropy(logits, targets, *g), targets);
   };
   // Sampling: every rank computed the same full logits and drew with the
   // same seed, but a rank that drew differently (another BLAS, another
@@ -89,15 +89,16 @@ models::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
   return hooks;
 }
 
-}  // namespace
-
-void check_tensor_parallel(const models::ModelConfig& config, int tp) {
-  const auto problems = models::tensor_parallel_problems(config, tp);
+// A one-line UsageError naming every dimension tp does not divide.
+void check_splits(const interfaces::TensorSplittable& model, int tp) {
+  const auto problems = model.split_problems(tp);
   if (problems.empty()) return;
   std::string line;
   for (const auto& p : problems) line += (line.empty() ? "" : "; ") + p;
   throw UsageError(line);
 }
+
+}  // namespace
 
 at::Tensor split_parameter(const at::Tensor& full, const ParamLayout& l, int rank, int size) {
   if (!l.sharded()) return full.clone();
@@ -123,14 +124,15 @@ at::Tensor gather_parameter(const at::Tensor& shard, const ParamLayout& l, comm:
   return all.view(sizes).movedim(0, l.dim + 1).reshape(l.full_shape);
 }
 
-TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, TensorParallelOptions options) {
-  check_tensor_parallel(model.config(), tp.size());
+TensorParallelPlan parallelize_tensor(interfaces::TensorSplittable& model, comm::Group& tp,
+                                      TensorParallelOptions options) {
+  check_splits(model, tp.size());
   if (model.tensor_parallel()) throw UsageError("parallelize_tensor: the model is already tensor-parallel");
   TensorParallelPlan plan;
   plan.tp = &tp;
   plan.options = options;
   torch::NoGradGuard no_grad;
-  for (auto& item : model.named_parameters()) {
+  for (auto& item : model.split_module().named_parameters()) {
     at::Tensor p = item.value();
     const bool empty = !p.defined() || p.storage().nbytes() == 0;
     if (empty != options.deferred)

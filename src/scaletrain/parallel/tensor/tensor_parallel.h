@@ -1,9 +1,12 @@
 #pragma once
 // Tensor parallelism (Megatron-LM style) applied to a model in place:
 // parallelize_tensor() splits the weights of the full, initialized model as
-// the model's plan says (models::CausalLM::parameter_split) and
-// installs models::TensorParallelHooks, so the same module tree computes
-// with 1/tp of the weights and of the attention heads per rank.
+// the model's plan says (interfaces::TensorSplittable::parameter_split, which
+// our families implement) and installs interfaces::TensorParallelHooks, so
+// the same module tree computes with 1/tp of the weights and of the
+// attention heads per rank. For a module without such a plan,
+// parallelize_module (parallelize_module.h) splits Linear and Embedding
+// layers by name.
 //
 //   split                          Megatron role
 //   vocabulary rows (dim 0)        vocab-parallel embedding and head,
@@ -55,7 +58,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/interfaces/deferred.h"
-#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/interfaces/tensor_split.h"
 
 namespace scaletrain::parallel::tensor {
 
@@ -101,16 +104,16 @@ struct TensorParallelPlan {
   const ParamLayout& layout(const std::string& name) const;
 };
 
-// Throws a one-line UsageError naming every dimension tp does not divide
-// (models::tensor_parallel_problems); callable before any model is built.
-void check_tensor_parallel(const models::ModelConfig& config, int tp);
-
 // Splits the weights of `model` (full and initialized, the same on every
 // rank: build it with the same seed everywhere) and installs the hooks. Call
 // it before creating the optimizer or wrapping the model (DDP over another
 // group): parameters keep their identity but change shape. `tp` must outlive
 // the model.
-TensorParallelPlan parallelize_tensor(models::CausalLM& model, comm::Group& tp, TensorParallelOptions options = {});
+// Throws a one-line UsageError naming every dimension tp does not divide
+// (TensorSplittable::split_problems; models::check_tensor_parallel says the
+// same of a config before any model is built).
+TensorParallelPlan parallelize_tensor(interfaces::TensorSplittable& model, comm::Group& tp,
+                                      TensorParallelOptions options = {});
 
 // Rank `rank`'s part of a full tensor laid out as `layout`, and the inverse
 // (an all-gather over tp; every rank gets the full tensor).
