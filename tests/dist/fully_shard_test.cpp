@@ -1,12 +1,18 @@
 // fully_shard on modules that are not ours: the ToyModel, the MNIST Net of
 // pytorch/examples, a small ResNet with BatchNorm and an LSTM language
 // model (weights read at every time step), under every sharding strategy,
-// against one process (float64, 1e-10). The modules' forward is theirs:
-// units are gathered when operators read them (Note [Gather on use]).
+// against one process (float64, 1e-10); with offloaded shards (float64) and
+// with bf16 weights and fp32 masters (Note [bf16 user modules]). The
+// modules' forward is theirs: units are gathered when operators read them
+// (Note [Gather on use]). Misuse is named: a forward on another thread, a
+// unit that took no part in a step, the step protocol.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <functional>
+#include <map>
+#include <thread>
 
 #include "dist_env.h"
 #include "reference.h"
@@ -19,8 +25,10 @@ namespace scaletrain::test {
 namespace {
 
 using parallel::fsdp::ModuleUnits;
+using parallel::fsdp::ShardedDataParallel;
 using parallel::fsdp::ShardedOptions;
 using parallel::fsdp::Sharding;
+using Inspect = std::function<void(ShardedDataParallel&)>;  // runs while the engine lives
 
 struct Case {
   std::string name;
@@ -88,7 +96,8 @@ std::vector<at::Tensor> train_alone(const Case& c, int parts) {
   return m->parameters();
 }
 
-std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mesh* hybrid = nullptr) {
+std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mesh* hybrid = nullptr,
+                                      const Inspect& inspect = {}) {
   auto m = c.make();
   comm::Group& shard = hybrid ? hybrid->dp_shard() : *world().group();
   auto engine = parallel::fsdp::fully_shard(m, world(), shard, c.units, o, hybrid ? &hybrid->dp_replicate() : nullptr);
@@ -102,18 +111,31 @@ std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mes
     opt.step();
     engine->after_step();
   }
+  if (inspect) inspect(*engine);
   return engine->full_parameters();
 }
 
-void expect_parity(const Case& c, const ShardedOptions& o, const std::string& what, comm::Mesh* hybrid = nullptr) {
+void expect_parity(const Case& c, const ShardedOptions& o, const std::string& what, comm::Mesh* hybrid = nullptr,
+                   const Inspect& inspect = {}) {
   const bool batchnorm = c.name == "resnet";
   auto want = train_alone(c, batchnorm ? world().size() : 1);
-  auto got = train_sharded(c, o, hybrid);
+  auto got = train_sharded(c, o, hybrid, inspect);
   ASSERT_EQ(got.size(), want.size());
   EXPECT_LE(relative_diff(got, want, /*per_tensor=*/true), 1e-10) << c.name << " " << what;
   auto init = c.make()->parameters();
   for (size_t i = 0; i < got.size(); ++i)
     EXPECT_GT((got[i] - init[i]).abs().max().item<double>(), 1e-4) << c.name << " " << what << ": tensor " << i;
+}
+
+void expect_usage_error(const std::function<void()>& f, const std::vector<std::string>& parts,
+                        const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const UsageError& e) {
+    for (const std::string& part : parts)
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
+  }
 }
 
 TEST(FullyShard, UserModulesMatchOneProcessUnderEveryStrategy) {
@@ -210,14 +232,6 @@ TEST(FullyShard, StepProtocolMistakesAreLoud) {
                     y.narrow(0, world().rank() * n, n))
         .backward();
   };
-  auto expect_usage_error = [](const std::function<void()>& f, const std::string& part, const std::string& what) {
-    try {
-      f();
-      ADD_FAILURE() << what << ": no error";
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
-    }
-  };
   for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
     ShardedOptions o;
     o.sharding = s;
@@ -228,7 +242,7 @@ TEST(FullyShard, StepProtocolMistakesAreLoud) {
       torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1));
       backward(*m);
       opt.step();
-      expect_usage_error([&] { engine->after_step(); }, "build the optimizer over engine->shards()",
+      expect_usage_error([&] { engine->after_step(); }, {"build the optimizer over engine->shards()"},
                          name + " optimizer over parameters");
     }
     for (bool via_backward : {false, true}) {  // a step without after_step()
@@ -239,9 +253,9 @@ TEST(FullyShard, StepProtocolMistakesAreLoud) {
       opt.step();
       if (via_backward) {
         opt.zero_grad();
-        expect_usage_error([&] { backward(*m); }, "after_step() was not called", name + " next backward");
+        expect_usage_error([&] { backward(*m); }, {"after_step() was not called"}, name + " next backward");
       } else {
-        expect_usage_error([&] { engine->zero_grad(); }, "after_step() was not called", name + " zero_grad");
+        expect_usage_error([&] { engine->zero_grad(); }, {"after_step() was not called"}, name + " zero_grad");
       }
     }
     {  // a skipped step (both skipped) is not a mistake
@@ -299,6 +313,285 @@ TEST(FullyShard, WrapPoliciesNameWhatIsWrong) {
   u = {};
   u.min_num_params = 1000;  // each BasicBlock holds 1,184 (a conv 576); the stem 224, fc 90
   EXPECT_EQ(parallel::fsdp::select_units(*r, u), (std::vector<std::string>{"layer1.0", "layer1.1"}));
+}
+
+// Note [Gather on use], the thread rule: a forward on a thread that did not
+// call fully_shard is named by the engine's next call, once.
+TEST(FullyShard, ForwardOnAnotherThreadIsNamed) {
+  const Case toy = cases()[0];  // units net1 and net2
+  auto [x, y] = batch(toy, 0);
+  const int64_t n = kBatch / world().size();
+  const at::Tensor xs = x.narrow(0, world().rank() * n, n), ys = y.narrow(0, world().rank() * n, n);
+  for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+    const std::string name = parallel::fsdp::to_string(s);
+    auto m = toy.make();
+    ShardedOptions o;
+    o.sharding = s;
+    auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), toy.units, o);
+    torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+    std::string failed;  // what the forward on the other thread threw
+    std::thread other([&] {
+      try {
+        toy.forward(*m, xs);
+      } catch (const std::exception& e) {
+        failed = e.what();
+      }
+    });
+    other.join();
+    // ZeRO-2 keeps whole parameters, so that forward ran (on values that go
+    // stale after a step); FULL_SHARD's are freed, so libtorch refused it.
+    EXPECT_EQ(failed.empty(), s == Sharding::Zero2) << name << ": " << failed;
+    expect_usage_error([&] { engine->zero_grad(); },
+                       {"parameter 'net1.weight' of unit 'net1'",
+                        "run the module's forward and backward on the thread that called fully_shard"},
+                       name);
+    EXPECT_NO_THROW({  // reported once; the engine's own thread trains on
+      engine->zero_grad();
+      torch::nll_loss(toy.forward(*m, xs), ys).backward();
+      opt.step();
+      engine->after_step();
+    }) << name;
+  }
+  // Intra-op workers running parts of the engine's own operators are not another thread.
+  const Case resnet = cases()[2];
+  auto m = resnet.make();
+  auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), resnet.units);
+  torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
+  auto [rx, ry] = batch(resnet, 0);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  EXPECT_NO_THROW({
+    torch::nll_loss(resnet.forward(*m, rx.narrow(0, world().rank() * n, n)), ry.narrow(0, world().rank() * n, n))
+        .backward();
+    opt.step();
+    engine->after_step();
+    engine->zero_grad();
+  });
+  at::set_num_threads(threads);
+}
+
+// Note [Units that took no part]: the head forward skips (units body, head, aux).
+Case two_heads() {
+  ModuleUnits u;
+  u.names = {"body", "head", "aux"};
+  return make_case<TwoHeads>("two_heads", {10}, 5, u);
+}
+TwoHeadsImpl& heads(torch::nn::Module& m) { return dynamic_cast<TwoHeadsImpl&>(m); }
+
+TEST(FullyShard, UnitThatTookNoPartIsLoud) {
+  const Case c = two_heads();
+  auto [x, y] = batch(c, 0);
+  const int64_t n = kBatch / world().size(), first = world().rank() * n, half = n / 2;
+  auto loss = [&](torch::nn::Module& m, int64_t from, int64_t count) {
+    return torch::nll_loss(c.forward(m, x.narrow(0, from, count)), y.narrow(0, from, count));
+  };
+  for (Sharding s : {Sharding::Zero1, Sharding::Zero2, Sharding::FullShard}) {
+    const std::string name = parallel::fsdp::to_string(s);
+    auto m = c.make();
+    ShardedOptions o;
+    o.sharding = s;
+    auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+    torch::optim::Adam opt(engine->shards(), torch::optim::AdamOptions(1e-2));
+    heads(*m).use_aux = false;
+    const std::vector<std::string> said{"unit 'aux' took no part in this step", "allow_unused_units"};
+    expect_usage_error([&] { loss(*m, first, n).backward(); }, said, name + " backward");
+    opt.step();
+    expect_usage_error([&] { engine->after_step(); }, said, name + " after_step");
+    EXPECT_NO_THROW(engine->zero_grad()) << name << ": zero_grad discards the step's gradients";
+    // Gradients count over the step: a micro-batch under no_sync used the head.
+    heads(*m).use_aux = true;
+    {
+      auto guard = engine->no_sync();
+      loss(*m, first, half).backward();
+    }
+    heads(*m).use_aux = false;
+    EXPECT_NO_THROW(loss(*m, first + half, n - half).backward()) << name << ": micro-batches";
+  }
+}
+
+// The head runs at steps 1 and 3 only. One process, a parameter without a
+// gradient either stepped with zeros (libtorch's zero_grad() leaves zeros
+// once it had one) or skipped by Adam (no gradient at all).
+bool aux_runs(int step) { return step % 2 == 1; }
+std::vector<at::Tensor> train_two_heads_alone(const Case& c, bool zeros) {
+  auto m = c.make();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(c, s);
+    heads(*m).use_aux = aux_runs(s);
+    for (auto& p : m->parameters()) p.mutable_grad().reset();
+    torch::nll_loss(c.forward(*m, x), y).backward();
+    for (auto& p : m->parameters())
+      if (zeros && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    opt.step();
+  }
+  return m->parameters();
+}
+
+TEST(FullyShard, AllowedUnusedUnitsStepWithZeroGradients) {
+  const Case c = two_heads();
+  const auto zeros = train_two_heads_alone(c, true), skipped = train_two_heads_alone(c, false);
+  ASSERT_GT(relative_diff(zeros, skipped, /*per_tensor=*/true), 1e-3) << "the two conventions must differ";
+  const int64_t n = kBatch / world().size();
+  for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+    auto m = c.make();
+    ShardedOptions o;
+    o.sharding = s;
+    o.allow_unused_units = true;
+    auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+    torch::optim::Adam opt(engine->shards(), torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(c, step);
+      heads(*m).use_aux = aux_runs(step);
+      engine->zero_grad();
+      torch::nll_loss(c.forward(*m, x.narrow(0, world().rank() * n, n)), y.narrow(0, world().rank() * n, n)).backward();
+      opt.step();
+      engine->after_step();
+    }
+    EXPECT_LE(relative_diff(engine->full_parameters(), zeros, /*per_tensor=*/true), 1e-10)
+        << parallel::fsdp::to_string(s);
+  }
+}
+
+// Note [Offloaded shards] on user modules: optimizer offload and parameter
+// offload against one process (float64), the shards and their gradients
+// from the offload allocator.
+TEST(FullyShard, OffloadedShardsMatchOneProcess) {
+  struct Run {
+    Sharding sharding;
+    bool params;
+  };
+  for (const Case& c : {cases()[0], cases()[2]})  // the ToyModel, the ResNet with BatchNorm
+    for (Run run : {Run{Sharding::Zero1, false}, Run{Sharding::Zero2, false}, Run{Sharding::FullShard, false},
+                    Run{Sharding::Zero3, true}, Run{Sharding::FullShard, true}, Run{Sharding::ShardGradOp, true}}) {
+      auto allocs = std::make_shared<std::atomic<int>>(0);
+      ShardedOptions o;
+      o.sharding = run.sharding;
+      o.offload_params = run.params;
+      o.offload_alloc = [allocs](int64_t numel, at::ScalarType dtype, bool) {
+        ++*allocs;
+        return at::empty({numel}, at::TensorOptions().dtype(dtype));
+      };
+      const std::string what =
+          parallel::fsdp::to_string(run.sharding) + (run.params ? " parameter" : " optimizer") + " offload";
+      expect_parity(c, o, what, nullptr, [&](ShardedDataParallel& e) {
+        int64_t shard_bytes = 0;
+        for (const auto& t : e.shards()) shard_bytes += static_cast<int64_t>(t.nbytes());
+        EXPECT_GT(allocs->load(), 0) << c.name << " " << what;
+        EXPECT_EQ(e.offloaded_bytes(), 2 * shard_bytes) << c.name << " " << what << ": shards and gradients offloaded";
+      });
+    }
+}
+
+// Note [bf16 user modules]: bf16 weights, fp32 masters stepped by Adam, the
+// gradients reduced in fp32 or bf16. Each rank's bf16 gradient of its slice
+// is the same computation in one process (same operators, same values), so
+// the reference forms exactly those, sums them in fp32 in rank order and
+// averages them as the reduce does (rounding the mean to bf16 for a bf16
+// reduce). What remains is fp32 summation order and Adam on flat shards:
+// the fp32 bound, 1e-5 relative, holds where comparing with one process on
+// the whole batch needs the median bounds of Note [bf16 parity bounds].
+struct Bf16Mode {
+  Sharding sharding;
+  at::ScalarType reduce;
+  bool offload = false;  // parameter offload
+};
+
+std::vector<at::Tensor> train_bf16_alone(const Case& c, at::ScalarType reduce) {
+  auto m = c.make();
+  m->to(at::kBFloat16);
+  auto params = m->parameters();
+  std::vector<at::Tensor> master;
+  for (auto& p : params) master.push_back(p.detach().to(at::kFloat).clone());
+  torch::optim::Adam opt(master, torch::optim::AdamOptions(1e-2));
+  const int ranks = world().size();
+  const int64_t n = kBatch / ranks;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(c, s);
+    std::vector<at::Tensor> sum(params.size());
+    for (int r = 0; r < ranks; ++r) {
+      for (auto& p : params) p.mutable_grad().reset();
+      torch::nll_loss(c.forward(*m, x.narrow(0, r * n, n).to(at::kBFloat16)), y.narrow(0, r * n, n)).backward();
+      for (size_t i = 0; i < params.size(); ++i)
+        sum[i] = r == 0 ? params[i].grad().to(at::kFloat) : sum[i].add_(params[i].grad().to(at::kFloat));
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      sum[i].div_(ranks);
+      master[i].mutable_grad() = reduce == at::kBFloat16 ? sum[i].to(at::kBFloat16).to(at::kFloat) : sum[i];
+    }
+    opt.step();
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(master[i]);
+  }
+  return master;
+}
+
+// The fp32 masters whole: every rank fills its pieces, a sum assembles them.
+std::vector<at::Tensor> whole_masters(const ShardedDataParallel& e, const torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> full;
+  for (const auto& item : m.named_parameters()) full[item.key()] = at::zeros({item.value().numel()}, at::kFloat);
+  for (const auto& view : e.shard_views())
+    for (const auto& piece : view.pieces)
+      full[piece.name]
+          .narrow(0, piece.param_offset, piece.numel)
+          .copy_(view.shard.narrow(0, piece.shard_offset, piece.numel));
+  std::vector<at::Tensor> out;
+  for (const auto& item : m.named_parameters()) {
+    world().group()->all_reduce(full[item.key()]).wait();
+    out.push_back(full[item.key()].view(item.value().sizes()));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> train_bf16_sharded(const Case& c, const Bf16Mode& mode, const std::string& what) {
+  auto m = c.make();
+  m->to(at::kBFloat16);
+  ShardedOptions o;
+  o.sharding = mode.sharding;
+  o.master_dtype = at::kFloat;
+  o.reduce_dtype = mode.reduce;
+  if (mode.offload) {
+    o.offload_params = true;
+    o.offload_alloc = [](int64_t numel, at::ScalarType dtype, bool) { return at::empty({numel}, dtype); };
+  }
+  auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+  torch::optim::Adam opt(engine->shards(), torch::optim::AdamOptions(1e-2));
+  const int64_t n = kBatch / world().size();
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(c, s);
+    engine->zero_grad();
+    auto out = c.forward(*m, x.narrow(0, world().rank() * n, n).to(at::kBFloat16));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16) << what;
+    torch::nll_loss(out, y.narrow(0, world().rank() * n, n)).backward();
+    opt.step();
+    engine->after_step();
+  }
+  for (const auto& t : engine->shards()) EXPECT_EQ(t.scalar_type(), at::kFloat) << what << ": fp32 masters";
+  if (mode.offload) EXPECT_GT(engine->offloaded_bytes(), 0) << what;
+  return whole_masters(*engine, *m);
+}
+
+TEST(FullyShard, Bf16WeightsWithFp32MastersMatchOneProcess) {
+  const std::vector<Bf16Mode> modes{{Sharding::Zero1, at::kFloat},          {Sharding::Zero2, at::kFloat},
+                                    {Sharding::Zero2, at::kBFloat16},       {Sharding::FullShard, at::kFloat},
+                                    {Sharding::FullShard, at::kBFloat16},   {Sharding::ShardGradOp, at::kFloat},
+                                    {Sharding::FullShard, at::kFloat, true}};
+  for (const Case& c : {cases()[0], cases()[2]}) {  // the ToyModel, the ResNet with BatchNorm
+    std::map<at::ScalarType, std::vector<at::Tensor>> want;
+    for (at::ScalarType reduce : {at::kFloat, at::kBFloat16}) want[reduce] = train_bf16_alone(c, reduce);
+    EXPECT_GT(relative_diff(want[at::kFloat], want[at::kBFloat16], false), 1e-5)
+        << c.name << ": a bf16 reduce must round differently, or the test cannot tell the modes apart";
+    auto init = c.make()->parameters();
+    for (const Bf16Mode& mode : modes) {
+      const std::string what = c.name + " " + parallel::fsdp::to_string(mode.sharding) + " bf16 weights, " +
+                               (mode.reduce == at::kFloat ? "fp32" : "bf16") + " reduce" +
+                               (mode.offload ? ", parameter offload" : "");
+      const auto got = train_bf16_sharded(c, mode, what);
+      EXPECT_LE(relative_diff(got, want[mode.reduce], /*per_tensor=*/false), 1e-5) << what;
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_GT((got[i] - init[i].to(at::kFloat)).abs().max().item<double>(), 1e-3) << what << ": tensor " << i;
+    }
+  }
 }
 
 }  // namespace

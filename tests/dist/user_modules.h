@@ -2,7 +2,7 @@
 // Modules that are not ours, as a libtorch user writes them: the ToyModel
 // of every DDP tutorial, the MNIST Net of pytorch/examples (dropout left out:
 // its masks are drawn per process), a small ResNet with BatchNorm, and an
-// LSTM language model.
+// LSTM language model; and a classifier whose forward may skip a submodule.
 #include <torch/torch.h>
 
 namespace scaletrain::test {
@@ -83,5 +83,22 @@ struct LstmLmImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(LstmLm);
+
+// A classifier with an auxiliary head that forward runs only while `use_aux`
+// (a branch some steps take), for Note [Units that took no part].
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    body = register_module("body", torch::nn::Linear(10, 8));
+    head = register_module("head", torch::nn::Linear(8, 5));
+    aux = register_module("aux", torch::nn::Linear(8, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(body(x));
+    return torch::log_softmax(use_aux ? head(h) + aux(h) : head(h), 1);
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr}, aux{nullptr};
+  bool use_aux = true;
+};
+TORCH_MODULE(TwoHeads);
 
 }  // namespace scaletrain::test

@@ -45,6 +45,8 @@ REGISTRY = {
     ("parallel/fsdp/gather_on_use.cpp", "g_mu"): "guards the live engines' registry",
     ("parallel/fsdp/gather_on_use.cpp", "r"): "the live engines whose parameters gather on use",
     ("parallel/fsdp/gather_on_use.cpp", "t_quiet"): "per thread: our own operators are not looked at",
+    ("parallel/fsdp/gather_on_use.cpp", "g_watch"): "the process-wide callback that names reads of a live engine's "
+                                                    "parameters on threads other than its own",
     ("parallel/tensor/parallelize_module.cpp", "g_mu"): "guards the callback's registration",
     ("parallel/tensor/parallelize_module.cpp", "g_callback"): "the one RecordFunction callback",
     ("parallel/tensor/parallelize_module.cpp", "m"): "the split linears the callback looks for, by weight storage",

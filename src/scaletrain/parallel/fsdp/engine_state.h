@@ -37,6 +37,9 @@ struct Unit {
   // Forwards whose input gradient has not arrived: frozen flats stay gathered
   // in backward while any is outstanding (Note [Frozen parameters in backward]).
   int hold_frozen = 0;
+  // A trainable parameter's gradient arrived since the last synchronized
+  // backward (Note [Units that took no part], fully_shard.cpp).
+  bool grad_seen = false;
 
   bool unsharded() const {
     for (auto& f : flats)
@@ -111,6 +114,20 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::unordered_map<const c10::StorageImpl*, size_t> unit_of_storage;
   size_t forward_unit = 0, backward_unit = 0;
   void use_unit(size_t u);
+  // What fully_shard checks of a user's step (fully_shard.cpp): the thread
+  // rule of Note [Gather on use] and Note [Units that took no part].
+  bool user_module = false;
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, std::string>> param_of;  // unit, name
+  std::mutex foreign_mu;
+  std::string foreign_use;   // the first read on another thread, not yet reported
+  std::string unused_units;  // a synchronized backward's units without gradients, until zero_grad()
+  // Any thread, under the gather-on-use registry's lock: never throws or takes `mu`.
+  void note_foreign_use(const at::Tensor& t);
+  // The end of a backward: notes the units without gradients (a synchronized
+  // one), then throws what check_user_rules() finds.
+  void end_user_backward();
+  // Throws UsageError for a read on another thread (once) or units that took no part.
+  void check_user_rules(const char* where);
   // Note [Step protocol]: set when a synchronized backward has reduced into
   // the gradient shards, with the shards' version counters at that moment;
   // cleared by after_step().

@@ -239,6 +239,7 @@ void ShardedDataParallel::State::on_grad_ready(size_t s) {
   if (missed_after_step) check_after_step_called("backward");
   const Slot& slot = slots[s];
   Unit& unit = units[slot.unit];
+  unit.grad_seen = true;
   unit.flats[slot.flat]->on_grad_ready(slot.index);
   if (--unit.pending > 0) return;
   // The unit's trainable parameters are done: they can go, their gradients
@@ -313,6 +314,7 @@ void ShardedDataParallel::State::finish_backward() {
     awaiting_step = true;
     reduced = mark_shards();
   }
+  if (user_module) end_user_backward();  // may throw, the engine consistent (fully_shard.cpp)
 }
 
 // Note [Step protocol]: the optimizer writes the shards in place, and
@@ -432,8 +434,11 @@ std::vector<int64_t> ShardedDataParallel::shard_decay_numel() const {
 double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& split) {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   // Shards partition the gradient over the shard group; replicas hold the same.
-  if (split.group == nullptr || split.group->size() == 1)
-    return optim::clip_grad_norm(shards(), max_norm, {state_->shard});
+  if (split.group == nullptr || split.group->size() == 1) {
+    const double norm = optim::clip_grad_norm(shards(), max_norm, {state_->shard});
+    state_->check_user_rules("clip_grad_norm");
+    return norm;
+  }
   // Note [Sharding tensor-parallel parameters]: squares of split and of
   // replicated parameters, summed apart; padding is in no piece.
   torch::NoGradGuard no_grad;
@@ -459,6 +464,7 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
     for (auto& t : shards())
       if (t.grad().defined()) t.mutable_grad().mul_(scale);
   }
+  state_->check_user_rules("clip_grad_norm");
   return norm;
 }
 
@@ -479,10 +485,12 @@ void ShardedDataParallel::after_step() {
     for (auto& unit : state_->units)
       for (auto& f : unit.flats) f->refresh_device_copy();
     state_->refresh_fp8_scales();
+    state_->check_user_rules("after_step");
     return;
   }
   state_->wait_gathers();
   for (auto& unit : state_->units) unit.stale = unit.trainable > 0;
+  state_->check_user_rules("after_step");
 }
 
 void ShardedDataParallel::zero_grad() {
@@ -490,6 +498,8 @@ void ShardedDataParallel::zero_grad() {
   state_->check_after_step_called("zero_grad");
   for (auto& unit : state_->units)
     for (auto& f : unit.flats) f->zero_grad();
+  state_->unused_units.clear();  // the gradients it was about are gone
+  state_->check_user_rules("zero_grad");
 }
 
 ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
@@ -514,6 +524,7 @@ std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
   FullParams full(*this);
   std::vector<at::Tensor> out;
   for (auto& p : module_->parameters()) out.push_back(p.detach().clone());
+  state_->check_user_rules("full_parameters");
   return out;
 }
 

@@ -144,6 +144,12 @@ struct ShardedOptions {
   // pipeline schedule runs several forwards before their backwards, and each
   // of those graphs saved views of the root's parameters (ln_f, the head).
   bool keep_root_between_backwards = false;
+  // fully_shard: a unit whose trainable parameters got no gradient in a step
+  // (forward skipped it on this rank) is an error (Note [Units that took no
+  // part] in fully_shard.cpp); with this set it is reduced with zero
+  // gradients instead, which the optimizer then steps (Adam's moments and
+  // weight decay still move it; torch::optim skips an undefined gradient).
+  bool allow_unused_units = false;
   // ZeRO-1/2: elements of parameters one all-gather call of the deferred
   // gather moves (Note [Deferred gather]); 0: one call per flat buffer.
   int64_t allgather_bucket_numel = 0;
@@ -197,7 +203,8 @@ class ShardedDataParallel {
   // freed as one (module_units.h); each is gathered when an operator first
   // reads its parameters (Note [Gather on use] in gather_on_use.h), so the
   // module's own forward runs unchanged, on the thread that built the engine
-  // (and the threads its backward runs on). options.wrap must stay default.
+  // (and the threads its backward runs on; a read on another thread makes
+  // the engine's next call throw). options.wrap must stay default.
   ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, const ModuleUnits& units, comm::World& world,
                       comm::Group& shard, comm::Group* replicate, ShardedOptions options = {});
   ~ShardedDataParallel();
@@ -315,7 +322,9 @@ class ShardedDataParallel {
 // sharding strategy (options.sharding) over `shard` (and `replicate` for
 // HYBRID_SHARD). The step: call the module as usual, loss.backward(),
 // clip_grad_norm() if wanted, the optimizer over shards() (never over
-// module->parameters()), after_step(), zero_grad(). docs/own-model.md.
+// module->parameters()), after_step(), zero_grad(). Every unit with trainable
+// parameters must take part in each step (Note [Units that took no part]).
+// docs/own-model.md.
 std::unique_ptr<ShardedDataParallel> fully_shard(std::shared_ptr<torch::nn::Module> module, comm::World& world,
                                                  comm::Group& shard, const ModuleUnits& units,
                                                  ShardedOptions options = {}, comm::Group* replicate = nullptr);

@@ -2,6 +2,7 @@
 // by a wrap policy (module_units.h) and gathered on use (gather_on_use.h).
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <cstdio>
 #include <stdexcept>
 
 #include "scaletrain/parallel/ddp/ddp_comm.h"
@@ -9,10 +10,15 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/util/error.h"
 
 namespace scaletrain::parallel::fsdp {
 
 namespace {
+
+std::string unit_label(const std::string& name, size_t u) {
+  return u == 0 ? "the root unit (the parameters outside every unit)" : "unit '" + name + "'";
+}
 
 // One device for every parameter, and no parameter already in an engine.
 void check_module(const torch::nn::Module& module) {
@@ -25,11 +31,6 @@ void check_module(const torch::nn::Module& module) {
     if (p.has_storage() && GatherOnUse::claimed(p.storage().unsafeGetStorageImpl()))
       throw std::invalid_argument("fully_shard: parameter '" + item.key() +
                                   "' is already sharded by another engine (the module is wrapped twice)");
-    // Flattening would move a planned weight's storage, where parallelize_module finds the layer.
-    if (tensor::is_tensor_parallel_weight(p))
-      throw std::invalid_argument("fully_shard: parameter '" + item.key() +
-                                  "' belongs to a layer split by parallelize_module; fully_shard over a "
-                                  "tensor-parallel user module is not supported yet (use DDP over dp)");
   }
 }
 
@@ -48,6 +49,9 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   blocks_ = own_blocks_.get();
   GatherOnUse::Quiet quiet;
   init(world, shard, replicate);
+  // The parameters now live in the units' flat buffers: a layer split by
+  // parallelize_module is found there (Note [Tensor parallelism under fully_shard]).
+  tensor::tensor_parallel_weights_moved();
   // Buffers (BatchNorm's running statistics) start as rank 0's, as
   // PyTorch's sync_module_states does; after that each rank keeps its own.
   std::vector<at::Tensor> buffers = module_->buffers();
@@ -55,21 +59,31 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     ddp_comm::broadcast_coalesced(shard, buffers, 0);
     if (replicate != nullptr) ddp_comm::broadcast_coalesced(*replicate, buffers, 0);
   }
-  // Note [Gather on use]: the units' flat buffers, by storage.
+  // Note [Gather on use]: the units' flat buffers, by storage, and their
+  // parameters, by tensor (the thread rule).
   State& s = *state_;
+  s.user_module = true;
   for (size_t u = 0; u < s.units.size(); ++u)
-    for (auto& f : s.units[u].flats) s.unit_of_storage[f->params().front().storage().unsafeGetStorageImpl()] = u;
+    for (auto& f : s.units[u].flats) {
+      s.unit_of_storage[f->params().front().storage().unsafeGetStorageImpl()] = u;
+      for (size_t i = 0; i < f->params().size(); ++i)
+        s.param_of[f->params()[i].unsafeGetTensorImpl()] = {u, f->names()[i]};
+    }
   std::weak_ptr<State> weak = state_;
-  gather_on_use_ = std::make_unique<GatherOnUse>(
-      [weak](const c10::StorageImpl* storage) -> int64_t {
-        auto st = weak.lock();
-        if (!st) return -1;
-        auto it = st->unit_of_storage.find(storage);
-        return it == st->unit_of_storage.end() ? -1 : static_cast<int64_t>(it->second);
-      },
-      [weak](size_t u) {
-        if (auto st = weak.lock()) st->use_unit(u);
-      });
+  GatherOnUse::Hooks hooks;
+  hooks.unit_of = [weak](const c10::StorageImpl* storage) -> int64_t {
+    auto st = weak.lock();
+    if (!st) return -1;
+    auto it = st->unit_of_storage.find(storage);
+    return it == st->unit_of_storage.end() ? -1 : static_cast<int64_t>(it->second);
+  };
+  hooks.use = [weak](size_t u) {
+    if (auto st = weak.lock()) st->use_unit(u);
+  };
+  hooks.foreign = [weak](const at::Tensor& t) {
+    if (auto st = weak.lock()) st->note_foreign_use(t);
+  };
+  gather_on_use_ = std::make_unique<GatherOnUse>(std::move(hooks));
 }
 
 std::unique_ptr<ShardedDataParallel> fully_shard(std::shared_ptr<torch::nn::Module> module, comm::World& world,
@@ -98,6 +112,75 @@ void ShardedDataParallel::State::use_unit(size_t u) {
   if (!moved) return;
   if (backward && options.backward_prefetch == BackwardPrefetch::Pre) prefetch(u - 1, -1);
   if (!backward && (options.forward_prefetch || replicated())) prefetch(u + 1, +1);
+}
+
+// Note [Gather on use], the thread rule: an operator on a thread that does
+// not carry the engine's callback read `t`. Runs on that thread, under the
+// registry's lock: notes the first such read and says so, never throws.
+void ShardedDataParallel::State::note_foreign_use(const at::Tensor& t) {
+  auto it = param_of.find(t.unsafeGetTensorImpl());
+  if (it == param_of.end()) return;
+  std::lock_guard<std::mutex> lock(foreign_mu);
+  if (!foreign_use.empty()) return;
+  foreign_use = "parameter '" + it->second.second + "' of " +
+                unit_label(units[it->second.first].name, it->second.first) +
+                " was read on a thread other than the one that called fully_shard; units are gathered only "
+                "there (Note [Gather on use]): run the module's forward and backward on the thread that called "
+                "fully_shard";
+  std::fprintf(stderr, "scaletrain: fully_shard: %s (the engine's next call throws this)\n", foreign_use.c_str());
+}
+
+// Note [Units that took no part]: a unit can get no gradient in a step:
+// forward skipped its submodule (an auxiliary head run every other step, a
+// branch some inputs take) or its output did not reach the loss. The engine
+// cannot leave it without one: its gradient shard comes from a
+// reduce-scatter every rank joins, so the end of backward reduces zeros for
+// it, and the optimizer steps it with a zero gradient. One process differs
+// by convention: torch::optim skips a parameter whose .grad is undefined
+// (one that never had a gradient; after PyTorch's zero_grad(set_to_none),
+// and PyTorch's FSDP leaves an unused flat parameter so), while libtorch
+// 1.13's zero_grad() zeroes .grad, so there a parameter that had one is
+// stepped with zeros, as here. Under Adam the two differ: a zero gradient
+// still counts a step, the moments keep moving the unit, weight decay
+// shrinks it. And a unit forward left out is most often a mistake. So by
+// default the end of a synchronized backward throws UsageError naming the
+// units, after its collectives and bookkeeping are complete (the ranks stay
+// in step, the engine stays usable), and after_step() throws it again until
+// zero_grad() discards the step's gradients. Gradients are counted over the
+// step (no_sync micro-batches included), and on this rank: a unit another
+// rank used and this one skipped is an error here too, although its zeros
+// are then the right contribution; allow_unused_units accepts zero
+// gradients for all these cases. A unit some of whose parameters got a
+// gradient is not flagged: the others get zeros, as PyTorch's FSDP gives a
+// partly used flat parameter.
+void ShardedDataParallel::State::end_user_backward() {
+  if (sync) {
+    std::string names;
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (units[u].trainable > 0 && !units[u].grad_seen)
+        names += (names.empty() ? "" : ", ") + unit_label(units[u].name, u);
+      units[u].grad_seen = false;
+    }
+    if (!names.empty() && !options.allow_unused_units)
+      unused_units = names +
+                     " took no part in this step: none of its trainable parameters got a gradient (forward did not "
+                     "use it on this rank, or its output did not reach the loss), and the optimizer would step it "
+                     "with zero gradients. Every unit must take part in each step's forward: call it, freeze its "
+                     "parameters (requires_grad false before fully_shard), or set "
+                     "ShardedOptions::allow_unused_units to accept zero gradients (Note [Units that took no part])";
+  }
+  check_user_rules("backward");
+}
+
+void ShardedDataParallel::State::check_user_rules(const char* where) {
+  if (!user_module) return;
+  std::string foreign;
+  {
+    std::lock_guard<std::mutex> lock(foreign_mu);
+    foreign.swap(foreign_use);  // reported once
+  }
+  if (!foreign.empty()) throw UsageError(std::string(where) + ": fully_shard: " + foreign);
+  if (!unused_units.empty()) throw UsageError(std::string(where) + ": fully_shard: " + unused_units);
 }
 
 }  // namespace scaletrain::parallel::fsdp

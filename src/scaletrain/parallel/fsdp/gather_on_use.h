@@ -37,6 +37,29 @@
 // the threads that run backward, and the communication threads (Gloo's)
 // never see it. The engine's own work (gathers, reduces, the optimizer
 // step on shards) runs inside a Quiet scope, which the callback ignores.
+//
+// The thread rule is checked. Another thread does not carry the callback,
+// so a forward there would read freed buffers (libtorch's "data is not
+// allocated yet", naming nothing) or, under ZeRO-1/2, stale ones in
+// silence. A second, process-wide callback watches the other threads: an
+// operator there whose input is one of a live engine's parameters (the
+// parameter tensor itself, which every path into a module's weights starts
+// from) is noted with the parameter and its unit, one line goes to stderr,
+// and the engine's next call (the end of a backward, zero_grad, after_step,
+// clip_grad_norm, full_parameters) throws UsageError saying to run forward
+// and backward on the thread that called fully_shard. It cannot throw on
+// the offending thread: exceptions do not leave a RecordFunction callback.
+// Matching parameters rather than storage keeps out what legitimately
+// touches a unit's buffer elsewhere: Gloo's worker copying a gather into it,
+// a thread reading ZeRO-1/2 shards (views of the buffer). Operators inside
+// a parallel region (intra-op workers of an operator already seen) are
+// skipped. On a thread that carries an engine's callback, the watcher's
+// whole work per operator is one pass over that thread's callback list (one
+// or two entries): the hot path stays the thread-local callback. A thread
+// that carries one engine's callback and reads another engine's parameters
+// is noted for that engine the same way, rather than gathering on the
+// wrong thread.
+#include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstdint>
@@ -46,10 +69,20 @@ namespace scaletrain::parallel::fsdp {
 
 class GatherOnUse {
  public:
-  // `unit_of(storage)`: the unit whose flat buffer this storage is, or -1.
-  // `use(unit)`: make it readable now (called outside any Quiet scope, on
-  // the thread running the operator).
-  GatherOnUse(std::function<int64_t(const c10::StorageImpl*)> unit_of, std::function<void(size_t)> use);
+  struct Hooks {
+    // The unit whose flat buffer this storage is, or -1.
+    std::function<int64_t(const c10::StorageImpl*)> unit_of;
+    // Make `unit` readable now (called outside any Quiet scope, on the
+    // thread running the operator, which carries this engine's callback).
+    std::function<void(size_t unit)> use;
+    // An operator on a thread that does not carry this engine's callback
+    // reads `t`: note it if it is one of the engine's parameters. Called
+    // from any thread under the registry's lock: it must neither throw nor
+    // wait for the engine.
+    std::function<void(const at::Tensor& t)> foreign;
+  };
+  // Registers the thread-local callback on the calling thread (the engine's).
+  explicit GatherOnUse(Hooks hooks);
   ~GatherOnUse();
   GatherOnUse(const GatherOnUse&) = delete;
   GatherOnUse& operator=(const GatherOnUse&) = delete;

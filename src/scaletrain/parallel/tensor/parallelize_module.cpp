@@ -10,9 +10,12 @@
 
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -24,7 +27,7 @@ namespace scaletrain::parallel::tensor {
 // The first failure inside forward, kept for check() (Note [Tensor
 // parallelism without forward hooks]).
 struct TensorParallelModule::Hooks {
-  std::vector<const c10::StorageImpl*> weights;  // registered below, by the weight's storage
+  std::vector<at::Tensor> weights;  // the planned linears' weights (parameters), registered below
   std::mutex mu;
   std::string failure;
 };
@@ -35,20 +38,32 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// A planned Linear, found by its weight's storage when a product reads it.
+// A planned Linear, found by its weight's storage and offset when a product
+// reads it (Note [Tensor parallelism under fully_shard]).
 struct PlannedLinear {
   std::string name;
   ParallelStyle style = ParallelStyle::Colwise;
   comm::Group* tp = nullptr;
   std::shared_ptr<TensorParallelModule::Hooks> hooks;
+  at::Tensor weight;  // the parameter, to find its place again after it moved
 };
+
+// Where a weight's elements start: its storage and its offset there (a
+// transposed view, as the product reads it, starts at the same place).
+using Place = std::pair<const c10::StorageImpl*, int64_t>;
+struct PlaceHash {
+  size_t operator()(const Place& p) const {
+    return std::hash<const void*>()(p.first) ^ (std::hash<int64_t>()(p.second) * 0x9e3779b97f4a7c15ULL);
+  }
+};
+Place place_of(const at::Tensor& t) { return {t.storage().unsafeGetStorageImpl(), t.storage_offset()}; }
 
 std::mutex g_mu;
 at::CallbackHandle g_callback = 0;
 thread_local int t_busy = 0;  // our own operators inside a callback are not looked at
 
-std::unordered_map<const c10::StorageImpl*, PlannedLinear>& planned() {
-  static std::unordered_map<const c10::StorageImpl*, PlannedLinear> m;
+std::unordered_map<Place, PlannedLinear, PlaceHash>& planned() {
+  static std::unordered_map<Place, PlannedLinear, PlaceHash> m;
   return m;
 }
 
@@ -143,10 +158,11 @@ struct Product {
 };
 constexpr Product kProducts[] = {{"aten::addmm", 1, 2}, {"aten::matmul", 0, 1}};
 
-const c10::StorageImpl* storage_of(const c10::IValue& v) {
-  if (!v.isTensor()) return nullptr;
+std::optional<Place> place_of(const c10::IValue& v) {
+  if (!v.isTensor()) return std::nullopt;
   const at::Tensor& t = v.toTensor();
-  return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  if (!t.defined() || !t.has_storage()) return std::nullopt;
+  return place_of(t);
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
@@ -160,10 +176,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr) return nullptr;
   const auto inputs = fn.inputs();
   if (inputs.size() <= product->weight) return nullptr;
-  const c10::StorageImpl* weight = storage_of(inputs[product->weight]);
-  if (weight == nullptr) return nullptr;
+  const std::optional<Place> weight = place_of(inputs[product->weight]);
+  if (!weight) return nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = planned().find(weight);
+  auto it = planned().find(*weight);
   if (it == planned().end()) return nullptr;
   auto call = std::make_unique<Call>();
   call->linear = it->second;
@@ -197,18 +213,21 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 }
 
 // Registers the planned linears; the callback lives while any is planned.
-void plan_linears(const std::vector<PlannedLinear>& linears, const std::vector<const c10::StorageImpl*>& weights) {
+void plan_linears(const std::vector<PlannedLinear>& linears) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (size_t i = 0; i < linears.size(); ++i) planned()[weights[i]] = linears[i];
+  for (const PlannedLinear& l : linears) planned()[place_of(l.weight)] = l;
   if (g_callback == 0 && !planned().empty())
     g_callback = at::addGlobalCallback(
         at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).needsOutputs(true).scopes(
             {at::RecordScope::FUNCTION}));
 }
 
-void unplan_linears(const std::vector<const c10::StorageImpl*>& weights) {
+void unplan_linears(const std::vector<at::Tensor>& weights) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (const c10::StorageImpl* w : weights) planned().erase(w);
+  std::set<const c10::TensorImpl*> gone;
+  for (const at::Tensor& w : weights) gone.insert(w.unsafeGetTensorImpl());
+  for (auto it = planned().begin(); it != planned().end();)
+    it = gone.count(it->second.weight.unsafeGetTensorImpl()) ? planned().erase(it) : std::next(it);
   if (g_callback != 0 && planned().empty()) {
     at::removeCallback(g_callback);
     g_callback = 0;
@@ -217,7 +236,9 @@ void unplan_linears(const std::vector<const c10::StorageImpl*>& weights) {
 
 bool is_planned(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(g_mu);
-  return planned().count(weight.storage().unsafeGetStorageImpl()) > 0;
+  for (const auto& entry : planned())
+    if (entry.second.weight.unsafeGetTensorImpl() == weight.unsafeGetTensorImpl()) return true;
+  return planned().count(place_of(weight)) > 0;
 }
 
 // One submodule the plan names, with what its style splits.
@@ -297,6 +318,13 @@ TensorParallelModule::TensorParallelModule(std::shared_ptr<torch::nn::Module> mo
 
 TensorParallelModule::~TensorParallelModule() { unplan_linears(hooks_->weights); }
 
+void tensor_parallel_weights_moved() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::unordered_map<Place, PlannedLinear, PlaceHash> moved;
+  for (auto& entry : planned()) moved[place_of(entry.second.weight)] = std::move(entry.second);
+  planned() = std::move(moved);
+}
+
 void TensorParallelModule::check() const {
   std::lock_guard<std::mutex> lock(hooks_->mu);
   if (!hooks_->failure.empty()) throw std::runtime_error(hooks_->failure);
@@ -333,10 +361,10 @@ std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::
   for (const Target& t : targets) {
     auto* linear = dynamic_cast<torch::nn::LinearImpl*>(t.module.get());
     if (linear == nullptr) continue;  // a colwise Embedding needs no communication
-    linears.push_back(PlannedLinear{t.name, t.style, &tp, out->hooks_});
-    out->hooks_->weights.push_back(linear->weight.storage().unsafeGetStorageImpl());
+    linears.push_back(PlannedLinear{t.name, t.style, &tp, out->hooks_, linear->weight});
+    out->hooks_->weights.push_back(linear->weight);
   }
-  plan_linears(linears, out->hooks_->weights);
+  plan_linears(linears);
   return out;
 }
 

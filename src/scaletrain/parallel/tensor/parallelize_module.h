@@ -37,14 +37,23 @@
 //     contribution only, so other readers of the same input (a residual)
 //     are not summed.
 // A weight read by anything else (the user's own torch::mm on it) is not
-// seen; the weights must keep their storage, so fully_shard refuses a
-// module holding a planned layer (is_tensor_parallel_weight).
+// seen.
+//
+// Note [Tensor parallelism under fully_shard]: a planned layer is found by
+// where its weight's elements start (storage and offset), which a transposed
+// view shares. fully_shard (parallel/fsdp) moves every parameter into its
+// unit's flat buffer, so several weights then share one storage at different
+// offsets, and that storage keeps its identity while the unit is freed and
+// gathered again (only its bytes come and go). The engine calls
+// tensor_parallel_weights_moved() once it has moved them, and each planned
+// layer is found at its new place: 2-D parallelism, fully_shard over the dp
+// group of a module split over tp.
 // An observer can change values in place, never shapes or an operator's
 // arguments. So what needs that is refused rather than half done: gathering
 // a colwise output inside the module, sequence parallelism (its all-gather
 // and reduce-scatter change the sequence length at the boundaries), and a
 // vocabulary-sharded (rowwise) Embedding, whose lookup needs shifted ids.
-// Our own families get all three through models::TensorParallelHooks
+// Our own families get all three through interfaces::TensorParallelHooks
 // (tensor_parallel.h).
 //
 // Exceptions cannot leave a RecordFunction callback: a collective that fails
@@ -112,8 +121,11 @@ class TensorParallelModule {
 std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::nn::Module> module, comm::Group& tp,
                                                          const ModulePlan& plan, ParallelizeOptions options = {});
 
-// Whether `weight` is the weight of a Linear a live TensorParallelModule
-// planned (engines that would move its storage refuse it).
+// Whether `weight` is the weight of a Linear a live TensorParallelModule planned.
 bool is_tensor_parallel_weight(const at::Tensor& weight);
+
+// Finds every planned layer again after an engine gave the weights new
+// storage (Note [Tensor parallelism under fully_shard]).
+void tensor_parallel_weights_moved();
 
 }  // namespace scaletrain::parallel::tensor
