@@ -21,3 +21,4 @@
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tp_comm.h"
+#include "scaletrain/train/module_trainer.h"

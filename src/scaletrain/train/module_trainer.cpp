@@ -1,0 +1,591 @@
+// The training loop for user modules (module_trainer.h): the options' checks, their reading from the
+// CLI's YAML keys, a checkpoint's view of libtorch's optimizers, the loop (Note [Module trainer step]).
+#include "scaletrain/train/module_trainer.h"
+
+#include <c10/util/Type.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "scaletrain/checkpoint/index.h"
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/observe/tracing.h"
+#include "scaletrain/train/checkpoint_layout.h"
+#include "scaletrain/train/config_values.h"
+#include "scaletrain/train/plan.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+
+namespace fsdp = parallel::fsdp;
+
+namespace {
+
+bool is_sharded(ModuleStrategy s) { return s != ModuleStrategy::DDP; }
+
+// Each strategy, the config's name for it and the sharded engine's (DDP's is unused).
+struct StrategyRow {
+  ModuleStrategy strategy;
+  DataParallelism config;
+  fsdp::Sharding sharding;
+};
+constexpr StrategyRow kStrategies[] = {
+    {ModuleStrategy::DDP, DataParallelism::kDdp, fsdp::Sharding::FullShard},
+    {ModuleStrategy::Zero1, DataParallelism::kZero1, fsdp::Sharding::Zero1},
+    {ModuleStrategy::Zero2, DataParallelism::kZero2, fsdp::Sharding::Zero2},
+    {ModuleStrategy::Zero3, DataParallelism::kZero3, fsdp::Sharding::Zero3},
+    {ModuleStrategy::FullShard, DataParallelism::kFullShard, fsdp::Sharding::FullShard},
+    {ModuleStrategy::ShardGradOp, DataParallelism::kShardGradOp, fsdp::Sharding::ShardGradOp},
+    {ModuleStrategy::HybridShard, DataParallelism::kHybridShard, fsdp::Sharding::HybridShard}};
+
+fsdp::Sharding sharding_of(ModuleStrategy s) {
+  for (const auto& row : kStrategies)
+    if (row.strategy == s) return row.sharding;
+  return fsdp::Sharding::FullShard;
+}
+
+[[noreturn]] void bad(const std::string& field, const std::string& problem) {
+  throw std::invalid_argument("ModuleTrainerOptions." + field + " " + problem);
+}
+
+bool units_given(const fsdp::ModuleUnits& u) { return !u.types.empty() || !u.names.empty() || u.min_num_params != 0; }
+
+void validate_groups(const ModuleTrainerOptions& o) {
+  const bool groups = o.shard_group != nullptr || o.replicate_group != nullptr;
+  if (o.strategy != ModuleStrategy::HybridShard) {
+    if (groups) bad(o.shard_group ? "shard_group" : "replicate_group", "is read by HybridShard only");
+    if (o.dp_replicate != 1) bad("dp_replicate", "is read by HybridShard only, got " + std::to_string(o.dp_replicate));
+    return;
+  }
+  if ((o.shard_group == nullptr) != (o.replicate_group == nullptr))
+    bad(o.shard_group ? "replicate_group" : "shard_group", "is missing: HybridShard takes both groups, or neither");
+  if (groups && o.dp_replicate != 1) bad("dp_replicate", "must stay 1 when shard_group and replicate_group are given");
+  if (!groups && o.dp_replicate < 2)
+    bad("replicate_group",
+        "is not set: HybridShard needs a replicate group (replicate_group and shard_group, or "
+        "dp_replicate >= 2 for a mesh the trainer builds)");
+}
+
+void validate_schedule(const ModuleTrainerOptions& o) {
+  if (!o.lr_schedule) {
+    if (o.peak_lr != 0) bad("peak_lr", "is read with lr_schedule, which is not set");
+    return;
+  }
+  const optim::ScheduleOptions& s = *o.lr_schedule;
+  if (!(o.peak_lr > 0)) bad("peak_lr", "must be positive with lr_schedule, got " + c10::str(o.peak_lr));
+  if (s.total_steps < 1) bad("lr_schedule.total_steps", "must be at least 1");
+  if (s.warmup_steps < 0) bad("lr_schedule.warmup_steps", "must be >= 0");
+  if (!(s.min_lr_ratio >= 0 && s.min_lr_ratio <= 1)) bad("lr_schedule.min_lr_ratio", "must be in [0, 1]");
+  if (!(s.warmup_start_ratio >= 0 && s.warmup_start_ratio <= 1))
+    bad("lr_schedule.warmup_start_ratio", "must be in [0, 1]");
+}
+
+void validate_outputs(const ModuleTrainerOptions& o) {
+  if (o.checkpoint_every < 0) bad("checkpoint_every", "must be >= 0");
+  if (o.checkpoint_keep < 0) bad("checkpoint_keep", "must be >= 0");
+  for (auto [field, set] : {std::pair{"checkpoint_every", o.checkpoint_every != 0},
+                            {"checkpoint_keep", o.checkpoint_keep != 0},
+                            {"checkpoint_async", o.checkpoint_async},
+                            {"full_state_dict", o.full_state_dict}})
+    if (set && o.checkpoint_dir.empty()) bad(field, "would have no effect: checkpoint_dir is not set");
+  if (o.checkpoint_async && o.full_state_dict)
+    bad("checkpoint_async", "cannot go with full_state_dict (the full state is gathered in the training thread)");
+  if (o.resume.empty()) bad("resume", "must be auto, never or a checkpoint path");
+  if (o.log_every < 1) bad("log_every", "must be at least 1, got " + std::to_string(o.log_every));
+  const auto& t = o.trace_steps;
+  if (!t.empty() && (t.size() != 2 || t[0] < 1 || t[1] < t[0] || t[1] > o.steps))
+    bad("trace_steps", "must be {first, last} with 1 <= first <= last <= steps");
+  if (!t.empty() && o.trace_dir.empty()) bad("trace_dir", "must be set with trace_steps");
+}
+
+}  // namespace
+
+std::string to_string(ModuleStrategy s) { return s == ModuleStrategy::DDP ? "ddp" : fsdp::to_string(sharding_of(s)); }
+
+void validate(const ModuleTrainerOptions& o) {
+  if (o.steps < 1) bad("steps", "must be at least 1, got " + std::to_string(o.steps));
+  if (o.stop_at < 0 || o.stop_at > o.steps) bad("stop_at", "must be in [0, steps], got " + std::to_string(o.stop_at));
+  if (o.global_batch < 1) bad("global_batch", "must be at least 1, got " + std::to_string(o.global_batch));
+  if (o.micro_batch < 1) bad("micro_batch", "must be at least 1, got " + std::to_string(o.micro_batch));
+  if (o.global_batch % o.micro_batch != 0)
+    bad("global_batch",
+        "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" + std::to_string(o.micro_batch));
+  if (!is_sharded(o.strategy) && units_given(o.units))
+    bad("units", "are for the sharded strategies: DDP gathers nothing");
+  validate_groups(o);
+  if (!(o.clip_grad_norm >= 0) || !std::isfinite(o.clip_grad_norm))
+    bad("clip_grad_norm", "must be >= 0 (0: no clipping), got " + c10::str(o.clip_grad_norm));
+  validate_schedule(o);
+  if (const auto& a = o.adamw) {
+    if (!(a->lr > 0)) bad("adamw.lr", "must be positive");
+    if (!(a->beta1 >= 0 && a->beta1 < 1)) bad("adamw.beta1", "must be in [0, 1)");
+    if (!(a->beta2 >= 0 && a->beta2 < 1)) bad("adamw.beta2", "must be in [0, 1)");
+    if (!(a->eps > 0)) bad("adamw.eps", "must be positive");
+    if (!(a->weight_decay >= 0)) bad("adamw.weight_decay", "must be >= 0");
+  }
+  validate_outputs(o);
+}
+
+namespace {
+
+// Note [Keys a module trainer reads]: the keys below are mapped; any other
+// key set away from its default is refused with the reason (as the CLI's
+// Note [Settings that apply] refuses keys a run would not read).
+const std::set<std::string>& mapped_keys() {
+  // Section, then its keys.
+  static const std::set<std::string> keys = [] {
+    const std::vector<std::pair<std::string, std::string>> sections = {
+        {"train",
+         "steps stop_at global_batch micro_batch seed grad_clip lr warmup_steps min_lr_ratio lr_schedule warmup_type "
+         "warmup_start_ratio beta1 beta2 eps weight_decay"},
+        {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters"},
+        {"parallel.fsdp",
+         "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
+         "limit_all_gathers sync_module_states state_dict_type"},
+        {"metrics", "path log_every progress trace_steps trace_dir"},
+        {"checkpoint", "dir every keep resume async"}};
+    std::set<std::string> out;
+    for (const auto& [section, names] : sections) {
+      std::stringstream ss(names);
+      for (std::string name; ss >> name;) out.insert(section + "." + name);
+    }
+    return out;
+  }();
+  return keys;
+}
+
+bool starts(const std::string& key, const std::string& prefix) { return key.compare(0, prefix.size(), prefix) == 0; }
+
+// Why a key that is not mapped would have no effect on a user module.
+std::string unread_reason(const std::string& key) {
+  if (starts(key, "model.")) return "a user module is yours; model.* describes the CLI's transformer families";
+  if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
+  if (starts(key, "finetune.")) return "adapters are added to the CLI's families only";
+  if (starts(key, "precision.")) return "the module computes in its own dtypes";
+  if (key == "parallel.tp" || key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
+    return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
+  if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
+  if (key == "parallel.backend" || key == "parallel.timeout_s" || key == "parallel.debug_collectives")
+    return "the world is the one you pass (comm::World::init reads its own options)";
+  if (key == "train.device") return "the module computes where you put it";
+  return "the module trainer does not read it";
+}
+
+// A mapped key set where it does not apply; "" when it applies.
+std::string inapplicable(const Config& c, const std::string& key, DataParallelism d) {
+  const bool fsdp_keys = uses_fsdp_keys(d);
+  if (starts(key, "parallel.fsdp.") && !fsdp_keys) return "parallel.fsdp applies to parallel.strategy=fsdp";
+  if (starts(key, "parallel.fsdp.") && key != "parallel.fsdp.sharding_strategy" && d == DataParallelism::kNoShard)
+    return "sharding_strategy NO_SHARD runs DDP";
+  if (key == "parallel.fsdp.transformer_layer_cls" && c.parallel.fsdp.auto_wrap_policy != "transformer")
+    return "it is read by auto_wrap_policy transformer";
+  if (key == "parallel.fsdp.min_num_params" && c.parallel.fsdp.auto_wrap_policy != "size")
+    return "it is read by auto_wrap_policy size";
+  if ((key == "parallel.bucket_cap_mb" || key == "parallel.find_unused_parameters" ||
+       key == "parallel.first_bucket_mb" || key == "parallel.last_bucket_mb") &&
+      !runs_ddp(d))
+    return "DDP reads it; strategy " + to_string(d) + " does not";
+  if (key == "parallel.dp_replicate" && d != DataParallelism::kHybridShard)
+    return "it is read by fsdp HYBRID_SHARD only";
+  if ((key == "checkpoint.every" || key == "checkpoint.keep" || key == "checkpoint.async") && c.checkpoint.dir.empty())
+    return "checkpoint.dir is not set";
+  return "";
+}
+
+void refuse_unread_keys(const Config& c, DataParallelism d) {
+  static const Config defaults;
+  std::vector<std::string> problems;
+  for (const auto& key : config_keys()) {
+    const std::string value = config_value(c, key);
+    if (value == config_value(defaults, key)) continue;
+    if (starts(key, "train.sample_") && c.train.sample_tokens == 0) continue;  // no sample: what the trainer does
+    const std::string why = mapped_keys().count(key) ? inapplicable(c, key, d) : unread_reason(key);
+    if (!why.empty()) problems.push_back(key + "=" + value + " would have no effect: " + why);
+  }
+  if (!problems.empty()) throw UsageError(join_problems(problems));
+}
+
+ModuleStrategy strategy_of(DataParallelism d) {
+  for (const auto& row : kStrategies)
+    if (row.config == d) return row.strategy;
+  return ModuleStrategy::DDP;  // fsdp NO_SHARD runs DDP
+}
+
+// parallel.*: the strategy, its units and the engines' knobs.
+void map_parallel(const Config& c, ModuleTrainerOptions& o) {
+  const ParallelOptions& p = c.parallel;
+  o.strategy = strategy_of(data_parallelism(p));
+  if (o.strategy == ModuleStrategy::HybridShard) o.dp_replicate = p.dp_replicate;
+  o.ddp.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
+  o.ddp.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+  o.ddp.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
+  o.ddp.find_unused_parameters = p.find_unused_parameters;
+  if (!is_sharded(o.strategy)) return;
+  const FsdpOptions& f = p.fsdp;
+  if (f.auto_wrap_policy == "transformer") {
+    std::stringstream names(f.transformer_layer_cls);
+    for (std::string name; std::getline(names, name, ',');) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) o.units.types.push_back(name);
+    }
+  } else if (f.auto_wrap_policy == "size") {
+    o.units.min_num_params = f.min_num_params;
+  }
+  o.sharded.backward_prefetch = fsdp::parse_backward_prefetch(f.backward_prefetch);
+  o.sharded.forward_prefetch = f.forward_prefetch;
+  o.sharded.limit_all_gathers = f.limit_all_gathers;
+  o.sharded.sync_module_states = f.sync_module_states;
+  o.full_state_dict = f.state_dict_type == "FULL_STATE_DICT";
+}
+
+}  // namespace
+
+ModuleTrainerOptions module_trainer_options(const Config& c) {
+  validate_config(c);
+  refuse_unread_keys(c, data_parallelism(c.parallel));
+  ModuleTrainerOptions o;
+  map_parallel(c, o);
+  const TrainOptions& t = c.train;
+  o.steps = t.steps;
+  o.stop_at = t.stop_at;
+  o.global_batch = t.global_batch;
+  o.micro_batch = t.micro_batch;
+  o.seed = t.seed;
+  o.clip_grad_norm = t.grad_clip;
+  optim::ScheduleOptions s;  // as the CLI's run_setup reads the train section
+  s.warmup_steps = t.warmup_steps;
+  s.total_steps = t.steps;
+  s.min_lr_ratio = t.min_lr_ratio;
+  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
+            : t.lr_schedule == "constant" ? optim::Decay::Constant
+                                          : optim::Decay::Cosine;
+  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
+  s.warmup_start_ratio = t.warmup_start_ratio;
+  o.lr_schedule = s;
+  o.peak_lr = t.lr;
+  o.adamw = AdamWSettings{t.lr, t.beta1, t.beta2, t.eps, t.weight_decay};
+  o.checkpoint_dir = c.checkpoint.dir;
+  o.checkpoint_every = c.checkpoint.every;
+  o.checkpoint_keep = c.checkpoint.keep;
+  o.checkpoint_async = c.checkpoint.async;
+  o.resume = c.checkpoint.resume;
+  if (o.checkpoint_dir.empty()) o.full_state_dict = false;  // the CLI's state_dict_type is a layout, not a save
+  o.metrics_path = c.metrics.path;
+  o.log_every = c.metrics.log_every;
+  o.progress = c.metrics.progress;
+  o.trace_steps = c.metrics.trace_steps;
+  o.trace_dir = c.metrics.trace_dir;
+  validate(o);
+  return o;
+}
+
+std::string resume_checkpoint(const std::string& dir, const std::string& resume) {
+  if (resume == "never") return "";
+  if (resume == "auto") {
+    if (dir.empty()) return "";
+    const std::vector<std::string> all = checkpoint::complete_checkpoints(dir);
+    std::string newest_bad;
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      std::vector<std::string> problems;
+      try {
+        problems = checkpoint::verify_files(*it, checkpoint::read_index(*it));
+      } catch (const UsageError& e) {
+        problems = {e.what()};
+      }
+      if (problems.empty()) return *it;
+      if (newest_bad.empty()) newest_bad = *it + ": " + problems.front();
+    }
+    if (!all.empty())
+      throw UsageError("resume=auto: none of the " + std::to_string(all.size()) + " checkpoints in " + dir +
+                       " is intact (the newest: " + newest_bad + "); remove them, or set resume=never");
+    return "";
+  }
+  if (std::filesystem::exists(std::filesystem::path(resume) / "index.json")) return resume;
+  if (auto newest = checkpoint::newest_checkpoint(resume)) return *newest;
+  throw UsageError("resume=" + resume + " is not a complete checkpoint nor a directory holding one");
+}
+
+// What the loop keeps besides the engine: the sampler (rebuilt for a
+// dataset of another size), the metrics file and the tracer.
+struct ModuleTrainer::Observers {
+  std::unique_ptr<data::DistributedSampler> sampler;
+  std::ofstream metrics;
+  std::unique_ptr<observe::StepTracer> tracer;
+};
+
+ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::World& world, OptimizerFactory optimizer,
+                             ModuleLoss loss, ModuleTrainerOptions options)
+    : module_(std::move(module)),
+      world_(world),
+      loss_(std::move(loss)),
+      options_(std::move(options)),
+      observers_(std::make_unique<Observers>()) {
+  validate(options_);
+  if (!module_) throw std::invalid_argument("ModuleTrainer: no module");
+  if (!loss_) throw std::invalid_argument("ModuleTrainer: no loss function");
+  if (optimizer && options_.adamw)
+    throw std::invalid_argument(
+        "ModuleTrainer: an optimizer factory and ModuleTrainerOptions.adamw are both given; "
+        "pass one (options from YAML set adamw: reset it to use your factory)");
+  if (!optimizer && !options_.adamw)
+    throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
+  build_engine();
+  build_optimizer(std::move(optimizer));
+  start_checkpoints();
+  if (world_.rank() == 0 && !options_.metrics_path.empty()) {
+    const auto parent = std::filesystem::path(options_.metrics_path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    // A resumed run adds to the lines of the run it goes on from.
+    observers_->metrics.open(options_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
+    if (!observers_->metrics) bad("metrics_path", options_.metrics_path + " cannot be written");
+  }
+  observers_->tracer = std::make_unique<observe::StepTracer>(options_.trace_steps, options_.trace_dir, world_,
+                                                             "module trainer, " + to_string(options_.strategy));
+}
+
+ModuleTrainer::~ModuleTrainer() = default;
+
+// The engine over the data-parallel group(s), and this rank's place in them.
+void ModuleTrainer::build_engine() {
+  if (!module_->parameters().empty()) device_ = module_->parameters().front().device();
+  const ModuleTrainerOptions& o = options_;
+  shard_ = world_.group().get();
+  if (o.strategy == ModuleStrategy::HybridShard) {
+    if (o.shard_group) {
+      shard_ = o.shard_group;
+      replicate_ = o.replicate_group;
+    } else {
+      mesh_ = std::make_unique<comm::Mesh>(world_, comm::MeshDims{1, o.dp_replicate, -1, 1, 1});
+      shard_ = &mesh_->dp_shard();
+      replicate_ = &mesh_->dp_replicate();
+    }
+    if (shard_->size() * replicate_->size() != world_.size())
+      bad("shard_group", "of " + std::to_string(shard_->size()) + " ranks x replicate_group of " +
+                             std::to_string(replicate_->size()) + " must cover the world of " +
+                             std::to_string(world_.size()));
+  }
+  dp_size_ = shard_->size() * (replicate_ ? replicate_->size() : 1);
+  dp_rank_ = (replicate_ ? replicate_->rank() * shard_->size() : 0) + shard_->rank();
+  if (o.global_batch % (o.micro_batch * dp_size_) != 0)
+    bad("global_batch", "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" +
+                            std::to_string(o.micro_batch) + " x data-parallel size " + std::to_string(dp_size_));
+  accum_ = o.global_batch / (o.micro_batch * dp_size_);
+  if (!is_sharded(o.strategy)) {
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(module_, *shard_, o.ddp);
+    return;
+  }
+  fsdp::ShardedOptions so = o.sharded;
+  so.sharding = sharding_of(o.strategy);
+  sharded_ = fsdp::fully_shard(module_, world_, *shard_, o.units, so, replicate_);
+}
+
+void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
+  if (sharded_) {
+    opt_params_ = sharded_->shards();
+  } else {
+    for (const auto& p : module_->parameters())
+      if (p.requires_grad()) opt_params_.push_back(p);
+  }
+  if (factory) {
+    opt_ = factory(opt_params_);
+    if (!opt_) throw std::invalid_argument("ModuleTrainer: the optimizer factory returned no optimizer");
+  } else {
+    const AdamWSettings& a = *options_.adamw;
+    opt_ = std::make_unique<torch::optim::AdamW>(
+        opt_params_,
+        torch::optim::AdamWOptions(a.lr).betas({a.beta1, a.beta2}).eps(a.eps).weight_decay(a.weight_decay));
+  }
+  // Checkpoints map optimizer state i to opt_params_[i]; the sharded engine
+  // needs its shards stepped (Note [Step protocol]).
+  std::set<const void*> given, held;
+  for (const auto& t : opt_params_) given.insert(t.unsafeGetTensorImpl());
+  for (const auto& g : opt_->param_groups())
+    for (const auto& t : g.params()) held.insert(t.unsafeGetTensorImpl());
+  if (given != held)
+    throw std::invalid_argument("ModuleTrainer: the optimizer factory must build the optimizer over exactly the " +
+                                std::to_string(given.size()) + " tensors it is given (" +
+                                (sharded_ ? "the engine's shards" : "the module's trainable parameters") +
+                                "); the optimizer holds " + std::to_string(held.size()) + " others or more");
+}
+
+// Refuses an optimizer checkpoints cannot save before any step, then resumes
+// (Note [Module trainer step]: the step positions the sampler and schedule).
+void ModuleTrainer::start_checkpoints() {
+  const ModuleTrainerOptions& o = options_;
+  const std::string from = resume_checkpoint(o.checkpoint_dir, o.resume);
+  if (o.checkpoint_dir.empty() && from.empty()) return;
+  try {
+    opt_state_ = torch_optimizer_state(*opt_, opt_params_);
+  } catch (const std::invalid_argument& e) {
+    bad(o.checkpoint_dir.empty() ? "resume" : "checkpoint_dir", "is set, but the " + std::string(e.what()));
+  }
+  if (!o.checkpoint_dir.empty())
+    ckpt_ = std::make_unique<checkpoint::Checkpointer>(
+        *world_.group(),
+        checkpoint::CheckpointOptions{
+            o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}});
+  if (from.empty()) return;
+  const checkpoint::Index index = checkpoint::load_checkpoint(from, layout(), opt_state_.get());
+  if (sharded_) sharded_->after_step();  // replicated strategies gather the loaded shards in the next forward
+  checkpoint::set_cpu_rng_state(index.state.rng_cpu);
+  step_ = last_saved_ = index.state.step;
+  if (world_.rank() == 0)
+    std::printf("module_trainer: resumed from %s (step %lld, saved by %s on %d ranks)\n", from.c_str(),
+                static_cast<long long>(step_), index.strategy.c_str(), index.world_size);
+}
+
+// What this rank holds, as pieces of the module's parameters (any layout loads it).
+checkpoint::Layout ModuleTrainer::layout() const {
+  checkpoint::Layout l =
+      sharded_ ? sharded_layout(*sharded_) : checkpoint::replicated_layout(*module_, world_.rank() == 0);
+  l.mesh = replicate_
+               ? "dp_replicate " + std::to_string(replicate_->size()) + " x dp_shard " + std::to_string(shard_->size())
+               : "dp " + std::to_string(dp_size_);
+  return l;
+}
+
+void ModuleTrainer::save() {
+  if (!ckpt_) bad("checkpoint_dir", "is not set: there is nowhere to save");
+  if (last_saved_ == step_) return;
+  checkpoint::SaveState state;
+  state.run.step = step_;
+  state.run.optimizer_steps = step_;
+  state.run.rng_cpu = checkpoint::cpu_rng_state();
+  ckpt_->save(layout(), opt_state_.get(), state);
+  last_saved_ = step_;
+  if (world_.rank() == 0 && options_.progress)
+    std::printf("module_trainer: checkpoint %s %s\n", options_.checkpoint_async ? "started" : "saved",
+                checkpoint::step_dir(options_.checkpoint_dir, step_).c_str());
+}
+
+std::vector<at::Tensor> ModuleTrainer::full_parameters() {
+  if (sharded_) return sharded_->full_parameters();
+  std::vector<at::Tensor> out;
+  for (const auto& p : module_->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// Forward and backward of this rank's micro-batches of the step (Note
+// [Module trainer step], 1-2); returns the sum of their losses / accum.
+double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine) {
+  double loss_sum = 0;
+  const int64_t m = options_.micro_batch;
+  for (int64_t k = 0; k < accum_; ++k) {
+    const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
+    ModuleBatch b = data.get(idx);
+    const at::Tensor x = b.input.to(device_), y = b.target.to(device_);
+    at::Tensor loss = loss_(*module_, x, y);
+    if (!loss.defined() || loss.numel() != 1)
+      throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
+    loss = loss.reshape({}) / static_cast<double>(accum_);
+    if (k + 1 == accum_) {
+      loss.backward();  // reduces the accumulated gradients
+    } else if (ddp_) {
+      auto guard = ddp_->no_sync();
+      loss.backward();
+    } else {
+      auto guard = sharded_->no_sync();
+      loss.backward();
+    }
+    loss_sum += loss.item<double>();
+  }
+  return loss_sum;
+}
+
+// Clipping, the step's learning rate and the optimizer step (Note [Module
+// trainer step], 3); returns the learning rate.
+double ModuleTrainer::update(double* grad_norm) {
+  *grad_norm = sharded_ ? sharded_->clip_grad_norm(options_.clip_grad_norm)
+                        : optim::clip_grad_norm(opt_params_, options_.clip_grad_norm);
+  double lr = opt_->param_groups().front().options().get_lr();
+  if (options_.lr_schedule) {
+    lr = optim::lr_at(step_, options_.peak_lr, *options_.lr_schedule);
+    for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
+  }
+  opt_->step();
+  if (sharded_) sharded_->after_step();
+  return lr;
+}
+
+double ModuleTrainer::step(const ModuleData& data) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto& sampler = observers_->sampler;
+  if (!sampler || sampler->num_samples() != data.size()) {
+    data::SamplerOptions so;
+    so.seed = options_.seed;
+    so.global_batch = options_.global_batch;
+    so.shuffle = options_.shuffle;
+    sampler = std::make_unique<data::DistributedSampler>(data.size(), so);
+  }
+  observers_->tracer->begin_step(step_ + 1);
+  ddp_ ? ddp_->zero_grad() : sharded_->zero_grad();
+  // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
+  const int64_t share = options_.global_batch / dp_size_;
+  std::vector<int64_t> global = sampler->global_batch(step_);
+  const std::vector<int64_t> mine(global.begin() + dp_rank_ * share, global.begin() + (dp_rank_ + 1) * share);
+  const double loss_sum = run_micro_batches(data, mine);
+  // The global mean: every rank's micro-batches weigh the same.
+  at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
+  shard_->all_reduce(l, comm::ReduceOp::Avg).wait();
+  if (replicate_) replicate_->all_reduce(l, comm::ReduceOp::Avg).wait();
+  const double loss = l.item<double>();
+  double grad_norm = 0;
+  const double lr = update(&grad_norm);
+  ++step_;
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  write_metrics(loss, lr, grad_norm, ms);
+  observers_->tracer->end_step(step_);
+  const int64_t stop = stop_step();
+  const bool due =
+      options_.checkpoint_every > 0 ? step_ % options_.checkpoint_every == 0 || step_ == stop : step_ == stop;
+  if (ckpt_ && due) save();
+  return loss;
+}
+
+void ModuleTrainer::write_metrics(double loss, double lr, double grad_norm, double ms) {
+  if (world_.rank() != 0) return;
+  const double samples_per_s = static_cast<double>(options_.global_batch) / std::max(ms, 1e-9) * 1000.0;
+  if (observers_->metrics.is_open()) {
+    observers_->metrics << nlohmann::json{{"step", step_},          {"loss", loss},  {"lr", lr},
+                                          {"grad_norm", grad_norm}, {"step_ms", ms}, {"samples_per_s", samples_per_s}}
+                               .dump()
+                        << "\n";
+    observers_->metrics.flush();
+  }
+  if (options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step())) {
+    std::printf("module_trainer: step %lld/%lld | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms | %.0f samples/s\n",
+                static_cast<long long>(step_), static_cast<long long>(options_.steps), loss, lr, grad_norm, ms,
+                samples_per_s);
+    std::fflush(stdout);
+  }
+}
+
+ModuleTrainResult ModuleTrainer::fit(const ModuleData& data) {
+  ModuleTrainResult result;
+  result.start_step = step_;
+  module_->train();
+  while (step_ < stop_step()) result.losses.push_back(step(data));
+  if (ckpt_) ckpt_->finish();  // commits an asynchronous save (collective)
+  observers_->tracer->finish();
+  return result;
+}
+
+ModuleTrainResult fit(std::shared_ptr<torch::nn::Module> module, comm::World& world, OptimizerFactory optimizer,
+                      ModuleLoss loss, const ModuleData& data, ModuleTrainerOptions options) {
+  ModuleTrainer trainer(std::move(module), world, std::move(optimizer), std::move(loss), std::move(options));
+  return trainer.fit(data);
+}
+
+}  // namespace scaletrain::train

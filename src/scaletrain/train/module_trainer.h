@@ -1,0 +1,376 @@
+#pragma once
+// A training loop for any torch::nn::Module (what Accelerate's `prepare` or
+// Lightning's `Trainer` give): the module, an optimizer factory, a loss
+// function and a dataset in; DDP, ZeRO-1/2/3 or an FSDP strategy chosen by
+// typed options (or by the CLI's YAML keys, module_trainer_options); the
+// global batch drawn through data::DistributedSampler, split into this rank's
+// micro-batches, clipped, scheduled; sharded checkpoints that resume under
+// any strategy and world size; metrics lines, progress and traces.
+// docs/own-model.md, "A training loop for your module".
+//
+// Note [Module trainer step]: one optimizer step of ModuleTrainer::fit.
+//   1. The sampler gives the G indices of the step (G = global_batch, the
+//      order a function of (seed, G) only); data-parallel rank r of D takes
+//      its G/D and cuts them into accum = G / (micro_batch x D) micro-batches.
+//   2. Each micro-batch's loss (the loss function's mean over it) is divided
+//      by accum and backpropagated; all but the last under the engine's
+//      no_sync, so gradients are reduced once per step and equal those of the
+//      whole global batch's mean loss on one process.
+//   3. The global gradient norm (clipped when clip_grad_norm > 0), the
+//      learning rate of the step written into every param group, the
+//      optimizer step; sharded strategies then after_step(). Gradients are
+//      zeroed by the engine before the next step.
+//   4. The reported loss is the mean over the global batch (one all-reduce).
+// Every piece is public and composes by hand: DistributedDataParallel and
+// fully_shard, DistributedSampler, optim::lr_at, checkpoint::Checkpointer
+// with replicated_layout / sharded_layout and torch_optimizer_state below.
+#include <ATen/ATen.h>
+#include <c10/util/Type.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/comm/world.h"
+#include "scaletrain/optim/adamw.h"
+#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/fsdp/module_units.h"
+#include "scaletrain/train/config.h"
+
+namespace scaletrain::comm {
+class Mesh;
+}  // namespace scaletrain::comm
+
+namespace scaletrain::train {
+
+// The data-parallel engine: DDP, or the sharded engine with one of its
+// strategies (parallel/fsdp/fsdp.h has the table of what each shards).
+enum class ModuleStrategy { DDP, Zero1, Zero2, Zero3, FullShard, ShardGradOp, HybridShard };
+std::string to_string(ModuleStrategy s);  // "ddp", "zero2", "fsdp FULL_SHARD", ...
+
+// torch::optim::AdamW's settings, for runs whose optimizer the trainer builds
+// (the YAML route: the CLI trains with AdamW).
+struct AdamWSettings {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;  // decoupled, on every element (flat shards hold matrices and vectors alike)
+};
+
+struct ModuleTrainerOptions {
+  ModuleStrategy strategy = ModuleStrategy::DDP;
+  // Sharded strategies: the submodules gathered and freed as one
+  // (module_units.h); empty: the whole module is the root unit. Not for DDP.
+  parallel::fsdp::ModuleUnits units;
+  // The engines' own knobs; `sharded.sharding` is set from `strategy`.
+  parallel::DDPOptions ddp;
+  parallel::fsdp::ShardedOptions sharded;
+  // HybridShard: the shard group (within a node) and the replicate group
+  // (across nodes), e.g. a comm::Mesh's dp_shard() and dp_replicate(); or
+  // leave both null and set dp_replicate >= 2, and the trainer builds that
+  // mesh over the world. Other strategies run over the world's group.
+  comm::Group* shard_group = nullptr;
+  comm::Group* replicate_group = nullptr;
+  int dp_replicate = 1;
+
+  int64_t steps = 100;        // optimizer steps of the run (the schedule spans them)
+  int64_t stop_at = 0;        // stop after this step, as if preempted; 0 = steps
+  int64_t global_batch = 32;  // samples per step over all data-parallel ranks
+  int64_t micro_batch = 8;    // samples per forward; accumulation = global_batch / (micro_batch x dp)
+  uint64_t seed = 1337;       // the sampler's shuffle (part of the run's identity: keep it on resume)
+  bool shuffle = true;        // false: each epoch in index order
+  double clip_grad_norm = 0;  // max global gradient norm; 0: none (the norm is still measured)
+
+  // The learning rate of each step, peak_lr x the schedule (optim::lr_at),
+  // written into every param group before the step; unset: the optimizer's
+  // own lr stays.
+  std::optional<optim::ScheduleOptions> lr_schedule;
+  double peak_lr = 0;
+  // Set: the trainer builds torch::optim::AdamW with these settings (then no
+  // optimizer factory may be given).
+  std::optional<AdamWSettings> adamw;
+
+  // Checkpoints (checkpoint/sharded.h): "" = none. Saved every
+  // `checkpoint_every` steps (0: only at the end) and at the last step.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int64_t checkpoint_keep = 0;  // complete checkpoints kept, newest first (0 = all)
+  bool checkpoint_async = false;
+  bool full_state_dict = false;  // rank 0 writes whole tensors (FSDP's FULL_STATE_DICT)
+  // auto: the newest intact checkpoint in checkpoint_dir, if any | never |
+  // a step directory or a root of them.
+  std::string resume = "auto";
+
+  std::string metrics_path;          // rank 0 appends one JSON line per step ("" = none)
+  int64_t log_every = 1;             // steps between progress lines
+  bool progress = true;              // progress lines on rank 0's stdout
+  std::vector<int64_t> trace_steps;  // {first, last} (1-based) traced by observe::StepTracer; empty: none
+  std::string trace_dir = "trace";
+};
+
+// Throws std::invalid_argument naming the field for a value no run can use
+// (what needs the world, the accumulation's divisibility, is checked when
+// the trainer is built).
+void validate(const ModuleTrainerOptions& options);
+
+// The options a config of the CLI's YAML keys (load_config) gives: the
+// strategy (parallel.strategy, parallel.fsdp.sharding_strategy), units
+// (parallel.fsdp auto_wrap_policy: transformer_layer_cls or min_num_params),
+// the engines' keys that apply to any module, train.steps / stop_at /
+// global_batch / micro_batch / seed / grad_clip, the schedule (train.lr,
+// warmup_*, lr_schedule, min_lr_ratio), AdamW (train.lr, beta1, beta2, eps,
+// weight_decay: options.adamw), checkpoint.* and metrics.*. Any other key set
+// away from its default (model.*, data.*, finetune.*, precision.*, tp / pp /
+// cp / ep > 1, ...) would be ignored, so it is refused: one UsageError names
+// every such key.
+ModuleTrainerOptions module_trainer_options(const Config& config);
+
+// Samples for the trainer: input and target tensors indexed along dim 0, or
+// any source of `size` samples that stacks the ones asked for.
+struct ModuleBatch {
+  at::Tensor input, target;
+};
+class ModuleData {
+ public:
+  ModuleData(at::Tensor inputs, at::Tensor targets);
+  ModuleData(int64_t size, std::function<ModuleBatch(const std::vector<int64_t>& indices)> get)
+      : size_(size), get_(std::move(get)) {
+    if (size_ < 1) throw std::invalid_argument("ModuleData: the source must hold at least one sample");
+    if (!get_) throw std::invalid_argument("ModuleData: no function to get samples");
+  }
+  // A torch::data dataset (get(i) gives an Example, size() its length),
+  // e.g. torch::data::datasets::TensorDataset or MNIST.
+  template <class Dataset>
+  static ModuleData from_dataset(Dataset dataset);
+
+  int64_t size() const { return size_; }
+  ModuleBatch get(const std::vector<int64_t>& indices) const { return get_(indices); }
+
+ private:
+  int64_t size_;
+  std::function<ModuleBatch(const std::vector<int64_t>&)> get_;
+};
+
+// Builds the optimizer over what the engine hands out: the module's
+// trainable parameters (DDP) or the engine's flat shards (sharded).
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+// The mean loss of one micro-batch.
+using ModuleLoss = std::function<at::Tensor(torch::nn::Module&, const at::Tensor& input, const at::Tensor& target)>;
+
+// The checkpoint's view of torch::optim::Adam or AdamW over `params` (State:
+// AdamParamState or AdamWParamState). Their per-parameter states are keyed
+// by the parameter's TensorImpl and created at its first step; a state that
+// does not exist yet reads as zeros and is created when a checkpoint sets it.
+template <class State>
+class TorchAdamState final : public checkpoint::OptimizerState {
+ public:
+  TorchAdamState(torch::optim::Optimizer& o, std::vector<at::Tensor> params) : o_(o), params_(std::move(params)) {}
+  at::Tensor exp_avg_value(size_t i) const override {
+    const State* s = find(i);
+    return s ? s->exp_avg() : at::zeros_like(params_.at(i), at::MemoryFormat::Contiguous);
+  }
+  at::Tensor exp_avg_sq_value(size_t i) const override {
+    const State* s = find(i);
+    return s ? s->exp_avg_sq() : at::zeros_like(params_.at(i), at::MemoryFormat::Contiguous);
+  }
+  void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) override {
+    if (!find(i)) {
+      auto s = std::make_unique<State>();
+      s->step(steps_);
+      o_.state()[key(i)] = std::move(s);
+    }
+    find(i)->exp_avg(m).exp_avg_sq(v);
+  }
+  void set_steps(int64_t steps) override {
+    steps_ = steps;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (State* s = find(i)) s->step(steps);
+  }
+
+ private:
+  // The state's key: the parameter's TensorImpl, as text (libtorch 1.x's
+  // c10::guts::to_string of the pointer) or as the pointer (2.x).
+  template <class Key = typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type>
+  Key key(size_t i) const {
+    if constexpr (std::is_same_v<Key, std::string>) {
+      std::ostringstream text;
+      text << params_.at(i).unsafeGetTensorImpl();
+      return text.str();
+    } else {
+      return params_.at(i).unsafeGetTensorImpl();
+    }
+  }
+  State* find(size_t i) const {
+    auto it = o_.state().find(key(i));
+    return it == o_.state().end() ? nullptr : dynamic_cast<State*>(it->second.get());
+  }
+  torch::optim::Optimizer& o_;
+  std::vector<at::Tensor> params_;
+  int64_t steps_ = 0;
+};
+
+// A checkpoint's view of a libtorch optimizer over `params` (slot i's
+// optimizer state is params[i]'s): torch::optim::Adam and AdamW (exp_avg,
+// exp_avg_sq and step of each parameter's state; not amsgrad) and SGD
+// without momentum (no state: returns null). Any other optimizer is refused
+// with std::invalid_argument naming it.
+std::unique_ptr<checkpoint::OptimizerState> torch_optimizer_state(torch::optim::Optimizer& optimizer,
+                                                                  std::vector<at::Tensor> params);
+
+// The checkpoint a run resumes from (ModuleTrainerOptions::resume), "" for
+// a fresh start: under auto the newest complete checkpoint of `dir` whose
+// files pass their checksums. Throws UsageError when none is intact or a
+// path holds none.
+std::string resume_checkpoint(const std::string& dir, const std::string& resume);
+
+struct ModuleTrainResult {
+  int64_t start_step = 0;      // the step this call began from (a resumed run's)
+  std::vector<double> losses;  // global mean loss of each step this call ran
+};
+
+class ModuleTrainer {
+ public:
+  // Wraps `module` with the strategy (collective: every rank of `world`
+  // builds it), builds the optimizer (the factory, or options.adamw), and
+  // resumes from a checkpoint when options.resume finds one.
+  ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::World& world, OptimizerFactory optimizer,
+                ModuleLoss loss, ModuleTrainerOptions options);
+  ~ModuleTrainer();
+  ModuleTrainer(const ModuleTrainer&) = delete;
+  ModuleTrainer& operator=(const ModuleTrainer&) = delete;
+
+  // Runs the steps from completed_steps() to stop_at (or steps) on `data`
+  // (the same on every rank): Note [Module trainer step]; saves checkpoints
+  // when due. Collective.
+  ModuleTrainResult fit(const ModuleData& data);
+  // One step (the next one); returns its global mean loss. Collective.
+  double step(const ModuleData& data);
+  // Saves a checkpoint of the steps done (collective; needs checkpoint_dir).
+  void save();
+
+  int64_t completed_steps() const { return step_; }
+  int64_t stop_step() const { return options_.stop_at > 0 ? options_.stop_at : options_.steps; }
+  int data_parallel_size() const { return dp_size_; }
+  int64_t accumulation() const { return accum_; }
+  torch::optim::Optimizer& optimizer() { return *opt_; }
+  // The engine (one of the two is set).
+  parallel::DistributedDataParallel* ddp() { return ddp_.get(); }
+  parallel::fsdp::ShardedDataParallel* sharded() { return sharded_.get(); }
+  // Every parameter, whole, in named_parameters() order (collective).
+  std::vector<at::Tensor> full_parameters();
+
+ private:
+  void build_engine();
+  void build_optimizer(OptimizerFactory factory);
+  void start_checkpoints();
+  checkpoint::Layout layout() const;
+  double run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine);
+  double update(double* grad_norm);
+  void write_metrics(double loss, double lr, double grad_norm, double ms);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  comm::World& world_;
+  ModuleLoss loss_;
+  ModuleTrainerOptions options_;
+  std::unique_ptr<comm::Mesh> mesh_;  // HybridShard over dp_replicate
+  comm::Group* shard_ = nullptr;      // the engine's group (the world's, or the shard group)
+  comm::Group* replicate_ = nullptr;  // HybridShard
+  int dp_size_ = 1, dp_rank_ = 0;
+  int64_t accum_ = 1;
+  at::Device device_{at::kCPU};  // host: a module without parameters; else its parameters' device
+  std::unique_ptr<parallel::DistributedDataParallel> ddp_;
+  std::unique_ptr<parallel::fsdp::ShardedDataParallel> sharded_;
+  std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: SGD without momentum, or no checkpoints
+  std::unique_ptr<checkpoint::Checkpointer> ckpt_;
+  int64_t step_ = 0;
+  int64_t last_saved_ = -1;
+  struct Observers;  // metrics file, tracer (module_trainer.cpp)
+  std::unique_ptr<Observers> observers_;
+};
+
+// The trainer in one call: builds it and runs fit(data).
+ModuleTrainResult fit(std::shared_ptr<torch::nn::Module> module, comm::World& world, OptimizerFactory optimizer,
+                      ModuleLoss loss, const ModuleData& data, ModuleTrainerOptions options);
+
+inline ModuleData::ModuleData(at::Tensor inputs, at::Tensor targets) {
+  if (!inputs.defined() || !targets.defined() || inputs.dim() == 0 || targets.dim() == 0)
+    throw std::invalid_argument("ModuleData: inputs and targets must be tensors with samples along dim 0");
+  if (inputs.size(0) != targets.size(0))
+    throw std::invalid_argument("ModuleData: " + std::to_string(inputs.size(0)) + " inputs but " +
+                                std::to_string(targets.size(0)) + " targets");
+  size_ = inputs.size(0);
+  get_ = [inputs, targets](const std::vector<int64_t>& indices) {
+    const at::Tensor idx = torch::tensor(indices, torch::kLong);
+    return ModuleBatch{inputs.index_select(0, idx.to(inputs.device())),
+                       targets.index_select(0, idx.to(targets.device()))};
+  };
+}
+
+namespace detail {
+template <class Options>
+bool any_group(torch::optim::Optimizer& o, const std::function<bool(const Options&)>& pred) {
+  for (auto& g : o.param_groups())
+    if (pred(static_cast<const Options&>(g.options()))) return true;
+  return false;
+}
+}  // namespace detail
+
+inline std::unique_ptr<checkpoint::OptimizerState> torch_optimizer_state(torch::optim::Optimizer& o,
+                                                                         std::vector<at::Tensor> params) {
+  const std::string unsaved = " is not supported by checkpoints";
+  if (dynamic_cast<torch::optim::Adam*>(&o)) {
+    if (detail::any_group<torch::optim::AdamOptions>(o, [](const auto& x) { return x.amsgrad(); }))
+      throw std::invalid_argument("optimizer torch::optim::Adam with amsgrad" + unsaved +
+                                  " (max_exp_avg_sq is not saved)");
+    return std::make_unique<TorchAdamState<torch::optim::AdamParamState>>(o, std::move(params));
+  }
+  if (dynamic_cast<torch::optim::AdamW*>(&o)) {
+    if (detail::any_group<torch::optim::AdamWOptions>(o, [](const auto& x) { return x.amsgrad(); }))
+      throw std::invalid_argument("optimizer torch::optim::AdamW with amsgrad" + unsaved +
+                                  " (max_exp_avg_sq is not saved)");
+    return std::make_unique<TorchAdamState<torch::optim::AdamWParamState>>(o, std::move(params));
+  }
+  if (dynamic_cast<torch::optim::SGD*>(&o)) {
+    if (detail::any_group<torch::optim::SGDOptions>(o, [](const auto& x) { return x.momentum() != 0; }))
+      throw std::invalid_argument("optimizer torch::optim::SGD with momentum" + unsaved +
+                                  " (its momentum buffers are not saved): use momentum 0, Adam or AdamW");
+    return nullptr;  // plain SGD keeps no state
+  }
+  throw std::invalid_argument("optimizer " + c10::demangle(typeid(o).name()) + unsaved +
+                              " (torch::optim::Adam, AdamW and SGD without momentum are)");
+}
+
+template <class Dataset>
+ModuleData ModuleData::from_dataset(Dataset dataset) {
+  const auto n = dataset.size();
+  if (!n.has_value()) throw std::invalid_argument("ModuleData::from_dataset: the dataset has no size");
+  auto d = std::make_shared<Dataset>(std::move(dataset));
+  return ModuleData(static_cast<int64_t>(*n), [d](const std::vector<int64_t>& indices) {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : indices) {
+      auto example = d->get(static_cast<size_t>(i));
+      xs.push_back(example.data);
+      ys.push_back(example.target);
+    }
+    return ModuleBatch{at::stack(xs), at::stack(ys)};
+  });
+}
+
+}  // namespace scaletrain::train

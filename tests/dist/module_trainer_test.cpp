@@ -1,0 +1,321 @@
+// The training loop for user modules (train/module_trainer.h) against one
+// process training plainly on the whole batch (float64, 1e-10): DDP and every
+// sharded strategy with gradient accumulation, a learning-rate schedule and
+// clipping; a run saved under one strategy and resumed under another, which
+// continues the uninterrupted run's losses; bad options and optimizers that
+// checkpoints cannot save, refused by name.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "dist_env.h"
+#include "reference.h"
+#include "scaletrain/data/sampler.h"
+#include "scaletrain/train/module_trainer.h"
+#include "user_modules.h"
+
+namespace scaletrain::test {
+namespace {
+
+namespace fs = std::filesystem;
+using train::ModuleStrategy;
+using train::ModuleTrainer;
+using train::ModuleTrainerOptions;
+
+constexpr int64_t kSamples = 40;  // the global batch of 24 straddles epochs
+constexpr int64_t kGlobal = 24;   // divisible by 2 micro-batches x 1..4 ranks
+constexpr double kLr = 1e-2;
+
+std::shared_ptr<torch::nn::Module> make_toy() {
+  torch::manual_seed(3);
+  auto m = Toy();
+  m->to(at::kDouble);
+  return m.ptr();
+}
+
+train::ModuleData dataset() {
+  auto g = at::detail::createCPUGenerator(77);
+  return train::ModuleData(at::randn({kSamples, 10}, g, at::kDouble), at::randn({kSamples, 5}, g, at::kDouble));
+}
+
+at::Tensor mse(torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+  return torch::mse_loss(dynamic_cast<ToyImpl&>(m).forward(x), y);
+}
+
+std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(kLr));
+}
+
+// Two micro-batches per rank and step, a warmup-then-cosine schedule, clipping below the norm.
+ModuleTrainerOptions options(ModuleStrategy s, int64_t steps) {
+  ModuleTrainerOptions o;
+  o.strategy = s;
+  if (s != ModuleStrategy::DDP) o.units.names = {"net1", "net2"};
+  if (s == ModuleStrategy::HybridShard) o.dp_replicate = 2;
+  o.steps = steps;
+  o.global_batch = kGlobal;
+  o.micro_batch = kGlobal / (2 * world().size());
+  o.seed = 11;
+  o.clip_grad_norm = 0.3;
+  optim::ScheduleOptions sched;
+  sched.warmup_steps = 2;
+  sched.total_steps = steps;
+  o.lr_schedule = sched;
+  o.peak_lr = kLr;
+  o.progress = false;
+  return o;
+}
+
+struct Reference {
+  std::vector<double> losses;
+  std::vector<at::Tensor> params;
+  std::vector<double> norms;
+};
+
+// One process: the sampler's global batch of each step, the whole batch's
+// mean loss, torch's clipping, the schedule written into Adam's lr.
+Reference train_alone(const ModuleTrainerOptions& o) {
+  auto m = make_toy();
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(kLr));
+  data::SamplerOptions so;
+  so.seed = o.seed;
+  so.global_batch = o.global_batch;
+  data::DistributedSampler sampler(kSamples, so);
+  const train::ModuleData data = dataset();
+  Reference ref;
+  for (int64_t s = 0; s < o.steps; ++s) {
+    const train::ModuleBatch b = data.get(sampler.global_batch(s));
+    opt.zero_grad();
+    at::Tensor loss = mse(*m, b.input, b.target);
+    loss.backward();
+    ref.norms.push_back(torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm));
+    static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options())
+        .lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
+    opt.step();
+    ref.losses.push_back(loss.item<double>());
+  }
+  ref.params = m->parameters();
+  return ref;
+}
+
+void expect_losses(const std::vector<double>& got, const std::vector<double>& want, size_t first,
+                   const std::string& what) {
+  ASSERT_EQ(got.size() + first, want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[first + i], 1e-10 * std::abs(want[first + i])) << what << " step " << first + i + 1;
+}
+
+std::vector<ModuleStrategy> strategies() {
+  std::vector<ModuleStrategy> all = {ModuleStrategy::DDP,   ModuleStrategy::Zero1,     ModuleStrategy::Zero2,
+                                     ModuleStrategy::Zero3, ModuleStrategy::FullShard, ModuleStrategy::ShardGradOp};
+  if (world().size() == 4) all.push_back(ModuleStrategy::HybridShard);
+  return all;
+}
+
+// The run's directory, the same on every rank, emptied by rank 0.
+fs::path fresh_dir(const std::string& name) {
+  const char* port = std::getenv("MASTER_PORT");
+  const fs::path d =
+      fs::temp_directory_path() /
+      ("scaletrain_module_trainer_" + std::string(port ? port : "0") + "_w" + std::to_string(world().size())) / name;
+  if (world().rank() == 0) fs::remove_all(d);
+  world().group()->barrier().wait();
+  return d;
+}
+
+TEST(ModuleTrainer, MatchesOneProcessUnderEveryStrategy) {
+  const Reference ref = train_alone(options(ModuleStrategy::DDP, 5));
+  EXPECT_GT(ref.norms.front(), 0.3) << "clipping must act for the test to mean anything";
+  for (ModuleStrategy s : strategies()) {
+    const std::string name = train::to_string(s);
+    ModuleTrainerOptions o = options(s, 5);
+    o.metrics_path = (fresh_dir("metrics") / "metrics.jsonl").string();
+    ModuleTrainer trainer(make_toy(), world(), adam, mse, o);
+    EXPECT_EQ(trainer.accumulation(), 2) << name;
+    const train::ModuleTrainResult r = trainer.fit(dataset());
+    EXPECT_EQ(r.start_step, 0) << name;
+    expect_losses(r.losses, ref.losses, 0, name);
+    EXPECT_LE(relative_diff(trainer.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+    if (world().rank() == 0) {  // one JSON line per step, with the step's global mean loss
+      std::ifstream in(o.metrics_path);
+      size_t lines = 0;
+      for (std::string line; std::getline(in, line); ++lines)
+        EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), r.losses.at(lines), 1e-14) << name;
+      EXPECT_EQ(lines, r.losses.size()) << name;
+    }
+  }
+}
+
+// Saved at step 3 of 6 by one strategy, resumed by another with another
+// micro-batch size: the rest of the run is the uninterrupted run's.
+TEST(ModuleTrainer, ResumesUnderAnotherStrategy) {
+  const Reference ref = train_alone(options(ModuleStrategy::DDP, 6));
+  const std::vector<std::pair<ModuleStrategy, ModuleStrategy>> pairs = {
+      {ModuleStrategy::DDP, ModuleStrategy::FullShard},
+      {ModuleStrategy::FullShard, ModuleStrategy::DDP},
+      {ModuleStrategy::Zero2, ModuleStrategy::Zero3}};
+  for (const auto& [save_as, resume_as] : pairs) {
+    const std::string name = train::to_string(save_as) + " -> " + train::to_string(resume_as);
+    const fs::path dir = fresh_dir("resume");
+    ModuleTrainerOptions first = options(save_as, 6);
+    first.stop_at = 3;
+    first.checkpoint_dir = dir.string();
+    double drawn_after_save = 0;
+    {
+      ModuleTrainer trainer(make_toy(), world(), adam, mse, first);
+      torch::rand({7});  // what a loop draws (dropout, augmentation) moves the generator past the model's init
+      expect_losses(trainer.fit(dataset()).losses, std::vector<double>(ref.losses.begin(), ref.losses.begin() + 3), 0,
+                    name + " (first part)");
+      drawn_after_save = torch::rand({1}, at::kDouble).item<double>();
+    }
+    ModuleTrainerOptions second = options(resume_as, 6);
+    second.checkpoint_dir = dir.string();
+    second.micro_batch = kGlobal / world().size();  // no accumulation now
+    ModuleTrainer trainer(make_toy(), world(), adam, mse, second);
+    EXPECT_EQ(trainer.completed_steps(), 3) << name;
+    EXPECT_EQ(torch::rand({1}, at::kDouble).item<double>(), drawn_after_save) << name << ": the RNG is restored";
+    const train::ModuleTrainResult r = trainer.fit(dataset());
+    EXPECT_EQ(r.start_step, 3) << name;
+    expect_losses(r.losses, ref.losses, 3, name);
+    EXPECT_LE(relative_diff(trainer.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+  }
+}
+
+template <class E = std::invalid_argument>
+void expect_error(const std::function<void()>& f, const std::string& part, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
+  }
+}
+
+TEST(ModuleTrainer, BadOptionsNameTheField) {
+  using Edit = std::function<void(ModuleTrainerOptions&)>;
+  const std::vector<std::pair<std::string, Edit>> cases = {
+      {"micro_batch", [](auto& o) { o.micro_batch = 0; }},
+      {"global_batch", [](auto& o) { o.micro_batch = 5; }},
+      {"steps", [](auto& o) { o.steps = 0; }},
+      {"stop_at", [](auto& o) { o.stop_at = 9; }},
+      {"units", [](auto& o) { o.units.names = {"net1"}; }},
+      {"replicate_group", [](auto& o) { o.strategy = ModuleStrategy::HybridShard; }},
+      {"dp_replicate", [](auto& o) { o.dp_replicate = 2; }},
+      {"clip_grad_norm", [](auto& o) { o.clip_grad_norm = -1; }},
+      {"peak_lr", [](auto& o) { o.lr_schedule.reset(); }},
+      {"checkpoint_every", [](auto& o) { o.checkpoint_every = 2; }},
+      {"trace_steps",
+       [](auto& o) {
+         o.trace_steps = {3, 2};
+       }},
+      {"log_every", [](auto& o) { o.log_every = 0; }}};
+  for (const auto& [field, edit] : cases) {
+    ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
+    edit(o);
+    expect_error([&] { train::validate(o); }, "ModuleTrainerOptions." + field, field);
+    expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "ModuleTrainerOptions." + field, field);
+  }
+  // What needs the world: the global batch over micro-batches of every rank.
+  ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
+  o.micro_batch = kGlobal;  // 24 x 2+ ranks
+  expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "data-parallel size", "global batch");
+  // An optimizer over the module's parameters under a sharded strategy.
+  o = options(ModuleStrategy::FullShard, 4);
+  auto m = make_toy();
+  auto over_params = [m](std::vector<at::Tensor>) { return adam(m->parameters()); };
+  expect_error([&] { ModuleTrainer t(m, world(), over_params, mse, o); }, "exactly the", "optimizer over parameters");
+  // Both an optimizer factory and options.adamw.
+  o = options(ModuleStrategy::DDP, 4);
+  o.adamw = train::AdamWSettings{};
+  expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "both given", "factory and adamw");
+}
+
+// Checkpoints save Adam, AdamW and plain SGD; anything else is refused before a step.
+TEST(ModuleTrainer, RefusesCheckpointsOfUnsupportedOptimizers) {
+  const fs::path dir = fresh_dir("refused");
+  using Factory = train::OptimizerFactory;
+  const std::vector<std::tuple<std::string, Factory, std::string>> refused = {
+      {"RMSprop",
+       [](std::vector<at::Tensor> p) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(kLr));
+       },
+       "torch::optim::RMSprop"},
+      {"SGD with momentum",
+       [](std::vector<at::Tensor> p) {
+         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr).momentum(0.9));
+       },
+       "SGD with momentum"},
+      {"Adam amsgrad",
+       [](std::vector<at::Tensor> p) {
+         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(kLr).amsgrad(true));
+       },
+       "amsgrad"}};
+  for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero3}) {
+    for (const auto& entry : refused) {
+      const std::string& what = std::get<0>(entry);
+      const Factory& factory = std::get<1>(entry);  // a plain reference: lambdas below capture it
+      const std::string& part = std::get<2>(entry);
+      ModuleTrainerOptions o = options(s, 2);
+      o.checkpoint_dir = dir.string();
+      expect_error([&] { ModuleTrainer t(make_toy(), world(), factory, mse, o); }, part, what);
+      expect_error([&] { ModuleTrainer t(make_toy(), world(), factory, mse, o); }, "checkpoint_dir", what);
+      o.checkpoint_dir.clear();  // without checkpoints any optimizer trains
+      EXPECT_NO_THROW(ModuleTrainer(make_toy(), world(), factory, mse, o).fit(dataset())) << what;
+    }
+    ModuleTrainerOptions o = options(s, 2);
+    o.checkpoint_dir = dir.string();
+    o.resume = "never";
+    auto sgd = [](std::vector<at::Tensor> p) {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr));
+    };
+    EXPECT_NO_THROW(ModuleTrainer(make_toy(), world(), sgd, mse, o).fit(dataset())) << "plain SGD";
+  }
+  EXPECT_TRUE(fs::exists(dir / "step-000002" / "index.json"));
+}
+
+// The YAML route: the CLI's keys give the options, and the optimizer is
+// torch::optim::AdamW with the train section's settings.
+TEST(ModuleTrainer, YamlKeysTrainWithAdamW) {
+  train::Config c;
+  for (const char* kv : {"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP",
+                         "parallel.fsdp.transformer_layer_cls=LinearImpl", "train.steps=4", "train.global_batch=24",
+                         "train.warmup_steps=1", "train.weight_decay=0.05", "train.grad_clip=0.3", "train.seed=11",
+                         "metrics.progress=false"})
+    train::apply_override(c, kv);
+  train::apply_override(c, "train.micro_batch=" + std::to_string(kGlobal / (2 * world().size())));
+  const ModuleTrainerOptions o = train::module_trainer_options(c);
+  ASSERT_EQ(o.strategy, ModuleStrategy::ShardGradOp);
+  ModuleTrainer trainer(make_toy(), world(), nullptr, mse, o);
+  ASSERT_NE(trainer.sharded(), nullptr);
+  EXPECT_EQ(trainer.sharded()->options().sharding, parallel::fsdp::Sharding::ShardGradOp);
+  const std::vector<double> losses = trainer.fit(dataset()).losses;
+
+  auto m = make_toy();
+  torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.05));
+  data::SamplerOptions so;
+  so.seed = 11;
+  so.global_batch = kGlobal;
+  data::DistributedSampler sampler(kSamples, so);
+  for (int64_t s = 0; s < 4; ++s) {
+    const train::ModuleBatch b = dataset().get(sampler.global_batch(s));
+    opt.zero_grad();
+    at::Tensor loss = mse(*m, b.input, b.target);
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(m->parameters(), 0.3);
+    opt.param_groups()[0].options().set_lr(optim::lr_at(s, 1e-3, *o.lr_schedule));
+    opt.step();
+    EXPECT_NEAR(losses.at(s), loss.item<double>(), 1e-10 * loss.item<double>()) << "step " << s + 1;
+  }
+  EXPECT_LE(relative_diff(trainer.full_parameters(), m->parameters(), /*per_tensor=*/true), 1e-10);
+}
+
+}  // namespace
+}  // namespace scaletrain::test

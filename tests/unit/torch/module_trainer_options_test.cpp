@@ -1,0 +1,167 @@
+// The module trainer's options from the CLI's YAML keys
+// (train::module_trainer_options): the keys that apply to a user module are
+// mapped, every other key set away from its default is refused by name, and
+// typed options with a bad value name their field. No processes needed.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "scaletrain/train/config.h"
+#include "scaletrain/train/module_trainer.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+namespace {
+
+Config with(const std::vector<std::string>& overrides) {
+  Config c;
+  for (const auto& o : overrides) apply_override(c, o);
+  return c;
+}
+
+// The message of module_trainer_options' UsageError ("" when it accepts).
+std::string refusal(const std::vector<std::string>& overrides) {
+  try {
+    module_trainer_options(with(overrides));
+    return "";
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+}
+
+TEST(ModuleTrainerOptions, YamlFileMapsTheKeysThatApply) {
+  const auto dir = std::filesystem::temp_directory_path() / ("st_module_trainer_yaml_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "run.yaml").string();
+  std::ofstream(path) << "train:\n  steps: 40\n  global_batch: 64\n  micro_batch: 4\n  lr: 0.002\n"
+                         "  warmup_steps: 5\n  lr_schedule: linear\n  grad_clip: 0.5\n  seed: 9\n  beta2: 0.99\n"
+                         "parallel:\n  strategy: zero3\n"
+                         "checkpoint:\n  dir: ckpt\n  every: 10\n  keep: 2\n"
+                         "metrics:\n  path: m.jsonl\n  log_every: 5\n  trace_steps: [3, 4]\n";
+  const ModuleTrainerOptions o = module_trainer_options(load_config(path));
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(o.strategy, ModuleStrategy::Zero3);
+  EXPECT_EQ(o.steps, 40);
+  EXPECT_EQ(o.global_batch, 64);
+  EXPECT_EQ(o.micro_batch, 4);
+  EXPECT_EQ(o.seed, 9u);
+  EXPECT_EQ(o.clip_grad_norm, 0.5);
+  ASSERT_TRUE(o.lr_schedule.has_value());
+  EXPECT_EQ(o.peak_lr, 0.002);
+  EXPECT_EQ(o.lr_schedule->warmup_steps, 5);
+  EXPECT_EQ(o.lr_schedule->total_steps, 40);
+  EXPECT_EQ(o.lr_schedule->decay, optim::Decay::Linear);
+  ASSERT_TRUE(o.adamw.has_value());
+  EXPECT_EQ(o.adamw->lr, 0.002);
+  EXPECT_EQ(o.adamw->beta2, 0.99);
+  EXPECT_EQ(o.checkpoint_dir, "ckpt");
+  EXPECT_EQ(o.checkpoint_every, 10);
+  EXPECT_EQ(o.checkpoint_keep, 2);
+  EXPECT_EQ(o.metrics_path, "m.jsonl");
+  EXPECT_EQ(o.log_every, 5);
+  EXPECT_EQ(o.trace_steps, (std::vector<int64_t>{3, 4}));
+}
+
+TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
+  EXPECT_EQ(module_trainer_options(with({})).strategy, ModuleStrategy::DDP);
+  EXPECT_EQ(module_trainer_options(with({"parallel.strategy=zero1"})).strategy, ModuleStrategy::Zero1);
+  EXPECT_EQ(
+      module_trainer_options(with({"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=NO_SHARD"})).strategy,
+      ModuleStrategy::DDP);
+  ModuleTrainerOptions o = module_trainer_options(
+      with({"parallel.strategy=fsdp", "parallel.fsdp.transformer_layer_cls=BlockImpl, torch::nn::LinearImpl",
+            "parallel.fsdp.backward_prefetch=BACKWARD_POST", "parallel.fsdp.state_dict_type=FULL_STATE_DICT",
+            "checkpoint.dir=ckpt"}));
+  EXPECT_EQ(o.strategy, ModuleStrategy::FullShard);
+  EXPECT_EQ(o.units.types, (std::vector<std::string>{"BlockImpl", "torch::nn::LinearImpl"}));
+  EXPECT_EQ(o.sharded.backward_prefetch, parallel::fsdp::BackwardPrefetch::Post);
+  EXPECT_TRUE(o.full_state_dict);
+  o = module_trainer_options(with({"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP",
+                                   "parallel.fsdp.auto_wrap_policy=size", "parallel.fsdp.min_num_params=1000"}));
+  EXPECT_EQ(o.strategy, ModuleStrategy::ShardGradOp);
+  EXPECT_EQ(o.units.min_num_params, 1000);
+  o = module_trainer_options(
+      with({"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=HYBRID_SHARD", "parallel.dp_replicate=2"}));
+  EXPECT_EQ(o.strategy, ModuleStrategy::HybridShard);
+  EXPECT_EQ(o.dp_replicate, 2);
+  o = module_trainer_options(with({"parallel.bucket_cap_mb=2", "parallel.find_unused_parameters=true"}));
+  EXPECT_EQ(o.ddp.bucket_cap_bytes, 2 << 20);
+  EXPECT_TRUE(o.ddp.find_unused_parameters);
+  EXPECT_EQ(refusal({"train.sample_tokens=0"}), "") << "no sample is what the module trainer does";
+}
+
+TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"model.preset=gpt2", "model.preset"},
+      {"data.path=tokens.tok", "data.path"},
+      {"parallel.tp=2", "parallel.tp"},
+      {"parallel.pp=2", "parallel.pp"},
+      {"parallel.cp=2", "parallel.cp"},
+      {"parallel.ep=2", "parallel.ep"},
+      {"finetune.method=lora", "finetune.method"},
+      {"precision.mode=bf16", "precision.mode"},
+      {"train.device=cpu", "train.device"},
+      {"parallel.timeout_s=10", "parallel.timeout_s"},
+      {"metrics.peak_flops=1e12", "metrics.peak_flops"},
+      {"checkpoint.every=5", "checkpoint.every"},                // no checkpoint.dir
+      {"parallel.fsdp.forward_prefetch=true", "parallel.fsdp"},  // strategy ddp
+      {"parallel.dp_replicate=2", "parallel.dp_replicate"}};
+  for (const auto& [assignment, key] : cases) {
+    const std::string why = refusal({assignment});
+    EXPECT_NE(why.find(key), std::string::npos) << assignment << ": " << why;
+    EXPECT_NE(why.find("would have no effect"), std::string::npos) << assignment << ": " << why;
+  }
+  // Under a sharded strategy, DDP's keys and the ZeRO engine's knobs.
+  EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.bucket_cap_mb=10"}).find("parallel.bucket_cap_mb"),
+            std::string::npos);
+  EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.zero.reduce_bucket_mb=10"}).find("parallel.zero"),
+            std::string::npos);
+  // Every such key at once.
+  const std::string all = refusal({"model.preset=gpt2", "data.path=x", "parallel.tp=2"});
+  EXPECT_NE(all.find("3 problems"), std::string::npos) << all;
+  // Values the config itself refuses keep their message.
+  EXPECT_NE(refusal({"train.micro_batch=0"}).find("train.micro_batch"), std::string::npos);
+}
+
+TEST(ModuleTrainerOptions, TypedOptionsNameTheBadField) {
+  auto field_of = [](const std::function<void(ModuleTrainerOptions&)>& edit) -> std::string {
+    ModuleTrainerOptions o;
+    edit(o);
+    try {
+      validate(o);
+      return "";
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+  };
+  EXPECT_EQ(field_of([](auto&) {}), "");
+  EXPECT_NE(field_of([](auto& o) { o.micro_batch = 0; }).find("ModuleTrainerOptions.micro_batch"), std::string::npos);
+  EXPECT_NE(field_of([](auto& o) { o.global_batch = 30; }).find("ModuleTrainerOptions.global_batch"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) { o.units.types = {"LinearImpl"}; }).find("ModuleTrainerOptions.units"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) { o.strategy = ModuleStrategy::HybridShard; }).find("replicate_group"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) { o.checkpoint_keep = 3; }).find("ModuleTrainerOptions.checkpoint_keep"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) {
+              o.checkpoint_dir = "d";
+              o.checkpoint_async = true;
+              o.full_state_dict = true;
+            }).find("ModuleTrainerOptions.checkpoint_async"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) {
+              o.lr_schedule = optim::ScheduleOptions{};
+              o.peak_lr = 0;
+            }).find("ModuleTrainerOptions.peak_lr"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace scaletrain::train
