@@ -252,6 +252,19 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
 
 }  // namespace
 
+optim::ScheduleOptions schedule_options(const TrainOptions& t) {
+  optim::ScheduleOptions s;
+  s.warmup_steps = t.warmup_steps;
+  s.total_steps = t.steps;
+  s.min_lr_ratio = t.min_lr_ratio;
+  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
+            : t.lr_schedule == "constant" ? optim::Decay::Constant
+                                          : optim::Decay::Cosine;
+  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
+  s.warmup_start_ratio = t.warmup_start_ratio;
+  return s;
+}
+
 ModuleTrainerOptions module_trainer_options(const Config& c) {
   validate_config(c);
   refuse_unread_keys(c, data_parallelism(c.parallel));
@@ -264,16 +277,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   o.micro_batch = t.micro_batch;
   o.seed = t.seed;
   o.clip_grad_norm = t.grad_clip;
-  optim::ScheduleOptions s;  // as the CLI's run_setup reads the train section
-  s.warmup_steps = t.warmup_steps;
-  s.total_steps = t.steps;
-  s.min_lr_ratio = t.min_lr_ratio;
-  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
-            : t.lr_schedule == "constant" ? optim::Decay::Constant
-                                          : optim::Decay::Cosine;
-  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
-  s.warmup_start_ratio = t.warmup_start_ratio;
-  o.lr_schedule = s;
+  o.lr_schedule = schedule_options(t);
   o.peak_lr = t.lr;
   o.adamw = AdamWSettings{t.lr, t.beta1, t.beta2, t.eps, t.weight_decay};
   o.checkpoint_dir = c.checkpoint.dir;

@@ -140,6 +140,10 @@ void validate(const ModuleTrainerOptions& options);
 // every such key.
 ModuleTrainerOptions module_trainer_options(const Config& config);
 
+// The learning-rate schedule the train section describes (warmup_*,
+// lr_schedule, min_lr_ratio over train.steps), for the CLI and the above.
+optim::ScheduleOptions schedule_options(const TrainOptions& train);
+
 // Samples for the trainer: input and target tensors indexed along dim 0, or
 // any source of `size` samples that stacks the ones asked for.
 struct ModuleBatch {

@@ -26,6 +26,7 @@
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/device.h"
+#include "scaletrain/train/module_trainer.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/strategy.h"
 
@@ -72,19 +73,6 @@ void set_threads() {
       }
     }
   }
-}
-
-optim::ScheduleOptions schedule(const TrainOptions& t) {
-  optim::ScheduleOptions s;
-  s.warmup_steps = t.warmup_steps;
-  s.total_steps = t.steps;
-  s.min_lr_ratio = t.min_lr_ratio;
-  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
-            : t.lr_schedule == "constant" ? optim::Decay::Constant
-                                          : optim::Decay::Cosine;
-  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
-  s.warmup_start_ratio = t.warmup_start_ratio;
-  return s;
 }
 
 }  // namespace
@@ -137,7 +125,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   r.opt = std::make_unique<optim::AdamW>(r.params, r.dp().decay_numel(), ao);
   for (size_t i = 0; i < r.opt->exp_avg().size(); ++i)
     r.opt_bytes += r.opt->exp_avg()[i].nbytes() + r.opt->exp_avg_sq()[i].nbytes();
-  r.sched = schedule(cfg.train);
+  r.sched = schedule_options(cfg.train);
   if (r.plan.policy.loss_scaling)
     r.scaler = std::make_unique<precision::LossScaler>(precision::loss_scaler_options(cfg.precision));
   data::SamplerOptions so;
