@@ -6,22 +6,24 @@
 # with model.attention / model.fused on and off, side by side in one run:
 #   - llama-tiny on one rank, one sequence of T = 1024 and 4096 per step;
 #   - examples/llama.yaml (Llama 3 vocabulary, ZeRO-3 on 2 ranks) at its
-#     original block size 256;
+#     original block size 256, and under tp = 2 with the head fused or not
+#     (the vocabulary split across the ranks);
 #   - the main job (examples/main.yaml: GPT tiny, T = 128, DDP on 2 ranks),
 #     with the attention and the fused kernels switched separately.
 # Step times are medians of the steps after the first (the first pays for
 # allocations); the variants alternate, REPEATS rounds. A round disturbed by
 # a compiler or a test run is repeated (scripts/bench-common.sh).
-# usage: scripts/bench-kernels.sh [--build DIR] [--repeats N] [--skip-micro] [--skip-llama]
+# usage: scripts/bench-kernels.sh [--build DIR] [--repeats N] [--skip-micro] [--skip-llama] [--skip-main]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BUILD=$ROOT/build REPEATS=2 MICRO=1 LLAMA=1
+BUILD=$ROOT/build REPEATS=2 MICRO=1 LLAMA=1 MAIN=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     --build) BUILD=$2; shift 2 ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --skip-micro) MICRO=0; shift ;;
     --skip-llama) LLAMA=0; shift ;;
+    --skip-main) MAIN=0; shift ;;
     *) echo "bench-kernels.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -110,8 +112,15 @@ done
 echo "== examples/llama.yaml at block_size 256, ZeRO-3 on 2 ranks"
 run_case "llama.yaml T=256" 2 "$ROOT/examples/llama.yaml" --model.block_size=256 --data.path="$WORK/kjv.llama3.tok" \
   --data.tokenizer="$TOK" --train.steps=6 --train.sample_tokens=0
+echo "== examples/llama.yaml at block_size 256, tp = 2 on 2 ranks: the head fused or not"
+saved=("${variants[@]}")
+variants=("fused:--model.fused=true" "unfused:--model.fused=false")
+run_case "llama.yaml T=256 tp=2" 2 "$ROOT/examples/llama.yaml" --model.block_size=256 --data.path="$WORK/kjv.llama3.tok" \
+  --data.tokenizer="$TOK" --train.steps=6 --train.sample_tokens=0 --parallel.tp=2 --parallel.strategy=ddp
+variants=("${saved[@]}")
 fi
 
+((MAIN)) || exit 0
 echo "== the main job, examples/main.yaml (GPT tiny, T = 128, DDP on 2 ranks x 1 thread)"
 variants=("flash+fused:--model.attention=flash --model.fused=true"
           "naive+unfused:--model.attention=naive --model.fused=false"

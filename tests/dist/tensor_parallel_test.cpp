@@ -179,45 +179,51 @@ TEST(TensorParallelLayers, VocabParallelCrossEntropyMatchesFull) {
 
 std::vector<Batch> make_data(int steps) { return make_batches(steps, kBatch, kSeq, kVocab, 1234); }
 
-models::GPT make_model(at::ScalarType dtype) {
+models::GPT make_model(at::ScalarType dtype, bool fused = true) {
   torch::manual_seed(42);
-  auto m = models::GPT(small_gpt());
+  auto config = small_gpt();
+  config.fused = fused;
+  auto m = models::GPT(config);
   m->to(dtype);
   return m;
 }
 
+// The fused head + loss reduces over the vocabulary split (Note [A
+// vocabulary split across ranks]); the unfused one calls the hooks' loss.
+// Both against the unfused single process.
 TEST(TensorParallelGPT, OutputsAndGradientsMatchSingleProcess) {
   auto data = make_data(1);
-  auto ref = make_model(at::kFloat);
+  auto ref = make_model(at::kFloat, false);
   auto ref_logits = ref->forward(data[0].x);
   auto ref_loss = ref->loss(data[0].x, data[0].y);
   ref_loss.backward();
   auto ref_params = ref->named_parameters();
-  for (bool sp : {false, true}) {
-    SCOPED_TRACE(std::string("sequence_parallel=") + (sp ? "1" : "0"));
-    auto model = make_model(at::kFloat);
-    tp::TensorParallelOptions o;
-    o.sequence_parallel = sp;
-    auto plan = tp::parallelize_tensor(*model, tp_group(), o);
-    // Each rank computes heads n_head / tp.
-    EXPECT_EQ((*model->h)[0]->as<models::Block>()->attn->local_heads(), small_gpt().n_head / tp_group().size());
-    EXPECT_LE(rel(model->forward(data[0].x), ref_logits), kTol);
-    auto loss = model->loss(data[0].x, data[0].y);
-    EXPECT_LE(rel(loss, ref_loss), kTol);
-    loss.backward();
-    auto params = model->named_parameters();
-    ASSERT_EQ(params.size(), ref_params.size());
-    double worst = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto grad = tp::gather_parameter(params[i].value().grad(), plan.params[i], tp_group());
-      const double d = rel(grad, ref_params[i].value().grad());
-      EXPECT_LE(d, kTol) << params[i].key();
-      worst = std::max(worst, d);
+  for (bool sp : {false, true})
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(std::string("sequence_parallel=") + (sp ? "1" : "0") + " fused=" + (fused ? "1" : "0"));
+      auto model = make_model(at::kFloat, fused);
+      tp::TensorParallelOptions o;
+      o.sequence_parallel = sp;
+      auto plan = tp::parallelize_tensor(*model, tp_group(), o);
+      // Each rank computes heads n_head / tp.
+      EXPECT_EQ((*model->h)[0]->as<models::Block>()->attn->local_heads(), small_gpt().n_head / tp_group().size());
+      EXPECT_LE(rel(model->forward(data[0].x), ref_logits), kTol);
+      auto loss = model->loss(data[0].x, data[0].y);
+      EXPECT_LE(rel(loss, ref_loss), kTol);
+      loss.backward();
+      auto params = model->named_parameters();
+      ASSERT_EQ(params.size(), ref_params.size());
+      double worst = 0;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto grad = tp::gather_parameter(params[i].value().grad(), plan.params[i], tp_group());
+        const double d = rel(grad, ref_params[i].value().grad());
+        EXPECT_LE(d, kTol) << params[i].key();
+        worst = std::max(worst, d);
+      }
+      if (world().rank() == 0)
+        std::printf("[parity] fp32 tp=%d%s%s: gradients max relative diff %.3g\n", tp_group().size(),
+                    sp ? " sequence-parallel" : "", fused ? " fused head" : "", worst);
     }
-    if (world().rank() == 0)
-      std::printf("[parity] fp32 tp=%d%s: gradients max relative diff %.3g\n", tp_group().size(),
-                  sp ? " sequence-parallel" : "", worst);
-  }
 }
 
 constexpr int kSteps = 5;

@@ -250,7 +250,7 @@ double activation_bytes_per_layer(int64_t s_, int64_t b_, const ModelSpec& spec,
   const double rep = 4 * norm + 4 + (dropout ? 2 : 0);
   // An MoE block runs each token through k experts: k MLPs' hidden tensors.
   const double routes = spec.num_experts > 0 ? static_cast<double>(spec.experts_per_token) : 1.0;
-  const double gated = fused && spec.num_experts == 0 ? 6 : 8;  // the experts' SwiGLU is not fused
+  const double gated = fused ? 6 : 8;  // fused, SwiGLU keeps gate and up only (experts' too)
   const double hidden = routes * (spec.gated_mlp ? gated : 4) * static_cast<double>(spec.intermediate_size) / h;
   const double tp = 8 + hidden, att = dropout ? 5 : 2;
   const double scores = flash ? 2 + 4 * a / h : att * a * s / h;  // per s*b*h, split over tp
@@ -342,9 +342,10 @@ void set_activations(StageShape& shape, const ModelSpec& spec, const Layout& l, 
     const double norm_kept = spec.norm == Norm::kLayerNorm || l.fused_blocks ? 1 : 2;  // tensors a norm keeps
     shape.act_last = 2 * norm_kept * sbh * act_scale / sp_div;                         // the final norm
     // Head input (the final norm's output) + the loss's fp32 log-softmax;
-    // fused (never under tp), the head's input and weight gradients
-    // formed in forward instead.
-    const double fused = 2 * sbh * act_scale + static_cast<double>(spec.vocab_size) * spec.hidden_size * w.grad;
+    // fused, the head's input and weight gradients formed in forward
+    // instead (under tp: this rank's vocabulary rows of the weight's, and
+    // hidden's gradient over the whole gathered sequence).
+    const double fused = 2 * sbh * act_scale + static_cast<double>(spec.vocab_size) * spec.hidden_size * w.grad / t;
     if (!spec.encoder) shape.act_last += 2 * sbh * act_scale / sp_div + (l.fused_loss ? fused : 4 * sbv / t);
   }
   // Backward of one layer: the residual gradient, the gradient of the

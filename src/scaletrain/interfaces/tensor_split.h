@@ -41,6 +41,11 @@ struct TensorParallelHooks {
   // Final hidden states, head rows and targets -> mean next-token
   // cross-entropy, with logits that stay sharded over the vocabulary.
   std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& head, const torch::Tensor& targets)> loss;
+  // For a module that fuses its head with the loss instead of calling
+  // `loss` (kernels::VocabShard): this rank's index in the group, and the
+  // in-place elementwise maximum and sum of a tensor over the group.
+  int rank = 0;
+  std::function<void(torch::Tensor&)> max_across, sum_across;
   // Token ids sampled by generate() [B, 1] -> the ids every rank continues
   // with (tp rank 0's): the ranks of a split model must feed the same tokens.
   TensorFn broadcast_tokens;

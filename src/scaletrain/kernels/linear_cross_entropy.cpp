@@ -17,6 +17,21 @@
 // alone and its backward recomputes the logits chunk by chunk with the
 // weights folded into g (one extra chunk GEMM per chunk).
 //
+// Note [A vocabulary split across ranks]
+// Under tensor parallelism each rank holds rows [o, o + V) of the head, so
+// a chunk's logits are split by column across the ranks. The loss needs
+// three per-token quantities over the whole vocabulary, and each is a
+// reduction of per-rank parts (as Megatron's vocab-parallel cross-entropy):
+//   m = max over all logits (max_across; the same m on every rank keeps the
+//       partial sums on one scale),
+//   S = sum of exp(z - m), and z[t] - m (only the rank holding t has it, the
+//       others add 0): both in one sum_across of a [rows, 2] tensor.
+// loss = log S - (z[t] - m). The gradient of this rank's logits is
+// exp(z - m) / S - onehot(t - o), local once S is known, so the chunk is
+// finished as in the unsplit case: two small collectives per chunk, no
+// logits gathered. Its hidden gradient g W is this rank's part; the caller's
+// column-parallel input sums the parts in backward.
+//
 // Numerics: the softmax runs in fp32 (fp64 for double inputs) and is computed
 // in place on the chunk: subtract the row max, exponentiate, divide by the row
 // sum, subtract 1 at the target. The matrix products use ATen's BLAS and its
@@ -48,6 +63,8 @@ struct Shape {
   int64_t vocab = 0;     // V
   at::ScalarType gemm = at::kFloat;  // dtype of the matrix products
   at::ScalarType row = at::kFloat;   // dtype of softmax, losses, bias grad
+  int64_t offset = 0;                // first vocabulary row of the weight
+  int64_t total = 0;                 // entries of the whole vocabulary
 };
 
 template <typename T>
@@ -73,6 +90,22 @@ void check_target_range(const Tensor& flat_targets, int64_t vocab, int64_t ignor
   fail("target " + std::to_string(flat_targets[at].item<int64_t>()) + " at token " + std::to_string(at) +
        " is outside [0, " + std::to_string(vocab) + ") and is not ignore_index " + std::to_string(ignore) + " (" +
        std::to_string(n_bad) + " such targets)");
+}
+
+// The weight's rows must lie inside the whole vocabulary; both reductions set.
+void check_shard(const VocabShard& shard, Shape& s) {
+  if (!shard.max_across || !shard.sum_across) fail("vocab_shard needs both reductions (max_across, sum_across)");
+  if (shard.offset < 0 || shard.offset + s.vocab > shard.total)
+    fail("vocab_shard rows [" + std::to_string(shard.offset) + ", " + std::to_string(shard.offset + s.vocab) +
+         ") of the weight lie outside the vocabulary of " + std::to_string(shard.total));
+  s.offset = shard.offset;
+  s.total = shard.total;
+}
+
+// The paths that cannot combine a split vocabulary refuse one.
+void refuse_shard(const Options& o, const char* path) {
+  if (o.vocab_shard)
+    fail(std::string("vocab_shard is taken only by the fused sum (") + path + " cannot reduce across ranks)");
 }
 
 Shape check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& bias, const Tensor& targets,
@@ -105,7 +138,9 @@ Shape check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& bia
     if (t->defined() && t->device() != hidden.device())
       fail("all inputs must be on hidden's device " + str(hidden.device()) + ", found one on " + str(t->device()));
   if (o.chunk_tokens < 0) fail("chunk_tokens must be >= 0 (0 = automatic), got " + std::to_string(o.chunk_tokens));
-  check_target_range(targets.reshape({-1}), s.vocab, o.ignore_index);
+  s.total = s.vocab;
+  if (o.vocab_shard) check_shard(*o.vocab_shard, s);
+  check_target_range(targets.reshape({-1}), s.total, o.ignore_index);
 
   const auto promoted = at::promote_types(hidden.scalar_type(), weight.scalar_type());
   const bool reduced = promoted == at::kBFloat16 || promoted == at::kHalf;
@@ -123,6 +158,7 @@ struct Problem {
   Tensor targets;  // [N] int64
   int64_t chunk = 1;
   int64_t ignore = -100;
+  std::optional<VocabShard> shard;  // Note [A vocabulary split across ranks]
 };
 
 Problem make_problem(const Tensor& hidden, const Tensor& weight, const Tensor& bias, const Tensor& targets,
@@ -136,6 +172,7 @@ Problem make_problem(const Tensor& hidden, const Tensor& weight, const Tensor& b
   p.targets = targets.reshape({-1}).contiguous();
   p.chunk = linear_cross_entropy_chunk_tokens(s.vocab, at::elementSize(s.row), o.chunk_tokens);
   p.ignore = o.ignore_index;
+  p.shard = o.vocab_shard;
   return p;
 }
 
@@ -172,6 +209,31 @@ void softmax_rows(Tensor& x, const Tensor& targets, const Tensor& scale, int64_t
   x.scatter_add_(1, column, -k);
 }
 
+// softmax_rows for this rank's columns of a split vocabulary (Note [A
+// vocabulary split across ranks]): the row maximum, the exponential sums and
+// the target's logit are combined across the ranks before use.
+void softmax_rows_split(Tensor& x, const Tensor& targets, const Tensor& scale, const Problem& p, bool grad,
+                        Tensor loss_out) {
+  const int64_t first = p.shape.offset, rows = x.size(1);
+  const auto dropped = targets.eq(p.ignore);
+  const auto mine = targets.ge(first).logical_and(targets.lt(first + rows)).logical_and(dropped.logical_not());
+  const auto column = (targets - first).masked_fill(mine.logical_not(), 0).unsqueeze(1);
+  auto row_max = x.amax(1, /*keepdim=*/true).contiguous();
+  p.shard->max_across(row_max);
+  auto stats = torch::empty({x.size(0), 2}, x.options());
+  stats.select(1, 0).copy_((x.gather(1, column) - row_max).squeeze(1).masked_fill(mine.logical_not(), 0));
+  x.sub_(row_max).exp_();
+  stats.select(1, 1).copy_(x.sum(1));
+  p.shard->sum_across(stats);
+  const auto denom = stats.select(1, 1).unsqueeze(1);
+  loss_out.copy_((denom.log() - stats.select(1, 0).unsqueeze(1)).squeeze(1).masked_fill(dropped, 0));
+  if (!grad) return;
+  auto k = dropped.logical_not().to(x.scalar_type()).unsqueeze(1);
+  if (scale.defined()) k = k * scale.unsqueeze(1);
+  x.mul_(k / denom);
+  x.scatter_add_(1, column, -k * mine.to(x.scalar_type()).unsqueeze(1));
+}
+
 // The chunk loop of Note [Chunked linear cross-entropy].
 Outputs run_chunks(const Problem& p, const Wanted& want) {
   const auto& s = p.shape;
@@ -199,7 +261,11 @@ Outputs run_chunks(const Problem& p, const Wanted& want) {
     auto x = row_buf.narrow(0, 0, rows);
     if (s.row != s.gemm) x.copy_(logits);
     const auto scale = want.row_scale.defined() ? want.row_scale.narrow(0, begin, rows) : Tensor();
-    softmax_rows(x, p.targets.narrow(0, begin, rows), scale, p.ignore, want.any(), out.losses.narrow(0, begin, rows));
+    const auto t = p.targets.narrow(0, begin, rows);
+    if (p.shard)
+      softmax_rows_split(x, t, scale, p, want.any(), out.losses.narrow(0, begin, rows));
+    else
+      softmax_rows(x, t, scale, p.ignore, want.any(), out.losses.narrow(0, begin, rows));
     if (!want.any()) continue;
     if (s.row != s.gemm) logits.copy_(x);
     if (want.bias) out.bias.add_(x.sum(0));
@@ -345,6 +411,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy(const Tensor& hidden, const Tens
 
 Tensor linear_cross_entropy_per_token(const Tensor& hidden, const Tensor& weight, const Tensor& bias,
                                       const Tensor& targets, const Options& options) {
+  refuse_shard(options, "the per-token variant");
   if (!fused_linear_cross_entropy_applies(hidden))
     return linear_cross_entropy_per_token_unfused(hidden, weight, bias, targets, options);
   if (!wanted_grads(hidden, weight, bias).any()) {
@@ -357,6 +424,7 @@ Tensor linear_cross_entropy_per_token(const Tensor& hidden, const Tensor& weight
 std::tuple<Tensor, Tensor> linear_cross_entropy_unfused(const Tensor& hidden, const Tensor& weight,
                                                         const Tensor& bias, const Tensor& targets,
                                                         const Options& options) {
+  refuse_shard(options, "the unfused path");
   const auto s = check_inputs(hidden, weight, bias, targets, options);
   const auto t = targets.reshape({-1});
   const auto sum = at::cross_entropy_loss(full_logits(hidden, weight, bias, s), t, c10::nullopt, at::Reduction::Sum,
@@ -366,6 +434,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_unfused(const Tensor& hidden, co
 
 Tensor linear_cross_entropy_per_token_unfused(const Tensor& hidden, const Tensor& weight, const Tensor& bias,
                                               const Tensor& targets, const Options& options) {
+  refuse_shard(options, "the unfused path");
   const auto s = check_inputs(hidden, weight, bias, targets, options);
   return at::cross_entropy_loss(full_logits(hidden, weight, bias, s), targets.reshape({-1}), c10::nullopt,
                                 at::Reduction::None, options.ignore_index);

@@ -20,9 +20,28 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <tuple>
 
 namespace scaletrain::kernels {
+
+// A vocabulary split across ranks (tensor parallelism, Note [A vocabulary
+// split across ranks] in the .cpp file): `weight` holds rows [offset,
+// offset + V) of a vocabulary of `total` entries, and targets index the whole
+// vocabulary. The two reductions combine a [tokens, k] tensor over the ranks
+// that hold the other rows, in place: elementwise maximum and sum. Every rank
+// returns the loss over the whole vocabulary and forms the gradient of its
+// own rows and its part of hidden's gradient (the caller sums that over the
+// ranks, as the backward of a column-parallel linear's input does). Every
+// rank must call with the same tokens and chunk size: the reductions are
+// collectives, one pair per chunk.
+struct VocabShard {
+  int64_t offset = 0;
+  int64_t total = 0;
+  std::function<void(torch::Tensor&)> max_across;
+  std::function<void(torch::Tensor&)> sum_across;
+};
 
 struct LinearCrossEntropyOptions {
   // Targets equal to this value contribute neither loss nor gradient, and are
@@ -38,6 +57,10 @@ struct LinearCrossEntropyOptions {
   // products in fp32 (the weight is converted once per call); false runs the
   // matrix products in the input dtype and only the softmax in fp32.
   bool upcast = true;
+  // Set: the weight is this rank's part of a split vocabulary. Only the
+  // fused CPU path of `linear_cross_entropy` takes it; the per-token variant
+  // and the unfused path throw a UsageError.
+  std::optional<VocabShard> vocab_shard;
 };
 
 // True when `linear_cross_entropy` takes the fused CPU kernel for this hidden

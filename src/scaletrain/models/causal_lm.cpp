@@ -147,20 +147,31 @@ void CausalLM::check_length(int64_t T) const {
 
 torch::Tensor CausalLM::head_cross_entropy(const torch::Tensor& y, const torch::Tensor& head,
                                            const torch::Tensor& targets) const {
-  if (!config_.fused || !kernels::fused_linear_cross_entropy_applies(y))
-    return causal_lm_cross_entropy(torch::matmul(y, head.t()), targets);
+  const bool fused = config_.fused && kernels::fused_linear_cross_entropy_applies(y);
+  const bool split = tp_ != nullptr;
+  if (split && (!fused || !tp_->max_across || !tp_->sum_across)) return tp_->loss(y, head, targets);
+  if (!fused) return causal_lm_cross_entropy(torch::matmul(y, head.t()), targets);
   // As autocast would run the head's matmul: both operands in its dtype (the
   // kernel then forms each chunk's logits in fp32, as the unfused loss upcasts
   // them), and autocast off for the kernel's own GEMMs.
-  torch::Tensor h = y, w = head;
+  torch::Tensor h = split ? tp_->column_input(y) : y, w = head;
   namespace pc = precision::compat;
   const auto cpu = y.device().type();  // the kernel runs on CPU tensors only (checked above)
   if (pc::autocast_enabled(cpu) && y.is_floating_point()) {
-    h = y.to(pc::autocast_dtype(cpu));
+    h = h.to(pc::autocast_dtype(cpu));
     w = head.to(pc::autocast_dtype(cpu));
   }
   precision::AutocastGuard off(precision::PrecisionPolicy{}, cpu);
-  auto [sum, count] = kernels::linear_cross_entropy(h.reshape({-1, h.size(-1)}), w, {}, targets.reshape({-1}));
+  kernels::LinearCrossEntropyOptions options;
+  options.ignore_index = kIgnoreTarget;
+  if (split) {
+    // This rank's rows of the head (Note [A vocabulary split across ranks] in
+    // kernels/linear_cross_entropy.cpp); column_input above sums hidden's
+    // gradient over the group in backward.
+    const int64_t rows = head.size(0);
+    options.vocab_shard = kernels::VocabShard{tp_->rank * rows, config_.vocab_size, tp_->max_across, tp_->sum_across};
+  }
+  auto [sum, count] = kernels::linear_cross_entropy(h.reshape({-1, h.size(-1)}), w, {}, targets.reshape({-1}), options);
   return sum / count.clamp_min(1).to(sum.scalar_type());
 }
 

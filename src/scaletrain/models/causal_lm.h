@@ -211,7 +211,9 @@ class CausalLM : public torch::nn::Module, public interfaces::Staged, public int
   std::shared_ptr<SequenceContext> sequence_ = std::make_shared<SequenceContext>();
   // The final hidden states [.., C] and head weight [V, C] -> the mean
   // next-token cross-entropy over the targets (not kIgnoreTarget), fused or
-  // not as config().fused says.
+  // not as config().fused says; under tensor parallelism `head` is this
+  // rank's vocabulary rows, and the fused kernel reduces across the group
+  // (the unfused path calls the hooks' loss).
   torch::Tensor head_cross_entropy(const torch::Tensor& y, const torch::Tensor& head, const torch::Tensor& targets) const;
 
  private:

@@ -151,7 +151,6 @@ torch::Tensor GPTImpl::head_logits(const torch::Tensor& x) {
 
 torch::Tensor GPTImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
   auto y = ln_f(x);
-  if (tp_) return tp_->loss(y, wte->weight, targets);
   return head_cross_entropy(y, wte->weight, targets);
 }
 

@@ -119,6 +119,7 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const ModelConfig& c) {
     o.drop_policy = c.moe_drop_policy;
     o.aux_loss_coef = c.router_aux_loss_coef;
     o.z_loss_coef = c.router_z_loss_coef;
+    o.fused = c.fused;
     block_sparse_moe = register_module("block_sparse_moe", SparseMoeBlock(c.n_embd, c.mlp_width(), o));
   } else {
     mlp = register_module("mlp", LlamaMLP(c));
@@ -191,7 +192,6 @@ torch::Tensor LlamaImpl::head_logits(const torch::Tensor& x) {
 
 torch::Tensor LlamaImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
   auto y = norm(x);
-  if (tp_) return tp_->loss(y, head_weight(), targets);
   return head_cross_entropy(y, head_weight(), targets);
 }
 

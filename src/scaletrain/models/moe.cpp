@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "scaletrain/kernels/norm_activation.h"
 #include "scaletrain/models/checkpoint.h"
 
 namespace scaletrain::models {
@@ -83,19 +84,21 @@ torch::Tensor router_z_loss(const Routing& r) {
   return torch::logsumexp(r.logits.to(router_dtype(r.logits)), -1).pow(2).mean();
 }
 
-MoeExpertImpl::MoeExpertImpl(int64_t width, int64_t inner) {
+MoeExpertImpl::MoeExpertImpl(int64_t width, int64_t inner, bool fused) : fused_(fused) {
   w1 = register_module("w1", Linear(width, inner, false));
   w2 = register_module("w2", Linear(inner, width, false));
   w3 = register_module("w3", Linear(width, inner, false));
 }
 
-torch::Tensor MoeExpertImpl::forward(const torch::Tensor& x) { return w2(torch::silu(w1(x)) * w3(x)); }
+torch::Tensor MoeExpertImpl::forward(const torch::Tensor& x) {
+  return w2(fused_ ? kernels::swiglu(w1(x), w3(x)) : torch::silu(w1(x)) * w3(x));
+}
 
 SparseMoeBlockImpl::SparseMoeBlockImpl(int64_t width, int64_t inner, MoeOptions o) : o_(std::move(o)) {
   gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(width, o_.num_experts).bias(false)));
   experts = register_module("experts", std::make_shared<torch::nn::Module>());
   for (int64_t j = 0; j < o_.num_experts; ++j)
-    local_.push_back(experts->register_module(std::to_string(j), MoeExpert(width, inner)));
+    local_.push_back(experts->register_module(std::to_string(j), MoeExpert(width, inner, o_.fused)));
 }
 
 void SparseMoeBlockImpl::set_expert_parallel(interfaces::ExpertParallelHooksPtr hooks) {

@@ -58,6 +58,7 @@ struct MoeOptions {
   std::string drop_policy = "probs";  // probs | position
   double aux_loss_coef = 0.0;         // router_aux_loss_coef
   double z_loss_coef = 0.0;           // router_z_loss_coef
+  bool fused = true;                  // experts' SwiGLU in one pass each way (kernels/norm_activation.h)
 };
 
 // What the MoE layers of a model recorded since the last take(): the values
@@ -96,9 +97,12 @@ torch::Tensor router_z_loss(const Routing& r);
 
 class MoeExpertImpl : public torch::nn::Module {
  public:
-  MoeExpertImpl(int64_t width, int64_t inner);
+  MoeExpertImpl(int64_t width, int64_t inner, bool fused = true);
   torch::Tensor forward(const torch::Tensor& x);
   Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+
+ private:
+  bool fused_;
 };
 TORCH_MODULE(MoeExpert);
 

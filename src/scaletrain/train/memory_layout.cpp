@@ -35,7 +35,7 @@ estimate::Layout run_layout(const Config& c, const Plan& plan, int world_size, i
   l.seq_len = m.block_size;
   l.dropout = m.dropout > 0;
   l.flash_attention = m.attention == "flash";
-  l.fused_loss = m.fused && p.tp == 1;             // tensor parallelism keeps its vocabulary-parallel loss
+  l.fused_loss = m.fused;                          // under tp too: the kernel splits the vocabulary
   l.fused_blocks = m.fused && m.family != "gpt2";  // RMSNorm and SwiGLU: the llama family's
   l.fp8_linears = c.precision.fp8;
   l.fp8_moments = fp8_moments(plan.fp8_level);

@@ -2,7 +2,8 @@
 // unfused matmul + cross_entropy reference: loss sum, count and gradients for
 // odd shapes, chunk sizes that do not divide the token count, ignored
 // targets, tied and frozen weights, 3-D inputs, reduced precision, the
-// per-token variant, and the messages of bad input.
+// per-token variant, a vocabulary split across threads standing in for tensor
+// parallel ranks, and the messages of bad input.
 //
 // Error measure: err(a, ref) = max|a - ref| / max(1, max|ref|), i.e. absolute
 // for values of magnitude up to 1 and relative above. Bounds: 1e-10 (fp64),
@@ -10,8 +11,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "scaletrain/kernels/linear_cross_entropy.h"
 #include "scaletrain/util/error.h"
@@ -255,6 +260,92 @@ TEST(LinearCrossEntropy, DispatchAndChunkSize) {
   EXPECT_EQ(k::linear_cross_entropy_chunk_tokens(128256, 4, 77), 77);
 }
 
+// Threads standing in for the ranks of a tensor-parallel group: each reduce
+// waits for all of them and hands every one the same elementwise maximum or
+// sum (rank order), as an all-reduce would.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int size) : size_(size), parts_(size) {}
+
+  void reduce(int rank, Tensor& t, bool max) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t round = round_;
+    parts_[rank] = t.clone();
+    if (++arrived_ == size_) {
+      result_ = parts_[0];
+      for (int r = 1; r < size_; ++r) result_ = max ? torch::maximum(result_, parts_[r]) : result_ + parts_[r];
+      arrived_ = 0;
+      ++round_;
+      done_.notify_all();
+    } else {
+      done_.wait(lock, [&] { return round_ != round; });
+    }
+    t.copy_(result_);
+  }
+
+ private:
+  int size_, arrived_ = 0;
+  uint64_t round_ = 0;
+  std::vector<Tensor> parts_;
+  Tensor result_;
+  std::mutex mutex_;
+  std::condition_variable done_;
+};
+
+// The head's rows split unevenly over three threads (Note [A vocabulary split
+// across ranks]): every part returns the whole vocabulary's loss sum and
+// count, its rows' weight and bias gradients are those rows of the unsplit
+// gradients, and the parts' hidden gradients add up to the unsplit one.
+void compare_split(const Case& c, const std::vector<int64_t>& rows, uint64_t seed) {
+  SCOPED_TRACE("N=" + std::to_string(c.n) + " V=" + std::to_string(c.v) + " chunk=" + std::to_string(c.chunk) +
+               " dtype=" + std::string(c10::toString(c.dtype)));
+  const auto in = make_inputs(c, seed);
+  LinearCrossEntropyOptions base;
+  base.chunk_tokens = c.chunk;
+  const double upstream = 0.75;
+  const auto ref = run(k::linear_cross_entropy_unfused, in, base, Reduce::kScaledSum, upstream);
+  const int parts = static_cast<int>(rows.size());
+  ThreadGroup group(parts);
+  std::vector<Result> got(parts);
+  std::vector<std::thread> threads;
+  int64_t first = 0;
+  for (int r = 0; r < parts; ++r) {
+    Inputs mine = in;
+    mine.weight = in.weight.narrow(0, first, rows[r]);
+    if (c.bias) mine.bias = in.bias.narrow(0, first, rows[r]);
+    auto o = base;
+    o.vocab_shard = k::VocabShard{first, c.v, [&group, r](Tensor& t) { group.reduce(r, t, true); },
+                                  [&group, r](Tensor& t) { group.reduce(r, t, false); }};
+    threads.emplace_back(
+        [&got, r, mine, o, upstream] { got[r] = run(k::linear_cross_entropy, mine, o, Reduce::kScaledSum, upstream); });
+    first += rows[r];
+  }
+  for (auto& t : threads) t.join();
+  const double tol = tolerance(c.dtype);
+  Tensor hidden_sum = torch::zeros_like(ref.grad_hidden);
+  first = 0;
+  for (int r = 0; r < parts; ++r) {
+    expect_close(got[r].sum, ref.sum, tol, "loss sum");
+    EXPECT_EQ(got[r].count.item<int64_t>(), ref.count.item<int64_t>());
+    expect_close(got[r].grad_weight, ref.grad_weight.narrow(0, first, rows[r]), tol, "grad weight rows");
+    if (c.bias) expect_close(got[r].grad_bias, ref.grad_bias.narrow(0, first, rows[r]), tol, "grad bias rows");
+    hidden_sum += got[r].grad_hidden;
+    first += rows[r];
+  }
+  expect_close(hidden_sum, ref.grad_hidden, tol, "grad hidden (sum of the parts)");
+}
+
+TEST(LinearCrossEntropy, VocabularySplitAcrossRanksMatchesTheWholeHead) {
+  uint64_t seed = 500;
+  for (int64_t n : {1, 7, 130})
+    for (int64_t chunk : {0, 3}) {
+      compare_split({n, 5, 11, at::kDouble, n % 2 == 1, 0.25, chunk}, {4, 4, 3}, seed++);
+      compare_split({n, 48, 1000, at::kFloat, false, 0.25, chunk}, {500, 500}, seed++);
+    }
+  // Every target ignored: zero loss and gradients on every part.
+  compare_split({9, 4, 6, at::kDouble, true, 1.0, 0}, {3, 3}, seed++);
+}
+
 // Runs fn and returns the UsageError message ("" if none was thrown).
 std::string message_of(const std::function<void()>& fn) {
   try {
@@ -289,6 +380,21 @@ TEST(LinearCrossEntropy, BadInputNamesTheValues) {
   auto ignored = t.clone();
   ignored[0] = 7;
   EXPECT_EQ(message_of([&] { k::linear_cross_entropy(h, w, {}, ignored, o); }), "");
+
+  // A split vocabulary: the rows must lie inside it, targets index all of
+  // it, and the paths that cannot reduce across ranks refuse it.
+  auto noop = [](Tensor&) {};
+  LinearCrossEntropyOptions split;
+  split.vocab_shard = k::VocabShard{4, 8, noop, noop};
+  expect_message(message_of([&] { k::linear_cross_entropy(h, w, {}, t, split); }), {"[4, 9)", "vocabulary of 8"});
+  split.vocab_shard = k::VocabShard{3, 8, noop, noop};
+  auto beyond = t.clone();
+  beyond[2] = 8;
+  expect_message(message_of([&] { k::linear_cross_entropy(h, w, {}, beyond, split); }), {"target 8", "[0, 8)"});
+  expect_message(message_of([&] { k::linear_cross_entropy_per_token(h, w, {}, t, split); }), {"per-token"});
+  expect_message(message_of([&] { k::linear_cross_entropy_unfused(h, w, {}, t, split); }), {"unfused"});
+  split.vocab_shard = k::VocabShard{3, 8, noop, nullptr};
+  expect_message(message_of([&] { k::linear_cross_entropy(h, w, {}, t, split); }), {"sum_across"});
 }
 
 }  // namespace

@@ -77,6 +77,9 @@ interfaces::TensorParallelHooksPtr make_hooks(comm::Group* g, bool sp) {
     // Targets the loss skips (interfaces::kIgnoreTarget) add nothing and are not counted.
     return interfaces::mean_over_targets(vocab_parallel_cross_entropy(logits, targets, *g), targets);
   };
+  hooks->rank = g->rank();
+  hooks->max_across = [g](torch::Tensor& t) { all_reduce_(t, *g, comm::ReduceOp::Max); };
+  hooks->sum_across = [g](torch::Tensor& t) { all_reduce_(t, *g); };
   // Sampling: every rank computed the same full logits and drew with the
   // same seed, but a rank that drew differently (another BLAS, another
   // rounding) would go on with another sequence: tp rank 0's tokens decide.
