@@ -13,6 +13,17 @@
 #include "scaletrain/util/trace.h"
 
 namespace scaletrain::train {
+
+double MicroBatchStrategy::step(const StepWork& work) {
+  const auto accum = static_cast<int64_t>(work.inputs.size());
+  double sum = 0;
+  for (int64_t k = 0; k < accum; ++k) {
+    if (work.prepare) work.prepare(k);
+    sum += forward_backward([&] { return work.forward(k); }, k, accum) / work.loss_scale;
+  }
+  return sum;
+}
+
 namespace {
 
 namespace fsdp = parallel::fsdp;
@@ -26,7 +37,7 @@ checkpoint::Layout in_full_coordinates(checkpoint::Layout l, const TensorPlan& p
 // Micro-batches before the last accumulate locally (no communication) under
 // DDP, ZeRO-1 and FSDP; ZeRO-2/3 reduce every micro-batch into their gradient
 // shards, as DeepSpeed does, so whole gradients never pile up.
-class DDPStrategy final : public DataParallel {
+class DDPStrategy final : public MicroBatchStrategy {
  public:
   // `plan`: the model is tensor-parallel (clipping counts split and
   // replicated parameters over tp; see parallel/tensor).
@@ -157,7 +168,7 @@ class DDPStrategy final : public DataParallel {
   std::vector<at::Tensor> shared_params_, expert_params_;
 };
 
-class ShardedStrategy final : public DataParallel {
+class ShardedStrategy final : public MicroBatchStrategy {
  public:
   // `plan`: the model is tensor-parallel; the engine shards each rank's part
   // (Note [Sharding tensor-parallel parameters] in parallel/fsdp).

@@ -24,7 +24,7 @@ namespace pl = parallel::pipeline;
 class PipelineStrategy final : public DataParallel {
  public:
   PipelineStrategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
-      : model_(std::move(model)), mesh_(mesh), device_type_(run_plan.device.type()) {
+      : model_(std::move(model)), mesh_(mesh) {
     if (run_plan.dims.tp > 1) plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), run_plan.engines.tensor);
     pipe_ =
         std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), run_plan.engines.pipeline, world.group().get());
@@ -64,20 +64,13 @@ class PipelineStrategy final : public DataParallel {
     pipe_->set_runners(runners);
   }
 
-  double forward_backward(const std::function<at::Tensor()>&, int64_t, int64_t) override {
-    throw std::logic_error("pipeline: call step()");
-  }
-  bool runs_whole_steps() const override { return true; }
   std::optional<Bubble> pipeline_bubble() const override {
     return Bubble{pipe_->last_stats().bubble(), pl::expected_bubble(pipe_->shape())};
   }
-  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-              const std::vector<double>& weights, double loss_scale, const precision::PrecisionPolicy& policy) override {
-    const auto autocast = [&](const std::function<at::Tensor()>& fn) {
-      precision::AutocastGuard guard(policy, device_type_);
-      return fn();
-    };
-    return pipe_->step(inputs, targets, loss_scale, autocast, weights);
+  // The schedule interleaves the micro-batches' forwards and backwards; each
+  // stage runs its pieces of the model (work.forward needs the whole model).
+  double step(const StepWork& work) override {
+    return pipe_->step(work.inputs, work.targets, work.loss_scale, work.autocast, work.weights);
   }
   std::vector<at::Tensor> optimizer_params() override { return params_; }
   std::vector<int64_t> decay_numel() override { return decay_; }
@@ -177,7 +170,6 @@ class PipelineStrategy final : public DataParallel {
 
   models::ModelPtr model_;
   comm::Mesh& mesh_;
-  at::DeviceType device_type_;  // autocast's
   std::optional<parallel::tensor::TensorParallelPlan> plan_;
   std::unique_ptr<pl::Pipeline> pipe_;
   bool sharded_ = false;

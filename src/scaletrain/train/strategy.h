@@ -23,12 +23,34 @@
 
 namespace scaletrain::train {
 
+// One step's micro-batches, as the trainer prepared them (Note [Training
+// step] in trainer.cpp).
+struct StepWork {
+  std::vector<at::Tensor> inputs, targets;  // micro-batch k: inputs[k], targets[k]
+  // Micro-batch k's loss is multiplied by loss_scale * weights[k] before its
+  // backward (Note [Masked loss]).
+  std::vector<double> weights;
+  double loss_scale = 1;
+  // Micro-batch k's forward through the whole model: its loss, multiplied
+  // as above. Strategies that hold the whole model call it; a pipeline runs
+  // its stages' pieces on inputs[k] and targets[k] instead.
+  std::function<at::Tensor(int64_t k)> forward;
+  // Called just before micro-batch k's forward_backward where `forward` is
+  // used (the sequence layout, FP8's loss multiplier, the memory mark).
+  std::function<void(int64_t k)> prepare;
+  // Runs fn under the run's autocast (what `forward` does for itself).
+  std::function<at::Tensor(const std::function<at::Tensor()>&)> autocast;
+};
+
+// Every strategy runs a step the same way: the trainer hands over all of its
+// micro-batches, the strategy runs their forwards and backwards (in turn, or
+// interleaved by a pipeline schedule) and reduces the gradients.
 class DataParallel {
  public:
   virtual ~DataParallel() = default;
-  // Runs one forward (fn calls the model) and its backward, of micro-batch
-  // `micro` out of `accum` in this step; returns the loss value.
-  virtual double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) = 0;
+  // Runs the step's micro-batches; returns the sum over k of weights[k] x
+  // micro-batch k's loss (without loss_scale).
+  virtual double step(const StepWork& work) = 0;
   // What the optimizer updates, and how many leading elements of each decay.
   virtual std::vector<at::Tensor> optimizer_params() = 0;
   virtual std::vector<int64_t> decay_numel() = 0;
@@ -53,23 +75,24 @@ class DataParallel {
   // After a checkpoint was loaded into checkpoint_layout()'s tensors.
   virtual void after_load() = 0;
 
-  // Pipeline strategies run all micro-batches of a step together (the
-  // schedule interleaves their forwards and backwards): the trainer then
-  // calls step() instead of forward_backward() per micro-batch.
-  virtual bool runs_whole_steps() const { return false; }
   // A pipeline's last step: the fraction of it this stage did not compute
   // (receives, idle), and the schedule's textbook bubble. Empty otherwise.
   struct Bubble {
     double measured = 0, expected = 0;
   };
   virtual std::optional<Bubble> pipeline_bubble() const { return std::nullopt; }
-  // inputs/targets: the step's micro-batches; loss k is multiplied by
-  // loss_scale * weights[k] before backward (Note [Masked loss]). Returns
-  // the weighted sum of the losses (unscaled).
-  virtual double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                      const std::vector<double>& weights, double loss_scale, const precision::PrecisionPolicy& policy) {
-    throw std::logic_error(describe() + " runs one micro-batch at a time");
-  }
+};
+
+// A strategy that holds the whole model runs a step's micro-batches one
+// after another: each forward, then its backward.
+class MicroBatchStrategy : public DataParallel {
+ public:
+  double step(const StepWork& work) final;
+
+ protected:
+  // Runs one forward (fn calls the model) and its backward, of micro-batch
+  // `micro` out of `accum` in this step; returns the loss value.
+  virtual double forward_backward(const std::function<at::Tensor()>& fn, int64_t micro, int64_t accum) = 0;
 };
 
 // Builds the model (deferred when the strategy initializes it shard by

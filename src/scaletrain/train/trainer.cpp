@@ -169,45 +169,44 @@ std::shared_ptr<const models::SequenceLayout> micro_layout(Run& r, int64_t step,
 // (Note [Training step]). Returns the sum of their losses, unscaled.
 double run_micro_batches(Run& r, int64_t step, int dp_rank, const std::vector<double>& weights, int64_t global_targets,
                          double loss_scale) {
-  const int64_t accum = r.plan.accum;
-  DataParallel& dp = r.dp();
-  double loss_sum = 0;
-  if (dp.runs_whole_steps()) {  // a pipeline: every micro-batch of the step at once
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t k = 0; k < accum; ++k) {
-      auto [x, y] = micro_batch(r, step, dp_rank, k);
-      xs.push_back(x);
-      ys.push_back(y);
+  StepWork work;
+  work.loss_scale = loss_scale;
+  std::vector<std::shared_ptr<const models::SequenceLayout>> layouts;
+  for (int64_t k = 0; k < r.plan.accum; ++k) {
+    auto [inputs, targets] = micro_batch(r, step, dp_rank, k);
+    std::shared_ptr<const models::SequenceLayout> lay = micro_layout(r, step, dp_rank, k);
+    double weight = weights[static_cast<size_t>(k)];
+    if (r.dims.cp > 1) {  // Note [Context-parallel batches]
+      keep_context_part(inputs, targets, lay, r.mesh->coord().cp, r.dims.cp);
+      weight = context_weight(targets, global_targets, r.dims.dp(), r.dims.cp);
     }
-    loss_sum = dp.step(xs, ys, weights, loss_scale, r.plan.policy);
-  } else {
-    for (int64_t k = 0; k < accum; ++k) {
-      auto [inputs, targets] = micro_batch(r, step, dp_rank, k);
-      std::shared_ptr<const models::SequenceLayout> lay = micro_layout(r, step, dp_rank, k);
-      double weight = weights[static_cast<size_t>(k)];
-      if (r.dims.cp > 1) {  // Note [Context-parallel batches]
-        keep_context_part(inputs, targets, lay, r.mesh->coord().cp, r.dims.cp);
-        weight = context_weight(targets, global_targets, r.dims.dp(), r.dims.cp);
-      }
-      r.model().set_sequence_layout(lay);
-      const double multiplier = loss_scale * weight;
-      for (auto& l : r.fp8) l->set_loss_multiplier(multiplier);
-      // What this forward leaves for its backward, counted from before the
-      // strategy's forward (which may gather units it keeps until backward).
-      const int64_t before_forward = observe::TensorBytes::current();
-      loss_sum += dp.forward_backward(
-                      [&] {
-                        precision::AutocastGuard autocast(r.plan.policy, r.plan.device.type());
-                        at::Tensor loss = r.model().loss(inputs, targets) * multiplier;
-                        r.mem.activations = std::max(
-                            r.mem.activations, static_cast<double>(observe::TensorBytes::current() - before_forward));
-                        return loss;
-                      },
-                      k, accum) /
-                  loss_scale;
-    }
+    work.inputs.push_back(inputs);
+    work.targets.push_back(targets);
+    work.weights.push_back(weight);
+    layouts.push_back(lay);
   }
-  return loss_sum;
+  work.autocast = [&r](const std::function<at::Tensor()>& fn) {
+    precision::AutocastGuard autocast(r.plan.policy, r.plan.device.type());
+    return fn();
+  };
+  // What a forward leaves for its backward, counted from before the
+  // strategy's forward (which may gather units it keeps until backward).
+  int64_t before_forward = 0;
+  work.prepare = [&](int64_t k) {
+    r.model().set_sequence_layout(layouts[static_cast<size_t>(k)]);
+    for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale * work.weights[static_cast<size_t>(k)]);
+    before_forward = observe::TensorBytes::current();
+  };
+  work.forward = [&](int64_t k) {
+    return work.autocast([&] {
+      at::Tensor loss = r.model().loss(work.inputs[static_cast<size_t>(k)], work.targets[static_cast<size_t>(k)]) *
+                        (loss_scale * work.weights[static_cast<size_t>(k)]);
+      r.mem.activations =
+          std::max(r.mem.activations, static_cast<double>(observe::TensorBytes::current() - before_forward));
+      return loss;
+    });
+  };
+  return r.dp().step(work);
 }
 
 // After the micro-batches: the loss scaler's overflow check, the global mean
