@@ -354,6 +354,12 @@ void set_activations(StageShape& shape, const ModelSpec& spec, const Layout& l, 
   // Backward of the loss: two more fp32 log-softmax-sized tensors.
   const double I = static_cast<double>(spec.intermediate_size);
   shape.ws_layer = act_scale * (2 * sbh / sp_div + 2 * sb * I / t) + spec.hidden_size * I / t * w.grad;
+  // With an adapter on the MLP's output projection the frozen weight forms
+  // no gradient, but its input's gradient comes by two paths (the base and
+  // the adapter) that autograd adds into a third tensor; the input the base
+  // saved is freed by then, so one more such tensor in all.
+  if (l.lora_rank > 0 && l.lora_targets == LoraTargets::kAllLinear)
+    shape.ws_layer += sb * I / t * w.compute - spec.hidden_size * I / t * w.grad;
   if (l.qlora) shape.ws_layer += spec.hidden_size * I / t * w.compute;  // one dequantized weight
   // Flash attention's backward (kernels/attention.cpp) holds fp32
   // contiguous copies of q, k, v, its output and the output's gradient,

