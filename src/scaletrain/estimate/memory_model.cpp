@@ -190,7 +190,6 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   if (l.cp > 1) {
     const std::string cp = "cp=" + std::to_string(l.cp);
     if (s.shapeless()) fail(cp + " needs the model's shapes (give a preset or config.json)");
-    if (l.pp > 1) fail(cp + " with pipeline parallelism is not available in this build");
     if (s.num_experts > 0) fail(cp + " with MoE layers is not available in this build");
     if (l.seq_len > 0 && l.seq_len % (2 * l.cp) != 0)
       fail(cp + " needs a sequence length divisible by 2 x cp = " + std::to_string(2 * l.cp));
@@ -452,7 +451,7 @@ void add_step_comm(RankEstimate& e, const ModelSpec& spec, const Layout& l, cons
     tp_time_bytes = e.tp_comm_bytes;
   }
   if (!raw && pp > 1) {
-    double act = static_cast<double>(seq) * l.micro_batch * spec.hidden_size * w.compute;
+    double act = static_cast<double>(s_rank) * l.micro_batch * spec.hidden_size * w.compute;  // this rank's part
     if (l.sequence_parallel) act /= static_cast<double>(t);
     const double directions = (first || last) ? 1 : 2;
     e.pp_comm_bytes = directions * m * act;

@@ -193,6 +193,8 @@ parallel::pipeline::PipelineOptions pipeline_options(const Config& c, const Plan
   po.micro_batch = plan.micro_batch;
   po.sequence_parallel_tp = plan.dims.tp > 1 && p.sequence_parallel;
   po.tp_size = plan.dims.tp;
+  // Under cp stages exchange this rank's part of every sequence.
+  if (plan.dims.cp > 1) po.seq_len = plan.model.block_size / plan.dims.cp;
   return po;
 }
 

@@ -52,6 +52,10 @@ ShardedSetup sharded_setup(const Plan& plan, comm::Mesh& mesh);
 // of `module`'s FP8 linears (models::fp8_weight_names) as the ones to gather in FP8.
 void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& module);
 
+// parallel.cp > 1: every layer's attention over the mesh's cp group, in the
+// plan's mode (both recipes, before data parallelism).
+void apply_context_parallel(models::CausalLM& model, comm::Mesh& mesh, const Plan& run);
+
 // parallel.pp > 1: the model cut into stages, each under DDP or the sharded
 // engine (train/pipeline_strategy.cpp).
 Parallelized parallelize_pipeline(const Plan& plan, comm::World& world, comm::Mesh& mesh);

@@ -4,9 +4,12 @@
 // data-parallel group. The order of the recipe matters:
 //   1. build the whole model from the seed on every rank (every stage cuts
 //      the same initialized weights; the blocks it does not keep are freed);
-//   2. tensor parallelism splits the weights of the whole model;
+//   2. context parallelism sets every layer's attention to the split one,
+//      and tensor parallelism splits the weights of the whole model;
 //   3. the pipeline cuts it into chunks and keeps this stage's;
-//   4. data parallelism wraps each chunk (and broadcasts dp rank 0's weights).
+//   4. data parallelism wraps each chunk over dp x cp (and broadcasts dp
+//      rank 0's weights): the cp ranks of a stage hold the same chunk and
+//      parts of every sequence (Note [Context-parallel groups]).
 #include <sstream>
 
 #include "scaletrain/optim/adamw.h"
@@ -26,8 +29,8 @@ class PipelineStrategy final : public DataParallel {
   PipelineStrategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
       : model_(std::move(model)), mesh_(mesh) {
     if (run_plan.dims.tp > 1) plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), run_plan.engines.tensor);
-    pipe_ =
-        std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp(), run_plan.engines.pipeline, world.group().get());
+    pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp_cp(), run_plan.engines.pipeline,
+                                           world.group().get());
 
     std::vector<std::shared_ptr<pl::ChunkRunner>> runners;
     sharded_ = !runs_ddp(run_plan.data_parallel);
@@ -49,7 +52,7 @@ class PipelineStrategy final : public DataParallel {
       label_ = "ddp";
       const parallel::DDPOptions& o = run_plan.engines.ddp;
       for (const auto& ch : pipe_->chunks()) {
-        auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp(), o);
+        auto r = std::make_shared<pl::DdpRunner>(ch, mesh.dp_cp(), o);
         ddps_.push_back(r);
         runners.push_back(r);
         for (auto& item : ch->named_parameters()) {
@@ -68,9 +71,10 @@ class PipelineStrategy final : public DataParallel {
     return Bubble{pipe_->last_stats().bubble(), pl::expected_bubble(pipe_->shape())};
   }
   // The schedule interleaves the micro-batches' forwards and backwards; each
-  // stage runs its pieces of the model (work.forward needs the whole model).
+  // stage runs its pieces of the model (work.forward needs the whole model),
+  // with micro-batch k's preparation (its layout) before each of its pieces.
   double step(const StepWork& work) override {
-    return pipe_->step(work.inputs, work.targets, work.loss_scale, work.autocast, work.weights);
+    return pipe_->step(work.inputs, work.targets, work.loss_scale, work.autocast, work.weights, work.prepare);
   }
   std::vector<at::Tensor> optimizer_params() override { return params_; }
   std::vector<int64_t> decay_numel() override { return decay_; }
@@ -130,6 +134,7 @@ class PipelineStrategy final : public DataParallel {
     s << ")";
     if (plan_) s << ", tensor parallel x" << mesh_.dims().tp << (plan_->options.sequence_parallel ? " (sp)" : "");
     s << ", " << label_ << " per stage over dp=" << mesh_.dims().dp();
+    if (mesh_.dims().cp > 1) s << " x cp=" << mesh_.dims().cp;
     return s.str();
   }
   checkpoint::Layout checkpoint_layout() const override {
@@ -141,7 +146,8 @@ class PipelineStrategy final : public DataParallel {
     for (size_t j = 0; j < pipe_->chunks().size(); ++j) {
       checkpoint::Layout l =
           sharded_ ? sharded_layout(engines_[j]->engine())
-                   : checkpoint::replicated_layout(*pipe_->chunks()[j], mesh_.coord().dp(mesh_.dims()) == 0);
+                   : checkpoint::replicated_layout(*pipe_->chunks()[j],
+                                                   mesh_.coord().dp(mesh_.dims()) == 0 && mesh_.coord().cp == 0);
       if (plan_) l = tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
       int n = 0;
       for (auto& s : l.slots) {
@@ -187,6 +193,7 @@ Parallelized parallelize_pipeline(const Plan& plan, comm::World& world, comm::Me
   Parallelized out;
   torch::manual_seed(plan.engines.start.seed);
   out.model = whole_model(plan.engines.start, plan.model, plan.policy.param, plan.device);
+  apply_context_parallel(*out.model, mesh, plan);
   try {
     out.dp = std::make_unique<PipelineStrategy>(out.model, world, mesh, plan);
   } catch (const std::invalid_argument& e) {

@@ -234,7 +234,6 @@ void check_context_parallel(const Config& c, const models::ModelConfig& m, Probl
   if (p.cp < 1) return problems.add("parallel.cp must be at least 1, got " + std::to_string(p.cp));
   if (p.cp == 1) return;
   const std::string cp = "parallel.cp=" + std::to_string(p.cp);
-  if (p.pp > 1) problems.add(cp + " with parallel.pp > 1 is not available yet (pipeline stages pass whole sequences)");
   if (m.num_local_experts > 0)
     problems.add(cp + " with MoE layers is not available: the load-balancing loss needs every token's routing on "
                  "one rank");
@@ -392,9 +391,6 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   if (!c.data.path.empty() && !c.data.mixture.empty())
     problems.add("data.path and data.mixture are both set: give one (a mixture lists every dataset with its weight)");
   if (!c.data.mixture.empty()) problems.check([&] { data::parse_mixture(c.data.mixture); });
-  if (c.data.pack == "documents" && p.pp > 1)
-    problems.add("data.pack=documents with parallel.pp > 1 is not available yet (pipeline stages do not carry the "
-                 "documents' layout)");
 
   const bool dims_ok = problems.check([&] {
     plan.dims = comm::MeshDims{p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp}.resolved(world_size);

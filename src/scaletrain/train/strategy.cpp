@@ -21,12 +21,11 @@
 #include "scaletrain/models/lora.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/optim/file_backed.h"
-#include "scaletrain/train/device.h"
-#include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/parallel/zero/zero.h"
+#include "scaletrain/train/device.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 
@@ -61,21 +60,6 @@ interfaces::InitFn drawn_on_host(interfaces::InitFn init) {
     torch::NoGradGuard no_grad;
     out.copy_(host);
   };
-}
-
-}  // namespace
-
-namespace {
-
-// Note [Split attention] (models/attention.h): with cp > 1 every layer's
-// attention runs over the cp group on the tokens this rank holds.
-void apply_context_parallel(models::CausalLM& model, comm::Mesh& mesh, const Plan& run) {
-  if (run.dims.cp == 1) return;
-  const parallel::context::AttentionOptions o = run.engines.context;
-  model.set_split_attention([group = &mesh.cp(), o](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const models::SequenceLayout* layout) {
-    return parallel::context::attention(q, k, v, layout != nullptr ? layout->segments : at::Tensor(), *group, o);
-  });
 }
 
 }  // namespace

@@ -36,7 +36,9 @@ struct StepWork {
   // its stages' pieces on inputs[k] and targets[k] instead.
   std::function<at::Tensor(int64_t k)> forward;
   // Called just before micro-batch k's forward_backward where `forward` is
-  // used (the sequence layout, FP8's loss multiplier, the memory mark).
+  // used, and by a pipeline before each forward and backward piece of
+  // micro-batch k (the sequence layout, FP8's loss multiplier, the memory
+  // mark); so it must be safe to call more than once per micro-batch.
   std::function<void(int64_t k)> prepare;
   // Runs fn under the run's autocast (what `forward` does for itself).
   std::function<at::Tensor(const std::function<at::Tensor()>&)> autocast;

@@ -551,10 +551,18 @@ TEST(EstimateModel, ContextParallelSplitsTheSequence) {
   l.world_size = 6;
   l.cp = 3;  // 16384 tokens do not make 6 equal chunks
   EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(spec, l); }), "divisible by 2 x cp = 6"));
+  // With a pipeline each stage holds half the layers of a cp = 2 rank's
+  // activations, and sends its part of each sequence to the next stage.
   l.world_size = 4;
   l.cp = 2;
   l.pp = 2;
-  EXPECT_TRUE(contains(usage_error([&] { est::estimate_rank(spec, l); }), "cp=2 with pipeline parallelism"));
+  const auto pp2 = est::estimate_rank(spec, l);
+  l.cp = 1;
+  l.world_size = 2;
+  const auto pp2_whole = est::estimate_rank(spec, l);
+  EXPECT_NEAR(pp2.pp_comm_bytes / pp2_whole.pp_comm_bytes, 0.5, 1e-9);
+  EXPECT_LT(pp2.activations, 0.6 * pp2_whole.activations);
+  EXPECT_GT(pp2.cp_comm_bytes, 0);
 }
 
 // ---- planner ------------------------------------------------------------------

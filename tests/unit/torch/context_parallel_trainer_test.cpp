@@ -76,6 +76,23 @@ TEST(ContextParallelTrainer, PackedDocumentsFollowTheSingleProcessCurve) {
   expect_runs_follow(ref, runs, 30987, 30988);
 }
 
+// Pipelines (Note [Context-parallel groups] per stage): every stage's ranks
+// split each sequence over cp and exchange their parts of the activations;
+// GPT-2's tied head crosses the stages, the ZeRO-3 run shards each stage over
+// dp x cp, and packed documents need each micro-batch's layout set before
+// every piece of it that a stage runs (with and without cp).
+TEST(ContextParallelTrainer, PipelinesFollowTheSingleProcessCurve) {
+  const auto ref = train_cp(1, "pp_gpt2_ref", "", 30960);
+  expect_runs_follow(ref, {{4, "pp_gpt2_cp2", "--parallel.cp=2 --parallel.pp=2"}}, 30961, 30961);
+  const std::string docs = " --data.pack=documents --data.document_separator=32";
+  const auto docs_ref = train_cp(1, "pp_docs_ref", docs + kLlama, 30962);
+  const Runs runs{
+      {4, "pp_docs_cp2_zero3", "--parallel.cp=2 --parallel.pp=2 --parallel.strategy=zero3" + docs + kLlama},
+      {2, "pp_docs_1f1b", "--parallel.pp=2" + docs + kLlama},
+  };
+  expect_runs_follow(docs_ref, runs, 30963, 30964);
+}
+
 // A run saved under cp = 2 (zero3, states sharded over dp x cp) resumes with
 // cp = 1 and cp = 4 on the single process's curve, and one saved without cp
 // resumes under cp = 2.
@@ -112,9 +129,7 @@ TEST(ContextParallelTrainer, WhatCannotSplitIsAOneLineError) {
   };
   // One process: the mesh check comes with the others, every problem at once.
   refused("--parallel.cp=3", "divisible by 2 x cp = 6");
-  refused("--parallel.cp=2 --parallel.cp_mode=all_to_all --model.n_head=1 --model.n_embd=32",
-          "must both divide by it");
-  refused("--parallel.cp=2 --parallel.pp=2", "parallel.pp > 1 is not available yet");
+  refused("--parallel.cp=2 --parallel.cp_mode=all_to_all --model.n_head=1 --model.n_embd=32", "must both divide by it");
   refused("--parallel.cp=2 --model.dropout=0.1 --model.attention=naive", "model.dropout > 0 is not available");
   refused("--parallel.cp_mode=all_to_all", "it applies with context parallelism");
   refused("--parallel.cp=0", "parallel.cp must be at least 1");

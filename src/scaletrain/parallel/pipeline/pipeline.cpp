@@ -185,7 +185,7 @@ void Pipeline::send(StepRun& run, at::Tensor t, int to, int tag) {
 }
 
 double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale,
-                      const ForwardWrapper& wrap, const std::vector<double>& weights) {
+                      const ForwardWrapper& wrap, const std::vector<double>& weights, const BeforeMicroBatch& before) {
   const int p = pp_.size(), m = options_.microbatches;
   if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m ||
       (!weights.empty() && static_cast<int>(weights.size()) != m))
@@ -200,6 +200,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   StepRun run{inputs, targets, loss_scale, wrap, weights, at::empty({options_.micro_batch, seq, width}, act_options_)};
   run.backwards.assign(chunks_.size(), 0);
   for (const Action& a : actions_) {
+    if (before) before(a.microbatch);
     if (a.kind == Action::Kind::Forward) {
       run_forward(run, a);
       stats_.peak_activation_bytes = std::max(stats_.peak_activation_bytes, heap_in_use() - heap0);

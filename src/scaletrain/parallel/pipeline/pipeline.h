@@ -93,10 +93,16 @@ class Pipeline {
   // One training step over m micro-batches ([batch, seq] each; the first
   // stage reads `inputs`, the last `targets`). The loss of micro-batch k is
   // multiplied by loss_scale * weights[k] before its backward (weights empty:
-  // 1 / m each, the mean). Returns the weighted sum of the micro-batches'
-  // losses (unscaled), on every stage.
+  // 1 / m each, the mean). `before`, when set, is called with k before each
+  // forward and each backward of micro-batch k on this stage, the schedule's
+  // order: what the model reads per micro-batch besides its activations (the
+  // trainer's sequence layout, Note [Packed documents]) is set there.
+  // Returns the weighted sum of the micro-batches' losses (unscaled), on
+  // every stage.
+  using BeforeMicroBatch = std::function<void(int64_t)>;
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, double loss_scale = 1.0,
-              const ForwardWrapper& wrap = nullptr, const std::vector<double>& weights = {});
+              const ForwardWrapper& wrap = nullptr, const std::vector<double>& weights = {},
+              const BeforeMicroBatch& before = nullptr);
   const StepStats& last_stats() const { return stats_; }
 
   // Whether this stage holds the tied head's copy (Note [Tied head across stages]).
