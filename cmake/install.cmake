@@ -12,7 +12,7 @@
 include(CMakePackageConfigHelpers)
 
 # Headers that only our own sources include: they name private dependencies
-# (yaml-cpp) or wire formats. scripts/check-install.sh verifies that no
+# (yaml-cpp) or wire formats. tests/examples/cpp_package.sh verifies that no
 # installed header includes one of them.
 set(SCALETRAIN_INTERNAL_HEADERS
   comm/rendezvous_protocol.h   # the store's wire format
@@ -48,6 +48,10 @@ install(EXPORT scaletrainTargets NAMESPACE scaletrain:: DESTINATION ${_st_cmake_
 # struct layouts agree between the library and its users.
 set(SCALETRAIN_TORCH_DIR ${Torch_DIR})
 set(SCALETRAIN_TORCH_VERSION ${Torch_VERSION})
+# comm/group.h includes c10d's Gloo process group, whose own headers come
+# from Gloo (Debian: libgloo-dev), not from libtorch: the package looks for
+# them where this build found them, and says so when they are missing.
+find_path(SCALETRAIN_GLOO_INCLUDE_DIR gloo/config.h)
 configure_package_config_file(cmake/scaletrainConfig.cmake.in
                               ${CMAKE_CURRENT_BINARY_DIR}/scaletrainConfig.cmake
                               INSTALL_DESTINATION ${_st_cmake_dir})

@@ -4,10 +4,12 @@
 // (fully_shard: each rank keeps the optimizer state and the reduced
 // gradients of its part of the weights only).
 //
-//   scaletrain launch --nproc-per-node 2 -- ./lstm_lm
+//   scaletrain launch --nproc-per-node 2 -- ./lstm_lm             (float64)
+//   scaletrain launch --nproc-per-node 2 -- ./lstm_lm --float32   (float32)
 //
-// Every rank also trains the model alone on the whole batch (float64), and
-// the program exits 1 unless both runs end with its weights (1e-10).
+// Every rank also trains the model alone on the whole batch, and the program
+// exits 1 unless both runs end with its weights: to 1e-10 in float64, to
+// 1e-5 in float32.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -20,7 +22,8 @@ constexpr int64_t kVocab = 40, kEmbed = 16, kHidden = 24, kSeq = 12;
 struct LstmLmImpl : torch::nn::Module {
   LstmLmImpl() {
     embed = register_module("embed", torch::nn::Embedding(kVocab, kEmbed));
-    lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(kEmbed, kHidden).num_layers(2).batch_first(true)));
+    lstm = register_module("lstm",
+                           torch::nn::LSTM(torch::nn::LSTMOptions(kEmbed, kHidden).num_layers(2).batch_first(true)));
     head = register_module("head", torch::nn::Linear(kHidden, kVocab));
   }
   // ids [B, T] -> log-probabilities of the next token [B, T, V]
@@ -39,10 +42,10 @@ namespace {
 constexpr int64_t kBatch = 16;  // global batch of sequences
 constexpr int kSteps = 5;
 
-LstmLm make_model() {
+LstmLm make_model(torch::Dtype dtype) {
   torch::manual_seed(2);
   LstmLm model;
-  model->to(torch::kDouble);
+  model->to(dtype);
   return model;
 }
 
@@ -80,16 +83,18 @@ std::pair<double, double> train(LstmLm& model, torch::optim::Optimizer& opt, int
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   namespace fsdp = scaletrain::parallel::fsdp;
+  // float64 (no argument) or float32 (--float32), and the tolerance that goes with it
+  const Precision precision = precision_from_args(argc, argv);
   auto world = scaletrain::comm::World::init();  // RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
   const int rank = world->rank(), size = world->size();
 
-  LstmLm alone = make_model();
+  LstmLm alone = make_model(precision.dtype);
   torch::optim::Adam alone_opt(alone->parameters(), torch::optim::AdamOptions(1e-2));
   const auto [first, last] = train(alone, alone_opt, 0, 1, nullptr);
 
-  LstmLm replicated = make_model();
+  LstmLm replicated = make_model(precision.dtype);
   {
     scaletrain::parallel::DistributedDataParallel ddp(replicated.ptr(), *world->group());
     torch::optim::Adam opt(replicated->parameters(), torch::optim::AdamOptions(1e-2));
@@ -97,7 +102,7 @@ int main() {
   }
   const double ddp_diff = max_relative_difference(replicated->parameters(), alone->parameters());
 
-  LstmLm sharded = make_model();
+  LstmLm sharded = make_model(precision.dtype);
   fsdp::ModuleUnits units;
   units.names = {"embed", "lstm", "head"};
   fsdp::ShardedOptions options;
@@ -107,8 +112,10 @@ int main() {
   train(sharded, opt, rank, size, engine.get());
   const double zero2_diff = max_relative_difference(engine->full_parameters(), alone->parameters());
 
-  std::printf("rank %d of %d: %d steps (loss %.3f -> %.3f alone), max relative difference from one process: "
-              "DDP %.3g, ZeRO-2 %.3g\n",
-              rank, size, kSteps, first, last, ddp_diff, zero2_diff);
-  return ddp_diff <= 1e-10 && zero2_diff <= 1e-10 && last < first ? 0 : 1;
+  std::printf(
+      "rank %d of %d, %s: %d steps (loss %.3f -> %.3f alone), max relative difference from one process: "
+      "DDP %.3g, ZeRO-2 %.3g\n",
+      rank, size, precision.name, kSteps, first, last, ddp_diff, zero2_diff);
+  const double tolerance = precision.tolerance;
+  return ddp_diff <= tolerance && zero2_diff <= tolerance && last < first ? 0 : 1;
 }

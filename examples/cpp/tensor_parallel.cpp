@@ -6,10 +6,12 @@
 //     colwise, the second rowwise, so the 32 hidden features never travel
 //     (one all-reduce in forward, one in backward).
 //
-//   scaletrain launch --nproc-per-node 2 -- ./tensor_parallel
+//   scaletrain launch --nproc-per-node 2 -- ./tensor_parallel             (float64)
+//   scaletrain launch --nproc-per-node 2 -- ./tensor_parallel --float32   (float32)
 //
-// Every rank also trains both models alone (float64) and the program exits
-// 1 unless the gathered weights equal the single-process ones (1e-10).
+// Every rank also trains both models alone and the program exits 1 unless
+// the gathered weights equal the single-process ones: to 1e-10 in float64,
+// to 1e-5 in float32.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -45,23 +47,24 @@ namespace {
 constexpr int kSteps = 5;
 
 template <typename M>
-M make_model() {
+M make_model(torch::Dtype dtype) {
   torch::manual_seed(0);  // every rank starts the same (rank 0's weights are broadcast anyway)
   M model;
-  model->to(torch::kDouble);
+  model->to(dtype);
   return model;
 }
 
 // Trains with Adam on the same batches everywhere; returns the full weights.
 template <typename M>
-std::vector<torch::Tensor> train(int64_t in, int64_t out, scaletrain::comm::Group* group, const tp::ModulePlan& plan) {
-  M model = make_model<M>();
+std::vector<torch::Tensor> train(int64_t in, int64_t out, scaletrain::comm::Group* group, const tp::ModulePlan& plan,
+                                 torch::Dtype dtype) {
+  M model = make_model<M>(dtype);
   std::unique_ptr<tp::TensorParallelModule> parallel;
-  if (group) parallel = tp::parallelize_module(model.ptr(), *group, plan);  // splits the weights in place
+  if (group) parallel = tp::parallelize_module(model.ptr(), *group, plan);       // splits the weights in place
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));  // built after the split
   for (int step = 0; step < kSteps; ++step) {
     torch::manual_seed(100 + step);
-    auto x = torch::randn({16, in}, torch::kDouble), y = torch::randn({16, out}, torch::kDouble);
+    auto x = torch::randn({16, in}, dtype), y = torch::randn({16, out}, dtype);
     opt.zero_grad();
     torch::mse_loss(model->forward(x, group), y).backward();
     opt.step();
@@ -73,15 +76,20 @@ std::vector<torch::Tensor> train(int64_t in, int64_t out, scaletrain::comm::Grou
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // float64 (no argument) or float32 (--float32), and the tolerance that goes with it
+  const Precision precision = precision_from_args(argc, argv);
+  const torch::Dtype dtype = precision.dtype;
   auto world = scaletrain::comm::World::init();  // RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
   scaletrain::comm::Group* group = world->group().get();
-  const double linear = max_relative_difference(train<TensorParallelLinear>(16, 8, group, {{"fc", tp::colwise}}),
-                                         train<TensorParallelLinear>(16, 8, nullptr, {}));
-  const double mlp = max_relative_difference(train<Mlp>(10, 5, group, {{"net1", tp::colwise}, {"net2", tp::rowwise}}),
-                                      train<Mlp>(10, 5, nullptr, {}));
-  std::printf("rank %d of %d: %d steps, max relative difference from one process: TensorParallelLinear %.3g, "
-              "MLP %.3g\n",
-              world->rank(), world->size(), kSteps, linear, mlp);
-  return linear <= 1e-10 && mlp <= 1e-10 ? 0 : 1;
+  const double linear = max_relative_difference(train<TensorParallelLinear>(16, 8, group, {{"fc", tp::colwise}}, dtype),
+                                                train<TensorParallelLinear>(16, 8, nullptr, {}, dtype));
+  const double mlp =
+      max_relative_difference(train<Mlp>(10, 5, group, {{"net1", tp::colwise}, {"net2", tp::rowwise}}, dtype),
+                              train<Mlp>(10, 5, nullptr, {}, dtype));
+  std::printf(
+      "rank %d of %d, %s: %d steps, max relative difference from one process: TensorParallelLinear %.3g, "
+      "MLP %.3g\n",
+      world->rank(), world->size(), precision.name, kSteps, linear, mlp);
+  return linear <= precision.tolerance && mlp <= precision.tolerance ? 0 : 1;
 }

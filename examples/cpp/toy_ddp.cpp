@@ -2,14 +2,17 @@
 // under scaletrain's DDP, with torch::optim::SGD and gradient accumulation:
 // the first micro-batches of a step run under no_sync, the last one reduces.
 //
-//   scaletrain launch --nproc-per-node 2 -- ./toy_ddp
+//   scaletrain launch --nproc-per-node 2 -- ./toy_ddp             (float64)
+//   scaletrain launch --nproc-per-node 2 -- ./toy_ddp --float32   (float32)
 //
-// Every rank also trains the same model alone on the whole batch (float64),
-// and the program exits 1 unless both end with the same weights (1e-10).
+// Every rank also trains the same model alone on the whole batch, and the
+// program exits 1 unless both end with the same weights: to 1e-10 in float64,
+// to 1e-5 in float32.
 #include <torch/torch.h>
 
 #include <cstdio>
 
+#include "parity.h"
 #include "scaletrain/scaletrain.h"
 
 struct ToyModelImpl : torch::nn::Module {
@@ -24,28 +27,28 @@ TORCH_MODULE(ToyModel);
 
 namespace {
 
-constexpr int64_t kBatch = 32;     // global batch: every rank's micro-batches together
-constexpr int kAccumulation = 2;   // micro-batches per step on each rank
+constexpr int64_t kBatch = 32;    // global batch: every rank's micro-batches together
+constexpr int kAccumulation = 2;  // micro-batches per step on each rank
 constexpr int kSteps = 5;
 
-ToyModel make_model() {
+ToyModel make_model(torch::Dtype dtype) {
   torch::manual_seed(0);  // every rank starts the same (DDP broadcasts rank 0's anyway)
   ToyModel model;
-  model->to(torch::kDouble);
+  model->to(dtype);
   return model;
 }
 
-std::pair<torch::Tensor, torch::Tensor> global_batch(int step) {
+std::pair<torch::Tensor, torch::Tensor> global_batch(int step, torch::Dtype dtype) {
   torch::manual_seed(1000 + step);
-  return {torch::randn({kBatch, 10}, torch::kDouble), torch::randn({kBatch, 5}, torch::kDouble)};
+  return {torch::randn({kBatch, 10}, dtype), torch::randn({kBatch, 5}, dtype)};
 }
 
 // One process, the whole batch: what DDP must reproduce.
-std::vector<torch::Tensor> train_alone() {
-  ToyModel model = make_model();
+std::vector<torch::Tensor> train_alone(torch::Dtype dtype) {
+  ToyModel model = make_model(dtype);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = global_batch(step);
+    auto [x, y] = global_batch(step, dtype);
     opt.zero_grad();
     torch::mse_loss(model(x), y).backward();
     opt.step();
@@ -55,15 +58,17 @@ std::vector<torch::Tensor> train_alone() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // float64 (no argument) or float32 (--float32), and the tolerance that goes with it
+  const Precision precision = precision_from_args(argc, argv);
   auto world = scaletrain::comm::World::init();  // RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
-  ToyModel model = make_model();
+  ToyModel model = make_model(precision.dtype);
   scaletrain::parallel::DistributedDataParallel ddp(model.ptr(), *world->group());
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
 
   const int64_t local = kBatch / world->size(), micro = local / kAccumulation;
   for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = global_batch(step);
+    auto [x, y] = global_batch(step, precision.dtype);
     opt.zero_grad();
     for (int k = 0; k < kAccumulation; ++k) {
       const int64_t first = world->rank() * local + k * micro;
@@ -78,11 +83,8 @@ int main() {
     opt.step();
   }
 
-  const auto got = model->parameters(), want = train_alone();
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  std::printf("rank %d of %d: %d steps, max relative difference from one process %.3g\n", world->rank(),
-              world->size(), kSteps, worst);
-  return worst <= 1e-10 ? 0 : 1;
+  const double worst = max_relative_difference(model->parameters(), train_alone(precision.dtype));
+  std::printf("rank %d of %d, %s: %d steps, max relative difference from one process %.3g\n", world->rank(),
+              world->size(), precision.name, kSteps, worst);
+  return worst <= precision.tolerance ? 0 : 1;
 }

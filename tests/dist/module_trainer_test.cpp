@@ -189,6 +189,58 @@ TEST(ModuleTrainer, ResumesUnderAnotherStrategy) {
   }
 }
 
+// Linear, BatchNorm1d, ReLU, Linear: running statistics that training moves.
+struct NormedImpl : torch::nn::Module {
+  NormedImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(10, 10))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(10))),
+        fc2(register_module("fc2", torch::nn::Linear(10, 5))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(bn(fc1(x)))); }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Normed);
+
+// Buffers are part of the state: BatchNorm's running statistics (each rank
+// keeps its own, as in PyTorch) come back from a checkpoint as rank 0 saved
+// them, on every rank and under another strategy.
+TEST(ModuleTrainer, ResumeRestoresBuffers) {
+  auto make = [] {
+    torch::manual_seed(5);
+    Normed m;
+    m->to(at::kDouble);
+    return m;
+  };
+  auto loss = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+    return torch::mse_loss(dynamic_cast<NormedImpl&>(m).forward(x), y);
+  };
+  const fs::path dir = fresh_dir("buffers");
+  ModuleTrainerOptions first = options(ModuleStrategy::DDP, 6);
+  first.stop_at = 3;
+  first.checkpoint_dir = dir.string();
+  Normed saved = make();
+  ModuleTrainer(saved.ptr(), world(), adam, loss, first).fit(dataset());
+  std::vector<at::Tensor> rank0;
+  for (const auto& b : saved->buffers()) {
+    rank0.push_back(b.clone());
+    world().group()->broadcast(rank0.back(), 0).wait();
+  }
+  ASSERT_EQ(rank0.size(), 3u);  // running mean, running variance, batches seen
+  EXPECT_EQ(rank0[2].item<int64_t>(), 3 * 2) << "two micro-batches per step";
+  EXPECT_GT(rank0[0].abs().sum().item<double>(), 0) << "the running mean must have moved";
+  ModuleTrainerOptions second = options(ModuleStrategy::FullShard, 6);
+  second.units.names = {"fc1", "fc2"};
+  second.checkpoint_dir = dir.string();
+  Normed resumed = make();
+  ModuleTrainer trainer(resumed.ptr(), world(), adam, loss, second);
+  ASSERT_EQ(trainer.completed_steps(), 3);
+  const std::vector<at::Tensor> loaded = resumed->buffers();
+  ASSERT_EQ(loaded.size(), rank0.size());
+  for (size_t i = 0; i < loaded.size(); ++i)
+    EXPECT_TRUE(loaded[i].equal(rank0[i])) << "buffer " << i << " on rank " << world().rank();
+}
+
 template <class E = std::invalid_argument>
 void expect_error(const std::function<void()>& f, const std::string& part, const std::string& what) {
   try {

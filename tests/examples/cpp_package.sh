@@ -3,7 +3,9 @@
 # prefix, checks that no installed header includes one that was not
 # installed, builds examples/cpp out of tree against the prefix with
 # find_package(scaletrain), and runs each program on 2 processes with the
-# installed CLI. Each program checks itself against one process.
+# installed CLI, twice: in float64 (no argument), then with --float32. Each
+# program checks itself against one process (to 1e-10 in float64, to 1e-5 in
+# float32).
 # Usage: cpp_package.sh SOURCE_DIR BUILD_DIR WORK_DIR PORT
 set -euo pipefail
 src=$1 build=$2 work=$3 port=$4
@@ -29,7 +31,9 @@ test -f "$prefix/lib/cmake/scaletrain/scaletrainConfig.cmake"
 cmake -S "$src/examples/cpp" -B "$work/examples" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$work/examples" -j2 >/dev/null
 for example in toy_ddp mnist resnet_fsdp resnet_pipeline tensor_parallel lstm_lm; do
-  echo "== $example on 2 processes"
-  "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 --master-port "$port" \
-    -- "$work/examples/$example"
+  for flag in "" --float32; do
+    echo "== $example ${flag:-(float64)} on 2 processes"
+    "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 --master-port "$port" \
+      -- "$work/examples/$example" ${flag:+"$flag"}
+  done
 done

@@ -450,10 +450,20 @@ void ModuleTrainer::start_checkpoints() {
                 static_cast<long long>(step_), index.strategy.c_str(), index.world_size);
 }
 
-// What this rank holds, as pieces of the module's parameters (any layout loads it).
+// What this rank holds, as pieces of the module's parameters (any layout
+// loads it), and the module's buffers (BatchNorm's running statistics): each
+// rank keeps its own, as in PyTorch; rank 0's are saved and every rank loads them.
 checkpoint::Layout ModuleTrainer::layout() const {
   checkpoint::Layout l =
       sharded_ ? sharded_layout(*sharded_) : checkpoint::replicated_layout(*module_, world_.rank() == 0);
+  for (const auto& item : module_->named_buffers()) {
+    const at::Tensor& b = item.value();
+    if (!b.defined() || b.numel() == 0) continue;
+    if (!b.is_contiguous()) bad("checkpoint_dir", "cannot save buffer '" + item.key() + "': it is not contiguous");
+    checkpoint::SlotPiece piece{item.key(), b.sizes().vec(), 0, 0, b.numel()};
+    piece.saved = world_.rank() == 0;
+    l.slots.push_back({b, -1, {piece}});
+  }
   l.mesh = replicate_
                ? "dp_replicate " + std::to_string(replicate_->size()) + " x dp_shard " + std::to_string(shard_->size())
                : "dp " + std::to_string(dp_size_);
