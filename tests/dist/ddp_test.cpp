@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "dist_env.h"
@@ -410,6 +412,33 @@ TEST(DDP, UnusedParameterIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("b.weight"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
   }
+}
+
+// A module wrapped twice would average its gradients twice; parameters on
+// two devices cannot share buckets. Both are named before any communication;
+// once the first engine is gone the module may be wrapped again.
+TEST(DDP, WrappedTwiceOrTwoDevicesIsNamed) {
+  auto expect_refused = [](const std::function<void()>& wrap, const std::string& part) {
+    try {
+      wrap();
+      ADD_FAILURE() << "accepted; expected an error naming '" << part << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  torch::manual_seed(0);
+  auto m = std::make_shared<TwoHeads>();
+  {
+    parallel::DistributedDataParallel first(m, *world().group());
+    expect_refused([&] { parallel::DistributedDataParallel second(m, *world().group()); },
+                   "parameter 'a.weight' is already in another live DDP (the module is wrapped twice)");
+  }
+  parallel::DistributedDataParallel again(m, *world().group());  // the first is gone
+  auto split = std::make_shared<torch::nn::Module>();
+  split->register_parameter("w", torch::zeros({4, 4}));
+  split->register_parameter("v", torch::empty({4, 4}, torch::TensorOptions().device(torch::kMeta)));
+  expect_refused([&] { parallel::DistributedDataParallel ddp(split, *world().group()); },
+                 "DDP: parameters on different devices: 'w' on cpu, 'v' on meta");
 }
 
 TEST(DDP, FindUnusedParametersAveragesWhatWasUsed) {

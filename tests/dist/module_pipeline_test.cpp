@@ -214,5 +214,29 @@ TEST(ModulePipeline, BadSplitsAreNamed) {
   EXPECT_THROW(pl::ModulePipeline({pl::stage(s)}, *world().group(), o), std::invalid_argument);
 }
 
+// Chunks whose shapes do not meet: the chunk, its rank and the input it got
+// are named. Both chunks are on this rank (a pipeline of one stage, two
+// virtual stages), so the failing chunk's peers wait for nothing.
+TEST(ModulePipeline, MismatchedChunksAreNamed) {
+  static comm::Mesh mesh(world(), comm::MeshDims{1, 1, world().size(), 1});
+  torch::manual_seed(3);
+  torch::nn::Sequential s(torch::nn::Linear(4, 8), torch::nn::Linear(6, 2));  // 8 out, 6 in
+  s->to(at::kDouble);
+  auto pieces = pl::split(s, {1, 1});
+  pl::ModulePipelineOptions o;
+  o.virtual_stages = 2;
+  o.schedule = pl::Schedule::Interleaved;
+  o.microbatches = 2;
+  pl::ModulePipeline pipe({pl::stage(pieces[0]), pl::stage(pieces[1])}, mesh.pp(), o);
+  auto mse = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
+  try {
+    pipe.step(at::randn({4, 4}, at::kDouble), at::randn({4, 2}, at::kDouble), mse);
+    ADD_FAILURE() << "chunks of 8 and 6 features ran";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline chunk 1 (rank 0) failed on an input of"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace scaletrain::test

@@ -80,6 +80,34 @@ TEST(Pipeline, StagesThatDisagreeFailTogether) {
   }
 }
 
+// zero_grad means what it says: after it no gradient of this stage's chunks
+// (nor of the tied head's copy on the last stage) holds anything.
+TEST(Pipeline, ZeroGradClearsEveryStageGradient) {
+  comm::Mesh mesh(world(), comm::MeshDims{world().size(), 1, 1, 1});
+  models::ModelPtr gpt = make_gpt();
+  pl::PipelineOptions po;
+  po.microbatches = 2;
+  po.micro_batch = kMicro;
+  pl::Pipeline pipe(gpt, mesh.pp(), nullptr, po);
+  auto g = at::detail::createCPUGenerator(3);
+  std::vector<at::Tensor> xs, ys;
+  for (int k = 0; k < 2; ++k) {
+    xs.push_back(at::randint(kVocab, {kMicro, kSeq}, g, at::kLong));
+    ys.push_back(at::randint(kVocab, {kMicro, kSeq}, g, at::kLong));
+  }
+  pipe.step(xs, ys);
+  auto grad_sum = [&] {
+    double sum = 0;
+    for (const auto& chunk : pipe.chunks())
+      for (const auto& p : chunk->parameters())
+        if (p.grad().defined()) sum += p.grad().abs().sum().item<double>();
+    return sum;
+  };
+  EXPECT_GT(grad_sum(), 0);
+  pipe.zero_grad();
+  EXPECT_EQ(grad_sum(), 0) << "zero_grad left gradients in the stage's chunks";
+}
+
 TEST(Pipeline, TooFewMicroBatchesForInterleaved) {
   comm::Mesh mesh(world(), comm::MeshDims{world().size(), 1, 1, 1});
   models::GPT gpt(small_gpt());

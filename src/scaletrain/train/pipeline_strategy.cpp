@@ -91,13 +91,8 @@ class PipelineStrategy final : public DataParallel {
     for (auto& e : engines_) e->engine().after_step();
   }
   void zero_grad() override {
-    if (sharded_) {
-      for (auto& e : engines_) e->engine().zero_grad();
-    } else {
-      for (auto& t : params_)
-        if (t.grad().defined()) t.mutable_grad().zero_();
-    }
-    pipe_->zero_grad();
+    for (auto& e : engines_) e->engine().zero_grad();
+    pipe_->zero_grad();  // the chunks' own gradients (DDP's) and the tied head copy's
   }
   double comm_wait_ms() const override {
     double ms = pipe_->last_stats().wait_ms;

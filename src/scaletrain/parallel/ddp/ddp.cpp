@@ -294,6 +294,42 @@ void DistributedDataParallel::State::finish_backward() {
   reset_step();
 }
 
+namespace {
+
+// The hook after a parameter's gradient accumulation (Note [Bucket rebuild]
+// and on_grad_ready); a live one also marks the parameter as taken.
+struct ReadyHook final : torch::autograd::FunctionPostHook {
+  ReadyHook(std::weak_ptr<DistributedDataParallel::State> s, size_t i) : state(std::move(s)), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto st = state.lock()) st->on_grad_ready(index);
+    return outputs;
+  }
+  std::weak_ptr<DistributedDataParallel::State> state;
+  size_t index;
+};
+
+// One device for every parameter; no parameter already reduced by a live DDP
+// (a module wrapped twice would average its gradients twice per backward).
+void check_module(const torch::nn::Module& module) {
+  const auto named = module.named_parameters();
+  for (const auto& item : named) {
+    const at::Tensor& p = item.value();
+    if (p.device() != named[0].value().device())
+      throw std::invalid_argument("DDP: parameters on different devices: '" + named[0].key() + "' on " +
+                                  named[0].value().device().str() + ", '" + item.key() + "' on " + p.device().str());
+    if (!p.requires_grad()) continue;
+    for (const auto& hook : torch::autograd::impl::grad_accumulator(p)->post_hooks()) {
+      const auto* ready = dynamic_cast<const ReadyHook*>(hook.get());
+      if (ready != nullptr && !ready->state.expired())
+        throw std::invalid_argument("DDP: parameter '" + item.key() +
+                                    "' is already in another live DDP (the module is wrapped twice)");
+    }
+  }
+}
+
+}  // namespace
+
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::Group& group,
                                                  DDPOptions options)
     : module_(std::move(module)), options_(options), state_(std::make_shared<State>()) {
@@ -305,6 +341,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     throw std::invalid_argument("DDP: bucket caps must be positive");
   if (options_.last_bucket_cap_bytes < 0) throw std::invalid_argument("DDP: the last bucket's cap must be >= 0");
   if (!(options_.tail_growth >= 1)) throw std::invalid_argument("DDP: tail_growth must be >= 1");
+  check_module(*module_);
   State& s = *state_;
   s.group = &group;
   s.options = options_;
@@ -340,9 +377,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(s.params[i]);
-    acc->add_post_hook(comm::compat::post_hook([weak, i] {
-      if (auto st = weak.lock()) st->on_grad_ready(i);
-    }));
+    acc->add_post_hook(std::make_unique<ReadyHook>(weak, i));
     s.accumulators.push_back(std::move(acc));
   }
 }

@@ -528,4 +528,52 @@ std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
   return out;
 }
 
+torch::OrderedDict<std::string, at::Tensor> ShardedDataParallel::full_state_dict() {
+  GatherOnUse::Quiet quiet;
+  FullParams full(*this);
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& item : module_->named_parameters()) out.insert(item.key(), item.value().detach().clone());
+  for (const auto& item : module_->named_buffers()) out.insert(item.key(), item.value().detach().clone());
+  state_->check_user_rules("full_state_dict");
+  return out;
+}
+
+namespace {
+
+// Every parameter and buffer of `module` has a tensor of its shape in
+// `state`, and `state` names nothing else.
+void check_state_dict(const torch::nn::Module& module, const torch::OrderedDict<std::string, at::Tensor>& state) {
+  size_t known = 0;
+  for (const auto& named : {module.named_parameters(), module.named_buffers()})
+    for (const auto& item : named) {
+      const at::Tensor* t = state.find(item.key());
+      if (t == nullptr || !t->defined())
+        throw std::invalid_argument("load_full_state_dict: no tensor for '" + item.key() + "'");
+      if (t->sizes() != item.value().sizes())
+        throw std::invalid_argument("load_full_state_dict: '" + item.key() + "' has shape " + c10::str(t->sizes()) +
+                                    ", the module's is " + c10::str(item.value().sizes()));
+      ++known;
+    }
+  if (known == state.size()) return;
+  for (const auto& item : state) {
+    const bool found =
+        module.named_parameters().find(item.key()) != nullptr || module.named_buffers().find(item.key()) != nullptr;
+    if (!found) throw std::invalid_argument("load_full_state_dict: the module has no '" + item.key() + "'");
+  }
+}
+
+}  // namespace
+
+void ShardedDataParallel::load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
+  check_state_dict(*module_, state);
+  torch::NoGradGuard no_grad;
+  for (const ShardView& v : shard_views())
+    for (const ShardPiece& p : v.pieces) {
+      const at::Tensor whole = state[p.name].detach().reshape({-1});
+      v.shard.narrow(0, p.shard_offset, p.numel).copy_(whole.narrow(0, p.param_offset, p.numel));
+    }
+  for (const auto& item : module_->named_buffers()) item.value().copy_(state[item.key()]);
+  after_step();  // replicated strategies gather the written shards (Note [Step protocol])
+}
+
 }  // namespace scaletrain::parallel::fsdp

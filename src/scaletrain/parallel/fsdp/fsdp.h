@@ -280,6 +280,15 @@ class ShardedDataParallel {
 
   // Copies of every parameter, whole, in named_parameters() order (collective).
   std::vector<at::Tensor> full_parameters();
+  // PyTorch's full state dict: a copy of every parameter, whole, and of every
+  // buffer (this rank's: BatchNorm's running statistics), by the module's
+  // names, parameters first (collective).
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict();
+  // Writes a full state dict (every rank passes the same one; any dtype)
+  // into this rank's shards and the module's buffers, then gathers what the
+  // strategy keeps whole. A missing or unknown name, or another shape, is
+  // std::invalid_argument naming it, before anything is written.
+  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
 
   const ShardedOptions& options() const { return options_; }
   int num_units() const;  // including the root

@@ -352,6 +352,10 @@ double clip_grad_norm(const std::vector<at::Tensor>& counted, const std::vector<
 }
 
 void Pipeline::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (const Chunk& c : chunks_)
+    for (auto& p : c->parameters())
+      if (p.grad().defined()) p.mutable_grad().zero_();  // in place: a DDP bucket view stays one
   if (head_copy_) head_.mutable_grad().reset();
 }
 

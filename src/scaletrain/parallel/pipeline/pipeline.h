@@ -107,6 +107,8 @@ class Pipeline {
 
   // Whether this stage holds the tied head's copy (Note [Tied head across stages]).
   bool holds_head_copy() const { return head_copy_; }
+  // Zeroes every gradient of this stage's chunks (in place) and drops the
+  // tied head copy's.
   void zero_grad();
   const PipelineOptions& options() const { return options_; }
   int stage() const { return pp_.rank(); }
