@@ -27,6 +27,18 @@ done < <(find "$prefix/include/scaletrain" -name '*.h' -print0)
 [ "$missing" = 0 ] || exit 1
 test -f "$prefix/lib/cmake/scaletrain/scaletrainConfig.cmake"
 
+# The optional component this build has (rpc) is found by name; one that
+# does not exist is refused.
+mkdir -p "$work/components"
+printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(components CXX)' \
+  'find_package(scaletrain CONFIG REQUIRED COMPONENTS ${WANTED})' >"$work/components/CMakeLists.txt"
+cmake -S "$work/components" -B "$work/components/ok" -DCMAKE_PREFIX_PATH="$prefix" -DWANTED=rpc >/dev/null
+if cmake -S "$work/components" -B "$work/components/bad" -DCMAKE_PREFIX_PATH="$prefix" -DWANTED=nccl \
+  >/dev/null 2>&1; then
+  echo "find_package(scaletrain COMPONENTS nccl) succeeded, but there is no such component" >&2
+  exit 1
+fi
+
 # Out of tree: the consumer sees only the prefix.
 cmake -S "$src/examples/cpp" -B "$work/examples" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$work/examples" -j2 >/dev/null
