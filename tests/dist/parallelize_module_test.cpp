@@ -1,7 +1,9 @@
 // parallelize_module on modules that are not ours: a TensorParallelLinear
 // (one colwise Linear, its output gathered by the user), MLP blocks with a
-// residual (colwise -> rowwise, found by a pattern), and a colwise Embedding
-// feeding a rowwise Linear, against one process in float64 (1e-10) over
+// residual (colwise -> rowwise, found by a pattern), a colwise Embedding
+// feeding a rowwise Linear, and sequence parallelism (a norm on each rank's
+// part of the sequence, the MLP between the user's gather and
+// reduce-scatter), against one process in float64 (1e-10) over
 // several Adam steps; on 4 ranks also DDP, and fully_shard (2-D), over dp x
 // tensor parallelism over tp. The modules' forward is theirs (Note [Tensor parallelism without
 // forward hooks]).
@@ -24,8 +26,11 @@ namespace scaletrain::test {
 namespace {
 
 using parallel::tensor::colwise;
+using parallel::tensor::colwise_from_sequence;
 using parallel::tensor::ModulePlan;
 using parallel::tensor::rowwise;
+using parallel::tensor::rowwise_to_sequence;
+using parallel::tensor::sequence_parallel;
 
 // One weight split over its outputs; the user gathers the output when tp is given.
 struct TpLinearImpl : torch::nn::Module {
@@ -78,6 +83,33 @@ struct EmbedNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(EmbedNet);
 
+// Sequence parallelism as a user writes it: between the stem and the head
+// each rank holds its part of the sequence; the norm runs on it, the MLP's
+// linears between the gather and the reduce-scatter.
+struct SeqNetImpl : torch::nn::Module {
+  SeqNetImpl() {
+    in = register_module("in", torch::nn::Linear(10, 16));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 16));
+    head = register_module("head", torch::nn::Linear(16, 5));
+  }
+  at::Tensor forward(const at::Tensor& x, comm::Group* tp) {
+    namespace tpc = parallel::tensor;
+    auto h = torch::tanh(in(x));
+    if (tp) h = tpc::scatter_to_tp_region(h, *tp, 1);  // [B, T/tp, 16]
+    auto a = norm(h);
+    if (tp) a = tpc::gather_from_sequence(a, *tp, 1);
+    a = fc2(torch::gelu(fc1(a)));
+    h = h + (tp ? tpc::reduce_scatter_to_sequence(a, *tp, 1) : a);
+    if (tp) h = tpc::gather_from_tp_region(h, *tp, 1);
+    return head(h);
+  }
+  torch::nn::Linear in{nullptr}, fc1{nullptr}, fc2{nullptr}, head{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(SeqNet);
+
 struct Case {
   std::string name;
   std::function<std::shared_ptr<torch::nn::Module>()> make;
@@ -110,11 +142,17 @@ std::function<at::Tensor(int)> normal(std::vector<int64_t> shape) {
 }
 
 std::vector<Case> cases() {
-  return {make_case<TpLinear>("TensorParallelLinear", normal({kBatch, 12}), 8, {{"fc", colwise}}),
-          make_case<MlpNet>("mlp", normal({kBatch, kSeq, 10}), 5, {{"blocks.*.fc1", colwise}, {"blocks.*.fc2", rowwise}}),
-          make_case<EmbedNet>("embedding", [](int step) {
+  return {
+      make_case<TpLinear>("TensorParallelLinear", normal({kBatch, 12}), 8, {{"fc", colwise}}),
+      make_case<MlpNet>("mlp", normal({kBatch, kSeq, 10}), 5, {{"blocks.*.fc1", colwise}, {"blocks.*.fc2", rowwise}}),
+      make_case<EmbedNet>(
+          "embedding",
+          [](int step) {
             return at::randint(20, {kBatch, kSeq}, at::detail::createCPUGenerator(70 + step), at::kLong);
-          }, 5, {{"emb", colwise}, {"fc", rowwise}})};
+          },
+          5, {{"emb", colwise}, {"fc", rowwise}}),
+      make_case<SeqNet>("sequence parallel", normal({kBatch, 4, 10}), 5,
+                        {{"norm", sequence_parallel}, {"fc1", colwise_from_sequence}, {"fc2", rowwise_to_sequence}})};
 }
 
 at::Tensor target(const Case& c, const at::Tensor& x, int step) {
@@ -278,6 +316,13 @@ TEST(ParallelizeModule, BadPlansNameTheModuleAndTheProblem) {
   auto with_max_norm = std::make_shared<torch::nn::Module>();
   with_max_norm->register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(8, 16).max_norm(1.0)));
   expect_refused(with_max_norm, {{"emb", colwise}}, "'emb' is an Embedding with max_norm");
+  auto no_params = std::make_shared<torch::nn::Module>();
+  no_params->register_module("act", torch::nn::ReLU());
+  expect_refused(no_params, {{"act", sequence_parallel}}, "'act' has no parameters");
+  auto both = MlpNet().ptr();
+  expect_refused(both, {{"blocks.0", sequence_parallel}, {"blocks.0.fc1", colwise}},
+                 "'blocks.0.fc1.weight' is split by its own style and cannot also be sequence_parallel");
+  EXPECT_EQ(both->named_parameters()["blocks.0.fc1.weight"].size(0), 32) << "a refused plan split a weight";
   // Nothing was split by the refused plans.
   EXPECT_EQ(toy->named_parameters()["net1.weight"].size(1), 10);
   auto twice = MlpBlock().ptr();

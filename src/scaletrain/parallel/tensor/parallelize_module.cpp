@@ -46,7 +46,31 @@ struct PlannedLinear {
   comm::Group* tp = nullptr;
   std::shared_ptr<TensorParallelModule::Hooks> hooks;
   at::Tensor weight;  // the parameter, to find its place again after it moved
+  at::Tensor bias;    // rowwise_to_sequence: taken out again on ranks other than 0
 };
+
+}  // namespace
+
+const char* style_name(ParallelStyle s) {
+  switch (s) {
+    case ParallelStyle::Colwise:
+      return "colwise";
+    case ParallelStyle::Rowwise:
+      return "rowwise";
+    case ParallelStyle::ColwiseFromSequence:
+      return "colwise_from_sequence";
+    case ParallelStyle::RowwiseToSequence:
+      return "rowwise_to_sequence";
+    case ParallelStyle::SequenceParallel:
+      return "sequence_parallel";
+  }
+  return "?";
+}
+
+namespace {
+
+bool is_colwise(ParallelStyle s) { return s == ParallelStyle::Colwise || s == ParallelStyle::ColwiseFromSequence; }
+bool is_rowwise(ParallelStyle s) { return s == ParallelStyle::Rowwise || s == ParallelStyle::RowwiseToSequence; }
 
 // Where a weight's elements start: its storage and its offset there (a
 // transposed view, as the product reads it, starts at the same place).
@@ -121,11 +145,20 @@ void hook_input_gradient(const Call& call, const at::Tensor& out) {
 }
 
 // Rowwise: the partial products summed over tp, what addmm added (the
-// bias) counted once.
+// bias) counted once. rowwise_to_sequence: the user's reduce-scatter sums
+// them, so only the bias is taken out on ranks other than 0 (also where it
+// is added after the product: matmul, then += b).
 void reduce_output(const Call& call, const at::Tensor& out) {
   torch::NoGradGuard no_grad;
   at::Tensor y = out.data();  // the same memory, outside autograd
   comm::Group& tp = *call.linear.tp;
+  if (call.linear.style == ParallelStyle::RowwiseToSequence) {
+    if (tp.rank() != 0 && call.added.defined())
+      y.sub_(call.added);
+    else if (tp.rank() != 0 && call.linear.bias.defined())
+      y.sub_(call.linear.bias);
+    return;
+  }
   if (call.added.defined() && tp.rank() != 0) y.sub_(call.added);
   if (y.is_contiguous()) {
     all_reduce_(y, tp);
@@ -137,8 +170,8 @@ void reduce_output(const Call& call, const at::Tensor& out) {
 }
 
 void fail(const Call& call, const at::Tensor& out, const std::string& what) {
-  const std::string line = "parallelize_module: '" + call.linear.name + "' (" +
-                           (call.linear.style == ParallelStyle::Colwise ? "colwise" : "rowwise") + "): " + what;
+  const std::string line =
+      "parallelize_module: '" + call.linear.name + "' (" + style_name(call.linear.style) + "): " + what;
   std::fprintf(stderr, "scaletrain: %s\n", line.c_str());
   if (out.defined()) {
     torch::NoGradGuard no_grad;
@@ -184,7 +217,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto call = std::make_unique<Call>();
   call->linear = it->second;
   call->input = inputs[product->x].toTensor();
-  if (call->linear.style == ParallelStyle::Rowwise && call->linear.tp->rank() != 0 && product == &kProducts[0] &&
+  if (is_rowwise(call->linear.style) && call->linear.tp->rank() != 0 && product == &kProducts[0] &&
       inputs[0].isTensor() && inputs[0].toTensor().defined()) {
     const double beta = inputs.size() > 3 && inputs[3].isScalar() ? inputs[3].toScalar().toDouble() : 1.0;
     call->added = inputs[0].toTensor().detach() * beta;
@@ -202,10 +235,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     if (fn.outputs().empty() || !fn.outputs()[0].isTensor())
       throw std::runtime_error("the output of its product was not observed");
     out = fn.outputs()[0].toTensor();
-    if (call->linear.style == ParallelStyle::Rowwise)
+    if (is_rowwise(call->linear.style))
       reduce_output(*call, out);
-    else
-      hook_input_gradient(*call, out);
+    else if (call->linear.style == ParallelStyle::Colwise)
+      hook_input_gradient(*call, out);  // colwise_from_sequence: the user's all-gather reduce-scatters it
   } catch (const std::exception& e) {
     fail(*call, out, e.what());
   }
@@ -250,24 +283,30 @@ struct Target {
   int64_t bias_dim = -1;    // -1: the bias (if any) is replicated
 };
 
-const char* style_name(ParallelStyle s) { return s == ParallelStyle::Colwise ? "colwise" : "rowwise"; }
-
 // Checks the module's type and the split dimension; throws UsageError naming both.
 Target target_of(const std::string& name, ParallelStyle style, std::shared_ptr<torch::nn::Module> m, int tp) {
   Target t{name, style, m};
   const std::string where = "parallelize_module: '" + name + "' ";
+  if (style == ParallelStyle::SequenceParallel) {
+    if (m->parameters().empty())
+      throw UsageError(where +
+                       "has no parameters: sequence_parallel marks parameters whose gradient each rank "
+                       "computes from its part of the sequence");
+    return t;
+  }
   int64_t extent = 0;
   std::string what;
   if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
-    const bool col = style == ParallelStyle::Colwise;
+    const bool col = is_colwise(style);
     t.weight_dim = col ? 0 : 1;
     t.bias_dim = col ? 0 : -1;
     extent = col ? linear->options.out_features() : linear->options.in_features();
     what = col ? "output features" : "input features";
   } else if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(m.get())) {
-    if (style == ParallelStyle::Rowwise)
-      throw UsageError(where + "is an Embedding: rowwise (vocabulary) sharding needs its lookup's ids shifted, "
-                               "which an unmodified module cannot do; use colwise");
+    if (style != ParallelStyle::Colwise)
+      throw UsageError(where + "is an Embedding: " + style_name(style) +
+                       " does not apply (rowwise, vocabulary sharding, needs its lookup's ids shifted, which an "
+                       "unmodified module cannot do); use colwise");
     if (embedding->options.max_norm())
       throw UsageError(where + "is an Embedding with max_norm: the norm of a row would be taken over this rank's "
                                "columns only");
@@ -334,34 +373,58 @@ std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::
                                                          const ModulePlan& plan, ParallelizeOptions options) {
   if (!module) throw UsageError("parallelize_module: no module given");
   const std::vector<Target> targets = resolve(*module, plan, tp.size());
-  // Which dimension each parameter is split along, by full name.
+  // Which dimension each parameter is split along, by full name; which
+  // modules' parameters see part of the sequence.
   std::unordered_map<std::string, int64_t> split;
+  std::vector<std::string> sequence_parts;
   for (const Target& t : targets) {
+    if (t.style == ParallelStyle::SequenceParallel) {
+      sequence_parts.push_back(t.name + ".");
+      continue;
+    }
     split[t.name + ".weight"] = t.weight_dim;
     if (t.bias_dim >= 0) split[t.name + ".bias"] = t.bias_dim;
   }
+  // Every parameter's layout first: a refused plan splits nothing.
   TensorParallelPlan layout;
   layout.tp = &tp;
-  torch::NoGradGuard no_grad;
-  for (auto& item : module->named_parameters()) {
-    at::Tensor p = item.value();
-    if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+  for (const auto& item : module->named_parameters()) {
     ParamLayout l;
     l.name = item.key();
-    l.full_shape = p.sizes().vec();
+    l.full_shape = item.value().sizes().vec();
     auto it = split.find(item.key());
-    if (it != split.end()) {
-      l.dim = it->second;
-      p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
-    }
+    if (it != split.end()) l.dim = it->second;
+    for (const std::string& prefix : sequence_parts)
+      if (item.key().rfind(prefix, 0) == 0) l.partial_grad = true;
+    if (l.partial_grad && l.sharded())
+      throw UsageError("parallelize_module: '" + item.key() +
+                       "' is split by its own style and cannot also be sequence_parallel");
     layout.params.push_back(std::move(l));
+  }
+  torch::NoGradGuard no_grad;
+  size_t i = 0;
+  for (auto& item : module->named_parameters()) {
+    at::Tensor p = item.value();
+    const ParamLayout& l = layout.params[i++];
+    if (options.broadcast_initial_weights && tp.size() > 1) tp.broadcast(p.data(), 0).wait();
+    if (l.sharded()) p.set_data(split_parameter(p.data(), l, tp.rank(), tp.size()));
+    if (l.partial_grad && tp.size() > 1 && p.requires_grad()) {
+      // Note [Sequence-parallel gradients] (tensor_parallel.h): each rank's
+      // gradient covers its part of the sequence; sum before accumulation.
+      comm::Group* g = &tp;
+      p.register_hook([g](const at::Tensor& grad) {
+        at::Tensor full = grad.contiguous().clone();
+        all_reduce_(full, *g);
+        return full;
+      });
+    }
   }
   std::unique_ptr<TensorParallelModule> out(new TensorParallelModule(module, std::move(layout)));
   std::vector<PlannedLinear> linears;
   for (const Target& t : targets) {
     auto* linear = dynamic_cast<torch::nn::LinearImpl*>(t.module.get());
     if (linear == nullptr) continue;  // a colwise Embedding needs no communication
-    linears.push_back(PlannedLinear{t.name, t.style, &tp, out->hooks_, linear->weight});
+    linears.push_back(PlannedLinear{t.name, t.style, &tp, out->hooks_, linear->weight, linear->bias});
     out->hooks_->weights.push_back(linear->weight);
   }
   plan_linears(linears);

@@ -11,6 +11,27 @@
 //                         whole                      features      b added once
 //   colwise   Embedding   C/tp columns of the table  ids           its C/tp features
 //
+// Sequence parallelism (Megatron's, DTensor's SequenceParallel with
+// Shard(1) layouts) needs the activations between the tensor-parallel
+// layers re-laid out along the sequence, which changes their shape, so the
+// user's forward calls the two collectives of tp_comm.h itself and the plan
+// says which layers sit between them:
+//
+//   style                  module      keeps / does
+//   sequence_parallel      any         its parameters whole; each rank's
+//                                      gradient, from its part of the
+//                                      sequence, is summed over tp
+//   colwise_from_sequence  Linear      as colwise; its input comes whole from
+//                                      gather_from_sequence, whose backward
+//                                      sums the input gradient
+//   rowwise_to_sequence    Linear      as rowwise; its partial output goes to
+//                                      reduce_scatter_to_sequence (b once)
+//
+//   h = norm(x_part);                                   // sequence_parallel
+//   h = gather_from_sequence(h, tp, 1);                 // [B, T, C]
+//   h = fc2(gelu(fc1(h)));                              // colwise_from_sequence, rowwise_to_sequence
+//   x_part = x_part + reduce_scatter_to_sequence(h, tp, 1);   // [B, T/tp, C]
+//
 // A colwise output is this rank's slice of the features (DTensor's local
 // tensor): elementwise work may follow, then a rowwise layer takes it, and
 // gather_from_tp_region(y, tp, -1) (tp_comm.h) makes it whole where the
@@ -49,12 +70,11 @@
 // layer is found at its new place: 2-D parallelism, fully_shard over the dp
 // group of a module split over tp.
 // An observer can change values in place, never shapes or an operator's
-// arguments. So what needs that is refused rather than half done: gathering
-// a colwise output inside the module, sequence parallelism (its all-gather
-// and reduce-scatter change the sequence length at the boundaries), and a
-// vocabulary-sharded (rowwise) Embedding, whose lookup needs shifted ids.
-// Our own families get all three through interfaces::TensorParallelHooks
-// (tensor_parallel.h).
+// arguments. So what needs that is left to the user's forward (gathering a
+// colwise output, sequence parallelism's collectives above) or refused
+// rather than half done: a vocabulary-sharded (rowwise) Embedding, whose
+// lookup needs shifted ids. Our own families do all of it through
+// interfaces::TensorParallelHooks (tensor_parallel.h).
 //
 // Exceptions cannot leave a RecordFunction callback: a collective that fails
 // inside forward fills the output with NaN, prints one line, and check()
@@ -71,9 +91,13 @@
 
 namespace scaletrain::parallel::tensor {
 
-enum class ParallelStyle { Colwise, Rowwise };
+enum class ParallelStyle { Colwise, Rowwise, ColwiseFromSequence, RowwiseToSequence, SequenceParallel };
 inline constexpr ParallelStyle colwise = ParallelStyle::Colwise;
 inline constexpr ParallelStyle rowwise = ParallelStyle::Rowwise;
+inline constexpr ParallelStyle colwise_from_sequence = ParallelStyle::ColwiseFromSequence;
+inline constexpr ParallelStyle rowwise_to_sequence = ParallelStyle::RowwiseToSequence;
+inline constexpr ParallelStyle sequence_parallel = ParallelStyle::SequenceParallel;
+const char* style_name(ParallelStyle s);  // "colwise", ..., "sequence_parallel"
 
 // (submodule name or fnmatch pattern, style), applied in order.
 using ModulePlan = std::vector<std::pair<std::string, ParallelStyle>>;
@@ -116,8 +140,10 @@ class TensorParallelModule {
 // tensor-parallel. Collective over `tp`, which must outlive the result.
 // Throws UsageError naming the pattern or module for: a pattern that
 // matches no submodule, a module matched twice or already parallelized, a
-// module that is not a Linear or an Embedding, a rowwise Embedding, an
-// Embedding with max_norm, or a dimension that tp does not divide.
+// module that is not a Linear or an Embedding (any module for
+// sequence_parallel, if it has parameters), an Embedding in any style but
+// colwise, an Embedding with max_norm, a dimension that tp does not divide,
+// or a parameter both split and sequence_parallel.
 std::unique_ptr<TensorParallelModule> parallelize_module(std::shared_ptr<torch::nn::Module> module, comm::Group& tp,
                                                          const ModulePlan& plan, ParallelizeOptions options = {});
 
