@@ -1,0 +1,19 @@
+#pragma once
+// Internal to the module trainer's files: what module_trainer_options.cpp
+// (the options' checks and YAML keys) and module_trainer.cpp (the loop)
+// share.
+#include <string>
+
+#include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/train/module_trainer.h"
+#include "scaletrain/train/plan.h"
+
+namespace scaletrain::train::detail {
+
+bool is_sharded(ModuleStrategy s);                       // every strategy but DDP
+parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's name for it
+ModuleStrategy strategy_of(DataParallelism d);           // the plan's strategy (NO_SHARD runs DDP)
+// std::invalid_argument "ModuleTrainerOptions.FIELD PROBLEM".
+[[noreturn]] void bad(const std::string& field, const std::string& problem);
+
+}  // namespace scaletrain::train::detail

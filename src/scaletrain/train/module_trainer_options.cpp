@@ -1,0 +1,301 @@
+// ModuleTrainerOptions (module_trainer.h): their checks, and their reading
+// from the CLI's YAML keys (Note [Keys a module trainer reads]); the loop
+// that runs them is module_trainer.cpp.
+#include "scaletrain/train/module_trainer.h"
+
+#include <c10/util/Type.h>
+
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "scaletrain/train/config_values.h"
+#include "scaletrain/train/module_trainer_internal.h"
+#include "scaletrain/train/plan.h"
+#include "scaletrain/util/error.h"
+
+namespace scaletrain::train {
+
+namespace fsdp = parallel::fsdp;
+
+namespace detail {
+
+namespace {
+
+// Each strategy, the config's name for it and the sharded engine's (DDP's is unused).
+struct StrategyRow {
+  ModuleStrategy strategy;
+  DataParallelism config;
+  fsdp::Sharding sharding;
+};
+constexpr StrategyRow kStrategies[] = {
+    {ModuleStrategy::DDP, DataParallelism::kDdp, fsdp::Sharding::FullShard},
+    {ModuleStrategy::Zero1, DataParallelism::kZero1, fsdp::Sharding::Zero1},
+    {ModuleStrategy::Zero2, DataParallelism::kZero2, fsdp::Sharding::Zero2},
+    {ModuleStrategy::Zero3, DataParallelism::kZero3, fsdp::Sharding::Zero3},
+    {ModuleStrategy::FullShard, DataParallelism::kFullShard, fsdp::Sharding::FullShard},
+    {ModuleStrategy::ShardGradOp, DataParallelism::kShardGradOp, fsdp::Sharding::ShardGradOp},
+    {ModuleStrategy::HybridShard, DataParallelism::kHybridShard, fsdp::Sharding::HybridShard}};
+
+}  // namespace
+
+bool is_sharded(ModuleStrategy s) { return s != ModuleStrategy::DDP; }
+
+fsdp::Sharding sharding_of(ModuleStrategy s) {
+  for (const auto& row : kStrategies)
+    if (row.strategy == s) return row.sharding;
+  return fsdp::Sharding::FullShard;
+}
+
+ModuleStrategy strategy_of(DataParallelism d) {
+  for (const auto& row : kStrategies)
+    if (row.config == d) return row.strategy;
+  return ModuleStrategy::DDP;  // fsdp NO_SHARD runs DDP
+}
+
+void bad(const std::string& field, const std::string& problem) {
+  throw std::invalid_argument("ModuleTrainerOptions." + field + " " + problem);
+}
+
+}  // namespace detail
+
+using detail::bad;
+using detail::is_sharded;
+using detail::sharding_of;
+using detail::strategy_of;
+
+namespace {
+
+bool units_given(const fsdp::ModuleUnits& u) { return !u.types.empty() || !u.names.empty() || u.min_num_params != 0; }
+
+void validate_groups(const ModuleTrainerOptions& o) {
+  const bool groups = o.shard_group != nullptr || o.replicate_group != nullptr;
+  if (o.strategy != ModuleStrategy::HybridShard) {
+    if (groups) bad(o.shard_group ? "shard_group" : "replicate_group", "is read by HybridShard only");
+    if (o.dp_replicate != 1) bad("dp_replicate", "is read by HybridShard only, got " + std::to_string(o.dp_replicate));
+    return;
+  }
+  if ((o.shard_group == nullptr) != (o.replicate_group == nullptr))
+    bad(o.shard_group ? "replicate_group" : "shard_group", "is missing: HybridShard takes both groups, or neither");
+  if (groups && o.dp_replicate != 1) bad("dp_replicate", "must stay 1 when shard_group and replicate_group are given");
+  if (!groups && o.dp_replicate < 2)
+    bad("replicate_group",
+        "is not set: HybridShard needs a replicate group (replicate_group and shard_group, or "
+        "dp_replicate >= 2 for a mesh the trainer builds)");
+}
+
+void validate_schedule(const ModuleTrainerOptions& o) {
+  if (!o.lr_schedule) {
+    if (o.peak_lr != 0) bad("peak_lr", "is read with lr_schedule, which is not set");
+    return;
+  }
+  const optim::ScheduleOptions& s = *o.lr_schedule;
+  if (!(o.peak_lr > 0)) bad("peak_lr", "must be positive with lr_schedule, got " + c10::str(o.peak_lr));
+  if (s.total_steps < 1) bad("lr_schedule.total_steps", "must be at least 1");
+  if (s.warmup_steps < 0) bad("lr_schedule.warmup_steps", "must be >= 0");
+  if (!(s.min_lr_ratio >= 0 && s.min_lr_ratio <= 1)) bad("lr_schedule.min_lr_ratio", "must be in [0, 1]");
+  if (!(s.warmup_start_ratio >= 0 && s.warmup_start_ratio <= 1))
+    bad("lr_schedule.warmup_start_ratio", "must be in [0, 1]");
+}
+
+void validate_outputs(const ModuleTrainerOptions& o) {
+  if (o.checkpoint_every < 0) bad("checkpoint_every", "must be >= 0");
+  if (o.checkpoint_keep < 0) bad("checkpoint_keep", "must be >= 0");
+  for (auto [field, set] : {std::pair{"checkpoint_every", o.checkpoint_every != 0},
+                            {"checkpoint_keep", o.checkpoint_keep != 0},
+                            {"checkpoint_async", o.checkpoint_async},
+                            {"full_state_dict", o.full_state_dict}})
+    if (set && o.checkpoint_dir.empty()) bad(field, "would have no effect: checkpoint_dir is not set");
+  if (o.checkpoint_async && o.full_state_dict)
+    bad("checkpoint_async", "cannot go with full_state_dict (the full state is gathered in the training thread)");
+  if (o.resume.empty()) bad("resume", "must be auto, never or a checkpoint path");
+  if (o.log_every < 1) bad("log_every", "must be at least 1, got " + std::to_string(o.log_every));
+  const auto& t = o.trace_steps;
+  if (!t.empty() && (t.size() != 2 || t[0] < 1 || t[1] < t[0] || t[1] > o.steps))
+    bad("trace_steps", "must be {first, last} with 1 <= first <= last <= steps");
+  if (!t.empty() && o.trace_dir.empty()) bad("trace_dir", "must be set with trace_steps");
+}
+
+}  // namespace
+
+std::string to_string(ModuleStrategy s) { return s == ModuleStrategy::DDP ? "ddp" : fsdp::to_string(sharding_of(s)); }
+
+void validate(const ModuleTrainerOptions& o) {
+  if (o.steps < 1) bad("steps", "must be at least 1, got " + std::to_string(o.steps));
+  if (o.stop_at < 0 || o.stop_at > o.steps) bad("stop_at", "must be in [0, steps], got " + std::to_string(o.stop_at));
+  if (o.global_batch < 1) bad("global_batch", "must be at least 1, got " + std::to_string(o.global_batch));
+  if (o.micro_batch < 1) bad("micro_batch", "must be at least 1, got " + std::to_string(o.micro_batch));
+  if (o.global_batch % o.micro_batch != 0)
+    bad("global_batch",
+        "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" + std::to_string(o.micro_batch));
+  if (!is_sharded(o.strategy) && units_given(o.units))
+    bad("units", "are for the sharded strategies: DDP gathers nothing");
+  validate_groups(o);
+  if (!(o.clip_grad_norm >= 0) || !std::isfinite(o.clip_grad_norm))
+    bad("clip_grad_norm", "must be >= 0 (0: no clipping), got " + c10::str(o.clip_grad_norm));
+  validate_schedule(o);
+  if (const auto& a = o.adamw) {
+    if (!(a->lr > 0)) bad("adamw.lr", "must be positive");
+    if (!(a->beta1 >= 0 && a->beta1 < 1)) bad("adamw.beta1", "must be in [0, 1)");
+    if (!(a->beta2 >= 0 && a->beta2 < 1)) bad("adamw.beta2", "must be in [0, 1)");
+    if (!(a->eps > 0)) bad("adamw.eps", "must be positive");
+    if (!(a->weight_decay >= 0)) bad("adamw.weight_decay", "must be >= 0");
+  }
+  validate_outputs(o);
+}
+
+namespace {
+
+// Note [Keys a module trainer reads]: the keys below are mapped; any other
+// key set away from its default is refused with the reason (as the CLI's
+// Note [Settings that apply] refuses keys a run would not read).
+const std::set<std::string>& mapped_keys() {
+  // Section, then its keys.
+  static const std::set<std::string> keys = [] {
+    const std::vector<std::pair<std::string, std::string>> sections = {
+        {"train",
+         "steps stop_at global_batch micro_batch seed grad_clip lr warmup_steps min_lr_ratio lr_schedule warmup_type "
+         "warmup_start_ratio beta1 beta2 eps weight_decay"},
+        {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters"},
+        {"parallel.fsdp",
+         "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
+         "limit_all_gathers sync_module_states state_dict_type"},
+        {"metrics", "path log_every progress trace_steps trace_dir"},
+        {"checkpoint", "dir every keep resume async"}};
+    std::set<std::string> out;
+    for (const auto& [section, names] : sections) {
+      std::stringstream ss(names);
+      for (std::string name; ss >> name;) out.insert(section + "." + name);
+    }
+    return out;
+  }();
+  return keys;
+}
+
+bool starts(const std::string& key, const std::string& prefix) { return key.compare(0, prefix.size(), prefix) == 0; }
+
+// Why a key that is not mapped would have no effect on a user module.
+std::string unread_reason(const std::string& key) {
+  if (starts(key, "model.")) return "a user module is yours; model.* describes the CLI's transformer families";
+  if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
+  if (starts(key, "finetune.")) return "adapters are added to the CLI's families only";
+  if (starts(key, "precision.")) return "the module computes in its own dtypes";
+  if (key == "parallel.tp" || key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
+    return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
+  if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
+  if (key == "parallel.backend" || key == "parallel.timeout_s" || key == "parallel.debug_collectives")
+    return "the world is the one you pass (comm::World::init reads its own options)";
+  if (key == "train.device") return "the module computes where you put it";
+  return "the module trainer does not read it";
+}
+
+// A mapped key set where it does not apply; "" when it applies.
+std::string inapplicable(const Config& c, const std::string& key, DataParallelism d) {
+  const bool fsdp_keys = uses_fsdp_keys(d);
+  if (starts(key, "parallel.fsdp.") && !fsdp_keys) return "parallel.fsdp applies to parallel.strategy=fsdp";
+  if (starts(key, "parallel.fsdp.") && key != "parallel.fsdp.sharding_strategy" && d == DataParallelism::kNoShard)
+    return "sharding_strategy NO_SHARD runs DDP";
+  if (key == "parallel.fsdp.transformer_layer_cls" && c.parallel.fsdp.auto_wrap_policy != "transformer")
+    return "it is read by auto_wrap_policy transformer";
+  if (key == "parallel.fsdp.min_num_params" && c.parallel.fsdp.auto_wrap_policy != "size")
+    return "it is read by auto_wrap_policy size";
+  if ((key == "parallel.bucket_cap_mb" || key == "parallel.find_unused_parameters" ||
+       key == "parallel.first_bucket_mb" || key == "parallel.last_bucket_mb") &&
+      !runs_ddp(d))
+    return "DDP reads it; strategy " + to_string(d) + " does not";
+  if (key == "parallel.dp_replicate" && d != DataParallelism::kHybridShard)
+    return "it is read by fsdp HYBRID_SHARD only";
+  if ((key == "checkpoint.every" || key == "checkpoint.keep" || key == "checkpoint.async") && c.checkpoint.dir.empty())
+    return "checkpoint.dir is not set";
+  return "";
+}
+
+void refuse_unread_keys(const Config& c, DataParallelism d) {
+  static const Config defaults;
+  std::vector<std::string> problems;
+  for (const auto& key : config_keys()) {
+    const std::string value = config_value(c, key);
+    if (value == config_value(defaults, key)) continue;
+    if (starts(key, "train.sample_") && c.train.sample_tokens == 0) continue;  // no sample: what the trainer does
+    const std::string why = mapped_keys().count(key) ? inapplicable(c, key, d) : unread_reason(key);
+    if (!why.empty()) problems.push_back(key + "=" + value + " would have no effect: " + why);
+  }
+  if (!problems.empty()) throw UsageError(join_problems(problems));
+}
+
+// parallel.*: the strategy, its units and the engines' knobs.
+void map_parallel(const Config& c, ModuleTrainerOptions& o) {
+  const ParallelOptions& p = c.parallel;
+  o.strategy = strategy_of(data_parallelism(p));
+  if (o.strategy == ModuleStrategy::HybridShard) o.dp_replicate = p.dp_replicate;
+  o.ddp.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
+  o.ddp.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));
+  o.ddp.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
+  o.ddp.find_unused_parameters = p.find_unused_parameters;
+  if (!is_sharded(o.strategy)) return;
+  const FsdpOptions& f = p.fsdp;
+  if (f.auto_wrap_policy == "transformer") {
+    std::stringstream names(f.transformer_layer_cls);
+    for (std::string name; std::getline(names, name, ',');) {
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) o.units.types.push_back(name);
+    }
+  } else if (f.auto_wrap_policy == "size") {
+    o.units.min_num_params = f.min_num_params;
+  }
+  o.sharded.backward_prefetch = fsdp::parse_backward_prefetch(f.backward_prefetch);
+  o.sharded.forward_prefetch = f.forward_prefetch;
+  o.sharded.limit_all_gathers = f.limit_all_gathers;
+  o.sharded.sync_module_states = f.sync_module_states;
+  o.full_state_dict = f.state_dict_type == "FULL_STATE_DICT";
+}
+
+}  // namespace
+
+optim::ScheduleOptions schedule_options(const TrainOptions& t) {
+  optim::ScheduleOptions s;
+  s.warmup_steps = t.warmup_steps;
+  s.total_steps = t.steps;
+  s.min_lr_ratio = t.min_lr_ratio;
+  s.decay = t.lr_schedule == "linear"     ? optim::Decay::Linear
+            : t.lr_schedule == "constant" ? optim::Decay::Constant
+                                          : optim::Decay::Cosine;
+  s.warmup = t.warmup_type == "log" ? optim::Warmup::Log : optim::Warmup::Linear;
+  s.warmup_start_ratio = t.warmup_start_ratio;
+  return s;
+}
+
+ModuleTrainerOptions module_trainer_options(const Config& c) {
+  validate_config(c);
+  refuse_unread_keys(c, data_parallelism(c.parallel));
+  ModuleTrainerOptions o;
+  map_parallel(c, o);
+  const TrainOptions& t = c.train;
+  o.steps = t.steps;
+  o.stop_at = t.stop_at;
+  o.global_batch = t.global_batch;
+  o.micro_batch = t.micro_batch;
+  o.seed = t.seed;
+  o.clip_grad_norm = t.grad_clip;
+  o.lr_schedule = schedule_options(t);
+  o.peak_lr = t.lr;
+  o.adamw = AdamWSettings{t.lr, t.beta1, t.beta2, t.eps, t.weight_decay};
+  o.checkpoint_dir = c.checkpoint.dir;
+  o.checkpoint_every = c.checkpoint.every;
+  o.checkpoint_keep = c.checkpoint.keep;
+  o.checkpoint_async = c.checkpoint.async;
+  o.resume = c.checkpoint.resume;
+  if (o.checkpoint_dir.empty()) o.full_state_dict = false;  // the CLI's state_dict_type is a layout, not a save
+  o.metrics_path = c.metrics.path;
+  o.log_every = c.metrics.log_every;
+  o.progress = c.metrics.progress;
+  o.trace_steps = c.metrics.trace_steps;
+  o.trace_dir = c.metrics.trace_dir;
+  validate(o);
+  return o;
+}
+
+}  // namespace scaletrain::train
