@@ -34,8 +34,8 @@ SRC
 apt_opts=(-o "Dir::Etc::SourceList=/dev/null" -o "Dir::Etc::SourceParts=$apt_dir/sources.list.d"
           -o "Dir::State::Lists=$apt_dir/lists" -o "Debug::NoLocking=1")
 apt-get "${apt_opts[@]}" update -qq
-(cd "$apt_dir" && apt-get "${apt_opts[@]}" source --download-only -qq yaml-cpp pcre2 utf8proc zlib)
-for pkg in yaml-cpp pcre2 utf8proc zlib; do
+(cd "$apt_dir" && apt-get "${apt_opts[@]}" source --download-only -qq yaml-cpp pcre2 utf8proc zlib libzstd)
+for pkg in yaml-cpp pcre2 utf8proc zlib libzstd; do
   tarball=$(ls "$apt_dir"/${pkg}_*.orig.tar.* | head -1)
   cp "$tarball" "$out/src/"
 done

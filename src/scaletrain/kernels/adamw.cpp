@@ -52,6 +52,7 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/irange.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -336,7 +337,7 @@ void fused_adamw_step(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Ten
 void adamw_step_unfused(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, int64_t decay_numel,
                         const AdamWStep& s) {
   check_decay(p, decay_numel);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   if (decay_numel > 0 && s.weight_decay != 0) {
     const double decay = 1.0 - s.lr * s.weight_decay;
     if (decay_numel == p.numel())

@@ -71,7 +71,7 @@ void check_segments(const AttentionMask& m, int64_t B, int64_t Tq, int64_t Tk) {
 }  // namespace
 
 Geometry resolve_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask,
-                          TileSizes tiles) {
+                          TileSizes tiles, bool host_only) {
   expect(q.defined() && k.defined() && v.defined(), "q, k and v must be defined tensors");
   expect(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D [B, heads, T, head_dim], got q " +
                                                            shape(q) + ", k " + shape(k) + ", v " + shape(v));
@@ -88,7 +88,9 @@ Geometry resolve_geometry(const at::Tensor& q, const at::Tensor& k, const at::Te
              c10::toString(v.scalar_type()));
   expect(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
          std::string("dtype must be float, double, bfloat16 or half, got ") + c10::toString(dt));
-  expect(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k, v must be CPU tensors");
+  expect(!host_only || (q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu()),
+         "q, k, v must be CPU tensors");
+  expect(k.device() == q.device() && v.device() == q.device(), "q, k, v must be on one device");
   expect(mask.window >= 0, "window must be >= 0, got " + std::to_string(mask.window));
   expect(mask.scale >= 0 && std::isfinite(mask.scale), "scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " +
                                                            std::to_string(mask.scale));
@@ -338,7 +340,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward
 
 std::tuple<torch::Tensor, torch::Tensor> naive_attention(const torch::Tensor& q, const torch::Tensor& k,
                                                          const torch::Tensor& v, const AttentionMask& mask) {
-  const detail::Geometry g = detail::resolve_geometry(q, k, v, mask, detail::TileSizes{});
+  const detail::Geometry g = detail::resolve_geometry(q, k, v, mask, detail::TileSizes{}, /*host_only=*/false);
   const auto ct = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   if (g.Tk == 0) {  // no keys at all: every row is empty
     return {at::zeros_like(q), at::full({g.B, g.H, g.Tq}, -std::numeric_limits<double>::infinity(), q.options().dtype(ct))};
@@ -347,10 +349,10 @@ std::tuple<torch::Tensor, torch::Tensor> naive_attention(const torch::Tensor& q,
   if (g.group > 1) kc = kc.repeat_interleave(g.group, 1), vc = vc.repeat_interleave(g.group, 1);
 
   // Visible (query, key) pairs: [1 or B, 1, Tq, Tk].
-  const auto longs = at::TensorOptions().dtype(at::kLong);
+  const auto longs = q.options().dtype(at::kLong);
   const at::Tensor qpos = at::arange(g.Tq, longs).add(g.q_offset).unsqueeze(1);
   const at::Tensor kpos = at::arange(g.Tk, longs).add(g.k_offset).unsqueeze(0);
-  at::Tensor visible = at::ones({g.Tq, g.Tk}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor visible = at::ones({g.Tq, g.Tk}, q.options().dtype(at::kBool));
   if (g.causal) visible = visible.logical_and(kpos.le(qpos));
   if (g.window > 0) visible = visible.logical_and((qpos - kpos).lt(g.window));
   visible = visible.view({1, 1, g.Tq, g.Tk});

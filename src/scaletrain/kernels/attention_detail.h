@@ -40,9 +40,10 @@ struct Geometry {
 };
 
 // Validates q, k, v and the mask (throws UsageError naming the values) and
-// resolves the geometry with the given tile sizes.
-Geometry resolve_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const AttentionMask& mask, TileSizes tiles);
+// resolves the geometry with the given tile sizes. `host_only`: the tensors
+// must be CPU tensors (the kernels'; naive_attention takes any device).
+Geometry resolve_geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionMask& mask,
+                          TileSizes tiles, bool host_only = true);
 
 // flash_attention with explicit tile sizes.
 std::tuple<at::Tensor, at::Tensor> flash_attention_tiled(const at::Tensor& q, const at::Tensor& k,

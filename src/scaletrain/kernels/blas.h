@@ -11,8 +11,15 @@
 // routine ATen would reach anyway removes that overhead and nothing else:
 // ATen maps a row-major C = A B to the column-major C^T = B^T A^T call made
 // here, so the products are the same calls with the same operands.
+//
+// Without SCALETRAIN_DIRECT_BLAS (a libtorch that keeps its BLAS to itself,
+// as PyTorch's wheels do, and no libblas.so.3 beside it), the same products
+// go through at::addmm_ on views of the same memory.
 #include <cstdint>
 
+#if !defined(SCALETRAIN_DIRECT_BLAS)
+#include <ATen/ATen.h>
+#else
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
@@ -21,6 +28,7 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
 }
+#endif
 
 namespace scaletrain::kernels::detail {
 
@@ -30,6 +38,17 @@ namespace scaletrain::kernels::detail {
 template <typename T>
 inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
                  const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+#if !defined(SCALETRAIN_DIRECT_BLAS)
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+    at::Tensor t = at::from_blob(const_cast<T*>(p), {rows, cols}, {ld, 1}, options);
+    return trans ? t.t() : t;
+  };
+  at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, options);
+  // beta = 0: addmm ignores out's contents, as the BLAS does.
+  out.addmm_(view(a, trans_a ? k : m, trans_a ? m : k, lda, trans_a),
+             view(b, trans_b ? n : k, trans_b ? k : n, ldb, trans_b), beta, alpha);
+#else
   // Column-major view: C^T [n, m] = op(B)^T op(A)^T.
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
@@ -38,6 +57,7 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
     sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
   else
     dgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
+#endif
 }
 
 }  // namespace scaletrain::kernels::detail

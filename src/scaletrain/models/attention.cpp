@@ -2,6 +2,8 @@
 // names (Note [Attention paths] in models/attention.h).
 #include "scaletrain/models/attention.h"
 
+#include <torch/version.h>
+
 #include <cmath>
 #include <limits>
 
@@ -43,6 +45,30 @@ torch::Tensor naive(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, co
   return torch::matmul(att, v);
 }
 
+// libtorch 2.x has a fused attention for device tensors (its flash and
+// memory-efficient kernels behind at::scaled_dot_product_attention).
+constexpr bool kFusedDeviceAttention = TORCH_VERSION_MAJOR >= 2;
+
+// Device tensors on the flash path: the fused attention, causal, or with the
+// pairs a packed batch allows as a boolean mask ([B, 1, T, T], true = attend).
+torch::Tensor fused_device(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, const SequenceLayout* layout) {
+#if TORCH_VERSION_MAJOR >= 2
+  const int64_t H = q.size(1), Hkv = k.size(1), T = q.size(2);
+  if (Hkv != H) {
+    k = k.repeat_interleave(H / Hkv, 1);
+    v = v.repeat_interleave(H / Hkv, 1);
+  }
+  if (layout == nullptr || !layout->segments.defined())
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  const auto& s = layout->segments;
+  auto allowed = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).tril();
+  allowed = allowed.logical_and(s.unsqueeze(2).eq(s.unsqueeze(1))).unsqueeze(1);
+  return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, /*is_causal=*/false);
+#else
+  return naive(q, std::move(k), std::move(v), layout, 0.0, false);
+#endif
+}
+
 }  // namespace
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, AttentionPath path,
@@ -53,8 +79,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     precision::AutocastGuard off(precision::PrecisionPolicy{}, q.device().type());
     return context->split_attention(q, k, v, layout);
   }
-  if (path == AttentionPath::Naive || !flash_runs_on(q) || (dropout > 0 && training))
-    return naive(q, k, v, layout, dropout, training);
+  const bool flash = path == AttentionPath::Flash && !(dropout > 0 && training);
+  if (flash && kFusedDeviceAttention && !q.is_cpu()) return fused_device(q, k, v, layout);
+  if (!flash || !flash_runs_on(q)) return naive(q, k, v, layout, dropout, training);
   kernels::AttentionMask mask;
   if (layout != nullptr && layout->segments.defined()) mask.q_segments = mask.k_segments = layout->segments;
   // Autocast off for the kernel's own GEMMs: its inputs are already in the

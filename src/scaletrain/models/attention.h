@@ -10,8 +10,11 @@
 //   naive  the [T, T] scores materialized with ATen ops (matmul, masked_fill,
 //          softmax, matmul); the only path that drops attention
 //          probabilities (GPT-2's attention dropout), and the path CUDA
-//          tensors take (the kernel is written for the CPU;
-//          flash_runs_on() says which tensors it takes).
+//          tensors take with libtorch 1.x (the kernel is written for the
+//          CPU; flash_runs_on() says which tensors it takes). With libtorch
+//          2.x, flash on CUDA tensors is ATen's fused attention
+//          (at::scaled_dot_product_attention: its flash or memory-efficient
+//          kernels), with a boolean mask for packed documents.
 // Both give the same function: grouped-query heads (query head h reads kv
 // head h / (H / Hkv)), causal, and within one document when the batch has a
 // SequenceLayout.
@@ -69,7 +72,8 @@ enum class AttentionPath { Flash, Naive };
 AttentionPath attention_path(const std::string& name);
 
 // Whether the flash kernel takes these tensors (CPU tensors of a floating
-// type); attend() runs the naive path for the others.
+// type); attend() runs the naive path, or libtorch 2.x's fused attention, for
+// the others.
 bool flash_runs_on(const torch::Tensor& q);
 
 // q [B, H, T, D], k and v [B, Hkv, T, D] -> [B, H, T, D] in q's dtype: causal

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 
@@ -31,8 +32,17 @@ void counted_delete(void* data) {
   c10::free_cpu(base);
 }
 
+// libtorch 1.x declares `allocate(size_t) const`, 2.x `allocate(size_t)` and
+// a `copy_data` of its own: each overload below overrides the base's virtual
+// in the version that declares it, and is a plain member in the other.
 struct CountingAllocator final : at::Allocator {
-  at::DataPtr allocate(size_t n) const override {
+  at::DataPtr allocate(size_t n) { return counted_allocate(n); }
+  at::DataPtr allocate(size_t n) const { return counted_allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+  at::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
+
+ private:
+  static at::DataPtr counted_allocate(size_t n) {
     if (n == 0) return {nullptr, nullptr, &counted_delete, at::Device(at::kCPU)};  // host: the CPU allocator
     char* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
@@ -44,7 +54,6 @@ struct CountingAllocator final : at::Allocator {
     void* data = base + kHeader;
     return {data, data, &counted_delete, at::Device(at::kCPU)};  // host: the CPU allocator
   }
-  at::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
 };
 
 CountingAllocator g_counting;

@@ -129,11 +129,20 @@ std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params) {
   return d;
 }
 
+at::Tensor grad_square_sum(const std::vector<at::Tensor>& params) {
+  torch::NoGradGuard no_grad;
+  at::Tensor sq;
+  for (auto& p : params)
+    if (p.grad().defined()) {
+      at::Tensor s = p.grad().to(at::kDouble).pow(2).sum().reshape({1});
+      sq = sq.defined() ? sq.add_(s.to(sq.device())) : s;
+    }
+  return sq.defined() ? sq : at::zeros({1}, at::kDouble);  // host: no gradient, a zero the collectives stage
+}
+
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, const std::vector<comm::Group*>& groups) {
   torch::NoGradGuard no_grad;
-  at::Tensor sq = at::zeros({1}, at::kDouble);
-  for (auto& p : params)
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
+  at::Tensor sq = grad_square_sum(params);
   for (comm::Group* g : groups) g->all_reduce(sq).wait();
   const double norm = std::sqrt(sq.item<double>());
   if (max_norm > 0 && norm > max_norm) {

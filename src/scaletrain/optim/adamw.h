@@ -95,6 +95,10 @@ class AdamW {
 // Marks 2-D and larger tensors for weight decay.
 std::vector<bool> decay_matrices(const std::vector<at::Tensor>& params);
 
+// The sum of the squares of the gradients of `params`, as a [1] fp64 tensor
+// on their device (a host zero when none has a gradient).
+at::Tensor grad_square_sum(const std::vector<at::Tensor>& params);
+
 // Scales gradients so their global L2 norm is at most max_norm and returns the
 // norm before clipping. Each tensor's squared norm is summed locally, then
 // all-reduced over `groups` (the groups across which the tensors are sharded;

@@ -15,6 +15,10 @@ DeviceEnvironment DeviceEnvironment::probe() {
   DeviceEnvironment env;
 #if defined(SCALETRAIN_WITH_CUDA)
   env.built_with_cuda = true;
+#else
+  // A CPU build sees CUDA only through a device registered at run time: the
+  // tests' stand-in (Note [Stand-in CUDA] in tests/stand_in/stand_in_cuda.cpp).
+  env.built_with_cuda = at::globalContext().hasCUDA();
 #endif
   env.visible_gpus = env.built_with_cuda && torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   return env;

@@ -144,15 +144,9 @@ class DDPStrategy final : public MicroBatchStrategy {
   // holds each expert once).
   double expert_clip_grad_norm(double max_norm) {
     torch::NoGradGuard no_grad;
-    auto squares = [](const std::vector<at::Tensor>& ps) {
-      at::Tensor sq = at::zeros({1}, at::kDouble);
-      for (auto& p : ps)
-        if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().cpu();  // host: one scalar per tensor
-      return sq;
-    };
-    at::Tensor experts = squares(expert_params_);
+    at::Tensor experts = optim::grad_square_sum(expert_params_);
     ep_->all_reduce(experts).wait();
-    const double norm = std::sqrt((squares(shared_params_) + experts).item<double>());
+    const double norm = std::sqrt(optim::grad_square_sum(shared_params_).item<double>() + experts.item<double>());
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
       for (auto& p : params_)

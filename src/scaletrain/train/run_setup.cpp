@@ -86,7 +86,8 @@ void setup(Run& r, const comm::WorldInfo& info) {
   use_device(r.plan.device);
   comm::WorldOptions wo;
   wo.backend = comm::parse_backend(cfg.parallel.backend);
-  if (wo.backend == comm::Backend::Auto) wo.backend = r.plan.cuda ? comm::Backend::Nccl : comm::Backend::Gloo;
+  // CUDA tensors: auto is NCCL where this build has it (comm/world.h), Gloo otherwise.
+  if (wo.backend == comm::Backend::Auto && !r.plan.cuda) wo.backend = comm::Backend::Gloo;
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
   wo.debug_collectives = cfg.parallel.debug_collectives;
   r.world = comm::World::init(info, wo);

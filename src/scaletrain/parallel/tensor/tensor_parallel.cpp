@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/tensor/layers.h"
 #include "scaletrain/parallel/tensor/tp_comm.h"
 #include "scaletrain/util/error.h"
@@ -231,18 +232,11 @@ GradNormParams grad_norm_params(torch::nn::Module& model, const TensorParallelPl
 
 double clip_grad_norm(const GradNormParams& params, double max_norm, comm::Group& tp) {
   torch::NoGradGuard no_grad;
-  auto squares = [](const std::vector<at::Tensor>& ps) {
-    at::Tensor sq = at::zeros({1}, at::kDouble);
-    for (auto& p : ps)
-      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum();
-    return sq;
-  };
   // Shards are disjoint pieces of their parameters: their squares add over tp.
-  at::Tensor sq = squares(params.sharded);
+  at::Tensor sq = optim::grad_square_sum(params.sharded);
   all_reduce_(sq, tp);
   // Replicated gradients are equal on every rank: counted once.
-  sq += squares(params.replicated);
-  const double norm = std::sqrt(sq.item<double>());
+  const double norm = std::sqrt(sq.item<double>() + optim::grad_square_sum(params.replicated).item<double>());
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
     for (auto* list : {&params.sharded, &params.replicated})
