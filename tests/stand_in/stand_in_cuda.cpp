@@ -5,16 +5,19 @@
 // never does: that every tensor an operator takes is on the same device.
 //
 // Note [Stand-in CUDA]
-// - libtorch's CUDA hooks (at::detail::getCUDAHooks) report one GPU with a
-//   primary context, so torch::cuda::is_available() is true and the autograd
-//   engine runs its CUDA device thread. Pinned memory is plain host memory.
-// - A device guard for CUDA with one device and one stream; events are
-//   no-ops (the CPU kernels finish before they return).
+// - libtorch's CUDA hooks (at::detail::getCUDAHooks) report four GPUs with
+//   primary contexts, so torch::cuda::is_available() is true, ranks of one
+//   host each take their own, and the autograd engine runs its CUDA device
+//   threads. Pinned memory is plain host memory.
+// - A device guard for CUDA with a current device per thread and one stream
+//   per device; events are no-ops (the CPU kernels finish before they
+//   return).
 // - Tensors on the device come from a host allocator whose pointers carry the
 //   CUDA device; empty, empty_strided, copy_ and _copy_from have kernels of
 //   their own, and every other operator goes through one boxed fallback:
 //     1. it refuses the call, with the message CUDA kernels give, when a
-//        device tensor meets a host tensor of one or more dimensions (a
+//        device tensor meets one on another GPU, or a host tensor of one or
+//        more dimensions (a
 //        0-dim host tensor is a scalar, which CUDA kernels accept; indexing
 //        accepts host indices, as on a GPU);
 //     2. device tensors become host tensors over the same bytes (from_blob:
@@ -43,30 +46,49 @@
 
 namespace {
 
-const c10::Device kDevice(c10::DeviceType::CUDA, 0);
+// Four GPUs, so that ranks of one host each take their own (LOCAL_RANK).
+constexpr c10::DeviceIndex kDevices = 4;
+thread_local c10::DeviceIndex t_current = 0;
+
+c10::Device device(c10::DeviceIndex i) { return c10::Device(c10::DeviceType::CUDA, i); }
 
 struct DeviceAllocator final : c10::Allocator {
+  c10::DeviceIndex index = 0;
   c10::DataPtr allocate(size_t n) const override {
     void* p = n > 0 ? c10::alloc_cpu(n) : nullptr;
-    return {p, p, &c10::free_cpu, kDevice};
+    return {p, p, &c10::free_cpu, device(index)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &c10::free_cpu; }
 };
-DeviceAllocator g_allocator;
+DeviceAllocator g_allocators[kDevices];
+
+DeviceAllocator* allocator_for(c10::optional<at::Device> d) {
+  const c10::DeviceIndex i = d && d->has_index() ? d->index() : t_current;
+  TORCH_CHECK(i >= 0 && i < kDevices, "the stand-in CUDA device has ", int(kDevices), " GPUs, not cuda:", int(i));
+  return &g_allocators[i];
+}
 
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return c10::DeviceType::CUDA; }
-  c10::Device exchangeDevice(c10::Device) const override { return kDevice; }
-  c10::Device getDevice() const override { return kDevice; }
-  void setDevice(c10::Device) const override {}
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const c10::Device old = getDevice();
+    setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return device(t_current); }
+  void setDevice(c10::Device d) const override {
+    if (d.has_index()) t_current = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index()) t_current = d.index();
+  }
   c10::Stream getStream(c10::Device d) const noexcept override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
     return c10::Stream(c10::Stream::DEFAULT, d);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  c10::DeviceIndex deviceCount() const noexcept override { return kDevices; }
   void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
   void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
     static int recorded;
@@ -89,10 +111,10 @@ struct Hooks final : at::CUDAHooksInterface {
   }
   bool hasCUDA() const override { return true; }
   bool hasPrimaryContext(int64_t) const override { return true; }
-  int64_t current_device() const override { return 0; }
+  int64_t current_device() const override { return t_current; }
   at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
   bool isPinnedPtr(void*) const override { return false; }
-  int getNumGPUs() const override { return 1; }
+  int getNumGPUs() const override { return kDevices; }
   void deviceSynchronize(int64_t) const override {}
 };
 
@@ -120,15 +142,15 @@ at::Tensor host_view(const at::Tensor& t, bool resizable) {
 at::Tensor host_view(const at::Tensor& t) { return host_view(t, false); }
 
 at::Tensor empty(c10::IntArrayRef size, c10::optional<at::ScalarType> dtype, c10::optional<at::Layout>,
-                 c10::optional<at::Device>, c10::optional<bool>, c10::optional<at::MemoryFormat> format) {
-  return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                 c10::optional<at::Device> where, c10::optional<bool>, c10::optional<at::MemoryFormat> format) {
+  return at::detail::empty_generic(size, allocator_for(where), c10::DispatchKeySet(c10::DispatchKey::CUDA),
                                    dtype.value_or(at::kFloat), format);
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, c10::optional<at::ScalarType> dtype,
-                         c10::optional<at::Layout>, c10::optional<at::Device>, c10::optional<bool>) {
-  return at::detail::empty_strided_generic(size, stride, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                           dtype.value_or(at::kFloat));
+                         c10::optional<at::Layout>, c10::optional<at::Device> where, c10::optional<bool>) {
+  return at::detail::empty_strided_generic(size, stride, allocator_for(where),
+                                           c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype.value_or(at::kFloat));
 }
 
 at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool) {
@@ -160,10 +182,11 @@ c10::optional<at::Tensor> device_alias(const at::Tensor& host, const std::vector
   return c10::nullopt;
 }
 
-at::Tensor to_device(const at::Tensor& host, const std::vector<at::Tensor>& on_dev, bool written) {
+at::Tensor to_device(const at::Tensor& host, const std::vector<at::Tensor>& on_dev, bool written,
+                     c10::optional<at::Device> target) {
   if (!host.defined() || !host.device().is_cpu()) return host;
   if (auto alias = device_alias(host, on_dev, written)) return *alias;
-  at::Tensor out = empty_strided(host.sizes(), host.strides(), host.scalar_type(), {}, {}, {});
+  at::Tensor out = empty_strided(host.sizes(), host.strides(), host.scalar_type(), {}, target, {});
   host_view(out).copy_(host);
   return out;
 }
@@ -202,8 +225,13 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         host_array = true;
       return t;
     });
+  c10::optional<at::Device> target;
+  if (!on_dev.empty()) target = on_dev[0].device();
+  for (const at::Tensor& t : on_dev)
+    TORCH_CHECK(t.device() == *target, "Expected all tensors to be on the same device, but found at least two ",
+                "devices, ", *target, " and ", t.device(), "! (", schema.name(), " on the stand-in CUDA device)");
   TORCH_CHECK(on_dev.empty() || !host_array || takes_host_indices(schema.name()),
-              "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! (",
+              "Expected all tensors to be on the same device, but found at least two devices, ", *target, " and cpu! (",
               schema.name(), " on the stand-in CUDA device)");
   // Written arguments (in-place and out=): the device tensor and the host view the kernel writes.
   std::vector<std::pair<at::Tensor, at::Tensor>> written;
@@ -211,6 +239,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     c10::IValue& v = (*stack)[i];
     const c10::AliasInfo* alias = schema.arguments()[i - begin].alias_info();
     if (v.isDevice() && v.toDevice().is_cuda()) {
+      if (!target) target = v.toDevice();
       v = c10::Device(c10::kCPU);
     } else if (alias != nullptr && alias->isWrite() && v.isTensor() && on_device(v.toTensor())) {
       written.emplace_back(v.toTensor(), host_view(v.toTensor(), /*resizable=*/true));
@@ -233,7 +262,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       continue;
     }
     const bool write = alias != nullptr && alias->isWrite();
-    each_tensor((*stack)[i], [&](const at::Tensor& t) { return to_device(t, on_dev, write); });
+    each_tensor((*stack)[i], [&](const at::Tensor& t) { return to_device(t, on_dev, write, target); });
   }
 }
 
@@ -255,6 +284,9 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
 
 namespace {
 struct SetAllocator {
-  SetAllocator() { c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator); }
+  SetAllocator() {
+    for (c10::DeviceIndex i = 0; i < kDevices; ++i) g_allocators[i].index = i;
+    c10::SetAllocator(c10::DeviceType::CUDA, &g_allocators[0]);
+  }
 } g_set_allocator;
 }  // namespace
