@@ -236,7 +236,8 @@ double clip_grad_norm(const GradNormParams& params, double max_norm, comm::Group
   at::Tensor sq = optim::grad_square_sum(params.sharded);
   all_reduce_(sq, tp);
   // Replicated gradients are equal on every rank: counted once.
-  const double norm = std::sqrt(sq.item<double>() + optim::grad_square_sum(params.replicated).item<double>());
+  sq.add_(optim::grad_square_sum(params.replicated).to(sq.device()));
+  const double norm = std::sqrt(sq.item<double>());  // one host sync
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
     for (auto* list : {&params.sharded, &params.replicated})
