@@ -5,7 +5,9 @@
 // memory record...) or the one-line refusal. A key without an entry in the
 // table below fails KeyTable.EveryKeyHasACheck, so a new key cannot be
 // accepted and ignored unnoticed. One CTest entry per key (they run in parallel).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 
 #include <map>
 #include <set>
@@ -276,27 +278,11 @@ std::string substitute(std::string s, const fs::path& ckpt) {
   return s;
 }
 
-Outputs train_once(const std::string& tag, const std::vector<std::string>& overrides, int nproc, int port,
-                   bool tty) {
-  const fs::path dir = scratch() / ("keys_" + tag), metrics = dir / "metrics.jsonl", ckpt = dir / "ckpt";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  std::string args = "train " + base_config().string();
-  for (const auto& o : overrides) args += " '--" + substitute(o, ckpt) + "'";
-  if (std::none_of(overrides.begin(), overrides.end(), [](auto& o) { return o.rfind("metrics.path=", 0) == 0; }))
-    args += " --metrics.path=" + metrics.string();
-  const std::string bin = SCALETRAIN_BIN;
-  std::string cmd = nproc == 1 ? bin + " " + args
-                               : bin + " launch --nproc-per-node " + std::to_string(nproc) +
-                                     " --threads 1 --timeout 120 --master-port " + std::to_string(port) +
-                                     " --log-dir " + (dir / "logs").string() + " -- " + bin + " " + args;
-  if (tty) cmd = "script -qec \"" + cmd + "\" /dev/null";
+// What a run left in `dir`: its exit code, stderr, rank 0's log, metrics and checkpoint files.
+Outputs read_outputs(const fs::path& dir, int nproc) {
+  const fs::path metrics = dir / "metrics.jsonl", ckpt = dir / "ckpt";
   Outputs out;
-  const std::string full = "cd " + dir.string() + " && env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK " +
-                           "-u SLURM_PROCID " + cmd + " >" + (dir / "out.txt").string() + " 2>" +
-                           (dir / "err.txt").string();
-  const int status = std::system(full.c_str());
-  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream(dir / "code.txt") >> out.code;
   out.err = slurp(dir / "err.txt");
   out.log = nproc == 1 ? slurp(dir / "out.txt") : slurp(dir / "logs" / "rank0.log");
   if (fs::exists(metrics)) {
@@ -311,6 +297,74 @@ Outputs train_once(const std::string& tag, const std::vector<std::string>& overr
       if (e.is_regular_file())
         out.files.push_back(fs::relative(e.path(), ckpt).string() + " " + std::to_string(e.file_size()));
   std::sort(out.files.begin(), out.files.end());
+  return out;
+}
+
+// Runs the trainer in `dir` (emptied first) and reads what it left there.
+Outputs train_in(const fs::path& dir, const std::vector<std::string>& overrides, int nproc, int port, bool tty) {
+  const fs::path metrics = dir / "metrics.jsonl", ckpt = dir / "ckpt";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::string args = "train " + base_config().string();
+  for (const auto& o : overrides) args += " '--" + substitute(o, ckpt) + "'";
+  if (std::none_of(overrides.begin(), overrides.end(), [](auto& o) { return o.rfind("metrics.path=", 0) == 0; }))
+    args += " --metrics.path=" + metrics.string();
+  const std::string bin = SCALETRAIN_BIN;
+  std::string cmd = nproc == 1 ? bin + " " + args
+                               : bin + " launch --nproc-per-node " + std::to_string(nproc) +
+                                     " --threads 1 --timeout 120 --master-port " + std::to_string(port) +
+                                     " --log-dir " + (dir / "logs").string() + " -- " + bin + " " + args;
+  if (tty) cmd = "script -qec \"" + cmd + "\" /dev/null";
+  const std::string full = "cd " + dir.string() + " && env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK " +
+                           "-u SLURM_PROCID " + cmd + " >" + (dir / "out.txt").string() + " 2>" +
+                           (dir / "err.txt").string();
+  const int status = std::system(full.c_str());
+  std::ofstream(dir / "code.txt") << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  return read_outputs(dir, nproc);
+}
+
+Outputs train_once(const std::string& tag, const std::vector<std::string>& overrides, int nproc, int port, bool tty) {
+  return train_in(scratch() / ("keys_" + tag), overrides, nproc, port, tty);
+}
+
+// The seconds since boot at which process `pid` started (/proc/PID/stat, field 22).
+std::string start_time(pid_t pid) {
+  std::string stat = slurp("/proc/" + std::to_string(pid) + "/stat");
+  std::stringstream rest(stat.substr(stat.rfind(')') + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i) {
+  }
+  return field;
+}
+
+// The run with every key at its default is the same for each key that gives
+// the same context, rank count and terminal: of the CTest entries that need
+// one, the first runs it and the others read its files, under a lock. The
+// directory is named by the runner (CTest's pid and start time: one per
+// `ctest` call), the binaries' modification times and the run's inputs, so
+// a rebuilt binary or a changed base config never reads an old run. The
+// keyed run and this one differ in their directories' names, as before.
+Outputs default_run(const Check& c, int port, bool tty) {
+  // The base config names this process's scratch directory, whose files are the same in every process.
+  std::string id = slurp(base_config());
+  for (size_t at; (at = id.find(scratch().string())) != std::string::npos;)
+    id.replace(at, scratch().string().size(), "@SCRATCH@");
+  id += " " + std::to_string(::getppid()) + " " + start_time(::getppid());
+  const fs::path bin(SCALETRAIN_BIN);
+  for (const auto& e : fs::directory_iterator(bin.parent_path()))
+    if (e.path() == bin || e.path().filename().string().rfind("libscaletrain", 0) == 0)
+      id += " " + e.path().filename().string() + "@" +
+            std::to_string(fs::last_write_time(e.path()).time_since_epoch().count());
+  for (const auto& o : c.context) id += " " + o;
+  id += " " + std::to_string(c.nproc) + (tty ? " tty" : "");
+  const fs::path dir =
+      fs::temp_directory_path() / ("scaletrain_keys_default_" + std::to_string(std::hash<std::string>{}(id)));
+  const int lock = ::open((dir.string() + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+  EXPECT_GE(lock, 0) << dir;
+  if (lock >= 0) ::flock(lock, LOCK_EX);
+  const Outputs out =
+      fs::exists(dir / "code.txt") ? read_outputs(dir, c.nproc) : train_in(dir, c.context, c.nproc, port, tty);
+  if (lock >= 0) ::close(lock);  // releases the lock
   return out;
 }
 
@@ -358,12 +412,12 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
     std::stringstream alternatives(c.detail);
     for (std::string a; std::getline(alternatives, a, '|');) found = found || got.err.find(a) != std::string::npos;
     EXPECT_TRUE(found) << "'" << c.detail << "' not in: " << got.err;
-    const Outputs ref = train_once(key + "_default", c.context, c.nproc, port + 1, false);
+    const Outputs ref = default_run(c, port + 1, false);
     EXPECT_EQ(ref.code, 0) << "the same run without " << key << " must work: " << ref.err;
     return;
   }
   ASSERT_EQ(got.code, 0) << key << "=" << c.value << ": " << got.err;
-  const Outputs ref = train_once(key + "_default", c.context, c.nproc, port + 1, c.what == What::Tty);
+  const Outputs ref = default_run(c, port + 1, c.what == What::Tty);
   ASSERT_EQ(ref.code, 0) << ref.err;
   switch (c.what) {
     case What::Losses: {

@@ -492,19 +492,18 @@ TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
   EXPECT_LT(on_aux, off_aux);
 }
 
-// A two-layer GPT on the King James Bible (Genesis to Ruth, bytes) for 200
-// steps: FP8 linears under bf16 autocast (what Accelerate's mixed_precision
-// fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16
-// Adam moments too (O2, under ZeRO-2), and with FP8 weight gathers and fp16
-// master shards too (O3, under ZeRO-3), end within 3% of the bf16 run's loss.
-// Ports 30710-30713 and 30717.
+// A two-layer GPT on the King James Bible (Genesis to Ruth, bytes) for 100
+// steps (200 took 150 s here and once ran past CI's 300 s): FP8 linears under bf16 autocast (what Accelerate's
+// mixed_precision fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16 Adam moments too (O2, under
+// ZeRO-2), and with FP8 weight gathers and fp16 master shards too (O3, under ZeRO-3), end within 3% of the bf16 run's
+// loss. Ports 30710-30713 and 30717.
 TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const fs::path txt = scratch() / "kjv_gen_ruth.txt", tok = scratch() / "kjv_gen_ruth.tok";
   ASSERT_EQ(std::system(("bible 'gen1:1-ruth4:22' > " + txt.string()).c_str()), 0);
   ASSERT_EQ(run("prepare " + txt.string() + " -o " + tok.string()).code, 0);
   const std::string common =
-      "--model.block_size=64 --train.steps=200 --train.global_batch=8 --train.micro_batch=4 --train.lr=3e-3 "
-      "--train.warmup_steps=20 --train.sample_tokens=0 --precision.mode=bf16 --data.path=" +
+      "--model.block_size=64 --train.steps=100 --train.global_batch=8 --train.micro_batch=4 --train.lr=3e-3 "
+      "--train.warmup_steps=10 --train.sample_tokens=0 --precision.mode=bf16 --data.path=" +
       tok.string() + " --model.n_layer=2 --model.n_embd=128 --model.n_head=4";
   const auto bf16 = train(2, "kjv_bf16", common, 30710);
   const auto fp8 = train(2, "kjv_fp8", common + " --precision.fp8=true", 30711);
@@ -513,11 +512,11 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
                         common + " --precision.fp8=true --precision.fp8_opt_level=O2 --parallel.strategy=zero2", 30713);
   const auto o3 = train(2, "kjv_fp8_o3",
                         common + " --precision.fp8=true --precision.fp8_opt_level=O3 --parallel.strategy=zero3", 30717);
-  ASSERT_EQ(bf16.size(), 200u);
-  ASSERT_EQ(o3.size(), 200u);
-  ASSERT_EQ(fp8.size(), 200u);
-  ASSERT_EQ(o1.size(), 200u);
-  ASSERT_EQ(o2.size(), 200u);
+  ASSERT_EQ(bf16.size(), 100u);
+  ASSERT_EQ(o3.size(), 100u);
+  ASSERT_EQ(fp8.size(), 100u);
+  ASSERT_EQ(o1.size(), 100u);
+  ASSERT_EQ(o2.size(), 100u);
   EXPECT_LT(bf16.back(), 0.7 * bf16.front()) << "did not learn";
   auto tail = [](const std::vector<double>& v) {
     double s = 0;
