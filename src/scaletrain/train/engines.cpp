@@ -146,7 +146,9 @@ class DDPStrategy final : public MicroBatchStrategy {
     torch::NoGradGuard no_grad;
     at::Tensor experts = optim::grad_square_sum(expert_params_);
     ep_->all_reduce(experts).wait();
-    const double norm = std::sqrt(optim::grad_square_sum(shared_params_).item<double>() + experts.item<double>());
+    // fp64 sums: adding on the device is the host's addition, with one sync.
+    experts.add_(optim::grad_square_sum(shared_params_).to(experts.device()));
+    const double norm = std::sqrt(experts.item<double>());
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);  // as optim::clip_grad_norm
       for (auto& p : params_)
