@@ -8,7 +8,8 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev libgloo-dev          # libtorch 1.13 with c10d; Gloo headers for ProcessGroupGloo.hpp
   libtensorpipe-dev                 # TensorPipe: the transport of rpc/
-  libopenblas0-pthread              # optimized BLAS (reference BLAS is ~4x slower)
+  libopenblas0-openmp               # optimized BLAS on libtorch's OpenMP threads (docs/kernels.md, "Threads")
+  libopenblas0-pthread              # its pthreads build, for comparison (tests, scripts/bench-blas-threads.sh)
   libblas-dev                       # the BLAS link name: the kernels call it directly (kernels/blas.h)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   zlib1g-dev                        # crc32 of checkpoint files; prepare reads *.jsonl.gz
@@ -37,9 +38,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# Make OpenBLAS the BLAS libtorch resolves at run time.
-for alt in libblas.so.3-x86_64-linux-gnu liblapack.so.3-x86_64-linux-gnu; do
-  cand=$(update-alternatives --list "$alt" 2>/dev/null | grep openblas | head -1 || true)
+# Make OpenBLAS's OpenMP build the BLAS libtorch resolves at run time: its
+# threads are libtorch's own, where the pthreads build (which libtorch-dev
+# may bring) keeps a second pool that contends with them for the cores.
+for alt in libblas.so.3-x86_64-linux-gnu liblapack.so.3-x86_64-linux-gnu libopenblas.so.0-x86_64-linux-gnu; do
+  cand=$(update-alternatives --list "$alt" 2>/dev/null | grep openblas-openmp | head -1 || true)
   [ -n "$cand" ] && update-alternatives --set "$alt" "$cand" >/dev/null
 done
 # The reference tokenizers: JavaScript tokenizers and their vocabularies

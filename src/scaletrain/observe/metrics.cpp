@@ -113,6 +113,20 @@ void set_compute_threads(int n) {
   if (auto f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
 }
 
+std::string blas_threading() {
+  using GetParallel = int (*)();
+  const auto f = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  if (!f) return "";
+  switch (f()) {
+    case 0:
+      return "sequential";
+    case 1:
+      return "pthreads";
+    default:
+      return "openmp";
+  }
+}
+
 double measure_device_gemm_flops(int64_t n, int reps) {
   torch::NoGradGuard no_grad;
   const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::Device(torch::DeviceType::CUDA));

@@ -61,6 +61,12 @@ double current_rss_mb();
 // build (which ignores torch's setting), OpenBLAS's own thread count.
 void set_compute_threads(int n);
 
+// How the BLAS that libtorch loaded runs its threads: "openmp", "pthreads" or
+// "sequential" for OpenBLAS (openblas_get_parallel), "" for another BLAS.
+// OpenBLAS's pthreads build keeps a thread pool of its own beside libtorch's
+// OpenMP one, and the two contend for the cores (docs/kernels.md, "Threads").
+std::string blas_threading();
+
 // FLOP/s of a square fp32 GEMM of size n on the current torch threads: the
 // peak MFU is measured against (`scaletrain bench-gemm`). Best of `reps`.
 double measure_gemm_flops(int64_t n = 1024, int reps = 7);

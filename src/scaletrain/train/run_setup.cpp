@@ -171,6 +171,11 @@ void print_start(Run& r, const comm::WorldInfo& info) {
       static_cast<long long>(r.dataset.num_samples()), static_cast<long long>(r.plan.model.block_size),
       static_cast<long long>(cfg.train.global_batch), static_cast<long long>(r.plan.micro_batch),
       static_cast<long long>(r.plan.accum), r.dims.dp(), torch::get_num_threads(), r.peak_flops / 1e9);
+  if (torch::get_num_threads() > 1 && observe::blas_threading() == "pthreads")
+    std::printf(
+        "scaletrain: notice: the BLAS is OpenBLAS's pthreads build, whose threads contend with libtorch's: "
+        "install libopenblas0-openmp and select it as libblas.so.3 for threads that pay "
+        "(docs/kernels.md, \"Threads\")\n");
   std::printf("scaletrain: data: %s; loss on %s tokens\n", r.dataset.describe().c_str(), cfg.data.loss_on.c_str());
   std::printf(
       "scaletrain: strategy %s; precision: %s; model states %.1f MiB/rank (params+grads %.1f, "

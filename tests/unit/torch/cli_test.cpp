@@ -137,4 +137,27 @@ TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
     EXPECT_GT(mem[1]["measured_mib"][key].get<double>(), 0) << key;
 }
 
+// docs/kernels.md, "Threads": two threads over OpenBLAS's pthreads build get
+// a notice naming the OpenMP build; over the OpenMP build (what
+// scripts/install-deps.sh selects, and so the default here) and on one
+// thread, none. scripts/install-deps.sh installs both builds.
+TEST(Cli, TwoThreadsOverThePthreadsBlasGetANotice) {
+  const std::string notice = "OpenBLAS's pthreads build";
+  const fs::path cfg = small_train_config("threads.yaml", 0), out = scratch() / "threads_out.txt";
+  auto train = [&](const std::string& env) {
+    const std::string cmd = "env -u OMP_NUM_THREADS " + env + " " + std::string(SCALETRAIN_BIN) + " train " +
+                            cfg.string() + " --train.steps=1 >" + out.string() + " 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << env;
+    std::ifstream in(out);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  const std::string libs = "/usr/lib/x86_64-linux-gnu/openblas-";
+  EXPECT_NE(train("SCALETRAIN_THREADS=2 LD_LIBRARY_PATH=" + libs + "pthread").find(notice), std::string::npos);
+  EXPECT_EQ(train("SCALETRAIN_THREADS=1 LD_LIBRARY_PATH=" + libs + "pthread").find(notice), std::string::npos);
+  EXPECT_EQ(train("SCALETRAIN_THREADS=2 LD_LIBRARY_PATH=" + libs + "openmp").find(notice), std::string::npos);
+  EXPECT_EQ(train("SCALETRAIN_THREADS=2").find(notice), std::string::npos) << "the pthreads build is selected";
+}
+
 }  // namespace
