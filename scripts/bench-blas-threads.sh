@@ -28,12 +28,8 @@ for v in openmp pthread; do
 done
 WORK=$(mktemp -d /tmp/bench-blas-threads.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-if [[ -z $DATA ]]; then
-  bible "gen1:1-rev22:21" >"$WORK/kjv.txt"
-  "$ST" prepare "$WORK/kjv.txt" -o "$WORK/kjv.tok" >/dev/null
-  DATA=$WORK/kjv.tok
-fi
 source "$ROOT/scripts/bench-common.sh"
+[[ -n $DATA ]] || DATA=$(kjv_tokens)
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 combos=("openmp 1" "openmp 2" "pthread 1" "pthread 2")
