@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/cuda.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -133,7 +135,23 @@ World::~World() = default;
 
 std::shared_ptr<World> World::init(const WorldOptions& options) { return init(world_info_from_env(), options); }
 
+// Note [Broken pipes]: Gloo writes to its sockets with writev(), which
+// raises SIGPIPE when the peer has gone, and SIGPIPE's default action ends
+// the process before it can say why (a launcher then reports "killed by
+// signal 13" instead of the failure). Python, and so PyTorch, ignores
+// SIGPIPE from start-up; a process that joins a world here does the same,
+// unless the program has chosen a disposition of its own. Writes to a closed
+// socket or pipe then fail with EPIPE, which becomes an error with a message.
+namespace {
+void ignore_broken_pipes() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  if ((current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+}  // namespace
+
 std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& options) {
+  ignore_broken_pipes();
   std::shared_ptr<World> w(new World(info, options));
   if (w->options_.interface.empty()) {
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) w->options_.interface = ifname;

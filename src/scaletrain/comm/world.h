@@ -43,6 +43,8 @@ class World {
  public:
   // Reads the environment (see env.h), rendezvous with the other ranks and
   // builds the world group. Blocks until every rank has joined or the timeout.
+  // SIGPIPE is ignored from then on unless the program set its own
+  // disposition (Note [Broken pipes] in world.cpp).
   static std::shared_ptr<World> init(const WorldOptions& options = {});
   static std::shared_ptr<World> init(const WorldInfo& info, const WorldOptions& options);
   ~World();

@@ -3,13 +3,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <csignal>
 #include <filesystem>
 #include <map>
 
 #include "scaletrain/comm/env.h"
 #include "scaletrain/comm/mesh.h"
+#include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/train/config.h"
@@ -171,6 +176,37 @@ TEST(Config, OverridesAndErrors) {
   EXPECT_THROW(train::apply_override(c, "--train.steps"), UsageError);
   EXPECT_THROW(train::apply_override(c, "--nosection.x=1"), UsageError);
   EXPECT_THROW(train::apply_override(c, "--metrics.progress=maybe"), UsageError);
+}
+
+// Note [Broken pipes]: joining a world ignores SIGPIPE, so a write to a peer
+// that has gone fails with EPIPE instead of ending the process; a handler the
+// program installed is left alone.
+TEST(World, JoiningIgnoresBrokenPipesUnlessTheProgramChose) {
+  struct sigaction before {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &before), 0);
+  ::signal(SIGPIPE, SIG_DFL);
+  comm::WorldInfo one;  // a single process: no store server, no sockets
+  comm::World::init(one, {});
+  struct sigaction now {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_IGN);
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  ::close(fds[1]);
+  const char byte = 'x';
+  errno = 0;
+  EXPECT_EQ(::write(fds[0], &byte, 1), -1);  // without the disposition this test process would end here
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[0]);
+  // A program's own choice stays.
+  static std::atomic<int> seen{0};
+  ::signal(SIGPIPE, [](int) { seen.fetch_add(1); });
+  comm::World::init(one, {});
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &now), 0);
+  EXPECT_NE(now.sa_handler, SIG_IGN);
+  ::raise(SIGPIPE);
+  EXPECT_EQ(seen.load(), 1);
+  ::sigaction(SIGPIPE, &before, nullptr);
 }
 
 }  // namespace
