@@ -98,6 +98,71 @@ Recording take() {
   return out;
 }
 
+namespace {
+
+// Spans measured by autograd hooks can end a few nanoseconds after the
+// next one began (two hooks on one tensor fire one after the other, and the
+// first is the next span's start). Such a span is the next one's sibling,
+// not its parent: the later one starts where the earlier ends, so every
+// lane nests properly (what trace viewers require of "X" events). `events`
+// are in lane order, each lane in time order.
+void nest_lanes(std::vector<nlohmann::json>& events) {
+  using nlohmann::json;
+  std::vector<json*> open;  // enclosing spans on the current lane
+  int lane = -1;
+  for (auto& e : events) {
+    const int tid = e["tid"].get<int>();
+    if (tid != lane) {
+      open.clear();
+      lane = tid;
+    }
+    double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
+    while (!open.empty()) {
+      const double top_end = (*open.back())["ts"].get<double>() + (*open.back())["dur"].get<double>();
+      if (ts >= top_end) {
+        open.pop_back();
+      } else if (ts + dur > top_end) {  // overlaps the top's end: starts after it
+        dur = std::max(0.0, ts + dur - top_end);
+        ts = top_end;
+        e["ts"] = ts;
+        e["dur"] = dur;
+        open.pop_back();
+      } else {
+        break;
+      }
+    }
+    open.push_back(&e);
+  }
+}
+
+// The metadata events that name the process and its lanes (threads and comm
+// lanes), each lane once, in lane order.
+nlohmann::json metadata_events(const std::vector<nlohmann::json>& events, const Recording& r, int pid,
+                               const std::string& process_name) {
+  using nlohmann::json;
+  json out = json::array();
+  out.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"name", process_name}}}});
+  out.push_back(
+      {{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"sort_index", pid}}}});
+  std::map<int, std::string> threads;
+  for (const json& e : events) {
+    const int tid = e["tid"].get<int>();
+    if (threads.count(tid)) continue;
+    threads[tid] = tid >= kCommTid
+                       ? "comm " + std::to_string(tid - kCommTid)
+                       : (static_cast<size_t>(tid - 1) < r.lanes.size() ? r.lanes[static_cast<size_t>(tid - 1)]
+                                                                        : "thread " + std::to_string(tid - 1));
+  }
+  for (const auto& [tid, name] : threads) {
+    out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", name}}}});
+    out.push_back(
+        {{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"sort_index", tid}}}});
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string to_chrome_events(const Recording& r, int pid, const std::string& process_name, int64_t offset_ns,
                              int64_t origin_ns) {
   using nlohmann::json;
@@ -152,54 +217,9 @@ std::string to_chrome_events(const Recording& r, int pid, const std::string& pro
     return a["dur"].get<double>() > b["dur"].get<double>();
   };
   std::stable_sort(events.begin(), events.end(), in_order);
-  // Spans measured by autograd hooks can end a few nanoseconds after the
-  // next one began (two hooks on one tensor fire one after the other, and the
-  // first is the next span's start). Such a span is the next one's sibling,
-  // not its parent: the later one starts where the earlier ends, so every
-  // lane nests properly (what trace viewers require of "X" events).
-  {
-    std::vector<json*> open;  // enclosing spans on the current lane
-    int lane = -1;
-    for (auto& e : events) {
-      const int tid = e["tid"].get<int>();
-      if (tid != lane) {
-        open.clear();
-        lane = tid;
-      }
-      double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
-      while (!open.empty()) {
-        const double top_end = (*open.back())["ts"].get<double>() + (*open.back())["dur"].get<double>();
-        if (ts >= top_end) {
-          open.pop_back();
-        } else if (ts + dur > top_end) {  // overlaps the top's end: starts after it
-          dur = std::max(0.0, ts + dur - top_end);
-          ts = top_end;
-          e["ts"] = ts;
-          e["dur"] = dur;
-          open.pop_back();
-        } else {
-          break;
-        }
-      }
-      open.push_back(&e);
-    }
-  }
+  nest_lanes(events);
   std::stable_sort(events.begin(), events.end(), in_order);
-  json out = json::array();
-  out.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"name", process_name}}}});
-  out.push_back({{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", 0}, {"args", {{"sort_index", pid}}}});
-  std::map<int, std::string> threads;
-  for (const json& e : events) {
-    const int tid = e["tid"].get<int>();
-    if (threads.count(tid)) continue;
-    threads[tid] = tid >= kCommTid ? "comm " + std::to_string(tid - kCommTid)
-                                   : (static_cast<size_t>(tid - 1) < r.lanes.size() ? r.lanes[static_cast<size_t>(tid - 1)]
-                                                                                    : "thread " + std::to_string(tid - 1));
-  }
-  for (const auto& [tid, name] : threads) {
-    out.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", name}}}});
-    out.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"sort_index", tid}}}});
-  }
+  json out = metadata_events(events, r, pid, process_name);
   for (auto& e : events) out.push_back(std::move(e));
   return out.dump();
 }
