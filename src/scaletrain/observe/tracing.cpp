@@ -149,8 +149,11 @@ void StepTracer::write() {
   std::fflush(stdout);
 }
 
-void report_comm_summary(comm::World& world, int64_t steps, const std::vector<double>& bubbles,
-                         std::optional<double> expected_bubble, bool lead, MetricsSink& sink) {
+namespace {
+
+// This rank's communication totals (comm::comm_profile) and, for a pipeline,
+// its measured bubble next to the schedule's.
+json own_comm_rows(comm::World& world, const std::vector<double>& bubbles, std::optional<double> expected_bubble) {
   json mine{{"rank", world.rank()}, {"rows", json::array()}};
   for (const comm::CommTotals& c : comm::comm_profile())
     mine["rows"].push_back({{"group", c.group},
@@ -168,20 +171,12 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
     std::sort(b.begin(), b.end());
     mine["pipeline_bubble"] = {{"measured", b.empty() ? 0.0 : b[b.size() / 2]}, {"expected", *expected_bubble}};
   }
-  const std::string prefix = attempt_prefix("comm_summary");
-  c10d::Store& store = *world.store();
-  store.set(prefix + std::to_string(world.rank()), bytes(mine.dump()));
-  if (!lead) return;
-  if (!comm::comm_profile_enabled()) {
-    std::printf("scaletrain: communication not counted (SCALETRAIN_COMM_PROFILE=0)\n");
-    std::fflush(stdout);
-    return;
-  }
-  json ranks = json::array();
-  for (int r = 0; r < world.size(); ++r) ranks.push_back(json::parse(text(store.get(prefix + std::to_string(r)))));
-  json record{{"record", "comm"}, {"steps", steps}, {"ranks", ranks}};
-  sink.write_record(record.dump());
+  return mine;
+}
 
+// The lead rank's table: one line per (group, op, size) over the ranks that
+// took part, then the pipeline bubble of each stage.
+void print_comm_table(const json& ranks, int64_t steps, std::optional<double> expected_bubble) {
   // One line per (group, op, size) over the ranks that took part.
   struct Row {
     int ranks = 0;
@@ -235,6 +230,28 @@ void report_comm_summary(comm::World& world, int64_t steps, const std::vector<do
     std::printf("; the schedule's formula: %.3f\n", *expected_bubble);
   }
   std::fflush(stdout);
+}
+
+}  // namespace
+
+void report_comm_summary(comm::World& world, int64_t steps, const std::vector<double>& bubbles,
+                         std::optional<double> expected_bubble, bool lead, MetricsSink& sink) {
+  const json mine = own_comm_rows(world, bubbles, expected_bubble);
+  const std::string prefix = attempt_prefix("comm_summary");
+  c10d::Store& store = *world.store();
+  store.set(prefix + std::to_string(world.rank()), bytes(mine.dump()));
+  if (!lead) return;
+  if (!comm::comm_profile_enabled()) {
+    std::printf("scaletrain: communication not counted (SCALETRAIN_COMM_PROFILE=0)\n");
+    std::fflush(stdout);
+    return;
+  }
+  json ranks = json::array();
+  for (int r = 0; r < world.size(); ++r) ranks.push_back(json::parse(text(store.get(prefix + std::to_string(r)))));
+  json record{{"record", "comm"}, {"steps", steps}, {"ranks", ranks}};
+  sink.write_record(record.dump());
+
+  print_comm_table(ranks, steps, expected_bubble);
 }
 
 }  // namespace scaletrain::observe
