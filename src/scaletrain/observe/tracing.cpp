@@ -177,7 +177,6 @@ json own_comm_rows(comm::World& world, const std::vector<double>& bubbles, std::
 // The lead rank's table: one line per (group, op, size) over the ranks that
 // took part, then the pipeline bubble of each stage.
 void print_comm_table(const json& ranks, int64_t steps, std::optional<double> expected_bubble) {
-  // One line per (group, op, size) over the ranks that took part.
   struct Row {
     int ranks = 0;
     double count = 0, bytes = 0, timed = 0, timed_bus_bytes = 0, seconds = 0, exposed_max = 0;
