@@ -2,7 +2,8 @@
 #   include/scaletrain/...      the public headers (every header of the two
 #                               libraries except the internal ones below)
 #   lib/libscaletrain_core.so   torch-free: tokenizers, token files, sampler,
-#                               launcher contract, estimator, safetensors
+#                               launcher contract, estimator, safetensors,
+#                               the config readers
 #   lib/libscaletrain.so        the engines, models, checkpoints, trainer
 #   lib/cmake/scaletrain/       the CMake package: find_package(scaletrain)
 #   bin/scaletrain              the CLI (launch, train, checkpoint, ...)
@@ -19,8 +20,8 @@ set(SCALETRAIN_INTERNAL_HEADERS
   comm/rendezvous_server.h     # the store's server (world.cpp runs it)
   checkpoint/safetensors_detail.h
   parallel/fsdp/engine_state.h  # the sharded engine's state
-  train/accelerate_config.h    # yaml-cpp
-  train/config_values.h        # yaml-cpp
+  config/accelerate_config.h   # yaml-cpp
+  config/config_values.h       # yaml-cpp
   data/utf8.h)
 file(GLOB_RECURSE _st_headers RELATIVE ${PROJECT_SOURCE_DIR}/src/scaletrain CONFIGURE_DEPENDS
      ${PROJECT_SOURCE_DIR}/src/scaletrain/*.h)

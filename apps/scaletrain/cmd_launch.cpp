@@ -30,10 +30,10 @@
 
 #include "commands.h"
 #include "scaletrain/comm/rendezvous_store.h"
+#include "scaletrain/config/accelerate_config.h"
 #include "scaletrain/launch/elastic.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/error.h"
-#include "scaletrain/train/accelerate_config.h"
 
 namespace scaletrain::cli {
 namespace {
@@ -180,7 +180,7 @@ int run_launch(LaunchFlags& f, bool from_file, const GivenFlags& given) {
   launch::LaunchOptions& opts = f.opts;
   bool port_chosen = given.port;
   if (from_file) {
-    const auto l = train::read_accelerate_launch(f.config_file);
+    const auto l = config::read_accelerate_launch(f.config_file);
     if (!given.nnodes) opts.nnodes = l.num_machines;
     if (!given.nproc) opts.nproc_per_node = l.num_processes / l.num_machines;
     if (!given.node_rank) opts.node_rank = l.machine_rank;
@@ -192,7 +192,7 @@ int run_launch(LaunchFlags& f, bool from_file, const GivenFlags& given) {
     for (const auto& n : l.notes) std::fprintf(stderr, "scaletrain launch: note: %s\n", n.c_str());
     // Inherited by every worker: `scaletrain train` reads the training keys.
     const std::string abs = std::filesystem::absolute(f.config_file).string();
-    ::setenv(train::kAccelerateConfigEnv, abs.c_str(), 1);
+    ::setenv(config::kAccelerateConfigEnv, abs.c_str(), 1);
   }
   // One node and no port given: a free one, so two jobs on one host do not meet at one store.
   if (!port_chosen && opts.nnodes == 1 && opts.max_nodes == 0) opts.master_port = launch::free_port();

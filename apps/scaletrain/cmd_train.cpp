@@ -7,7 +7,6 @@
 #include "commands.h"
 #include "scaletrain/observe/metrics.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/train/trainer.h"
 
 namespace scaletrain::cli {

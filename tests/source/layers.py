@@ -28,6 +28,8 @@ RULES = {
     "checkpoint": {"comm", "util"},
     "hub": {"checkpoint", "models", "interfaces", "util"},  # Hugging Face and PEFT formats
     "estimate": {"util"},
+    # the run's config, torch-free: env.h (world size), hf_names.h (layer classes)
+    "config": {"util", "precision", "comm", "models"},
     "launch": {"util"},
     "rpc": {"comm"},
     "observe": {"comm", "estimate", "util"},  # metrics, traces, memory: what a run shows

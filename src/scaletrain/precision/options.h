@@ -1,5 +1,5 @@
 #pragma once
-// The `precision:` section of a run's config, torch-free so that train/config.h
+// The `precision:` section of a run's config, torch-free so that config/config.h
 // can hold it without pulling libtorch in. policy.h turns it into dtypes and
 // loss_scaler.h into a LossScaler.
 #include <cstdint>

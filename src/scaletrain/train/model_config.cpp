@@ -116,3 +116,17 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
 }
 
 }  // namespace scaletrain::train
+
+namespace scaletrain::train {
+
+int64_t model_width(const ModelOptions& m) { return resolve_model_config(m).n_embd; }
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return config::load_config(path, overrides, model_width);
+}
+
+void apply_deepspeed_config(Config& c, const std::string& path, int data_parallel_size) {
+  config::apply_deepspeed_config(c, path, data_parallel_size, model_width);
+}
+
+}  // namespace scaletrain::train

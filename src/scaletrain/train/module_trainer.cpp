@@ -23,7 +23,6 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/train/checkpoint_layout.h"
-#include "scaletrain/train/config_values.h"
 #include "scaletrain/train/module_trainer_internal.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/util/error.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "scaletrain/train/config_values.h"
+#include "scaletrain/config/config_values.h"
 #include "scaletrain/train/module_trainer_internal.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/util/error.h"
@@ -222,7 +222,7 @@ void refuse_unread_keys(const Config& c, DataParallelism d) {
     const std::string why = mapped_keys().count(key) ? inapplicable(c, key, d) : unread_reason(key);
     if (!why.empty()) problems.push_back(key + "=" + value + " would have no effect: " + why);
   }
-  if (!problems.empty()) throw UsageError(join_problems(problems));
+  if (!problems.empty()) throw UsageError(config::join_problems(problems));
 }
 
 // parallel.*: the strategy, its units and the engines' knobs.

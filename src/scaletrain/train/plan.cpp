@@ -6,11 +6,11 @@
 #include <functional>
 #include <map>
 
+#include "scaletrain/config/config_values.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
-#include "scaletrain/train/config_values.h"
 #include "scaletrain/train/model_config.h"
 #include "scaletrain/util/error.h"
 
@@ -32,7 +32,7 @@ class Problems {
   }
   void add(std::string problem) { list_.push_back(std::move(problem)); }
   void raise() const {
-    if (!list_.empty()) throw UsageError(join_problems(list_));
+    if (!list_.empty()) throw UsageError(config::join_problems(list_));
   }
 
  private:
@@ -435,62 +435,6 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   problems.raise();
   plan.engines = plan_engines(c, plan);
   return plan;
-}
-
-bool runs_ddp(DataParallelism d) { return d == DataParallelism::kDdp || d == DataParallelism::kNoShard; }
-
-bool shards_params(DataParallelism d) {
-  return d == DataParallelism::kZero3 || d == DataParallelism::kFullShard || d == DataParallelism::kHybridShard;
-}
-
-bool uses_fsdp_keys(DataParallelism d) {
-  return d == DataParallelism::kNoShard || d == DataParallelism::kFullShard || d == DataParallelism::kShardGradOp ||
-         d == DataParallelism::kHybridShard;
-}
-
-int zero_stage(DataParallelism d) {
-  switch (d) {
-    case DataParallelism::kZero1: return 1;
-    case DataParallelism::kZero2: return 2;
-    case DataParallelism::kZero3: return 3;
-    default: return 0;
-  }
-}
-
-std::string to_string(DataParallelism d) {
-  switch (d) {
-    case DataParallelism::kDdp: return "ddp";
-    case DataParallelism::kNoShard: return "fsdp NO_SHARD";
-    case DataParallelism::kZero1: return "zero1";
-    case DataParallelism::kZero2: return "zero2";
-    case DataParallelism::kZero3: return "zero3";
-    case DataParallelism::kFullShard: return "fsdp FULL_SHARD";
-    case DataParallelism::kShardGradOp: return "fsdp SHARD_GRAD_OP";
-    case DataParallelism::kHybridShard: return "fsdp HYBRID_SHARD";
-  }
-  return "?";
-}
-
-DataParallelism data_parallelism(const ParallelOptions& p) {
-  static const std::map<std::string, DataParallelism> strategies{{"ddp", DataParallelism::kDdp},
-                                                                 {"zero1", DataParallelism::kZero1},
-                                                                 {"zero2", DataParallelism::kZero2},
-                                                                 {"zero3", DataParallelism::kZero3}};
-  static const std::map<std::string, DataParallelism> fsdp{{"NO_SHARD", DataParallelism::kNoShard},
-                                                           {"FULL_SHARD", DataParallelism::kFullShard},
-                                                           {"SHARD_GRAD_OP", DataParallelism::kShardGradOp},
-                                                           {"HYBRID_SHARD", DataParallelism::kHybridShard}};
-  if (p.strategy == "fsdp") {
-    const auto it = fsdp.find(p.fsdp.sharding_strategy);
-    if (it == fsdp.end())
-      throw UsageError("parallel.fsdp.sharding_strategy '" + p.fsdp.sharding_strategy +
-                       "' is not one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD");
-    return it->second;
-  }
-  const auto it = strategies.find(p.strategy);
-  if (it == strategies.end())
-    throw UsageError("parallel.strategy '" + p.strategy + "' is not one of ddp, zero1, zero2, zero3, fsdp");
-  return it->second;
 }
 
 }  // namespace scaletrain::train

@@ -11,7 +11,6 @@
 #include "cli_util.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {

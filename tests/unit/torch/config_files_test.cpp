@@ -11,10 +11,9 @@
 #include <string>
 
 #include "cli_util.h"
-#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/train/config.h"
-#include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/train/model_config.h"
 #include "scaletrain/util/error.h"
 

@@ -1,4 +1,4 @@
-#include "scaletrain/train/accelerate_config.h"
+#include "scaletrain/config/accelerate_config.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,9 +7,9 @@
 #include <map>
 #include <optional>
 
+#include "scaletrain/config/config_values.h"
+#include "scaletrain/config/deepspeed_config.h"
 #include "scaletrain/models/hf_names.h"
-#include "scaletrain/train/config_values.h"
-#include "scaletrain/train/deepspeed_config.h"
 #include "scaletrain/util/error.h"
 
 // Note [Accelerate keys]
@@ -42,7 +42,7 @@
 // - deepspeed_config: zero_stage, offload_*_device, offload_*_nvme_path,
 //   gradient_accumulation_steps, gradient_clipping and zero3_save_16bit_model
 //   become the DeepSpeed JSON Accelerate would build, with bf16/fp16 from
-//   mixed_precision, applied by train/deepspeed_config.cpp once the
+//   mixed_precision, applied by config/deepspeed_config.cpp once the
 //   data-parallel size is known; or deepspeed_config_file names a DeepSpeed
 //   JSON (relative to the working directory, else to this file), which then
 //   excludes the other keys, as in Accelerate. zero3_init_flag false gets a
@@ -60,7 +60,7 @@
 //   errors (use parallel.tp / parallel.pp). Any other key is an
 //   error; all of a file's unknown keys are named in one error.
 
-namespace scaletrain::train {
+namespace scaletrain::config {
 namespace {
 
 const std::vector<std::string> kLauncherKeys = {"num_processes",     "num_machines", "machine_rank", "main_process_ip",
@@ -106,7 +106,7 @@ bool inert_value(const std::string& name, const YAML::Node& v) {
   if (!v || v.IsNull()) return true;
   if ((v.IsMap() || v.IsSequence()) && v.size() == 0) return true;
   if (v.IsScalar()) {
-    const std::string s = v.Scalar();
+    const std::string& s = v.Scalar();
     if (name == "use_cpu") return s == "true" || s == "True";  // true is what this build does; false asks for a GPU
     if (s == "false" || s == "False" || s == "no" || s == "NO" || s == "null" || s.empty()) return true;
     if (name == "main_training_function" && s == "main") return true;
@@ -162,7 +162,8 @@ void read_fp8_config(AccelerateSettings& out, const YAML::Node& section) {
     } else if (name == "use_autocast_during_eval") {
       if (to_bool(key, v)) throw UsageError(key + "=true: there is no evaluation pass here");
     } else {
-      throw UsageError("unknown fp8_config key '" + name + "' (known: backend, opt_level, fp8_format, "
+      throw UsageError("unknown fp8_config key '" + name +
+                       "' (known: backend, opt_level, fp8_format, "
                        "amax_history_len, amax_compute_algo, margin, interval, use_autocast_during_eval)");
     }
   }
@@ -396,7 +397,8 @@ void read_accelerate_key(Config& c, AccelerateSettings& out, const std::string& 
   }
 }
 
-void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<std::string>& given) {
+void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<std::string>& given,
+                       const ModelWidth& model_width) {
   if (s.file.empty()) return;
   const bool deepspeed = !s.deepspeed.is_null() || !s.deepspeed_file.empty();
   if (!s.strategy.empty() && !deepspeed) {
@@ -415,7 +417,8 @@ void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<st
     throw UsageError("fp8_config applies to mixed_precision: fp8, which " + s.file + " does not set");
   for (const auto& [key, value] : s.fp8) {
     if (given.count(key) && config_value(c, key) != value)
-      throw UsageError(s.file + " implies " + key + "=" + value + ", but " + key + " is '" + config_value(c, key) + "'");
+      throw UsageError(s.file + " implies " + key + "=" + value + ", but " + key + " is '" + config_value(c, key) +
+                       "'");
     if (!given.count(key)) apply_override(c, key + "=" + value);
   }
   if (!s.launcher.empty()) {
@@ -426,13 +429,13 @@ void finish_accelerate(Config& c, const AccelerateSettings& s, const std::set<st
                         "world from the environment");
   }
   const int dp = deepspeed ? deepspeed_data_parallel_size(c) : 1;
-  if (!s.deepspeed_file.empty()) apply_deepspeed_config(c, s.deepspeed_file, dp);
+  if (!s.deepspeed_file.empty()) apply_deepspeed_config(c, s.deepspeed_file, dp, model_width);
   if (!s.deepspeed.is_null()) {
     nlohmann::json ds = s.deepspeed;
     // Accelerate fills the DeepSpeed precision section from mixed_precision.
     if (c.precision.mode == "bf16") ds["bf16"] = {{"enabled", true}};
     if (c.precision.mode == "fp16") ds["fp16"] = {{"enabled", true}};
-    apply_deepspeed_json(c, ds, s.file + " (deepspeed_config)", dp);
+    apply_deepspeed_json(c, ds, s.file + " (deepspeed_config)", dp, model_width);
   }
 }
 
@@ -470,4 +473,4 @@ AccelerateLaunch read_accelerate_launch(const std::string& path) {
   return l;
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::config

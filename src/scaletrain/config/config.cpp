@@ -1,4 +1,4 @@
-#include "scaletrain/train/config.h"
+#include "scaletrain/config/config.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -15,11 +15,10 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/train/accelerate_config.h"
-#include "scaletrain/train/config_values.h"
+#include "scaletrain/config/config_values.h"
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::train {
+namespace scaletrain::config {
 
 int64_t to_int(const std::string& key, const std::string& v) {
   char* end = nullptr;
@@ -180,6 +179,8 @@ const char* shown_type(std::string (*)(const std::string&)) { return "string"; }
 const char* shown_type(std::string (*)(const std::vector<int64_t>&)) { return "steps"; }
 
 // The table of keys: one entry per field. `section` may be nested (parallel.fsdp).
+// It is one function of some 160 lines because it is a table: a row per key,
+// which splitting by section would only scatter.
 const std::map<std::string, Field>& fields() {
   static const std::map<std::string, Field> table = [] {
     std::map<std::string, Field> t;
@@ -371,72 +372,6 @@ void set_key(Config& c, const std::string& key, const std::string& value) {
   it->second.set(c, value);
 }
 
-// Sets every scalar of a YAML map under `prefix` ("train", "parallel.fsdp");
-// each key's problem is added to `problems` (a file's problems are reported together).
-void load_map(Config& c, const YAML::Node& map, const std::string& prefix, std::set<std::string>& given,
-              std::vector<std::string>& problems) {
-  std::set<std::string> here;  // YAML leaves a repeated key to the reader: we refuse it
-  for (const auto& kv : map) {
-    const std::string key = prefix + "." + kv.first.as<std::string>();
-    try {
-      if (!here.insert(key).second)
-        throw UsageError(key + " is given twice (which one should count?)");
-      if (kv.second.IsMap() && is_section(key)) {
-        load_map(c, kv.second, key, given, problems);
-        continue;
-      }
-      if (kv.second.IsSequence() && (key == "finetune.target_modules" || key == "metrics.trace_steps" || key == "data.mixture")) {  // lists
-        std::string joined;
-        for (const auto& item : kv.second) {
-          if (!item.IsScalar()) throw UsageError(key + " must be a list of " + (key[0] == 'f' ? "layer names" : "steps"));
-          joined += (joined.empty() ? "" : ",") + item.Scalar();
-        }
-        set_key(c, key, joined);
-        given.insert(key);
-        continue;
-      }
-      if (!kv.second.IsScalar() && (fields().count(key) || !kv.second.IsMap()))
-        throw UsageError(key + " must be a single value");
-      set_key(c, key, kv.second.IsScalar() ? kv.second.Scalar() : "");  // an unknown map: the error names it
-      given.insert(key);
-    } catch (const UsageError& e) {
-      problems.push_back(e.what());
-    }
-  }
-}
-
-// Reads the YAML file into `c`; returns the keys it set and Accelerate's settings.
-struct Loaded {
-  std::set<std::string> given;    // "section.key" set explicitly
-  AccelerateSettings accelerate;  // Note [Accelerate keys] (accelerate_config.cpp)
-};
-
-void load_file(Config& c, const std::string& path, Loaded& loaded) {
-  const YAML::Node root = read_yaml_file(path);
-  if (!root || root.IsNull()) return;
-  if (!root.IsMap()) throw UsageError("config file " + path + ": the top level must be a map of sections");
-  std::vector<std::string> problems;  // every problem of the file, in one error
-  std::set<std::string> sections;
-  for (const auto& section : root) {
-    const std::string name = section.first.as<std::string>();
-    try {
-      if (!sections.insert(name).second)
-        throw UsageError("section '" + name + "' is given twice (merge its keys into one)");
-      if (is_accelerate_key(name)) {
-        read_accelerate_key(c, loaded.accelerate, name, section.second, path);
-        continue;
-      }
-      if (!is_section(name)) throw UsageError("unknown config section '" + name + "' " + kSections);
-      if (!section.second.IsMap() && !section.second.IsNull())
-        throw UsageError("section '" + name + "' must be a map of keys");
-      load_map(c, section.second, name, loaded.given, problems);
-    } catch (const UsageError& e) {
-      problems.push_back(e.what());
-    }
-  }
-  if (!problems.empty()) throw UsageError("config file " + path + ": " + join_problems(problems));
-}
-
 }  // namespace
 
 void validate_config(const Config& c) {
@@ -479,8 +414,8 @@ void validate_config(const Config& c) {
   if (p.fp8_margin < 0 || p.fp8_margin > 60) fail("precision.fp8_margin must be in [0, 60]");
   if (c.metrics.log_every < 1) fail("metrics.log_every must be at least 1");
   if (!c.metrics.trace_steps.empty() && c.metrics.trace_steps[1] > c.train.steps)
-    fail("metrics.trace_steps ends at step " + std::to_string(c.metrics.trace_steps[1]) + ", after the run's last (train.steps " +
-         std::to_string(c.train.steps) + ")");
+    fail("metrics.trace_steps ends at step " + std::to_string(c.metrics.trace_steps[1]) +
+         ", after the run's last (train.steps " + std::to_string(c.train.steps) + ")");
   if (!c.metrics.trace_steps.empty() && c.metrics.trace_dir.empty()) fail("metrics.trace_dir must name a directory");
   if (c.train.stop_at < 0 || c.train.stop_at > c.train.steps) fail("train.stop_at must be in [0, train.steps]");
   if (c.checkpoint.every < 0) fail("checkpoint.every must be 0 (end of run only) or positive");
@@ -500,9 +435,11 @@ void validate_config(const Config& c) {
   if (!(t.beta2 >= 0 && t.beta2 < 1)) fail("train.beta2 must be in [0, 1), got " + num(t.beta2));
   if (!(t.weight_decay >= 0)) fail("train.weight_decay must be >= 0, got " + num(t.weight_decay));
   if (!(t.grad_clip >= 0)) fail("train.grad_clip must be >= 0 (0: no clipping), got " + num(t.grad_clip));
-  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1)) fail("train.min_lr_ratio must be in [0, 1], got " + num(t.min_lr_ratio));
+  if (!(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1))
+    fail("train.min_lr_ratio must be in [0, 1], got " + num(t.min_lr_ratio));
   if (t.warmup_steps < 0) fail("train.warmup_steps must be >= 0, got " + std::to_string(t.warmup_steps));
-  if (t.sample_tokens < 0) fail("train.sample_tokens must be >= 0 (0: no sample), got " + std::to_string(t.sample_tokens));
+  if (t.sample_tokens < 0)
+    fail("train.sample_tokens must be >= 0 (0: no sample), got " + std::to_string(t.sample_tokens));
   if (!problems.empty()) throw UsageError(join_problems(problems));
 }
 
@@ -543,6 +480,14 @@ std::vector<ConfigKeyInfo> config_key_table() {
   return rows;
 }
 
+bool is_config_section(const std::string& prefix) { return is_section(prefix); }
+
+bool is_config_key(const std::string& key) { return fields().count(key) > 0; }
+
+void set_config_key(Config& config, const std::string& key, const std::string& value) { set_key(config, key, value); }
+
+std::string unknown_section(const std::string& name) { return "unknown config section '" + name + "' " + kSections; }
+
 void apply_override(Config& config, const std::string& assignment) {
   std::string a = assignment;
   if (a.rfind("--", 0) == 0) a = a.substr(2);
@@ -552,23 +497,4 @@ void apply_override(Config& config, const std::string& assignment) {
   set_key(config, a.substr(0, eq), a.substr(eq + 1));
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  Config c;
-  Loaded loaded;
-  if (!path.empty()) load_file(c, path, loaded);
-  // An Accelerate file handed down by `scaletrain launch --config_file`.
-  if (const char* acc = std::getenv(kAccelerateConfigEnv); acc && *acc) {
-    std::error_code ec;
-    if (path.empty() || !std::filesystem::equivalent(path, acc, ec)) load_file(c, acc, loaded);
-  }
-  for (const auto& o : overrides) {
-    apply_override(c, o);
-    const std::string a = o.rfind("--", 0) == 0 ? o.substr(2) : o;
-    loaded.given.insert(a.substr(0, a.find('=')));
-  }
-  finish_accelerate(c, loaded.accelerate, loaded.given);  // Note [Accelerate keys]
-  validate_config(c);
-  return c;
-}
-
-}  // namespace scaletrain::train
+}  // namespace scaletrain::config

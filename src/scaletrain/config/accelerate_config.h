@@ -3,29 +3,29 @@
 // scaletrain configs: `scaletrain train accelerate.yaml` and
 // `scaletrain launch --config_file accelerate.yaml -- scaletrain train ...`.
 // See accelerate_config.cpp, Note [Accelerate keys].
-#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
 
 #include <map>
 #include <set>
 #include <string>
 
-#include "scaletrain/train/config.h"
+#include "scaletrain/config/config.h"
 
-namespace scaletrain::train {
+namespace scaletrain::config {
 
 // What an Accelerate file said that is settled only after the whole config
 // (YAML, overrides) is known.
 struct AccelerateSettings {
-  std::string file;                   // the file these came from ("" = none)
-  std::string strategy;               // parallel.strategy implied by distributed_type / fsdp_config ("" = none)
-  std::string implied_by;             // the key that implied it, for messages
-  std::string mixed_precision;        // precision.mode implied by mixed_precision ("" = none)
+  std::string file;                        // the file these came from ("" = none)
+  std::string strategy;                    // parallel.strategy implied by distributed_type / fsdp_config ("" = none)
+  std::string implied_by;                  // the key that implied it, for messages
+  std::string mixed_precision;             // precision.mode implied by mixed_precision ("" = none)
   std::map<std::string, std::string> fp8;  // precision.fp8* keys implied by mixed_precision: fp8 and fp8_config
   bool fp8_config = false;                 // the file has an fp8_config section
-  nlohmann::json deepspeed;           // deepspeed_config translated to DeepSpeed JSON (null = none)
-  std::string deepspeed_file;         // deepspeed_config.deepspeed_config_file, resolved ("" = none)
-  std::vector<std::string> launcher;  // launcher keys present (notice: read by `scaletrain launch`)
+  nlohmann::json deepspeed;                // deepspeed_config translated to DeepSpeed JSON (null = none)
+  std::string deepspeed_file;              // deepspeed_config.deepspeed_config_file, resolved ("" = none)
+  std::vector<std::string> launcher;       // launcher keys present (notice: read by `scaletrain launch`)
 };
 
 // True for the top-level keys `accelerate config` writes.
@@ -41,8 +41,9 @@ void read_accelerate_key(Config& config, AccelerateSettings& out, const std::str
 // After overrides: the implied strategy and precision (an explicit,
 // disagreeing parallel.strategy / precision.mode in `given` is an error), the
 // DeepSpeed section or file, and the notices. `given` holds the
-// "section.key" names set explicitly.
-void finish_accelerate(Config& config, const AccelerateSettings& s, const std::set<std::string>& given);
+// "section.key" names set explicitly; `model_width` as for load_config.
+void finish_accelerate(Config& config, const AccelerateSettings& s, const std::set<std::string>& given,
+                       const ModelWidth& model_width);
 
 // The launcher's part of an Accelerate file (`accelerate launch --config_file`).
 struct AccelerateLaunch {
@@ -66,4 +67,4 @@ AccelerateLaunch read_accelerate_launch(const std::string& path);
 // after the worker's own config file).
 inline constexpr const char* kAccelerateConfigEnv = "SCALETRAIN_ACCELERATE_CONFIG";
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::config

@@ -1,4 +1,4 @@
-#include "scaletrain/train/deepspeed_config.h"
+#include "scaletrain/config/deepspeed_config.h"
 
 #include <nlohmann/json.hpp>
 
@@ -10,7 +10,6 @@
 #include <set>
 
 #include "scaletrain/comm/env.h"
-#include "scaletrain/train/model_config.h"
 
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
@@ -46,7 +45,9 @@
 //   DeepSpeed's own implementation and get a notice when set.
 // - "auto" resolves from our own config, as the Hugging Face trainer does:
 //   reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 x hidden^2,
-//   stage3_param_persistence_threshold = 10 x hidden (hidden = model width);
+//   stage3_param_persistence_threshold = 10 x hidden (hidden = model width,
+//   asked of the reader's ModelWidth only when one of these is "auto":
+//   train/config.h's readers resolve the model for it);
 //   batch sizes from train.global_batch / micro_batch; gradient_clipping from
 //   train.grad_clip; lr, betas, eps, weight_decay from train.*; the
 //   scheduler's warmup_max_lr = train.lr, warmup_min_lr = 0,
@@ -73,7 +74,7 @@
 //   (DeepSpeed's default), is AdamW; "Adam" with adam_w_mode false (L2
 //   regularised Adam) and any other type is an error.
 
-namespace scaletrain::train {
+namespace scaletrain::config {
 namespace {
 
 using nlohmann::json;
@@ -161,8 +162,28 @@ void set_if(T& field, const std::optional<T>& v) {
   if (v) field = *v;
 }
 
-// The model width "auto" sizes are derived from (Note [DeepSpeed mapping]).
-double hidden_size(const Config& c) { return static_cast<double>(resolve_model_config(c.model).n_embd); }
+// The model width "auto" sizes are derived from (Note [DeepSpeed mapping]),
+// asked of `width` the first time a key needs it.
+class Hidden {
+ public:
+  Hidden(const Reader& r, const Config& c, const ModelWidth& width) : r_(r), c_(c), width_(width) {}
+  double operator()(const std::string& key) {
+    if (!value_) {
+      if (!width_)
+        r_.fail(key,
+                "=\"auto\" is sized from the model's width, which this reader was not given (give the size "
+                "in elements)");
+      value_ = static_cast<double>(width_(c_.model));
+    }
+    return *value_;
+  }
+
+ private:
+  const Reader& r_;
+  const Config& c_;
+  const ModelWidth& width_;
+  std::optional<double> value_;
+};
 
 // bf16 / fp16 sections: precision.mode and param_dtype, fp16 loss scaling.
 void map_precision(const Reader& r, const json& root, Config& c) {
@@ -225,16 +246,18 @@ void map_offload(const Reader& r, const json& z, const std::string& key, std::st
                            {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                             "pipeline_read", "pipeline_write", "fast_init", "ratio"});
   std::string d = r.string(o, prefix, "device").value_or("none");
-  if (d != "none" && d != "cpu" && d != "nvme") r.fail(prefix + ".device", "must be none, cpu or nvme, got '" + d + "'");
+  if (d != "none" && d != "cpu" && d != "nvme")
+    r.fail(prefix + ".device", "must be none, cpu or nvme, got '" + d + "'");
   for (const char* k : {"buffer_count", "buffer_size", "max_in_cpu", "ratio"}) r.number(o, prefix, k);
   for (const char* k : {"pin_memory", "pipeline_read", "pipeline_write", "fast_init"}) r.boolean(o, prefix, k);
   r.string(o, prefix, "nvme_path");
   if (d == "none") return;  // a disabled section: nothing in it applies
-  device = d;  // parallel.zero.offload_*: cpu or nvme (Note [Offloaded shards])
+  device = d;               // parallel.zero.offload_*: cpu or nvme (Note [Offloaded shards])
   if (d == "nvme") {
     if (auto p = r.string(o, prefix, "nvme_path")) {
       if (nvme_path && *nvme_path != *p)
-        r.fail(prefix + ".nvme_path", "differs from the other offload's nvme_path (one offload directory is supported)");
+        r.fail(prefix + ".nvme_path",
+               "differs from the other offload's nvme_path (one offload directory is supported)");
       nvme_path = p;
     }
   }
@@ -246,12 +269,13 @@ void map_offload(const Reader& r, const json& z, const std::string& key, std::st
 
 // zero_optimization's keys that are accepted and act on nothing here, each
 // with a notice (Note [DeepSpeed mapping]); "auto" values are shown resolved.
-void zero_keys_without_effect(const Reader& r, const json& z, const std::string& P, double hidden) {
+void zero_keys_without_effect(const Reader& r, const json& z, const std::string& P, Hidden& hidden) {
   if (z.contains("stage3_param_persistence_threshold")) {
+    const std::string key = P + ".stage3_param_persistence_threshold";
     json v = z["stage3_param_persistence_threshold"];
-    if (Reader::is_auto(v)) v = static_cast<int64_t>(10 * hidden);  // shown resolved
+    if (Reader::is_auto(v)) v = static_cast<int64_t>(10 * hidden(key));  // shown resolved
     r.integer(z, P, "stage3_param_persistence_threshold");
-    r.notice(P + ".stage3_param_persistence_threshold", v, "every parameter is sharded, however small");
+    r.notice(key, v, "every parameter is sharded, however small");
   }
   if (z.contains("stage3_max_reuse_distance")) {
     r.integer(z, P, "stage3_max_reuse_distance");
@@ -269,7 +293,7 @@ void zero_keys_without_effect(const Reader& r, const json& z, const std::string&
   }
 }
 
-void map_zero(const Reader& r, const json& root, Config& c, double element_bytes) {
+void map_zero(const Reader& r, const json& root, Config& c, double element_bytes, Hidden& hidden) {
   if (!root.contains("zero_optimization")) return;
   const std::string P = "zero_optimization";
   const json& z = r.object(root, "", P,
@@ -284,15 +308,16 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
   }
   auto& o = c.parallel.zero;
   const double mib = 1024.0 * 1024.0;
-  // "auto" sizes, as the Hugging Face trainer fills them in (in elements).
-  const double hidden = hidden_size(c);
-  auto elements_to_mb = [&](const char* key, double& field, std::optional<double> auto_elements) {
+  // "auto" sizes, as the Hugging Face trainer fills them in: `auto_factor`
+  // x hidden^2 elements.
+  auto elements_to_mb = [&](const char* key, double& field, std::optional<double> auto_factor) {
     std::optional<double> n;
     if (auto v = r.integer(z, P, key)) {
       if (*v < 1) r.fail(P + "." + key, "must be positive");
       n = static_cast<double>(*v);
-    } else if (z.contains(key) && auto_elements) {
-      n = std::floor(*auto_elements);
+    } else if (z.contains(key) && auto_factor) {
+      const double h = hidden(P + "." + key);
+      n = std::floor(*auto_factor * h * h);
     }
     if (n) field = *n * element_bytes / mib;
   };
@@ -302,18 +327,16 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
   const std::string& strategy = c.parallel.strategy;
   const bool stage12 = strategy == "zero1" || strategy == "zero2", stage3 = strategy == "zero3";
   double unused = 0;
-  auto sized = [&](const char* key, double& field, std::optional<double> auto_elements, bool applies,
-                   const char* why) {
+  auto sized = [&](const char* key, double& field, std::optional<double> auto_factor, bool applies, const char* why) {
     if (!z.contains(key)) return;
-    elements_to_mb(key, applies ? field : unused, auto_elements);
+    elements_to_mb(key, applies ? field : unused, auto_factor);
     if (!applies) r.notice(P + "." + key, z[key], why);
   };
-  sized("reduce_bucket_size", o.reduce_bucket_mb, hidden * hidden, stage12,
+  sized("reduce_bucket_size", o.reduce_bucket_mb, 1.0, stage12,
         "stage 3 reduce-scatters one transformer block at a time, and stage 0 is DDP's buckets");
   sized("allgather_bucket_size", o.allgather_bucket_mb, std::nullopt, stage12,
         "it sizes the gathers of stages 1-2 only");
-  sized("stage3_prefetch_bucket_size", o.prefetch_bucket_mb, 0.9 * hidden * hidden, stage3,
-        "it applies to stage 3 only");
+  sized("stage3_prefetch_bucket_size", o.prefetch_bucket_mb, 0.9, stage3, "it applies to stage 3 only");
   if (auto n = r.integer(z, P, "stage3_max_live_parameters")) {
     if (stage3)
       o.max_live_parameters = *n;
@@ -325,8 +348,7 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
   set_if(o.reduce_scatter, r.boolean(z, P, "reduce_scatter"));
   set_if(o.allgather_partitions, r.boolean(z, P, "allgather_partitions"));
   std::optional<std::string> nvme_path;
-  if (z.contains("offload_optimizer"))
-    map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path);
+  if (z.contains("offload_optimizer")) map_offload(r, z, "offload_optimizer", o.offload_optimizer, nvme_path);
   if (z.contains("offload_param")) map_offload(r, z, "offload_param", o.offload_param, nvme_path);
   set_if(o.offload_dir, nvme_path);
   zero_keys_without_effect(r, z, P, hidden);
@@ -482,17 +504,19 @@ void map_scheduler(const Reader& r, const json& root, Config& c) {
 
 }  // namespace
 
-void apply_deepspeed_json(Config& c, const nlohmann::json& root, const std::string& origin, int dp) {
+void apply_deepspeed_json(Config& c, const nlohmann::json& root, const std::string& origin, int dp,
+                          const ModelWidth& model_width) {
   if (dp < 1) throw UsageError("data-parallel size must be at least 1, got " + std::to_string(dp));
   const Reader r(origin, &c.notices);
-  r.check_keys(root, "",
-               {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
-                "gradient_accumulation_steps", "gradient_clipping", "optimizer", "scheduler", "bf16", "bfloat16",
-                "fp16", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-                "activation_checkpointing", "aio"});
+  r.check_keys(
+      root, "",
+      {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+       "gradient_clipping", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "steps_per_print",
+       "wall_clock_breakdown", "zero_allow_untested_optimizer", "activation_checkpointing", "aio"});
   map_precision(r, root, c);
   const double element_bytes = c.precision.param_dtype == "fp32" ? 4.0 : 2.0;
-  map_zero(r, root, c, element_bytes);
+  Hidden hidden(r, c, model_width);
+  map_zero(r, root, c, element_bytes, hidden);
   map_batch(r, root, c, dp);
   map_optimizer(r, root, c);
   map_scheduler(r, root, c);
@@ -518,10 +542,10 @@ void apply_deepspeed_json(Config& c, const nlohmann::json& root, const std::stri
   }
 }
 
-void apply_deepspeed_config(Config& c, const std::string& path, int dp) {
+void apply_deepspeed_config(Config& c, const std::string& path, int dp, const ModelWidth& model_width) {
   // Note [Strict JSON]: repeated keys are refused, as DeepSpeed refuses them.
   const nlohmann::json root = util::read_json_file(path, "deepspeed config " + path);
-  apply_deepspeed_json(c, root, path, dp);
+  apply_deepspeed_json(c, root, path, dp, model_width);
 }
 
 int deepspeed_data_parallel_size(const Config& c) {
@@ -531,4 +555,4 @@ int deepspeed_data_parallel_size(const Config& c) {
   return std::max(1, world / model_parallel);
 }
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::config

@@ -9,25 +9,27 @@
 
 #include <string>
 
-#include "scaletrain/train/config.h"
+#include "scaletrain/config/config.h"
 
-namespace scaletrain::train {
+namespace scaletrain::config {
 
 // Applies the DeepSpeed config at `path` to `config` (already loaded from YAML
 // and overrides) for a run whose data-parallel degree is `data_parallel_size`,
 // then validates the result. Malformed JSON, unknown keys, ill-typed values,
 // inconsistent batch sizes and unsupported settings throw UsageError, one line
 // naming the file and the key.
-// Unknown keys are all named in one error.
-void apply_deepspeed_config(Config& config, const std::string& path, int data_parallel_size);
+// Unknown keys are all named in one error. `model_width` sizes the "auto"
+// buckets (Note [DeepSpeed mapping]); without it they are a UsageError.
+void apply_deepspeed_config(Config& config, const std::string& path, int data_parallel_size,
+                            const ModelWidth& model_width);
 
 // The same for a parsed config; `origin` names it in messages and notices
 // (Accelerate's deepspeed_config section is translated into one of these).
-void apply_deepspeed_json(Config& config, const nlohmann::json& root, const std::string& origin,
-                          int data_parallel_size);
+void apply_deepspeed_json(Config& config, const nlohmann::json& root, const std::string& origin, int data_parallel_size,
+                          const ModelWidth& model_width);
 
 // The data-parallel degree of this run: WORLD_SIZE from the environment over
 // parallel.tp x parallel.pp (at least 1).
 int deepspeed_data_parallel_size(const Config& config);
 
-}  // namespace scaletrain::train
+}  // namespace scaletrain::config
