@@ -51,6 +51,20 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
     params_[i].set_data(view);
   }
   at::Tensor mine = full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
+  init_shard(mine, deferred, topt);
+  if (options_.reduce_dtype == at::ScalarType::Undefined) options_.reduce_dtype = full_.scalar_type();
+  if (options_.grad_dtype == at::ScalarType::Undefined) options_.grad_dtype = options_.master_dtype;
+  if (options_.fp8_gather) {
+    if (options_.replicated_params)
+      throw std::invalid_argument("FlatParam: FP8 weight gathers need sharded parameters (unit " + unit_ + ")");
+    fp8_scales_.assign(params_.size(), 1.0);
+  }
+  if (trainable_) init_grads(topt);
+  if (device_shard_.defined() && !deferred) refresh_device_copy();
+  reshard();
+}
+
+void FlatParam::init_shard(const at::Tensor& mine, bool deferred, const at::TensorOptions& topt) {
   shard_is_view_ = options_.replicated_params && options_.master_dtype == full_.scalar_type() && !offloaded();
   if (shard_is_view_) {
     shard_ = mine;
@@ -67,32 +81,24 @@ FlatParam::FlatParam(std::string unit, std::vector<std::string> names, std::vect
   } else {
     shard_ = mine.to(options_.master_dtype, /*non_blocking=*/false, /*copy=*/true);
   }
-  if (options_.reduce_dtype == at::ScalarType::Undefined) options_.reduce_dtype = full_.scalar_type();
-  if (options_.grad_dtype == at::ScalarType::Undefined) options_.grad_dtype = options_.master_dtype;
-  if (options_.fp8_gather) {
-    if (options_.replicated_params)
-      throw std::invalid_argument("FlatParam: FP8 weight gathers need sharded parameters (unit " + unit_ + ")");
-    fp8_scales_.assign(params_.size(), 1.0);
+}
+
+void FlatParam::init_grads(const at::TensorOptions& topt) {
+  grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i)
+    grad_views_.push_back(grad_full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
+  if (options_.keep_full_grads && shard_is_view_ && options_.reduce_dtype == full_.scalar_type()) {
+    // ZeRO-1: reduce in place into this rank's chunk, which is the shard's gradient.
+    grad_full_.zero_();
+    reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
+    shard_.mutable_grad() = reduce_out_;
+  } else {
+    // The gradient shard is allocated by the first reduce (setup stays at
+    // the parameter shards; frozen-only steps never pay for it).
+    reduce_out_ = at::empty({k_}, full_.options().dtype(options_.reduce_dtype));
+    options_.keep_full_grads = false;  // the in-place layout needs a shard view of the same dtype
+    interfaces::free_storage(grad_full_);
   }
-  if (trainable_) {
-    grad_full_ = at::empty({padded_numel()}, topt.requires_grad(false));
-    for (size_t i = 0; i < params_.size(); ++i)
-      grad_views_.push_back(grad_full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
-    if (options_.keep_full_grads && shard_is_view_ && options_.reduce_dtype == full_.scalar_type()) {
-      // ZeRO-1: reduce in place into this rank's chunk, which is the shard's gradient.
-      grad_full_.zero_();
-      reduce_out_ = grad_full_.narrow(0, static_cast<int64_t>(group_.rank()) * k_, k_);
-      shard_.mutable_grad() = reduce_out_;
-    } else {
-      // The gradient shard is allocated by the first reduce (setup stays at
-      // the parameter shards; frozen-only steps never pay for it).
-      reduce_out_ = at::empty({k_}, full_.options().dtype(options_.reduce_dtype));
-      options_.keep_full_grads = false;  // the in-place layout needs a shard view of the same dtype
-      interfaces::free_storage(grad_full_);
-    }
-  }
-  if (device_shard_.defined() && !deferred) refresh_device_copy();
-  reshard();
 }
 
 void FlatParam::refresh_device_copy() {

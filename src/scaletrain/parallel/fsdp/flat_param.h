@@ -208,6 +208,10 @@ class FlatParam {
  private:
   int64_t full_bytes() const;
   void alloc_grad_full();
+  // The constructor's steps: this rank's master shard from its chunk
+  // `mine` of the full buffer, and the gradient buffers of a trainable unit.
+  void init_shard(const at::Tensor& mine, bool deferred, const at::TensorOptions& topt);
+  void init_grads(const at::TensorOptions& topt);
 
   std::string unit_;
   std::vector<std::string> names_;
