@@ -31,9 +31,6 @@ GROUPS = {
         "the RPC agent delivers distributed autograd's messages, which are RPCs",
     frozenset({"comm/rendezvous_store", "comm/rendezvous_server"}):
         "the store's client runs its own server on rank 0 and shares its file handles",
-    frozenset({"models/causal_lm", "models/gpt", "models/llama", "models/llama_config", "models/registry"}):
-        "known debt: the family table (registry.cpp) builds the families, whose configs it validates; "
-        "a torch-free ModelConfig with its checks would break the cycle",
 }
 
 

@@ -127,7 +127,10 @@ TensorParallelSplit CausalLM::parameter_split(const std::string& name) const {
   return adapter_split(name, tensor_parallel_split(layer + "weight"));
 }
 
-std::vector<std::string> CausalLM::split_problems(int tp) const { return tensor_parallel_problems(config_, tp); }
+std::vector<std::string> CausalLM::split_problems(int tp) const {
+  if (tp < 1) return {tensor_parallel_degree_problem(tp)};
+  return family_split_problems(tp);
+}
 
 interfaces::StageShape CausalLM::stage_shape() const {
   return {config_.n_embd, config_.block_size, config_.vocab_size};

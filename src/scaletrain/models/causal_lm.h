@@ -136,7 +136,9 @@ class CausalLM : public torch::nn::Module, public interfaces::Staged, public int
   // What parallel/tensor asks: the family's split, and for a LoRA adapter
   // the split that follows its layer's (models/lora.h).
   TensorParallelSplit parameter_split(const std::string& name) const override;
-  std::vector<std::string> split_problems(int tp) const override;  // tensor_parallel_problems(config(), tp)
+  // tensor_parallel_problems(config(), tp): a degree below 1, else the
+  // family's own (family_split_problems).
+  std::vector<std::string> split_problems(int tp) const override;
   void set_tensor_parallel(TensorParallelHooksPtr hooks) override = 0;
   const TensorParallelHooksPtr& tensor_parallel() const override { return tp_; }
   torch::nn::Module& split_module() override { return *this; }
@@ -203,6 +205,9 @@ class CausalLM : public torch::nn::Module, public interfaces::Staged, public int
     return module;
   }
   void finish_construction(bool materialize);
+  // What tensor parallelism of degree `tp` >= 1 cannot split in this family
+  // (its static tensor_parallel_problems, which the registry also calls).
+  virtual std::vector<std::string> family_split_problems(int tp) const = 0;
   // The sequence must fit the model's position table / rope cache.
   void check_length(int64_t T) const;
   TensorParallelHooksPtr tp_;
@@ -246,12 +251,19 @@ ModelPtr make_model(const ModelConfig& config, bool materialize = true);
 // config, one line each ("tp=4 does not divide the 2 key/value heads");
 // empty: it can. Callable before any model is built.
 std::vector<std::string> tensor_parallel_problems(const ModelConfig& config, int tp);
+// The problem of a degree below 1 ("tensor parallel degree tp=0 must be at least 1").
+inline std::string tensor_parallel_degree_problem(int tp) {
+  return "tensor parallel degree tp=" + std::to_string(tp) + " must be at least 1";
+}
 // Throws a one-line UsageError naming every dimension tp does not divide.
 void check_tensor_parallel(const ModelConfig& config, int tp);
 
 // Presets of every family: "tiny", "gpt2", ..., "llama-tiny", "smollm2-135m", ...
 ModelConfig model_preset(const std::string& name);
 std::vector<std::string> model_preset_names();
+// Whether `family` reads the llama family's fields (n_kv_head, rope,
+// untied heads, the llama biases); UsageError for an unknown family.
+bool llama_like_family(const std::string& family);
 // Families this build has ("gpt2", "llama", "qwen2").
 std::vector<std::string> model_families();
 // The layers a LoRA adapts when none are named: PEFT's defaults for the

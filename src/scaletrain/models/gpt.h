@@ -103,6 +103,11 @@ class GPTImpl : public CausalLM {
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
 
+ protected:
+  std::vector<std::string> family_split_problems(int tp) const override {
+    return tensor_parallel_problems(config(), tp);
+  }
+
  private:
   torch::nn::Dropout drop_{nullptr};
 };

@@ -123,6 +123,11 @@ class LlamaImpl : public CausalLM {
   RMSNorm norm{nullptr};
   torch::nn::Linear lm_head{nullptr};  // null when tied; never adapted (not a models::Linear)
 
+ protected:
+  std::vector<std::string> family_split_problems(int tp) const override {
+    return tensor_parallel_problems(config(), tp);
+  }
+
  private:
   const torch::Tensor& head_weight() const;
 };

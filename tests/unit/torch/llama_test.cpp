@@ -185,6 +185,23 @@ TEST(Llama, TensorParallelDegreesThatCannotSplitAreNamed) {
   models::ModelConfig gpt = models::model_preset("tiny");
   gpt.n_kv_head = 2;
   EXPECT_THROW(gpt.validate(), UsageError);  // GPT-2 has no grouped-query attention: refused, not ignored
+  // A built model answers the engines (split_problems) as the registry does, for either family.
+  for (const models::ModelConfig& c : {tiny(), models::model_preset("tiny")}) {
+    const auto model = models::make_model(c, /*materialize=*/false);
+    for (int tp : {0, 2, 3, 4})
+      EXPECT_EQ(model->split_problems(tp), models::tensor_parallel_problems(c, tp)) << c.family << " tp=" << tp;
+  }
+  EXPECT_EQ(models::make_model(tiny(), false)->split_problems(0),
+            std::vector<std::string>{"tensor parallel degree tp=0 must be at least 1"});
+  EXPECT_FALSE(models::make_model(tiny(), false)->split_problems(3).empty());  // 4 heads
+  models::ModelConfig unknown = tiny();
+  unknown.family = "falcon";
+  try {
+    unknown.validate();
+    ADD_FAILURE() << "an unknown family was validated";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()), "unknown model family 'falcon' (known: gpt2, llama, qwen2, mixtral)");
+  }
 }
 
 // The engines see the model through models/causal_lm.h only: no source file
