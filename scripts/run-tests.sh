@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+# One object per source (no unity batches): CTest source.call_cycles reads
+# which file calls which from the objects (Note [Unity build] in CMakeLists.txt).
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSCALETRAIN_BUILD_TESTS=ON -DSCALETRAIN_BUILD_BENCH=ON \
+  -DSCALETRAIN_UNITY_BUILD=OFF >/dev/null
 cmake --build build -j"$(nproc)"
 ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 600

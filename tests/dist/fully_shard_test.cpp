@@ -17,6 +17,7 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
+#include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/util/error.h"
 #include "user_modules.h"
@@ -41,15 +42,18 @@ struct Case {
 
 template <typename M>
 Case make_case(std::string name, std::vector<int64_t> input, int64_t classes, ModuleUnits units) {
-  return {name,
-          [] {
-            torch::manual_seed(3);
-            auto m = M();
-            m->to(at::kDouble);
-            return std::static_pointer_cast<torch::nn::Module>(m.ptr());
-          },
-          [](torch::nn::Module& m, const at::Tensor& x) { return dynamic_cast<typename M::ContainedType&>(m).forward(x); },
-          input, classes, units};
+  return {
+      name,
+      [] {
+        torch::manual_seed(3);
+        auto m = M();
+        m->to(at::kDouble);
+        return std::static_pointer_cast<torch::nn::Module>(m.ptr());
+      },
+      [](torch::nn::Module& m, const at::Tensor& x) { return dynamic_cast<typename M::ContainedType&>(m).forward(x); },
+      input,
+      classes,
+      units};
 }
 
 std::vector<Case> cases() {
@@ -300,6 +304,27 @@ TEST(FullyShard, WrapPoliciesNameWhatIsWrong) {
     ADD_FAILURE() << "a module wrapped twice was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("wrapped twice"), std::string::npos) << e.what();
+  }
+  // Across engines (issue 58): DDP over a sharded module, fully_shard over one under DDP.
+  try {
+    parallel::DistributedDataParallel ddp(m.ptr(), *world().group());
+    ADD_FAILURE() << "DDP over a sharded module was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("is already sharded by fully_shard (the module is wrapped twice)"),
+              std::string::npos)
+        << e.what();
+  }
+  {
+    auto plain = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    parallel::DistributedDataParallel ddp(plain, *world().group());
+    try {
+      parallel::fsdp::fully_shard(plain, world(), *world().group(), ModuleUnits{});
+      ADD_FAILURE() << "fully_shard over a module under DDP was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("parameter 'weight' is already in a live DDP (the module is wrapped twice)"),
+                std::string::npos)
+          << e.what();
+    }
   }
   auto r = ResNet();
   u = {};

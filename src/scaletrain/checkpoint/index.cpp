@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -31,7 +32,8 @@ namespace {
 // ("rank-00000.safetensors", "tokenizer/tokenizer.json"), never one that
 // leaves the step directory ("..", an absolute path) or hides in it (".").
 bool plain_name(const std::string& name) {
-  if (name.empty() || name.front() == '/' || name.find('\\') != std::string::npos || name.find('\0') != std::string::npos)
+  if (name.empty() || name.front() == '/' || name.find('\\') != std::string::npos ||
+      name.find('\0') != std::string::npos)
     return false;
   int parts = 0;
   std::stringstream ss(name);
@@ -84,11 +86,19 @@ bool complete(const fs::path& dir) { return fs::is_regular_file(dir / kIndexName
 // Note [Index checksum]: index.json carries the CRC-32 of its own content
 // (every other key), so an edited or damaged index (optimizer_steps 20 -> 2,
 // a world size) is refused, and resume=auto passes over it, instead of being
-// trusted. Indexes written before the checksum existed have none and are read
-// as they are; their fields are still checked one by one.
+// trusted. Every index this version writes has one, so a missing checksum is
+// an error too: deleting the key must not turn the check off. Indexes written
+// before checksums existed are read only when the user says so with
+// SCALETRAIN_ACCEPT_UNCHECKED_INDEX=1; their fields are still checked one by one.
 void check_index_crc(json& j, const std::string& source) {
   const auto it = j.find("index_crc32");
-  if (it == j.end()) return;
+  if (it == j.end()) {
+    const char* accept = std::getenv("SCALETRAIN_ACCEPT_UNCHECKED_INDEX");
+    if (accept && std::string(accept) == "1") return;
+    fail(source,
+         "the index has no index_crc32 checksum (edited, or written before checksums: "
+         "SCALETRAIN_ACCEPT_UNCHECKED_INDEX=1 reads such an index)");
+  }
   if (!it->is_number_unsigned()) fail(source, "index_crc32 is not a checksum");
   const uint32_t want = it->get<uint32_t>();
   j.erase(it);
@@ -104,19 +114,21 @@ void check_fields(const Index& x, const std::string& source) {
   };
   need(x.step >= 0, "step " + std::to_string(x.step) + " is negative");
   need(x.world_size >= 1, "world_size " + std::to_string(x.world_size) + " is not a positive count of ranks");
-  need(x.state.step == x.step, "state.step " + std::to_string(x.state.step) + " differs from step " +
-                                   std::to_string(x.step));
+  need(x.state.step == x.step,
+       "state.step " + std::to_string(x.state.step) + " differs from step " + std::to_string(x.step));
   need(x.state.optimizer_steps >= 0 && x.state.optimizer_steps <= x.state.step,
        "state.optimizer_steps " + std::to_string(x.state.optimizer_steps) + " is not within [0, step " +
            std::to_string(x.state.step) + "]");
   const ModelShape& m = x.model;
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"vocab_size", m.vocab_size}, {"block_size", m.block_size},
-                         {"n_layer", m.n_layer}, {"n_head", m.n_head}, {"n_embd", m.n_embd}})
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"vocab_size", m.vocab_size},
+                         {"block_size", m.block_size},
+                         {"n_layer", m.n_layer},
+                         {"n_head", m.n_head},
+                         {"n_embd", m.n_embd}})
     need(v >= 0, std::string("model.") + name + " " + std::to_string(v) + " is negative");  // 0: not a model of ours
   for (const auto& [k, v] : x.state.loss_scaler) need(std::isfinite(v), "state.loss_scaler." + k + " is not finite");
   for (double v : x.state.fp8_scaling) need(std::isfinite(v), "state.fp8_scaling holds a value that is not finite");
-  need(x.state.rng_cpu.size() % 2 == 0 &&
-           x.state.rng_cpu.find_first_not_of("0123456789abcdef") == std::string::npos,
+  need(x.state.rng_cpu.size() % 2 == 0 && x.state.rng_cpu.find_first_not_of("0123456789abcdef") == std::string::npos,
        "state.rng_cpu is not a hex string");
   for (const auto& f : x.files) {
     need(f.rank >= 0 && f.rank < x.world_size, "file " + f.name + " has rank " + std::to_string(f.rank) +
@@ -209,8 +221,7 @@ Index index_from_json(const std::string& text, const std::string& source) {
     if (s.contains("fp8_scaling")) x.state.fp8_scaling = s.at("fp8_scaling").get<std::vector<double>>();
     for (const auto& f : j.at("files")) {
       const std::string name = f.at("name").get<std::string>();
-      if (!plain_name(name))
-        fail(source, "file name '" + name + "' is not a plain name inside the step directory");
+      if (!plain_name(name)) fail(source, "file name '" + name + "' is not a plain name inside the step directory");
       x.files.push_back({name, f.at("rank").get<int>(), f.at("bytes").get<int64_t>(), f.at("crc32").get<uint32_t>()});
     }
     for (const auto& [name, t] : j.at("tensors").items()) {

@@ -1,8 +1,8 @@
 #include "scaletrain/comm/world.h"
 
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/cuda.h>
 
 #include <csignal>
 
@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "scaletrain/comm/compat.h"
@@ -76,7 +77,8 @@ class World::Responder {
     const auto deadline = std::chrono::steady_clock::now() + kAskTimeout;
     for (size_t i = 0; i < ranks.size(); ++i) {
       if (ranks[i] == rank_) continue;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       const std::string answer = key + "/" + std::to_string(ranks[i]);
       try {
         ask_->wait({answer}, std::max(left, std::chrono::milliseconds(1)));
@@ -164,7 +166,9 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   if (w->options_.store_secret.empty())
     if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) w->options_.store_secret = s;
   switch (options.backend) {
-    case Backend::Gloo: w->kind_ = BackendKind::Gloo; break;
+    case Backend::Gloo:
+      w->kind_ = BackendKind::Gloo;
+      break;
     case Backend::Nccl:
       if (!compat::kHaveNccl || !torch::cuda::is_available())
         throw UsageError("backend nccl needs a CUDA build of scaletrain and a visible GPU");
@@ -233,11 +237,11 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     t.ranks = ranks;
     t.rank = group_rank;
     if (options_.debug_collectives)
-      t.fingerprint_store = c10::make_intrusive<c10d::PrefixStore>(
-          "scaletrain/" + name + "/debug", static_cast<RendezvousStore&>(*store_).clone());
+      t.fingerprint_store = c10::make_intrusive<c10d::PrefixStore>("scaletrain/" + name + "/debug",
+                                                                   static_cast<RendezvousStore&>(*store_).clone());
     else  // Note [First-of-kind check]
-      t.first_store = c10::make_intrusive<c10d::PrefixStore>(
-          "scaletrain/" + name + "/first", static_cast<RendezvousStore&>(*store_).clone());
+      t.first_store = c10::make_intrusive<c10d::PrefixStore>("scaletrain/" + name + "/first",
+                                                             static_cast<RendezvousStore&>(*store_).clone());
     std::weak_ptr<Responder> weak = responder_;
     t.ask = [weak](const std::string& g, const std::vector<int>& members) {
       auto responder = weak.lock();
@@ -248,6 +252,58 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     group->set_tracker(std::move(tracker));
   }
   return group;
+}
+
+namespace {
+
+// The first line where `a` and `b` differ, as "LINE_A (rank 0: LINE_B)".
+std::string first_difference(const std::string& mine, const std::string& theirs, int their_rank) {
+  std::istringstream a(mine), b(theirs);
+  std::string la, lb;
+  for (;;) {
+    const bool ga = static_cast<bool>(std::getline(a, la)), gb = static_cast<bool>(std::getline(b, lb));
+    if (!ga && !gb) return "(the same lines in another order)";
+    if (!ga) la = "(nothing)";
+    if (!gb) lb = "(nothing)";
+    if (la != lb) return la + " (rank " + std::to_string(their_rank) + ": " + lb + ")";
+  }
+}
+
+}  // namespace
+
+// Note [Same on every rank]: ranks that were started with different
+// settings (one node's config edited, an override given to one rank) would
+// otherwise meet first in a collective of another shape or count, and fail
+// after a timeout that blames whoever serves the store. The settings travel
+// through the store once, before any collective, so the error names the rank
+// that differs and the setting, on every rank.
+void World::check_same_everywhere(const std::string& what, const std::string& text) {
+  if (size() == 1) return;
+  const std::string prefix = "scaletrain/same/" + what + "/";
+  auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+  auto read = [&](int r) {
+    const std::string k = prefix + std::to_string(r);
+    store_->wait({k}, options_.timeout);
+    const auto v = store_->get(k);
+    return std::string(v.begin(), v.end());
+  };
+  store_->set(prefix + std::to_string(rank()), bytes(text));
+  if (rank() != 0) {
+    const std::string zero = read(0);
+    if (zero != text)
+      throw UsageError("rank " + std::to_string(rank()) + "'s " + what +
+                       " differs from rank 0's: " + first_difference(text, zero, 0));
+    return;
+  }
+  std::string odd;
+  for (int r = 1; r < size(); ++r) {
+    const std::string theirs = read(r);
+    if (theirs != text && odd.empty())
+      odd = "rank " + std::to_string(r) + ": " + first_difference(theirs, text, 0);
+    else if (theirs != text)
+      odd += "; rank " + std::to_string(r);
+  }
+  if (!odd.empty()) throw UsageError(what + " differs between ranks: " + odd);
 }
 
 }  // namespace scaletrain::comm

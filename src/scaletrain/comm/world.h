@@ -67,6 +67,11 @@ class World {
   // those objects in the same order, so they draw the same numbers.
   int next_instance(const std::string& kind);
   bool debug_collectives() const { return options_.debug_collectives; }
+  // Note [Same on every rank]: every rank posts `text` (lines "key=value")
+  // under `what`; rank 0 compares every rank's with its own, the others
+  // theirs with rank 0's, before any collective. A difference throws
+  // UsageError naming the rank and its first differing line on both sides.
+  void check_same_everywhere(const std::string& what, const std::string& text);
 
  private:
   class Responder;  // answers other ranks' questions about our collectives (world.cpp)

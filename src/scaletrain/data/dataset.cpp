@@ -1,6 +1,7 @@
 #include "scaletrain/data/dataset.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <stdexcept>
 #include <utility>
 
@@ -17,7 +18,9 @@ std::vector<TokenFile> one(TokenFile f) {
 }
 
 std::vector<TokenFile> open_path(const std::string& path) {
-  if (is_token_shard_dir(path)) return open_token_shards(path);
+  std::error_code ec;
+  // Any directory is read as shards, so one without its index is named as such.
+  if (std::filesystem::is_directory(path, ec)) return open_token_shards(path);
   return one(TokenFile(path));
 }
 
@@ -44,13 +47,13 @@ TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options
   const int64_t block = options_.block_size;
   if (block < 1) throw UsageError("token dataset " + path_ + ": block_size must be >= 1, got " + std::to_string(block));
   if (options_.use_mask && !has_mask())
-    throw UsageError("token dataset " + path_ + ": has no target mask (prepared from plain text); data.loss_on must be all");
+    throw UsageError("token dataset " + path_ +
+                     ": has no target mask (prepared from plain text); data.loss_on must be all");
   if (options_.pad_id < 0 || options_.pad_id >= static_cast<int64_t>(vocab()))
     throw UsageError("token dataset " + path_ + ": pad id " + std::to_string(options_.pad_id) +
                      " is not below the vocab size " + std::to_string(vocab()));
   if (options_.separator < -1)
-    throw UsageError("data.document_separator=" + std::to_string(options_.separator) +
-                     " is not a token id (-1: none)");
+    throw UsageError("data.document_separator=" + std::to_string(options_.separator) + " is not a token id (-1: none)");
   if (options_.documents) {
     if (!options_.packing)
       throw UsageError("data.pack=documents needs data.packing=true (an unpacked sample is one document already)");
@@ -58,7 +61,8 @@ TokenDataset::TokenDataset(std::vector<TokenFile> shards, DatasetOptions options
       throw UsageError("token dataset " + path_ + ": has a document index; data.document_separator=" +
                        std::to_string(options_.separator) + " would not be read (leave it unset)");
     if (!has_documents() && options_.separator < 0)
-      throw UsageError("token dataset " + path_ + ": plain text without a document index; data.pack=documents needs "
+      throw UsageError("token dataset " + path_ +
+                       ": plain text without a document index; data.pack=documents needs "
                        "data.document_separator, the token id that ends each document");
     if (options_.separator >= static_cast<int64_t>(vocab()))
       throw UsageError("data.document_separator=" + std::to_string(options_.separator) +
@@ -92,7 +96,8 @@ std::string TokenDataset::describe() const {
 }
 
 std::size_t TokenDataset::shard_of_token(uint64_t at) const {
-  return static_cast<std::size_t>(std::upper_bound(token_base_.begin(), token_base_.end(), at) - token_base_.begin()) - 1;
+  return static_cast<std::size_t>(std::upper_bound(token_base_.begin(), token_base_.end(), at) - token_base_.begin()) -
+         1;
 }
 
 bool TokenDataset::is_target(uint64_t at) const {
@@ -103,7 +108,8 @@ bool TokenDataset::is_target(uint64_t at) const {
 uint64_t TokenDataset::document_begin(std::size_t d) const {
   if (files_.size() == 1) return files_.front().document_begin(d);
   if (d >= documents()) return tokens();
-  const auto s = static_cast<std::size_t>(std::upper_bound(doc_base_.begin(), doc_base_.end(), d) - doc_base_.begin()) - 1;
+  const auto s =
+      static_cast<std::size_t>(std::upper_bound(doc_base_.begin(), doc_base_.end(), d) - doc_base_.begin()) - 1;
   return token_base_[s] + files_[s].document_begin(d - doc_base_[s]);
 }
 
@@ -128,7 +134,8 @@ void TokenDataset::read_tokens(int64_t begin, int64_t n, int64_t* out) const {
     const TokenFile& f = files_[s];
     f.check_intact();
     const std::size_t local = static_cast<std::size_t>(at - token_base_[s]);
-    if (local >= f.size()) throw std::logic_error("TokenDataset: token " + std::to_string(at) + " is not in shard " + std::to_string(s));
+    if (local >= f.size())
+      throw std::logic_error("TokenDataset: token " + std::to_string(at) + " is not in shard " + std::to_string(s));
     const int64_t take = std::min<int64_t>(n - done, static_cast<int64_t>(f.size() - local));
     for (int64_t j = 0; j < take; ++j) {
       const uint32_t id = f.at(local + static_cast<std::size_t>(j));
@@ -150,7 +157,8 @@ void TokenDataset::copy_sample(int64_t index, int64_t* inputs, int64_t* targets)
   std::vector<int64_t> window(static_cast<std::size_t>(length));
   read_tokens(begin, length, window.data());
   if (inputs != nullptr) {
-    for (int64_t j = 0; j < block; ++j) inputs[j] = j + 1 < length ? window[static_cast<std::size_t>(j)] : options_.pad_id;
+    for (int64_t j = 0; j < block; ++j)
+      inputs[j] = j + 1 < length ? window[static_cast<std::size_t>(j)] : options_.pad_id;
   }
   if (targets != nullptr) {
     std::vector<int64_t> seg;
@@ -206,7 +214,8 @@ void TokenDataset::copy_layout(const std::vector<int64_t>& indices, int64_t* seg
   const int64_t block = options_.block_size;
   for (std::size_t row = 0; row < indices.size(); ++row) {
     const int64_t offset = static_cast<int64_t>(row) * block;
-    copy_sample_layout(indices[row], segments_out ? segments_out + offset : nullptr, positions ? positions + offset : nullptr);
+    copy_sample_layout(indices[row], segments_out ? segments_out + offset : nullptr,
+                       positions ? positions + offset : nullptr);
   }
 }
 

@@ -33,6 +33,14 @@ std::string read_plain(const std::string& path) {
 }
 
 std::string read_gzip(const std::string& path) {
+  // zlib reads a file without the gzip magic as plain text: a .gz that is not
+  // gzip is a mistake to name, not a text to train on.
+  char head[2] = {0, 0};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError("prepare: input " + path + ": cannot open");
+  in.read(head, 2);
+  if (head[0] != '\x1f' || head[1] != '\x8b')
+    throw UsageError("prepare: input " + path + ": not a gzip file (no gzip magic bytes)");
   gzFile f = gzopen(path.c_str(), "rb");
   if (f == nullptr) throw UsageError("prepare: input " + path + ": cannot open");
   std::string out;
@@ -65,7 +73,8 @@ std::string read_zstd(const std::string& path) {
 }
 
 // A string field of a record, or a one-line error naming it.
-const std::string& string_field(const nlohmann::ordered_json& record, const std::string& name, const std::string& where) {
+const std::string& string_field(const nlohmann::ordered_json& record, const std::string& name,
+                                const std::string& where) {
   const auto it = record.find(name);
   if (it == record.end()) throw UsageError(where + ": the record has no \"" + name + "\" field");
   if (!it->is_string()) throw UsageError(where + ": field \"" + name + "\" is not a string");
@@ -159,8 +168,8 @@ RecordKind RecordEncoder::kind_of(const nlohmann::ordered_json& record, const st
     return RecordKind::PromptCompletion;
   if (record.contains(options_.text_field)) return RecordKind::Text;
   throw UsageError(where + ": the record has none of the fields \"" + options_.text_field + "\", \"" +
-                   options_.prompt_field + "\" + \"" + options_.completion_field + "\", \"" +
-                   options_.messages_field + "\" (choose others with --field)");
+                   options_.prompt_field + "\" + \"" + options_.completion_field + "\", \"" + options_.messages_field +
+                   "\" (choose others with --field)");
 }
 
 const tmpl::ChatTemplate& RecordEncoder::chat(const std::string& where) {
@@ -171,7 +180,8 @@ const tmpl::ChatTemplate& RecordEncoder::chat(const std::string& where) {
   }
   const std::string config = tokenizer_config_path(options_.tokenizer);
   if (config.empty())
-    throw UsageError(where + ": messages need a chat template: --chat-template FILE, or a --tokenizer directory "
+    throw UsageError(where +
+                     ": messages need a chat template: --chat-template FILE, or a --tokenizer directory "
                      "whose tokenizer_config.json has one");
   chat_ = std::make_unique<tmpl::ChatTemplate>(tmpl::ChatTemplate::from_tokenizer_config(config));
   return *chat_;
@@ -208,7 +218,8 @@ std::vector<std::pair<std::size_t, std::size_t>> RecordEncoder::assistant_spans(
       throw UsageError(where + ": " + turn + ": its content must be a string");
     const std::string first = marked(i, true), last = marked(i, false);
     if (first == whole || last == whole)
-      throw UsageError(where + ": " + turn + ": the chat template does not print all of its content, so its targets "
+      throw UsageError(where + ": " + turn +
+                       ": the chat template does not print all of its content, so its targets "
                        "cannot be found (Note [Assistant spans])");
     const std::size_t begin = common_prefix(whole, first);
     std::size_t end = common_prefix(whole, last);

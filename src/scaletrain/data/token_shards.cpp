@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -65,8 +66,10 @@ TokenRecords slice(const TokenRecords& r, std::size_t first, std::size_t last) {
   TokenRecords out;
   out.kind = r.kind;
   const uint64_t b = r.doc_offsets[first], e = r.doc_offsets[last];
-  out.tokens.assign(r.tokens.begin() + static_cast<std::ptrdiff_t>(b), r.tokens.begin() + static_cast<std::ptrdiff_t>(e));
-  out.target.assign(r.target.begin() + static_cast<std::ptrdiff_t>(b), r.target.begin() + static_cast<std::ptrdiff_t>(e));
+  out.tokens.assign(r.tokens.begin() + static_cast<std::ptrdiff_t>(b),
+                    r.tokens.begin() + static_cast<std::ptrdiff_t>(e));
+  out.target.assign(r.target.begin() + static_cast<std::ptrdiff_t>(b),
+                    r.target.begin() + static_cast<std::ptrdiff_t>(e));
   for (std::size_t d = first + 1; d <= last; ++d) out.doc_offsets.push_back(r.doc_offsets[d] - b);
   return out;
 }
@@ -81,6 +84,21 @@ uint64_t count(const nlohmann::json& j, const char* key, const std::string& dir,
   const auto& v = field(j, key, dir, what);
   if (!v.is_number_unsigned()) fail(dir, what + ": \"" + key + "\" is not a count");
   return v.get<uint64_t>();
+}
+
+// A shard file the index does not list would be left out of training without
+// a word (a shard copied in by hand, an index from an older prepare): refused.
+void check_no_unlisted_shards(const std::string& dir, const nlohmann::json& list) {
+  std::set<std::string> listed;
+  for (const auto& entry : list)
+    if (entry.is_object() && entry.contains("file") && entry["file"].is_string())
+      listed.insert(entry["file"].get<std::string>());
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.path().extension() == ".tok" && !listed.count(name))
+      fail(dir, name + " is not listed in index.json (remove it, or prepare the directory again)");
+  }
 }
 
 // Opens one shard the index names and checks it against its entry.
@@ -101,8 +119,7 @@ TokenFile open_shard(const std::string& dir, const nlohmann::json& entry, std::s
     fail(dir, name.get<std::string>() + " does not match its checksum in the index (damaged or replaced)");
   TokenFile f(path);
   if (f.vocab() != vocab || f.size() != count(entry, "tokens", dir, what) ||
-      f.documents() != count(entry, "documents", dir, what) || !f.has_documents() ||
-      record_kind_name(f.kind()) != kind)
+      f.documents() != count(entry, "documents", dir, what) || !f.has_documents() || record_kind_name(f.kind()) != kind)
     fail(dir, name.get<std::string>() + " does not hold what the index says (vocab, tokens, documents or kind)");
   return f;
 }
@@ -117,6 +134,10 @@ std::size_t write_token_shards(const std::string& dir, const TokenRecords& recor
   if (ec) fail(dir, "cannot create the directory: " + ec.message());
   const std::string index_path = (fs::path(dir) / kShardIndexName).string();
   fs::remove(index_path, ec);  // the old index must not outlive the shards it named
+  // Nor its shards the new one: a reader refuses shard files its index does not list.
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == ".tok" && e.path().filename().string().rfind("shard-", 0) == 0)
+      fs::remove(e.path(), ec);
   nlohmann::json shards = nlohmann::json::array();
   for (std::size_t first = 0; first < records.documents();) {
     std::size_t last = first + 1;
@@ -128,13 +149,19 @@ std::size_t write_token_shards(const std::string& dir, const TokenRecords& recor
     const TokenRecords part = slice(records, first, last);
     write_token_file(path, part, vocab);
     const auto bytes = fs::file_size(path);
-    shards.push_back({{"file", name}, {"bytes", bytes}, {"tokens", part.tokens.size()},
-                      {"documents", part.documents()}, {"crc32", file_crc32(path, bytes)}});
+    shards.push_back({{"file", name},
+                      {"bytes", bytes},
+                      {"tokens", part.tokens.size()},
+                      {"documents", part.documents()},
+                      {"crc32", file_crc32(path, bytes)}});
     first = last;
   }
-  const nlohmann::json index = {{"format", kFormat},           {"version", 1},
-                                {"vocab", vocab},              {"kind", record_kind_name(records.kind)},
-                                {"tokens", records.tokens.size()}, {"documents", records.documents()},
+  const nlohmann::json index = {{"format", kFormat},
+                                {"version", 1},
+                                {"vocab", vocab},
+                                {"kind", record_kind_name(records.kind)},
+                                {"tokens", records.tokens.size()},
+                                {"documents", records.documents()},
                                 {"shards", shards}};
   write_atomically(index_path, index.dump(1) + "\n");
   return shards.size();
@@ -158,6 +185,7 @@ std::vector<TokenFile> open_token_shards(const std::string& dir) {
   const auto& list = field(index, "shards", dir, "index.json");
   if (!kind.is_string() || !list.is_array() || list.empty() || vocab == 0 || vocab > UINT32_MAX)
     fail(dir, "index.json: \"kind\", \"vocab\" or \"shards\" is malformed");
+  check_no_unlisted_shards(dir, list);
   std::vector<TokenFile> files;
   uint64_t tokens = 0, documents = 0;
   for (std::size_t i = 0; i < list.size(); ++i) {

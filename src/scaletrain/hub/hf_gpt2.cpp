@@ -15,6 +15,7 @@
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
+#include "scaletrain/util/strings.h"
 
 namespace scaletrain::hub {
 
@@ -26,24 +27,20 @@ using checkpoint::tensor_from_view;
 using checkpoint::TensorView;
 namespace {
 
-constexpr const char* kPrefix = "transformer.";
+constexpr const char* kGpt2Prefix = "transformer.";
 
 [[noreturn]] void fail(const std::string& path, const std::string& problem) {
   throw UsageError("hf gpt2 " + path + ": " + problem);
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Conv1D weights, stored [in, out] by HF (Note [HF GPT-2 names]).
 bool is_conv1d_weight(const std::string& name) {
-  return ends_with(name, ".attn.c_attn.weight") || ends_with(name, ".attn.c_proj.weight") ||
-         ends_with(name, ".mlp.c_fc.weight") || ends_with(name, ".mlp.c_proj.weight");
+  return util::ends_with(name, ".attn.c_attn.weight") || util::ends_with(name, ".attn.c_proj.weight") ||
+         util::ends_with(name, ".mlp.c_fc.weight") || util::ends_with(name, ".mlp.c_proj.weight");
 }
 
 // The name without "transformer.".
-std::string bare(const std::string& name) { return name.compare(0, 12, kPrefix) == 0 ? name.substr(12) : name; }
+std::string bare(const std::string& name) { return name.compare(0, 12, kGpt2Prefix) == 0 ? name.substr(12) : name; }
 
 // If `name` (bare) is "h.N.<rest>", stores N and rest and returns true.
 bool block_index(const std::string& name, int64_t* n, std::string* rest) {
@@ -61,12 +58,6 @@ bool is_mask_buffer(const std::string& bare_name) {
   int64_t n = 0;
   std::string rest;
   return block_index(bare_name, &n, &rest) && (rest == "attn.bias" || rest == "attn.masked_bias");
-}
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 bool is_float(Dtype d) { return d == Dtype::F64 || d == Dtype::F32 || d == Dtype::F16 || d == Dtype::BF16; }
@@ -96,7 +87,7 @@ HfTensors index_file(const HubWeights& file) {
 
 }  // namespace
 
-std::string hf_gpt2_name(const std::string& name) { return kPrefix + name; }
+std::string hf_gpt2_name(const std::string& name) { return kGpt2Prefix + name; }
 
 at::Tensor hf_gpt2_tensor(const std::string& name, const at::Tensor& value) {
   return is_conv1d_weight(name) ? value.detach().t() : value.detach();
@@ -130,7 +121,7 @@ void check_file(const models::GPT& model, const HfTensors& hf, const std::string
     expected.insert(name);
     const auto it = hf.by_name.find(name);
     if (it == hf.by_name.end()) {
-      fail(path, "missing tensor '" + std::string(kPrefix) + name + "' (or '" + name + "')");
+      fail(path, "missing tensor '" + std::string(kGpt2Prefix) + name + "' (or '" + name + "')");
     }
     const TensorView& t = *it->second;
     std::vector<int64_t> want = item.value().sizes().vec();
@@ -140,9 +131,9 @@ void check_file(const models::GPT& model, const HfTensors& hf, const std::string
         name == "wpe.weight" && t.shape.size() == 2 && t.shape[0] > want[0] && t.shape[1] == want[1];
     if (t.shape != want && !longer_wpe) {
       const auto& c = model->config();
-      fail(path, "tensor '" + t.name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str(want) +
-                     " (vocab_size=" + std::to_string(c.vocab_size) + ", block_size=" + std::to_string(c.block_size) +
-                     ", n_embd=" + std::to_string(c.n_embd) + ")");
+      fail(path, "tensor '" + t.name + "' has shape " + util::shape_text(t.shape) + ", expected " +
+                     util::shape_text(want) + " (vocab_size=" + std::to_string(c.vocab_size) +
+                     ", block_size=" + std::to_string(c.block_size) + ", n_embd=" + std::to_string(c.n_embd) + ")");
     }
     if (!is_float(t.dtype)) fail(path, "tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) + ", not a float");
   }
@@ -198,9 +189,11 @@ models::GPTConfig hf_gpt2_config(const std::string& path, int64_t n_head) {
   const HfTensors hf = index_file(file);
   auto shape_of = [&](const std::string& name) -> const std::vector<int64_t>& {
     const auto it = hf.by_name.find(name);
-    if (it == hf.by_name.end()) fail(path, "missing tensor '" + std::string(kPrefix) + name + "' (or '" + name + "')");
+    if (it == hf.by_name.end())
+      fail(path, "missing tensor '" + std::string(kGpt2Prefix) + name + "' (or '" + name + "')");
     if (it->second->shape.size() != 2) {
-      fail(path, "tensor '" + it->second->name + "' has shape " + shape_str(it->second->shape) + ", expected 2-D");
+      fail(path,
+           "tensor '" + it->second->name + "' has shape " + util::shape_text(it->second->shape) + ", expected 2-D");
     }
     return it->second->shape;
   };

@@ -3,16 +3,13 @@
 #include <set>
 
 #include "scaletrain/util/error.h"
+#include "scaletrain/util/strings.h"
 
 namespace scaletrain::hub {
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Entries older transformers versions saved that are not parameters.
-bool not_a_parameter(const std::string& name) { return ends_with(name, "rotary_emb.inv_freq"); }
+bool not_a_parameter(const std::string& name) { return util::ends_with(name, "rotary_emb.inv_freq"); }
 
 }  // namespace
 

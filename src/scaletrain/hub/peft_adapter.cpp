@@ -7,17 +7,18 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/hub/hf_gpt2.h"
+#include "scaletrain/hub/hub_export.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/linear.h"
-#include "scaletrain/hub/hub_export.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
+#include "scaletrain/util/strings.h"
 
 namespace scaletrain::hub {
 namespace fs = std::filesystem;
@@ -25,19 +26,15 @@ using nlohmann::json;
 
 namespace {
 
-const std::string kPrefix = "base_model.model.";
+const std::string kPeftPrefix = "base_model.model.";
 const char* const kSuffixes[] = {".lora_A.weight", ".lora_B.weight"};
 const char* const kConfigFile = "adapter_config.json";
 const char* const kWeightsFile = "adapter_model.safetensors";
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // "layers.0.self_attn.q_proj.lora_A.weight" -> {"layers.0.self_attn.q_proj", ".lora_A.weight"}.
 std::pair<std::string, std::string> split_adapter_name(const std::string& name) {
   for (const char* s : kSuffixes)
-    if (ends_with(name, s)) return {name.substr(0, name.size() - std::string(s).size()), s};
+    if (util::ends_with(name, s)) return {name.substr(0, name.size() - std::string(s).size()), s};
   return {"", ""};
 }
 
@@ -51,12 +48,6 @@ std::string hub_layer(const std::string& family, const std::string& layer) {
   if (family != "gpt2") return layer;
   const std::string w = hub::hf_gpt2_name(layer + ".weight");
   return w.substr(0, w.size() - std::string(".weight").size());
-}
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 json read_json(const fs::path& p) {
@@ -105,10 +96,10 @@ AdapterSettings adapter_settings(const models::CausalLM& model, const models::Lo
 }
 
 json settings_to_json(const AdapterSettings& s) {
-  return {{"method", s.method},          {"r", s.r},
-          {"lora_alpha", s.alpha},       {"lora_dropout", s.dropout},
-          {"use_rslora", s.rslora},      {"target_modules", s.target_modules},
-          {"base", s.base},              {"double_quant", s.double_quant}};
+  return {{"method", s.method},     {"r", s.r},
+          {"lora_alpha", s.alpha},  {"lora_dropout", s.dropout},
+          {"use_rslora", s.rslora}, {"target_modules", s.target_modules},
+          {"base", s.base},         {"double_quant", s.double_quant}};
 }
 
 AdapterSettings settings_from_json(const json& j, const std::string& source) {
@@ -131,12 +122,12 @@ AdapterSettings settings_from_json(const json& j, const std::string& source) {
 std::string peft_tensor_name(const std::string& family, const std::string& name) {
   const auto [layer, suffix] = split_adapter_name(name);
   if (layer.empty()) throw UsageError("'" + name + "' is not an adapter parameter");
-  return kPrefix + hub_layer(family, layer) + suffix;
+  return kPeftPrefix + hub_layer(family, layer) + suffix;
 }
 
 std::string our_tensor_name(const std::string& family, const std::string& peft_name) {
-  if (peft_name.rfind(kPrefix, 0) != 0) return "";
-  const auto [hub, suffix] = split_adapter_name(peft_name.substr(kPrefix.size()));
+  if (peft_name.rfind(kPeftPrefix, 0) != 0) return "";
+  const auto [hub, suffix] = split_adapter_name(peft_name.substr(kPeftPrefix.size()));
   if (hub.empty()) return "";
   std::string layer = hub;
   if (family == "gpt2") {
@@ -204,9 +195,11 @@ Adapter read_adapter(const std::string& dir, const std::string& family) {
     if (j.contains("base_model_name_or_path") && j["base_model_name_or_path"].is_string())
       s.base = j["base_model_name_or_path"].get<std::string>();
     if (j.value("use_dora", false)) refuse("use_dora is true (DoRA adapters are not supported)");
-    if (j.value("bias", std::string("none")) != "none") refuse("bias " + j["bias"].dump() + " (only none is supported)");
+    if (j.value("bias", std::string("none")) != "none")
+      refuse("bias " + j["bias"].dump() + " (only none is supported)");
     for (const char* k : {"rank_pattern", "alpha_pattern"})
-      if (j.contains(k) && !j[k].is_null() && !j[k].empty()) refuse(std::string(k) + " is set (per-layer ranks are not supported)");
+      if (j.contains(k) && !j[k].is_null() && !j[k].empty())
+        refuse(std::string(k) + " is set (per-layer ranks are not supported)");
     for (const char* k : {"modules_to_save", "layers_to_transform"})
       if (j.contains(k) && !j[k].is_null() && !(j[k].is_array() && j[k].empty()))
         refuse(std::string(k) + " is set (not supported)");
@@ -226,8 +219,8 @@ Adapter read_adapter(const std::string& dir, const std::string& family) {
     for (const std::string& name : w.names()) {
       const std::string ours = our_tensor_name(family, name);
       if (ours.empty())
-        throw UsageError("adapter " + weights.string() + ": tensor " + name +
-                         " is not a LoRA tensor of a " + family + " model (" + kPrefix + "<layer>.lora_A.weight)");
+        throw UsageError("adapter " + weights.string() + ": tensor " + name + " is not a LoRA tensor of a " + family +
+                         " model (" + kPeftPrefix + "<layer>.lora_A.weight)");
       a.tensors[ours] = w.read(name, at::kFloat);
       leaves.insert(leaf(split_adapter_name(ours).first));
     }
@@ -244,7 +237,7 @@ Adapter read_adapter(const std::string& dir, const std::string& family) {
                        peft_tensor_name(family, other));
     if (t.dim() != 2 || t.size(is_a ? 0 : 1) != s.r)
       throw UsageError("adapter " + weights.string() + ": " + peft_tensor_name(family, name) + " has shape " +
-                       shape_str(t.sizes()) + ", not of rank r = " + std::to_string(s.r));
+                       util::shape_text(t.sizes()) + ", not of rank r = " + std::to_string(s.r));
   }
   s.target_modules.assign(leaves.begin(), leaves.end());
   return a;
@@ -262,8 +255,8 @@ void check_adapter_fits(const Adapter& a, const models::CausalLM& model, const s
                        c10::Join(", ", a.settings.target_modules) + ")");
     if (it->second.sizes() != item.value().sizes())
       throw UsageError("adapter " + dir + ": " + peft_tensor_name(family, item.key()) + " has shape " +
-                       shape_str(it->second.sizes()) + ", the model's layer needs " + shape_str(item.value().sizes()) +
-                       " (an adapter of a model of other shapes)");
+                       util::shape_text(it->second.sizes()) + ", the model's layer needs " +
+                       util::shape_text(item.value().sizes()) + " (an adapter of a model of other shapes)");
   }
   for (const auto& [name, t] : a.tensors)
     if (!seen.count(name))
@@ -274,8 +267,7 @@ void check_adapter_fits(const Adapter& a, const models::CausalLM& model, const s
 int64_t export_adapter(const std::string& step_dir, const std::string& out_dir) {
   const checkpoint::Index x = checkpoint::read_index(step_dir);
   if (x.model.finetune.empty())
-    throw UsageError("checkpoint " + step_dir +
-                     " trains every parameter (no adapters): export it without --adapter");
+    throw UsageError("checkpoint " + step_dir + " trains every parameter (no adapters): export it without --adapter");
   const auto bad = checkpoint::verify_files(step_dir, x);
   if (!bad.empty())
     throw UsageError("corrupt checkpoint file " + bad.front() +
@@ -326,11 +318,11 @@ int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_di
       throw UsageError("lora merge: adapter " + adapter_dir + " adapts " + hub_layer(config.family, layer) +
                        ", which base " + base_dir + " has no weight for");
     std::vector<int64_t> want = {B.size(0), A.size(1)};  // [out, in]
-    if (gpt2) std::swap(want[0], want[1]);                // Conv1D stores [in, out]
+    if (gpt2) std::swap(want[0], want[1]);               // Conv1D stores [in, out]
     const auto& have = hub->view(w).shape;
     if (have != want)
-      throw UsageError("lora merge: adapter " + adapter_dir + " does not fit base " + base_dir + ": " + w +
-                       " is " + shape_str(have) + ", the adapter's layer is " + shape_str(want));
+      throw UsageError("lora merge: adapter " + adapter_dir + " does not fit base " + base_dir + ": " + w + " is " +
+                       util::shape_text(have) + ", the adapter's layer is " + util::shape_text(want));
     deltas[w] = {A, B};
   }
 

@@ -32,6 +32,9 @@ std::string ElasticRendezvous::text(const std::string& k) { return store_->get(k
 int64_t ElasticRendezvous::counter(const std::string& k) { return store_->add(key(k), 0); }
 
 NodeRendezvous::Round ElasticRendezvous::next_round(int nproc) {
+  // The store is gone: say so once more as the last line, rather than the
+  // secondary error of asking it again.
+  if (!lost_.empty()) throw std::runtime_error("giving up: " + lost_);
   const auto start = Clock::now();
   for (;;) {
     const int R = next_;
@@ -117,14 +120,15 @@ std::string ElasticRendezvous::interrupted() {
       }
       if (now - it->second.second >= o_.keepalive_timeout) {
         std::string why = "node " + std::to_string(i - 1) + " stopped answering for " +
-                                std::to_string(o_.keepalive_timeout.count() / 1000) + " s (lost)";
+                          std::to_string(o_.keepalive_timeout.count() / 1000) + " s (lost)";
         end_round(why);
         return why;
       }
     }
     return "";
   } catch (const std::exception& e) {
-    return store_gone(e);
+    lost_ = store_gone(e);
+    return lost_;
   }
 }
 

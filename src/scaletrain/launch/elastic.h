@@ -86,7 +86,7 @@ class ElasticRendezvous : public NodeRendezvous {
   void abort(const std::string& why) override;
 
  private:
-  std::string key(const std::string& k) const;  // "elastic/" + k
+  std::string key(const std::string& k) const;        // "elastic/" + k
   std::string round_key(const std::string& k) const;  // "elastic/r<round>/" + k
   bool has(const std::string& k);
   std::string text(const std::string& k);
@@ -96,10 +96,11 @@ class ElasticRendezvous : public NodeRendezvous {
 
   ElasticOptions o_;
   std::unique_ptr<NodeStore> store_;
-  int next_ = 0;           // the round this node joins next
-  Round current_;          // the round its workers run in
-  int place_ = 0;          // 1-based place in current_ (join order)
+  int next_ = 0;   // the round this node joins next
+  Round current_;  // the round its workers run in
+  int place_ = 0;  // 1-based place in current_ (join order)
   int64_t beat_ = 0;
+  std::string lost_;  // set once the store failed: why (store_gone), so no round is tried after it
   // Last keep-alive value seen from each member, and when it changed.
   std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>> seen_;
 };

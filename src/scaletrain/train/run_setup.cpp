@@ -91,6 +91,9 @@ void setup(Run& r, const comm::WorldInfo& info) {
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
   wo.debug_collectives = cfg.parallel.debug_collectives;
   r.world = comm::World::init(info, wo);
+  std::string settings;  // Note [Same on every rank] (comm/world.cpp)
+  for (const std::string& key : config::config_keys()) settings += key + "=" + config::config_value(cfg, key) + "\n";
+  r.world->check_same_everywhere("resolved config", settings);
   r.mesh = std::make_unique<comm::Mesh>(*r.world, r.dims);
   r.lead = r.world->rank() == 0;
 

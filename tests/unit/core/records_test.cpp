@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -34,7 +34,8 @@ namespace {
 
 fs::path temp_dir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path p = fs::temp_directory_path() / ("st_records_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+  fs::path p =
+      fs::temp_directory_path() / ("st_records_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -246,12 +247,17 @@ TEST(JsonlRecords, ReadsPlainGzipZstdAndDirectories) {
   const std::string msg = usage_error([&] { for_each_jsonl(bad, [](const nlohmann::ordered_json&, int64_t) {}); });
   EXPECT_NE(msg.find("bad.jsonl:2"), std::string::npos) << msg;
   const std::string arr = write(dir / "arr.jsonl", "[1, 2]\n");
-  EXPECT_NE(usage_error([&] { for_each_jsonl(arr, [](const nlohmann::ordered_json&, int64_t) {}); }).find("arr.jsonl:1: a record must be a JSON object"),
+  EXPECT_NE(usage_error([&] {
+              for_each_jsonl(arr, [](const nlohmann::ordered_json&, int64_t) {});
+            }).find("arr.jsonl:1: a record must be a JSON object"),
             std::string::npos);
   const std::string gz = write(dir / "fake.jsonl.gz", std::string("\x1f\x8b\x08\x00garbage", 11));
   EXPECT_NE(usage_error([&] { read_input(gz); }).find("gzip"), std::string::npos);
   const std::string cut = write(dir / "cut.jsonl.gz", read_plain_bytes(dir / "set" / "a.jsonl.gz").substr(0, 20));
   EXPECT_NE(usage_error([&] { read_input(cut); }).find("gzip"), std::string::npos);
+  // Plain text named .gz: zlib would read it as it is (issue 52).
+  const std::string text = write(dir / "text.jsonl.gz", "{\"text\": \"plain\"}\n");
+  EXPECT_NE(usage_error([&] { read_input(text); }).find("not a gzip file"), std::string::npos);
   const std::string zst = write(dir / "fake.jsonl.zst", "not zstd at all");
   EXPECT_NE(usage_error([&] { read_input(zst); }).find("zstd"), std::string::npos);
   fs::remove_all(dir);
@@ -369,9 +375,12 @@ TEST(JsonlRecords, ThreadsGiveTheSameRecordsAndTheFirstError) {
   const fs::path dir = temp_dir();
   std::string a, b;
   for (int i = 0; i < 40; ++i)
-    a += nlohmann::json{{"prompt", "p" + std::to_string(i)}, {"completion", std::string(static_cast<size_t>(i % 7), 'c')}}
-             .dump() + "\n";
-  for (int i = 0; i < 25; ++i) b += nlohmann::json{{"prompt", "q"}, {"completion", std::to_string(i * 31)}}.dump() + "\n\n";
+    a += nlohmann::json{{"prompt", "p" + std::to_string(i)},
+                        {"completion", std::string(static_cast<size_t>(i % 7), 'c')}}
+             .dump() +
+         "\n";
+  for (int i = 0; i < 25; ++i)
+    b += nlohmann::json{{"prompt", "q"}, {"completion", std::to_string(i * 31)}}.dump() + "\n\n";
   const std::string fa = write(dir / "a.jsonl", a), fb = write(dir / "b.jsonl", b);
   const TokenRecords one = encode_jsonl({fa, fb}, RecordOptions{}, 1);
   EXPECT_EQ(one.documents(), 65u);
@@ -449,8 +458,15 @@ TEST(TokenShards, ReadAsOneFileAndRefuseDamage) {
   }
   // Prepared again with bigger shards: the old index is replaced, not mixed.
   EXPECT_EQ(write_token_shards(shards, r, 300, 1000), 1u);
-  EXPECT_EQ(TokenDataset(shards, DatasetOptions{8}).num_samples(), TokenDataset(single, DatasetOptions{8}).num_samples());
+  EXPECT_EQ(TokenDataset(shards, DatasetOptions{8}).num_samples(),
+            TokenDataset(single, DatasetOptions{8}).num_samples());
   write_token_shards(shards, r, 300, 50);
+  // A shard the index does not list is named, not silently left out (issue 52).
+  fs::copy_file(fs::path(shards) / "shard-00001.tok", fs::path(shards) / "shard-00099.tok");
+  EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("shard-00099.tok is not listed in index.json"),
+            std::string::npos);
+  write_token_shards(shards, r, 300, 50);  // prepared again: the stray shard goes with the old index
+  EXPECT_FALSE(fs::exists(fs::path(shards) / "shard-00099.tok"));
   const fs::path victim = fs::path(shards) / "shard-00003.tok";
   std::string bytes = read_plain_bytes(victim);
   bytes[40] = static_cast<char>(bytes[40] ^ 1);
@@ -462,6 +478,8 @@ TEST(TokenShards, ReadAsOneFileAndRefuseDamage) {
   fs::remove(fs::path(shards) / "index.json");
   EXPECT_FALSE(is_token_shard_dir(shards));
   EXPECT_NE(usage_error([&] { open_token_shards(shards); }).find("no index.json"), std::string::npos);
+  // As a dataset path too, rather than "not a regular file" (issue 52).
+  EXPECT_NE(usage_error([&] { TokenDataset(shards, DatasetOptions{8}); }).find("no index.json"), std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -506,6 +524,10 @@ TEST(Mixture, FollowsTheWeightsDeterministically) {
             std::string::npos);
   EXPECT_NE(usage_error([&] { parse_mixture("a.tok=nan"); }).find("finite number > 0"), std::string::npos);
   EXPECT_NE(usage_error([&] { parse_mixture("a.tok"); }).find("is not PATH=WEIGHT"), std::string::npos);
+  // Finite weights whose sum overflows, and a denormal weight (issue 52).
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok=1e308,b.tok=1e308"); }).find("overflow when summed"),
+            std::string::npos);
+  EXPECT_NE(usage_error([&] { parse_mixture("a.tok=1,b.tok=1e-310"); }).find("1e-310 is denormal"), std::string::npos);
   EXPECT_NE(usage_error([&] { parse_mixture("a.tok=1,a.tok=2"); }).find("names a.tok twice"), std::string::npos);
   const auto parts = parse_mixture("x/a=b.tok=0.25,c.tok=3");
   ASSERT_EQ(parts.size(), 2u);

@@ -11,6 +11,7 @@
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/parallel/fsdp/gather_on_use.h"
 #include "scaletrain/precision/fp8.h"
 
 namespace scaletrain::parallel {
@@ -36,7 +37,7 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
   std::vector<comm::Group*> group_of;  // each parameter's averaging group (expert parameters: expert_group)
-  std::vector<at::Tensor> views;  // params[i]'s gradient slot in its bucket
+  std::vector<at::Tensor> views;       // params[i]'s gradient slot in its bucket
   std::vector<size_t> bucket_of;
   std::vector<bool> ready;
   std::vector<Bucket> buckets;
@@ -309,8 +310,19 @@ struct ReadyHook final : torch::autograd::FunctionPostHook {
   size_t index;
 };
 
+bool reduced_by_live_ddp(const at::Tensor& p) {
+  if (!p.requires_grad() || !p.is_leaf()) return false;
+  for (const auto& hook : torch::autograd::impl::grad_accumulator(p)->post_hooks()) {
+    const auto* ready = dynamic_cast<const ReadyHook*>(hook.get());
+    if (ready != nullptr && !ready->state.expired()) return true;
+  }
+  return false;
+}
+
 // One device for every parameter; no parameter already reduced by a live DDP
-// (a module wrapped twice would average its gradients twice per backward).
+// (a module wrapped twice would average its gradients twice per backward),
+// nor sharded by fully_shard (its storage is a unit's flat buffer, which DDP
+// would read as a whole parameter).
 void check_module(const torch::nn::Module& module) {
   const auto named = module.named_parameters();
   for (const auto& item : named) {
@@ -318,13 +330,12 @@ void check_module(const torch::nn::Module& module) {
     if (p.device() != named[0].value().device())
       throw std::invalid_argument("DDP: parameters on different devices: '" + named[0].key() + "' on " +
                                   named[0].value().device().str() + ", '" + item.key() + "' on " + p.device().str());
-    if (!p.requires_grad()) continue;
-    for (const auto& hook : torch::autograd::impl::grad_accumulator(p)->post_hooks()) {
-      const auto* ready = dynamic_cast<const ReadyHook*>(hook.get());
-      if (ready != nullptr && !ready->state.expired())
-        throw std::invalid_argument("DDP: parameter '" + item.key() +
-                                    "' is already in another live DDP (the module is wrapped twice)");
-    }
+    if (p.has_storage() && fsdp::GatherOnUse::claimed(p.storage().unsafeGetStorageImpl()))
+      throw std::invalid_argument("DDP: parameter '" + item.key() +
+                                  "' is already sharded by fully_shard (the module is wrapped twice)");
+    if (reduced_by_live_ddp(p))
+      throw std::invalid_argument("DDP: parameter '" + item.key() +
+                                  "' is already in another live DDP (the module is wrapped twice)");
   }
 }
 
@@ -353,7 +364,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   // 1. Every rank starts from rank 0's weights (an expert's from the first
   // rank of its expert group).
   std::vector<at::Tensor> states, expert_states;
-  for (auto& item : module_->named_parameters()) (is_expert(item.key()) ? expert_states : states).push_back(item.value());
+  for (auto& item : module_->named_parameters())
+    (is_expert(item.key()) ? expert_states : states).push_back(item.value());
   if (options_.broadcast_buffers)
     for (auto& b : module_->buffers()) states.push_back(b);
   ddp_comm::broadcast_coalesced(group, states, 0);
@@ -414,6 +426,8 @@ std::vector<std::vector<std::string>> DistributedDataParallel::bucket_layout() c
   }
   return out;
 }
+
+bool DistributedDataParallel::reduces(const at::Tensor& param) { return reduced_by_live_ddp(param); }
 
 double DistributedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
 int64_t DistributedDataParallel::bytes_reduced() const { return state_->bytes; }

@@ -157,6 +157,9 @@ class DistributedDataParallel {
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const DDPOptions& options() const { return options_; }
+  // Whether a live DDP reduces `param`'s gradient: the other engines refuse
+  // such a parameter (a module wrapped twice).
+  static bool reduces(const at::Tensor& param);
   int num_buckets() const;
   // Whether the buckets have been rebuilt in the observed gradient order.
   bool buckets_rebuilt() const;

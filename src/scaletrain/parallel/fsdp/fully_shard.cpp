@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
 #include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -31,6 +32,9 @@ void check_module(const torch::nn::Module& module) {
     if (p.has_storage() && GatherOnUse::claimed(p.storage().unsafeGetStorageImpl()))
       throw std::invalid_argument("fully_shard: parameter '" + item.key() +
                                   "' is already sharded by another engine (the module is wrapped twice)");
+    if (DistributedDataParallel::reduces(p))
+      throw std::invalid_argument("fully_shard: parameter '" + item.key() +
+                                  "' is already in a live DDP (the module is wrapped twice)");
   }
 }
 
@@ -87,8 +91,8 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
 }
 
 std::unique_ptr<ShardedDataParallel> fully_shard(std::shared_ptr<torch::nn::Module> module, comm::World& world,
-                                                 comm::Group& shard, const ModuleUnits& units,
-                                                 ShardedOptions options, comm::Group* replicate) {
+                                                 comm::Group& shard, const ModuleUnits& units, ShardedOptions options,
+                                                 comm::Group* replicate) {
   return std::make_unique<ShardedDataParallel>(std::move(module), units, world, shard, replicate, options);
 }
 
