@@ -10,8 +10,10 @@
 //   parallel::pipeline::ModulePipeline   pipelines over stages you give (split a Sequential)
 //   parallel::tensor::parallelize_module   tensor parallelism by a plan over module names
 //   checkpoint::                   sharded checkpoints that reload under any layout
+//   train::sharded_layout, ...     which piece of which tensor an engine's rank holds, for checkpoint::
 //   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
 //   data::DistributedSampler       sample order that depends on (seed, global batch) only
+#include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/data/sampler.h"
@@ -21,4 +23,5 @@
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tp_comm.h"
+#include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/module_trainer.h"

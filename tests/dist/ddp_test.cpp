@@ -168,9 +168,10 @@ TEST(DDP, Bf16CommunicationStaysClose) {
   // and it is not silently fp32: bf16 rounding must be visible
   EXPECT_GT(max_relative_diff(got, ref, /*per_tensor=*/false), 1e-7);
   if (world().rank() == 0)
-    std::printf("[parity] ddp bf16 communication world %d: norms off by <= %.2e, median |diff| %.2e (bound %.2e), "
-                "median update %.2e\n",
-                world().size(), worst_norm, median, bound, update);
+    std::printf(
+        "[parity] ddp bf16 communication world %d: norms off by <= %.2e, median |diff| %.2e (bound %.2e), "
+        "median update %.2e\n",
+        world().size(), worst_norm, median, bound, update);
 }
 
 TEST(DDP, BucketsFollowReverseRegistrationOrder) {
@@ -439,6 +440,35 @@ TEST(DDP, WrappedTwiceOrTwoDevicesIsNamed) {
   split->register_parameter("v", torch::empty({4, 4}, torch::TensorOptions().device(torch::kMeta)));
   expect_refused([&] { parallel::DistributedDataParallel ddp(split, *world().group()); },
                  "DDP: parameters on different devices: 'w' on cpu, 'v' on meta");
+}
+
+// BatchNorm's running statistics follow rank 0's after every synchronized
+// backward (PyTorch's broadcast_buffers), so a rank's next forward and an
+// evaluation see the same buffers everywhere; with the option off each rank
+// keeps what its own batches gave.
+TEST(DDP, BuffersFollowRankZeroAfterEachStep) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto running_means = [](bool broadcast) {
+    torch::manual_seed(0);
+    auto net = std::make_shared<torch::nn::SequentialImpl>(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+    parallel::DDPOptions o;
+    o.broadcast_buffers = broadcast;
+    parallel::DistributedDataParallel ddp(net, *world().group(), o);
+    for (int step = 0; step < 2; ++step) {
+      // Each rank's own batch: its statistics differ from rank 0's.
+      torch::manual_seed(100 + 10 * world().rank() + step);
+      net->forward(torch::randn({8, 4}) * (1 + world().rank())).pow(2).sum().backward();
+    }
+    const at::Tensor mine = net->named_buffers()["1.running_mean"].clone();
+    at::Tensor all = torch::zeros({world().size(), 4});
+    world().group()->all_gather(mine, all).wait();
+    return all;
+  };
+  const at::Tensor synced = running_means(true);
+  for (int r = 1; r < world().size(); ++r) EXPECT_TRUE(torch::equal(synced[r], synced[0])) << "rank " << r;
+  const at::Tensor own = running_means(false);
+  EXPECT_FALSE(torch::allclose(own[1], own[0])) << "the ranks' batches should give different statistics";
+  EXPECT_TRUE(torch::equal(own[0], synced[0])) << "rank 0's statistics are its own either way";
 }
 
 TEST(DDP, FindUnusedParametersAveragesWhatWasUsed) {

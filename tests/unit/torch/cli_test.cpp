@@ -1,7 +1,7 @@
 // Bad input through the real CLI: one line naming the problem, exit code 2,
 // no stack trace.
-#include <gtest/gtest.h>
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -96,15 +96,34 @@ TEST(Cli, LaunchWithoutPortAvoidsABusyDefault) {
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   a.sin_port = htons(29500);
-  const bool held = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 4) == 0;
+  // Held by this test, or already by another program on the machine: either way the default is busy.
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  const bool held = bound ? ::listen(fd, 4) == 0 : errno == EADDRINUSE;
   auto cfg = write("port.yaml", "data:\n  path: " + tokens().string() +
                                     "\nmodel:\n  block_size: 16\ntrain:\n  steps: 1\n  global_batch: 4\n"
                                     "  micro_batch: 2\n  sample_tokens: 0\n");
   auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- " + std::string(SCALETRAIN_BIN) + " train " +
                cfg.string());
   ::close(fd);
-  ASSERT_TRUE(held) << "could not hold port 29500 for the test";
+  ASSERT_TRUE(held) << "port 29500 is neither held by the test nor busy";
   EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// A rank started with another setting (issue 52: ZeRO-3 with another
+// model.n_layer on rank 1) is named with the setting at start-up, before
+// any collective, with exit 2, instead of a timeout that blames rank 0.
+TEST(Cli, ARankWithAnotherConfigIsNamedAtStart) {
+  auto cfg = write("odd_rank.yaml", "data:\n  path: " + tokens().string() +
+                                        "\nmodel:\n  block_size: 16\n  n_layer: 2\ntrain:\n  steps: 1\n"
+                                        "  global_batch: 4\n  micro_batch: 2\n  sample_tokens: 0\n"
+                                        "parallel:\n  strategy: zero3\n");
+  const std::string train = std::string(SCALETRAIN_BIN) + " train " + cfg.string();
+  auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- /bin/sh -c 'if [ $RANK = 1 ]; then exec " +
+               train + " --model.n_layer=3; fi; exec " + train + "'");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("rank 1's resolved config differs from rank 0's: model.n_layer=3 (rank 0: model.n_layer=2)"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {

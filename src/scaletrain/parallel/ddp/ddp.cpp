@@ -36,6 +36,7 @@ struct DistributedDataParallel::State : std::enable_shared_from_this<State> {
   DDPOptions options;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;     // broadcast from rank 0 after each synchronized backward (broadcast_buffers)
   std::vector<comm::Group*> group_of;  // each parameter's averaging group (expert parameters: expert_group)
   std::vector<at::Tensor> views;       // params[i]'s gradient slot in its bucket
   std::vector<size_t> bucket_of;
@@ -281,6 +282,7 @@ void DistributedDataParallel::State::finish_backward() {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad().copy_(views[i]);
   }
+  if (!buffers.empty()) ddp_comm::broadcast_coalesced(*group, buffers, 0);
   wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   // The first backward that communicated has shown the real gradient order;
   // from the next step on the buckets follow it (Note [Bucket rebuild]).
@@ -367,7 +369,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (auto& item : module_->named_parameters())
     (is_expert(item.key()) ? expert_states : states).push_back(item.value());
   if (options_.broadcast_buffers)
-    for (auto& b : module_->buffers()) states.push_back(b);
+    for (auto& b : module_->buffers()) {
+      states.push_back(b);
+      s.buffers.push_back(b);
+    }
   ddp_comm::broadcast_coalesced(group, states, 0);
   if (!expert_states.empty()) ddp_comm::broadcast_coalesced(*options_.expert_group, expert_states, 0);
 

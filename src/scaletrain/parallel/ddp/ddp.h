@@ -101,7 +101,12 @@ struct DDPOptions {
   // Gradients travel as FP8 codes in this format with per-chunk scales
   // (Note [FP8 on the wire] in precision/fp8.h; fp32 gradients only); unset: comm_dtype.
   std::optional<precision::Fp8Format> fp8_comm;
-  // Broadcast rank 0's buffers along with its parameters at construction.
+  // Rank 0's buffers (BatchNorm's running statistics) on every rank: broadcast
+  // with its parameters at construction and again after each synchronized
+  // backward, so the next forward starts from rank 0's, as PyTorch's
+  // broadcast_buffers does before each forward (a C++ module has no forward
+  // hook; rank 0's buffers do not change between a backward and the next
+  // forward). false: each rank keeps its own after construction.
   bool broadcast_buffers = true;
   // Rebuild the buckets once, after the first backward with sync on, in the
   // order gradients became ready (on rank 0) instead of reverse registration
