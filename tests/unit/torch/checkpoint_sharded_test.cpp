@@ -1,8 +1,11 @@
 // Sharded checkpoints in one process and through the CLI: the index format,
 // choosing the newest complete checkpoint, keep-K, corrupt files, inspect,
 // consolidate -> --init-from, and exact resume on launched ranks.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -19,6 +22,7 @@
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/hub/hf_gpt2.h"
+#include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
@@ -127,13 +131,13 @@ std::string capture(const std::string& args, int* code) {
   return ss.str();
 }
 
-std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port) {
+std::vector<double> train(int nproc, const std::string& name, const std::string& flags) {
   const fs::path metrics = scratch() / (name + ".jsonl");
   fs::remove(metrics);
   const std::string cmd = "train " + config().string() + " " + flags + " --metrics.path=" + metrics.string();
   Run r = nproc == 0 ? run(cmd)
-                     : run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 " +
-                           "--master-port " + std::to_string(port) + " -- " + SCALETRAIN_BIN + " " + cmd);
+                     : run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 " + "-- " +
+                           SCALETRAIN_BIN + " " + cmd);
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return metric_losses(metrics);
 }
@@ -141,12 +145,12 @@ std::vector<double> train(int nproc, const std::string& name, const std::string&
 TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
   const auto dir = fresh("resume");
   const std::string zero3 = "--parallel.strategy=zero3 ";
-  const auto whole = train(2, "whole", zero3, 29920);
+  const auto whole = train(2, "whole", zero3);
   ASSERT_EQ(whole.size(), 6u);
   // Stopped after step 3 (as if preempted), with an asynchronous save; then resumed.
   const auto first =
-      train(2, "first", zero3 + "--train.stop_at=3 --checkpoint.async=true --checkpoint.dir=" + dir.string(), 29921);
-  const auto second = train(2, "second", zero3 + "--checkpoint.dir=" + dir.string(), 29922);
+      train(2, "first", zero3 + "--train.stop_at=3 --checkpoint.async=true --checkpoint.dir=" + dir.string());
+  const auto second = train(2, "second", zero3 + "--checkpoint.dir=" + dir.string());
   ASSERT_EQ(first.size(), 3u);
   ASSERT_EQ(second.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -155,7 +159,7 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
   }
   // The same checkpoint resumed by DDP on one process: fp32 reduction-order noise only.
   const auto other =
-      train(0, "other", "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3), 0);
+      train(0, "other", "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3));
   ASSERT_EQ(other.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(other[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 }
@@ -165,11 +169,11 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
 // trainer goes on from the newest checkpoint although checkpoint.resume says
 // never (that is for a first start): the two attempts' losses are the
 // uninterrupted run's, bit for bit, in one metrics file with a restart
-// record between them (ports 29934-29935).
+// record between them.
 TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
   const auto dir = fresh("restart");
   const std::string zero3 = "--parallel.strategy=zero3 ";
-  const auto whole = train(2, "whole_for_restart", zero3, 29935);
+  const auto whole = train(2, "whole_for_restart", zero3);
   ASSERT_EQ(whole.size(), 6u);
   // One metrics file for both attempts: the second adds to the first's.
   const fs::path m = scratch() / "restart_m.jsonl";
@@ -183,7 +187,7 @@ TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
                              t;
   int code = 0;
   const std::string out = capture(
-      "launch --nproc-per-node 2 --threads 1 --timeout 120 --master-port 29934 "
+      "launch --nproc-per-node 2 --threads 1 --timeout 120 "
       "--max-restarts 2 -- /bin/sh -c '" +
           worker + "'",
       &code);
@@ -302,6 +306,26 @@ TEST(CollectiveTimeout, HeartbeatWatchdogKillsAStoppedTrainer) {
 
 // ---- elastic membership ----
 
+// A port for several launchers to agree on (the launchers' store), chosen
+// at run time among the free ones, whose next port (the workers' store) is
+// free too: no test needs a fixed port to be free.
+int elastic_port() {
+  for (int tries = 0; tries < 100; ++tries) {
+    const int p = launch::free_port();
+    if (p >= 65535) continue;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(p + 1));
+    const bool next_free = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    if (next_free) return p;
+  }
+  ADD_FAILURE() << "no free pair of ports";
+  return 0;
+}
+
 // Starts `scaletrain ARGS` in the background (its output in `log`); returns its pid.
 pid_t spawn_scaletrain(const std::string& args, const fs::path& log) {
   const std::string cmd = "exec env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " +
@@ -352,10 +376,10 @@ std::string slurp_file(const fs::path& p) {
 // and go on from the checkpoint; after step 16 a fifth joins, and three go
 // on to step 24. The same global batch throughout, so every step's loss is
 // the uninterrupted single-process run's, within fp32 reduction-order noise
-// (launchers' store on port 29942, the workers' on 29943; reference 29944).
+// (the launchers' store on a port chosen at run time, the workers' on the next).
 TEST(ElasticMembership, FourThenTwoThenThreeRanksContinueTheCurve) {
   const std::string batch = "--train.global_batch=12 --train.micro_batch=1 --train.steps=24 ";
-  const auto ref = train(1, "elastic_ref", batch, 29944);
+  const auto ref = train(1, "elastic_ref", batch);
   ASSERT_EQ(ref.size(), 24u);
   const auto dir = fresh("elastic");
   const fs::path m = scratch() / "elastic_m";
@@ -369,11 +393,12 @@ TEST(ElasticMembership, FourThenTwoThenThreeRanksContinueTheCurve) {
                              " --train.stop_at=8 || exit 1; exec sleep 120;; "
                              "1) " +
                              t + " --train.stop_at=16 || exit 1; exec sleep 120;; *) exec " + t + ";; esac";
-  const std::string launch =
-      "launch --nproc-per-node 1 --threads 1 --nnodes 2:4 --master-port 29942 "
-      "--rdzv-last-call 1 --rdzv-keepalive-timeout 3 --max-restarts 2 --timeout 170 "
-      "-- /bin/sh -c '" +
-      worker + "'";
+  const std::string launch = "launch --nproc-per-node 1 --threads 1 --nnodes 2:4 --master-port " +
+                             std::to_string(elastic_port()) +
+                             " "
+                             "--rdzv-last-call 1 --rdzv-keepalive-timeout 3 --max-restarts 2 --timeout 170 "
+                             "-- /bin/sh -c '" +
+                             worker + "'";
   std::vector<pid_t> node(5, -1);
   auto log = [&](int i) { return scratch() / ("elastic_node" + std::to_string(i) + ".log"); };
   node[0] = spawn_scaletrain(launch, log(0));  // the first serves the launchers' store
@@ -412,13 +437,15 @@ TEST(ElasticMembership, FourThenTwoThenThreeRanksContinueTheCurve) {
 // The launcher serving the launchers' store dies (SIGKILL): the other
 // node's worker fails with it, and that node gives up saying which store is
 // gone, in which round, as which node; no sentinel count of restarts
-// (launchers' store on port 30650, the workers' on 30651).
+// (the launchers' store on a port chosen at run time, the workers' on the next).
 TEST(ElasticMembership, AGoneStoreIsNamedWhenANodeGivesUp) {
+  const int port = elastic_port();
   const std::string worker = "if [ $GROUP_RANK = 1 ]; then sleep 3; exit 3; fi; exec sleep 60";
-  const std::string launch =
-      "launch --nproc-per-node 1 --threads 1 --nnodes 2:2 --master-port 30650 "
-      "--rdzv-last-call 1 --max-restarts 3 --timeout 60 -- /bin/sh -c '" +
-      worker + "'";
+  const std::string launch = "launch --nproc-per-node 1 --threads 1 --nnodes 2:2 --master-port " +
+                             std::to_string(port) +
+                             " "
+                             "--rdzv-last-call 1 --max-restarts 3 --timeout 60 -- /bin/sh -c '" +
+                             worker + "'";
   auto log = [](int i) { return scratch() / ("store_gone_node" + std::to_string(i) + ".log"); };
   const pid_t first = spawn_scaletrain(launch, log(0));  // serves the launchers' store
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -432,26 +459,28 @@ TEST(ElasticMembership, AGoneStoreIsNamedWhenANodeGivesUp) {
   const int code = wait_exit(second, 40);
   const std::string out = slurp_file(log(1));
   EXPECT_EQ(code, 1) << out;
-  EXPECT_NE(out.find("the rendezvous store at 127.0.0.1:30650 is gone (round 0, this node was node "),
-            std::string::npos)
+  EXPECT_NE(
+      out.find("the rendezvous store at 127.0.0.1:" + std::to_string(port) + " is gone (round 0, this node was node "),
+      std::string::npos)
       << out;
   EXPECT_EQ(out.find("1073741823"), std::string::npos) << out;
   // The store's loss is the last word, not a secondary error from asking it again (issue 52).
   const std::string last = out.substr(out.rfind('\n', out.size() - 2) + 1);
-  EXPECT_NE(last.find("giving up: the rendezvous store at 127.0.0.1:30650 is gone"), std::string::npos) << out;
+  EXPECT_NE(last.find("giving up: the rendezvous store at 127.0.0.1:" + std::to_string(port) + " is gone"),
+            std::string::npos)
+      << out;
 }
 
 // FSDP's FULL_STATE_DICT (Note [Full state dict]): rank 0 writes one file of
 // whole tensors, holding the same values as the sharded save of the same
-// step, and other layouts resume it on the same curve (ports 29930-29933).
+// step, and other layouts resume it on the same curve.
 TEST(CheckpointResume, FullStateDictIsOneFileOfWholeTensors) {
   const auto full = fresh("full_sd"), sharded = fresh("sharded_sd");
   const std::string fsdp = "--parallel.strategy=fsdp --train.stop_at=3 ";
-  const auto whole = train(2, "fsdp_whole", "--parallel.strategy=fsdp", 29930);
+  const auto whole = train(2, "fsdp_whole", "--parallel.strategy=fsdp");
   ASSERT_EQ(whole.size(), 6u);
-  train(2, "fsdp_full", fsdp + "--parallel.fsdp.state_dict_type=FULL_STATE_DICT --checkpoint.dir=" + full.string(),
-        29931);
-  train(2, "fsdp_sharded", fsdp + "--checkpoint.dir=" + sharded.string(), 29932);
+  train(2, "fsdp_full", fsdp + "--parallel.fsdp.state_dict_type=FULL_STATE_DICT --checkpoint.dir=" + full.string());
+  train(2, "fsdp_sharded", fsdp + "--checkpoint.dir=" + sharded.string());
   const std::string full3 = checkpoint::step_dir(full.string(), 3),
                     sharded3 = checkpoint::step_dir(sharded.string(), 3);
 
@@ -480,8 +509,8 @@ TEST(CheckpointResume, FullStateDictIsOneFileOfWholeTensors) {
   EXPECT_TRUE(checkpoint::verify_files(full3, fi).empty());
 
   // DDP on one process and zero3 on two resume the full checkpoint.
-  const auto ddp = train(0, "full_to_ddp", "--parallel.strategy=ddp --checkpoint.resume=" + full3, 0);
-  const auto zero3 = train(2, "full_to_zero3", "--parallel.strategy=zero3 --checkpoint.resume=" + full3, 29933);
+  const auto ddp = train(0, "full_to_ddp", "--parallel.strategy=ddp --checkpoint.resume=" + full3);
+  const auto zero3 = train(2, "full_to_zero3", "--parallel.strategy=zero3 --checkpoint.resume=" + full3);
   ASSERT_EQ(ddp.size(), 3u);
   ASSERT_EQ(zero3.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -491,43 +520,42 @@ TEST(CheckpointResume, FullStateDictIsOneFileOfWholeTensors) {
 }
 
 // A pipeline saves per stage under the whole model's names: DDP on one
-// process resumes it, and a pipeline resumes what DDP saved (ports 29926-29929).
+// process resumes it, and a pipeline resumes what DDP saved.
 TEST(CheckpointResume, PipelineStagesSaveAndLoadAcrossLayouts) {
   const std::string model = "--model.n_layer=4 --train.sample_tokens=0 ";
   const std::string pipe = model + "--parallel.pp=2 --parallel.strategy=zero1 ";
-  const auto whole = train(2, "pp_whole", pipe, 29926);
+  const auto whole = train(2, "pp_whole", pipe);
   ASSERT_EQ(whole.size(), 6u);
   const auto dir = fresh("resume_pp");
-  const auto first = train(2, "pp_first", pipe + "--train.stop_at=3 --checkpoint.dir=" + dir.string(), 29927);
+  const auto first = train(2, "pp_first", pipe + "--train.stop_at=3 --checkpoint.dir=" + dir.string());
   ASSERT_EQ(first.size(), 3u);
-  const auto ddp =
-      train(0, "pp_into_ddp",
-            model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3), 0);
+  const auto ddp = train(
+      0, "pp_into_ddp", model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir.string(), 3));
   ASSERT_EQ(ddp.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 
   // Tensor parallelism inside the stages saves full-model coordinates too.
   const auto dir3 = fresh("resume_tp_pp");
-  train(4, "tp_pp_first", model + "--parallel.pp=2 --parallel.tp=2 --train.stop_at=3 --checkpoint.dir=" + dir3.string(),
-        29929);
+  train(4, "tp_pp_first",
+        model + "--parallel.pp=2 --parallel.tp=2 --train.stop_at=3 --checkpoint.dir=" + dir3.string());
   const auto tp_ddp =
       train(0, "tp_pp_into_ddp",
-            model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir3.string(), 3), 0);
+            model + "--parallel.strategy=ddp --checkpoint.resume=" + checkpoint::step_dir(dir3.string(), 3));
   ASSERT_EQ(tp_ddp.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(tp_ddp[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 
   const auto dir2 = fresh("resume_ddp_into_pp");
-  train(0, "ddp_first", model + "--parallel.strategy=ddp --train.stop_at=3 --checkpoint.dir=" + dir2.string(), 0);
-  const auto piped = train(
-      2, "ddp_into_pp", model + "--parallel.pp=2 --parallel.schedule=gpipe --checkpoint.dir=" + dir2.string(), 29928);
+  train(0, "ddp_first", model + "--parallel.strategy=ddp --train.stop_at=3 --checkpoint.dir=" + dir2.string());
+  const auto piped =
+      train(2, "ddp_into_pp", model + "--parallel.pp=2 --parallel.schedule=gpipe --checkpoint.dir=" + dir2.string());
   ASSERT_EQ(piped.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(piped[i], whole[i + 3], 1e-5 * whole[i + 3]) << "step " << i + 4;
 }
 
 TEST(CheckpointResume, KeepsTheLastTwoAndResumesTheNewest) {
   const auto dir = fresh("keep_cli");
-  train(2, "keep", "--parallel.strategy=fsdp --checkpoint.every=1 --checkpoint.keep=2 --checkpoint.dir=" + dir.string(),
-        29923);
+  train(2, "keep",
+        "--parallel.strategy=fsdp --checkpoint.every=1 --checkpoint.keep=2 --checkpoint.dir=" + dir.string());
   EXPECT_EQ(checkpoint::complete_checkpoints(dir.string()),
             (std::vector<std::string>{checkpoint::step_dir(dir.string(), 5), checkpoint::step_dir(dir.string(), 6)}));
   fs::create_directories(checkpoint::step_dir(dir.string(), 9));  // incomplete: never chosen
@@ -551,7 +579,7 @@ void flip_bit(const fs::path& file, int from_end, char mask) {
 
 TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
   const auto dir = fresh("corrupt");
-  train(0, "corrupt", "--train.steps=2 --checkpoint.dir=" + dir.string(), 0);
+  train(0, "corrupt", "--train.steps=2 --checkpoint.dir=" + dir.string());
   const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 2)) / "rank-00000.safetensors";
   ASSERT_TRUE(fs::exists(file));
   flip_bit(file, 3, 0x10);
@@ -570,7 +598,7 @@ TEST(CheckpointCorrupt, FlippedByteNamesTheFile) {
 // naming the file, and goes on from the newest intact checkpoint.
 TEST(CheckpointCorrupt, AutoResumeSkipsAMalformedFileAndAnEditedIndex) {
   const auto dir = fresh("malformed_auto");
-  train(0, "malformed_auto", "--train.steps=6 --checkpoint.every=2 --checkpoint.dir=" + dir.string(), 0);
+  train(0, "malformed_auto", "--train.steps=6 --checkpoint.every=2 --checkpoint.dir=" + dir.string());
   // Step 6: a header made unreadable, the index rewritten to match its bytes.
   const std::string step6 = checkpoint::step_dir(dir.string(), 6);
   const fs::path file = fs::path(step6) / "rank-00000.safetensors";
@@ -650,7 +678,7 @@ TEST(CheckpointIndex, FieldsOutOfRangeAreRefused) {
 // its checksum, says so naming the file, and resumes the newest intact one.
 TEST(CheckpointCorrupt, AutoResumeSkipsToTheNewestIntact) {
   const auto dir = fresh("corrupt_auto");
-  train(0, "corrupt_auto", "--train.steps=4 --checkpoint.every=2 --checkpoint.dir=" + dir.string(), 0);
+  train(0, "corrupt_auto", "--train.steps=4 --checkpoint.every=2 --checkpoint.dir=" + dir.string());
   const fs::path file = fs::path(checkpoint::step_dir(dir.string(), 4)) / "rank-00000.safetensors";
   ASSERT_TRUE(fs::exists(file));
   flip_bit(file, 5, 0x20);
@@ -708,7 +736,7 @@ TEST(CheckpointIndex, RejectsFileNamesOutsideTheStepDirectory) {
 
 TEST(CheckpointInspect, ShowsLayoutTensorsAndChecksums) {
   const auto dir = fresh("inspect");
-  train(2, "inspect", "--parallel.strategy=zero2 --train.steps=2 --checkpoint.dir=" + dir.string(), 29924);
+  train(2, "inspect", "--parallel.strategy=zero2 --train.steps=2 --checkpoint.dir=" + dir.string());
   int code = 0;
   const std::string out = capture("checkpoint inspect " + dir.string(), &code);
   EXPECT_EQ(code, 0) << out;
@@ -720,7 +748,7 @@ TEST(CheckpointInspect, ShowsLayoutTensorsAndChecksums) {
 
 TEST(CheckpointConsolidate, ThenInitFromGivesTheSameParameters) {
   const auto dir = fresh("consolidate");
-  train(2, "consolidate", "--parallel.strategy=fsdp --train.steps=2 --checkpoint.dir=" + dir.string(), 29925);
+  train(2, "consolidate", "--parallel.strategy=fsdp --train.steps=2 --checkpoint.dir=" + dir.string());
   const std::string step = checkpoint::step_dir(dir.string(), 2);
   const fs::path hf = scratch() / "consolidated.safetensors";
   int code = 0;
@@ -739,7 +767,7 @@ TEST(CheckpointConsolidate, ThenInitFromGivesTheSameParameters) {
   for (auto& item : imported->named_parameters())
     EXPECT_TRUE(torch::equal(item.value(), want[i++].second)) << item.key();
   // Training from it: the first loss is that of the imported model on the first batch.
-  const auto got = train(0, "init_from", "--train.steps=1 --init-from " + hf.string(), 0);
+  const auto got = train(0, "init_from", "--train.steps=1 --init-from " + hf.string());
   ASSERT_EQ(got.size(), 1u);
   data::TokenDataset dataset(tokens().string(), data::DatasetOptions{32});
   data::SamplerOptions so;

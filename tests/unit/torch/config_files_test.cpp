@@ -22,8 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::scratch;
-using train::Config;
 using test::usage_error;
+using train::Config;
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 #define EXPECT_LACKS(haystack, needle) EXPECT_EQ((haystack).find(needle), std::string::npos) << (haystack)
@@ -51,7 +51,6 @@ int count_notices(const Config& c, const std::string& needle) {
   for (const auto& line : c.notices) n += line.find(needle) != std::string::npos;
   return n;
 }
-
 
 // The YAML the DeepSpeed fixtures are applied over: model width 32.
 Config base(const std::string& precision = "fp32") {
@@ -82,11 +81,10 @@ TEST(ConfigFiles, TransformersZero2) {
   EXPECT_EQ(c.parallel.zero.offload_optimizer, "cpu");
   EXPECT_FALSE(c.parallel.zero.offload_pin_memory);  // DeepSpeed's pin_memory never sets ours
   EXPECT_EQ(count_notices(c, "offload_optimizer.device"), 0) << all_notices(c);
-  EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.pin_memory=true has no effect"), 1)
-      << all_notices(c);
+  EXPECT_EQ(count_notices(c, "zero_optimization.offload_optimizer.pin_memory=true has no effect"), 1) << all_notices(c);
   // fp16 "auto" resolved off: its five loss-scaling keys act on nothing.
   EXPECT_EQ(count_notices(c, "fp16 is not enabled"), 5) << all_notices(c);
-  EXPECT_EQ(c.precision.loss_scale_window, 2000);  // the YAML's, untouched
+  EXPECT_EQ(c.precision.loss_scale_window, 2000);     // the YAML's, untouched
   EXPECT_EQ(c.notices.size(), 6u) << all_notices(c);  // wall_clock_breakdown false asks for nothing
   // "auto" resolved from the YAML, as the Hugging Face trainer does.
   EXPECT_EQ(c.train.lr, 2e-3);
@@ -100,7 +98,7 @@ TEST(ConfigFiles, TransformersZero2) {
 TEST(ConfigFiles, TransformersZero3AutoSizesFromTheModelWidth) {
   const Config c = ds("transformers_ds_config_zero3.json");
   EXPECT_EQ(c.parallel.strategy, "zero3");
-  const double hidden = 32;  // model.n_embd of base()
+  const double hidden = 32;                         // model.n_embd of base()
   EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);  // stage 3 does not read it: a notice
   EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, std::floor(0.9 * hidden * hidden) * 4 / kMiB);
   EXPECT_EQ(c.parallel.zero.max_live_parameters, 1000000000);
@@ -171,13 +169,13 @@ TEST(ConfigFiles, NvmeAioAndWallClockNotices) {
   EXPECT_EQ(c.parallel.zero.offload_param, "nvme");
   EXPECT_EQ(c.parallel.zero.offload_dir, "/nvme_data");
   EXPECT_DOUBLE_EQ(c.parallel.zero.prefetch_bucket_mb, 5e7 * 2 / kMiB);  // fp16: 2-byte elements
-  EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);  // stage 3 does not read it: a notice
+  EXPECT_EQ(c.parallel.zero.reduce_bucket_mb, 25);                       // stage 3 does not read it: a notice
   const std::string n = all_notices(c);
   EXPECT_HAS(n, "zero_optimization.reduce_bucket_size=90000000 has no effect");
   for (const char* key :
        {"zero_optimization.offload_optimizer.buffer_count=4", "zero_optimization.offload_optimizer.pin_memory=true",
-        "zero_optimization.offload_param.max_in_cpu=1", "zero_optimization.offload_param.pin_memory=true",
-        "aio={", "wall_clock_breakdown=true", "zero_optimization.sub_group_size=100000000.0"})
+        "zero_optimization.offload_param.max_in_cpu=1", "zero_optimization.offload_param.pin_memory=true", "aio={",
+        "wall_clock_breakdown=true", "zero_optimization.sub_group_size=100000000.0"})
     EXPECT_HAS(n, key);
   EXPECT_LACKS(n, "pipeline_read");  // false
   EXPECT_LACKS(n, "zero_allow_untested_optimizer");
@@ -227,7 +225,7 @@ TEST(ConfigFiles, AccelerateFsdpTemplate) {
   EXPECT_EQ(c.precision.param_dtype, "fp32");  // Accelerate's mixed precision: autocast over fp32 weights
   EXPECT_TRUE(c.parallel.fsdp.cpu_ram_efficient_loading);
   EXPECT_EQ(c.model.activation_checkpointing, "none");  // fsdp_activation_checkpointing: false
-  ASSERT_EQ(c.notices.size(), 1u) << all_notices(c);  // fsdp_use_orig_params true is what we do
+  ASSERT_EQ(c.notices.size(), 1u) << all_notices(c);    // fsdp_use_orig_params true is what we do
   EXPECT_HAS(c.notices[0], "num_processes are launcher settings");
 }
 
@@ -238,8 +236,9 @@ TEST(ConfigFiles, AccelerateWrittenByAccelerateConfig) {
   const std::string n = all_notices(c);
   EXPECT_HAS(n, "use_cpu=false has no effect");
   EXPECT_HAS(n, "gpu_ids=all has no effect");
-  EXPECT_HAS(n, "machine_rank, main_process_ip, main_process_port, num_machines, num_processes, rdzv_backend, "
-                "same_network are launcher settings");
+  EXPECT_HAS(n,
+             "machine_rank, main_process_ip, main_process_port, num_machines, num_processes, rdzv_backend, "
+             "same_network are launcher settings");
   EXPECT_EQ(c.notices.size(), 3u) << n;
 
   const Config m = acc("accelerate_mpi_multicpu.yaml");
@@ -259,7 +258,7 @@ TEST(ConfigFiles, AccelerateDeepSpeedSection) {
   const Config z2 = acc("trl_deepspeed_zero2.yaml");
   EXPECT_EQ(z2.parallel.strategy, "zero2");
   EXPECT_EQ(z2.precision.mode, "bf16");
-  EXPECT_EQ(z2.precision.param_dtype, "bf16");  // Accelerate fills DeepSpeed's bf16 section
+  EXPECT_EQ(z2.precision.param_dtype, "bf16");       // Accelerate fills DeepSpeed's bf16 section
   EXPECT_LACKS(all_notices(z2), "zero3_init_flag");  // stage 2
 
   const Config z3 = acc("trl_deepspeed_zero3.yaml");
@@ -268,8 +267,9 @@ TEST(ConfigFiles, AccelerateDeepSpeedSection) {
   EXPECT_HAS(all_notices(z3), "stage3_gather_16bit_weights_on_model_save=true has no effect");
 
   // A deepspeed_config_file, resolved next to the YAML when not in the working directory.
-  auto yaml = test::write("acc_ds_file.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
-                                              "  deepspeed_config_file: zero3_here.json\n  zero3_init_flag: true\n");
+  auto yaml = test::write("acc_ds_file.yaml",
+                          "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                          "  deepspeed_config_file: zero3_here.json\n  zero3_init_flag: true\n");
   test::write("zero3_here.json", R"({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2})");
   EXPECT_HAS(usage_error([&] { train::load_config(yaml.string()); }),
              "deepspeed_config_file excludes deepspeed_config.zero3_init_flag");
@@ -346,9 +346,9 @@ TEST(ConfigFilesRun, DeepSpeedFixturesTrainTwoSteps) {
 }
 
 TEST(ConfigFilesRun, AccelerateFixturesTrainTwoSteps) {
-  for (const char* f : {"accelerate_latest.yaml", "accelerate_mpi_multicpu.yaml", "accelerate_multi_node.yaml",
-                        "trl_multi_gpu.yaml", "trl_deepspeed_zero2.yaml", "trl_deepspeed_zero3.yaml",
-                        "accelerate_fsdp.yaml"}) {
+  for (const char* f :
+       {"accelerate_latest.yaml", "accelerate_mpi_multicpu.yaml", "accelerate_multi_node.yaml", "trl_multi_gpu.yaml",
+        "trl_deepspeed_zero2.yaml", "trl_deepspeed_zero3.yaml", "accelerate_fsdp.yaml"}) {
     const auto r = run_cli("train " + fixture(f) + tiny());
     EXPECT_EQ(r.code, 0) << f << "\n" << r.text;
     EXPECT_TRUE(has_step(r.text, 2)) << r.text;
@@ -358,15 +358,15 @@ TEST(ConfigFilesRun, AccelerateFixturesTrainTwoSteps) {
 
 TEST(ConfigFilesRun, LaunchConfigFileStartsNumProcessesAndHandsOverTheTrainingKeys) {
   // accelerate_fsdp.yaml: num_processes 2, FSDP, bf16.
-  const auto r = run_cli("launch --config_file " + fixture("accelerate_fsdp.yaml") + " --master-port 29641 -- " +
-                         SCALETRAIN_BIN + " train " + empty_yaml().string() + tiny());
+  const auto r = run_cli("launch --config_file " + fixture("accelerate_fsdp.yaml") + " -- " + SCALETRAIN_BIN +
+                         " train " + empty_yaml().string() + tiny());
   ASSERT_EQ(r.code, 0) << r.text;
   EXPECT_HAS(r.text, "world 2");
   EXPECT_HAS(r.text, "strategy fsdp");
   EXPECT_HAS(r.text, "bf16");
   // The file's num_machines (4) bounds an explicit --node-rank.
-  const auto bad = run_cli("launch --config_file " + fixture("accelerate_mpi_multicpu.yaml") +
-                           " --node-rank 7 -- true");
+  const auto bad =
+      run_cli("launch --config_file " + fixture("accelerate_mpi_multicpu.yaml") + " --node-rank 7 -- true");
   EXPECT_EQ(bad.code, 2) << bad.text;
   EXPECT_HAS(bad.text, "--node-rank must be in [0, 4), got 7");
 }
@@ -383,8 +383,7 @@ TEST(ConfigFilesRun, ConfigCommandWritesAFileThatTrains) {
   ss << in.rdbuf();
   EXPECT_HAS(ss.str(), "strategy: zero2");
   EXPECT_HAS(ss.str(), "num_processes: 2");
-  const auto r = run_cli("launch --config_file " + out.string() + " --master-port 29642 -- " + SCALETRAIN_BIN +
-                         " train " + out.string() +
+  const auto r = run_cli("launch --config_file " + out.string() + " -- " + SCALETRAIN_BIN + " train " + out.string() +
                          " --model.n_layer=1 --model.n_embd=32 --model.n_head=2 --model.block_size=32 "
                          "--train.sample_tokens=0 --metrics.progress=false --metrics.peak_flops=1e10");
   ASSERT_EQ(r.code, 0) << r.text;
@@ -472,8 +471,8 @@ TEST(InitFrom, DimensionsFromTheFileAndItsConfigJson) {
   EXPECT_HAS(usage_error([&] { train::resolve_model_config(m); }), "longer than model.init_from");
 
   // The CLI trains from it with no model.* key at all.
-  const auto r = run_cli("train " + empty_yaml().string() + " --model.init_from=" + file + " --data.path=" +
-                         test::tokens().string() +
+  const auto r = run_cli("train " + empty_yaml().string() + " --model.init_from=" + file +
+                         " --data.path=" + test::tokens().string() +
                          " --train.steps=2 --train.global_batch=2 --train.micro_batch=1 --train.sample_tokens=0 "
                          "--model.block_size=16 --metrics.progress=false --metrics.peak_flops=1e10");
   EXPECT_EQ(r.code, 0) << r.text;

@@ -230,9 +230,9 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     const auto dir = scratch() / "chat_tokenizer";
     fs::create_directories(dir);
     fs::copy_file(substitute("@TOKJSON@", ckpt), dir / "tokenizer.json", fs::copy_options::overwrite_existing);
-    const nlohmann::json config = {
-        {"chat_template", "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}[assistant] {% endif %}"}};
+    const nlohmann::json config = {{"chat_template",
+                                    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}[assistant] {% endif %}"}};
     std::ofstream(dir / "tokenizer_config.json") << config.dump();
     put("@CHATTOK@", dir.string());
   }
@@ -257,13 +257,14 @@ std::string substitute(std::string s, const fs::path& ckpt) {
     const auto ck = scratch() / "adapter_ckpt", out = scratch() / "adapter_dir";
     fs::remove_all(ck);
     fs::remove_all(out);
-    EXPECT_EQ(run("train " + base_config().string() + " --finetune.method=lora --checkpoint.dir=" + ck.string()).code, 0);
+    EXPECT_EQ(run("train " + base_config().string() + " --finetune.method=lora --checkpoint.dir=" + ck.string()).code,
+              0);
     EXPECT_EQ(run("checkpoint export " + (ck / "step-000003").string() + " --adapter -o " + out.string()).code, 0);
     put("@ADAPTER@", out.string());
   }
   if (s.find("@CONFIGJSON@") != std::string::npos) {  // a small llama with the base config's dimensions
-    const nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 256}, {"max_position_embeddings", 128},
-                              {"hidden_size", 16}, {"intermediate_size", 40}, {"num_hidden_layers", 1},
+    const nlohmann::json j = {{"model_type", "llama"},    {"vocab_size", 256},       {"max_position_embeddings", 128},
+                              {"hidden_size", 16},        {"intermediate_size", 40}, {"num_hidden_layers", 1},
                               {"num_attention_heads", 2}, {"num_key_value_heads", 1}};
     put("@CONFIGJSON@", write("small_llama_config.json", j.dump()).string());
   }
@@ -301,7 +302,7 @@ Outputs read_outputs(const fs::path& dir, int nproc) {
 }
 
 // Runs the trainer in `dir` (emptied first) and reads what it left there.
-Outputs train_in(const fs::path& dir, const std::vector<std::string>& overrides, int nproc, int port, bool tty) {
+Outputs train_in(const fs::path& dir, const std::vector<std::string>& overrides, int nproc, bool tty) {
   const fs::path metrics = dir / "metrics.jsonl", ckpt = dir / "ckpt";
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -310,10 +311,10 @@ Outputs train_in(const fs::path& dir, const std::vector<std::string>& overrides,
   if (std::none_of(overrides.begin(), overrides.end(), [](auto& o) { return o.rfind("metrics.path=", 0) == 0; }))
     args += " --metrics.path=" + metrics.string();
   const std::string bin = SCALETRAIN_BIN;
-  std::string cmd = nproc == 1 ? bin + " " + args
-                               : bin + " launch --nproc-per-node " + std::to_string(nproc) +
-                                     " --threads 1 --timeout 120 --master-port " + std::to_string(port) +
-                                     " --log-dir " + (dir / "logs").string() + " -- " + bin + " " + args;
+  std::string cmd = nproc == 1
+                        ? bin + " " + args
+                        : bin + " launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 " +
+                              "--log-dir " + (dir / "logs").string() + " -- " + bin + " " + args;
   if (tty) cmd = "script -qec \"" + cmd + "\" /dev/null";
   const std::string full = "cd " + dir.string() + " && env -u RANK -u WORLD_SIZE -u OMPI_COMM_WORLD_RANK " +
                            "-u SLURM_PROCID " + cmd + " >" + (dir / "out.txt").string() + " 2>" +
@@ -323,8 +324,8 @@ Outputs train_in(const fs::path& dir, const std::vector<std::string>& overrides,
   return read_outputs(dir, nproc);
 }
 
-Outputs train_once(const std::string& tag, const std::vector<std::string>& overrides, int nproc, int port, bool tty) {
-  return train_in(scratch() / ("keys_" + tag), overrides, nproc, port, tty);
+Outputs train_once(const std::string& tag, const std::vector<std::string>& overrides, int nproc, bool tty) {
+  return train_in(scratch() / ("keys_" + tag), overrides, nproc, tty);
 }
 
 // The seconds since boot at which process `pid` started (/proc/PID/stat, field 22).
@@ -344,7 +345,7 @@ std::string start_time(pid_t pid) {
 // `ctest` call), the binaries' modification times and the run's inputs, so
 // a rebuilt binary or a changed base config never reads an old run. The
 // keyed run and this one differ in their directories' names, as before.
-Outputs default_run(const Check& c, int port, bool tty) {
+Outputs default_run(const Check& c, bool tty) {
   // The base config names this process's scratch directory, whose files are the same in every process.
   std::string id = slurp(base_config());
   for (size_t at; (at = id.find(scratch().string())) != std::string::npos;)
@@ -363,7 +364,7 @@ Outputs default_run(const Check& c, int port, bool tty) {
   EXPECT_GE(lock, 0) << dir;
   if (lock >= 0) ::flock(lock, LOCK_EX);
   const Outputs out =
-      fs::exists(dir / "code.txt") ? read_outputs(dir, c.nproc) : train_in(dir, c.context, c.nproc, port, tty);
+      fs::exists(dir / "code.txt") ? read_outputs(dir, c.nproc) : train_in(dir, c.context, c.nproc, tty);
   if (lock >= 0) ::close(lock);  // releases the lock
   return out;
 }
@@ -393,15 +394,10 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
   const std::string key = GetParam();
   ASSERT_TRUE(table().count(key)) << key << " has no check in the table";
   const Check& c = table().at(key);
-  const auto keys = train::config_keys();
-  const int index = static_cast<int>(std::find(keys.begin(), keys.end(), key) - keys.begin());
-  // Ports 31000-31599 belong to this test: two per key, by the key's index.
-  ASSERT_LT(index, 300) << "more keys than this test's ports";
-  const int port = 31000 + 2 * index;
   std::vector<std::string> with = c.context;
   with.push_back(key + "=" + c.value);
   with.insert(with.end(), c.with.begin(), c.with.end());
-  const Outputs got = train_once(key + "_set", with, c.nproc, port, c.what == What::Tty);
+  const Outputs got = train_once(key + "_set", with, c.nproc, c.what == What::Tty);
   if (c.what == What::Refused || c.what == What::Fails) {
     EXPECT_NE(got.code, 0) << got.err;
     if (c.what == What::Refused) EXPECT_EQ(got.code, 2) << got.err;  // launched ranks too
@@ -412,12 +408,12 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
     std::stringstream alternatives(c.detail);
     for (std::string a; std::getline(alternatives, a, '|');) found = found || got.err.find(a) != std::string::npos;
     EXPECT_TRUE(found) << "'" << c.detail << "' not in: " << got.err;
-    const Outputs ref = default_run(c, port + 1, false);
+    const Outputs ref = default_run(c, false);
     EXPECT_EQ(ref.code, 0) << "the same run without " << key << " must work: " << ref.err;
     return;
   }
   ASSERT_EQ(got.code, 0) << key << "=" << c.value << ": " << got.err;
-  const Outputs ref = default_run(c, port + 1, c.what == What::Tty);
+  const Outputs ref = default_run(c, c.what == What::Tty);
   ASSERT_EQ(ref.code, 0) << ref.err;
   switch (c.what) {
     case What::Losses: {
@@ -447,7 +443,8 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
       EXPECT_NE(ref.memory.back()["measured_mib"][c.detail], got.memory.back()["measured_mib"][c.detail]);
       break;
     case What::Metric:
-      EXPECT_NE(field(ref, c.detail.c_str()), field(got, c.detail.c_str())) << key << " left " << c.detail << " unchanged";
+      EXPECT_NE(field(ref, c.detail.c_str()), field(got, c.detail.c_str()))
+          << key << " left " << c.detail << " unchanged";
       break;
     case What::Tty:
       EXPECT_NE(ref.log, got.log) << key << " left the terminal output unchanged";

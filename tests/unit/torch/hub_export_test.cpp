@@ -5,22 +5,22 @@
 // them, and whose loss under the independent Python reference
 // (tests/reference/hf_causal_lm.py) is ours; the run's tokenizer files
 // carried through the checkpoint; bad input as one-line errors that write
-// nothing. Master ports 30500-30519 belong to this file.
+// nothing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/hub/hf_gpt2.h"
+#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
-#include "scaletrain/hub/hub_load.h"
 #include "scaletrain/train/model_config.h"
 
 namespace scaletrain::test {
@@ -40,15 +40,14 @@ std::string slurp(const fs::path& p) {
 
 // Trains the small config of cli_util.h for 3 steps on `nproc` launched
 // ranks with `flags`, checkpointing at the end; returns the step directory.
-fs::path trained_checkpoint(const std::string& name, int nproc, const std::string& flags, int port) {
+fs::path trained_checkpoint(const std::string& name, int nproc, const std::string& flags) {
   const fs::path root = scratch() / (name + "_ckpt"), logs = scratch() / (name + "_logs");
   fs::remove_all(root);
   fs::remove_all(logs);
   const fs::path cfg = small_train_config(name + ".yaml", 0);
-  const Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-                    std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " train " +
-                    cfg.string() + " --train.steps=3 --train.warmup_steps=1 --checkpoint.dir=" + root.string() + " " +
-                    flags);
+  const Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --log-dir " +
+                    logs.string() + " -- " + SCALETRAIN_BIN + " train " + cfg.string() +
+                    " --train.steps=3 --train.warmup_steps=1 --checkpoint.dir=" + root.string() + " " + flags);
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return checkpoint::newest_checkpoint(root.string()).value_or("");
 }
@@ -62,8 +61,8 @@ at::Tensor checkpoint_tensor(const fs::path& dir, const checkpoint::Index& x, co
   const auto& t = x.tensors.at(name);
   checkpoint::Dtype dt = checkpoint::Dtype::F32;
   checkpoint::dtype_from_name(t.dtype, &dt);
-  at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(dt == checkpoint::Dtype::BF16 ? at::kBFloat16
-                                                                                               : at::kFloat));
+  at::Tensor out =
+      at::empty(t.shape, at::TensorOptions().dtype(dt == checkpoint::Dtype::BF16 ? at::kBFloat16 : at::kFloat));
   checkpoint::read_tensors(dir.string(), x, {{name, out}});
   return out;
 }
@@ -146,7 +145,7 @@ TEST(HubExport, ShardSizesParseAsHuggingFaceReadsThem) {
 // init_from loader bit-exactly, and the reference's loss.
 TEST(HubExport, LlamaZero3CheckpointExportsShardsThatLoadBackExactly) {
   const fs::path ckpt = trained_checkpoint(
-      "exp_llama", 2, "--parallel.strategy=zero3 --model.preset=llama-tiny --model.n_head=4 --model.n_kv_head=2", 30500);
+      "exp_llama", 2, "--parallel.strategy=zero3 --model.preset=llama-tiny --model.n_head=4 --model.n_kv_head=2");
   ASSERT_FALSE(ckpt.empty());
   const checkpoint::Index x = checkpoint::read_index(ckpt.string());
   ASSERT_EQ(x.model.family, "llama");
@@ -204,7 +203,7 @@ TEST(HubExport, LlamaZero3CheckpointExportsShardsThatLoadBackExactly) {
 // sharded; model.init_from of the directory (gpt2) gives the checkpoint's
 // tensors; the one-file consolidate writes the same tensors.
 TEST(HubExport, Gpt2TensorParallelCheckpointExportsTheHuggingFaceLayout) {
-  const fs::path ckpt = trained_checkpoint("exp_gpt2", 2, "--parallel.tp=2", 30501);
+  const fs::path ckpt = trained_checkpoint("exp_gpt2", 2, "--parallel.tp=2");
   ASSERT_FALSE(ckpt.empty());
   const checkpoint::Index x = checkpoint::read_index(ckpt.string());
   const fs::path out = scratch() / "exp_gpt2_hub";
@@ -272,8 +271,8 @@ TEST(HubExport, TokenizerFilesOfTheRunTravelWithTheCheckpoint) {
   const fs::path ckpt = trained_checkpoint(
       "exp_tok", 1,
       "--model.n_layer=1 --model.n_embd=16 --model.block_size=16 --train.global_batch=2 --train.micro_batch=2"
-      " --model.vocab_size=32000 --data.path=" + toks.string() + " --data.tokenizer=" + (models_dir / "tokenizer.json").string(),
-      30502);
+      " --model.vocab_size=32000 --data.path=" +
+          toks.string() + " --data.tokenizer=" + (models_dir / "tokenizer.json").string());
   ASSERT_FALSE(ckpt.empty());
   EXPECT_TRUE(slurp(ckpt / "tokenizer" / "tokenizer.json") == slurp(models_dir / "tokenizer.json"));
   // The copies are checksummed files of the checkpoint.
@@ -283,7 +282,8 @@ TEST(HubExport, TokenizerFilesOfTheRunTravelWithTheCheckpoint) {
   fs::remove_all(out);
   const auto r = export_cmd(ckpt, out);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_TRUE(slurp(out / "tokenizer.json") == slurp(models_dir / "tokenizer.json"));  // (a 1.8 MB file: no diff printed)
+  EXPECT_TRUE(slurp(out / "tokenizer.json") ==
+              slurp(models_dir / "tokenizer.json"));  // (a 1.8 MB file: no diff printed)
   EXPECT_EQ(slurp(out / "tokenizer_config.json"), slurp(models_dir / "tokenizer_config.json"));
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
   EXPECT_EQ(read_json(out / "config.json").at("vocab_size"), 32000);
@@ -297,7 +297,7 @@ void expect_nothing_written(const fs::path& out) {
 }
 
 TEST(HubExport, BadInputIsOneLineExitTwoAndWritesNothing) {
-  const fs::path ckpt = trained_checkpoint("exp_bad", 1, "--model.n_layer=1", 30503);
+  const fs::path ckpt = trained_checkpoint("exp_bad", 1, "--model.n_layer=1");
   ASSERT_FALSE(ckpt.empty());
   const fs::path out = scratch() / "exp_bad_out";
   fs::remove_all(out);

@@ -4,8 +4,7 @@
 // it (tests/reference/hf_causal_lm.py --targets, torch's ignore_index)
 // on the exported checkpoint; and every layout and micro-batch split follows
 // the single-process curve, which a per-micro-batch mean would not (the
-// micro-batches hold different numbers of targets). Master ports 30660-30668
-// belong to this file.
+// micro-batches hold different numbers of targets).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -43,22 +42,23 @@ fs::path records_tokens() {
 }
 
 fs::path masked_config() {
-  return write("masked.yaml", "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 16\n  n_head: 2\n  block_size: 24\n"
-                              "data:\n  path: " +
-                                  records_tokens().string() +
-                                  "\n  loss_on: completion\n"
-                                  "train:\n  steps: 4\n  global_batch: 8\n  micro_batch: 8\n  lr: 1.0e-2\n"
-                                  "  warmup_steps: 1\n  sample_tokens: 0\n"
-                                  "metrics:\n  peak_flops: 1.0e11\n  progress: false\n");
+  return write("masked.yaml",
+               "model:\n  preset: tiny\n  n_layer: 2\n  n_embd: 16\n  n_head: 2\n  block_size: 24\n"
+               "data:\n  path: " +
+                   records_tokens().string() +
+                   "\n  loss_on: completion\n"
+                   "train:\n  steps: 4\n  global_batch: 8\n  micro_batch: 8\n  lr: 1.0e-2\n"
+                   "  warmup_steps: 1\n  sample_tokens: 0\n"
+                   "metrics:\n  peak_flops: 1.0e11\n  progress: false\n");
 }
 
-std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port) {
+std::vector<double> train(int nproc, const std::string& name, const std::string& flags) {
   const fs::path metrics = scratch() / (name + ".jsonl"), logs = scratch() / (name + "_logs");
   fs::remove(metrics);
   fs::remove_all(logs);
-  const Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-                    std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " train " +
-                    masked_config().string() + " " + flags + " --metrics.path=" + metrics.string());
+  const Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --log-dir " +
+                    logs.string() + " -- " + SCALETRAIN_BIN + " train " + masked_config().string() + " " + flags +
+                    " --metrics.path=" + metrics.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return metric_losses(metrics);
 }
@@ -84,7 +84,6 @@ std::pair<nlohmann::json, nlohmann::json> reference_rows(bool packing, const std
 // Step 2's reported loss against the independent reference evaluated on the
 // checkpoint of step 1 and step 2's global batch (packed and one record per sample).
 TEST(MaskedLoss, StepLossIsTheMeanOverTheGlobalBatchTargets) {
-  int port = 30660;
   for (bool packing : {true, false}) {
     const std::string name = packing ? "masked_packed" : "masked_unpacked";
     const fs::path ckpt = scratch() / (name + "_ckpt"), hf = scratch() / (name + "_hf");
@@ -92,12 +91,10 @@ TEST(MaskedLoss, StepLossIsTheMeanOverTheGlobalBatchTargets) {
     fs::remove_all(hf);
     const auto losses = train(1, name,
                               "--train.steps=2 --checkpoint.every=1 --checkpoint.dir=" + ckpt.string() +
-                                  " --data.packing=" + (packing ? "true" : "false"),
-                              port++);
+                                  " --data.packing=" + (packing ? "true" : "false"));
     ASSERT_EQ(losses.size(), 2u) << name;
     ASSERT_EQ(run("checkpoint export " + (ckpt / "step-000001").string() + " -o " + hf.string()).code, 0);
-    const data::TokenDataset probe(records_tokens().string(),
-                                   data::DatasetOptions{24, true, packing});
+    const data::TokenDataset probe(records_tokens().string(), data::DatasetOptions{24, true, packing});
     data::SamplerOptions so;
     so.seed = 1337;
     so.global_batch = 8;
@@ -124,7 +121,7 @@ TEST(MaskedLoss, StepLossIsTheMeanOverTheGlobalBatchTargets) {
 // target count different.
 TEST(MaskedLoss, EveryLayoutFollowsOneProcess) {
   const std::string common = "--data.packing=false ";
-  const auto ref = train(1, "masked_ref", common, 30662);
+  const auto ref = train(1, "masked_ref", common);
   ASSERT_EQ(ref.size(), 4u);
   EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
   const std::vector<std::tuple<std::string, int, std::string>> runs{
@@ -134,9 +131,8 @@ TEST(MaskedLoss, EveryLayoutFollowsOneProcess) {
       {"masked_pp", 2, "--train.micro_batch=1 --parallel.pp=2 --parallel.schedule=1f1b"},
       {"masked_tp", 2, "--train.micro_batch=2 --parallel.tp=2"},
   };
-  int port = 30663;
   for (const auto& [name, nproc, flags] : runs) {
-    const auto got = train(nproc, name, common + flags, port++);
+    const auto got = train(nproc, name, common + flags);
     ASSERT_EQ(got.size(), ref.size()) << name;
     for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5 * ref[i]) << name << " step " << i + 1;
   }
@@ -149,9 +145,9 @@ TEST(MaskedLoss, MismatchedFilesAreOneLineErrors) {
                      "data.loss_on=assistant needs a token file prepared from messages records, but");
   expect_usage_error(run("train " + cfg.string() + " --data.loss_on=completion --data.path=" + tokens().string()),
                      "holds plain text");
-  expect_usage_error(run("train " + cfg.string() + " --data.loss_on=all --data.packing=false --data.path=" +
-                         tokens().string()),
-                     "data.packing=false needs records");
+  expect_usage_error(
+      run("train " + cfg.string() + " --data.loss_on=all --data.packing=false --data.path=" + tokens().string()),
+      "data.packing=false needs records");
   expect_usage_error(run("train " + cfg.string() + " --data.loss_on=everything"), "data.loss_on");
   expect_usage_error(run("train " + cfg.string() + " --data.path= --data.mixture=" + records_tokens().string() + "=-2"),
                      "the weight must be a finite number > 0, got '-2'");

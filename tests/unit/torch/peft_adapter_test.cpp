@@ -6,8 +6,7 @@
 // finetune.adapter_from starts a run from an adapter; a QLoRA run learns,
 // and on 2 ZeRO-3 ranks reading the Hub directory slice by slice, or in a
 // 2-stage pipeline, follows the 1-rank curve; LoRA under tensor and pipeline
-// parallelism trains the 1-rank adapters; bad input as one-line errors that write nothing. Master
-// ports 30630-30639 belong to this file.
+// parallelism trains the 1-rank adapters; bad input as one-line errors that write nothing.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -16,16 +15,16 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
+#include "scaletrain/hub/hf_gpt2.h"
+#include "scaletrain/hub/hub_load.h"
+#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/lora.h"
-#include "scaletrain/hub/hub_load.h"
-#include "scaletrain/hub/peft_adapter.h"
 
 namespace scaletrain::test {
 namespace {
@@ -37,19 +36,19 @@ nlohmann::json read_json(const fs::path& p) {
   return nlohmann::json::parse(in);
 }
 
-std::string launch(int nproc, int port, const fs::path& logs) {
-  return "launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-         std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " ";
+std::string launch(int nproc, const fs::path& logs) {
+  return "launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --log-dir " + logs.string() +
+         " -- " + SCALETRAIN_BIN + " ";
 }
 
 // `train` of the shared small config (cli_util.h) with `flags`, on `nproc`
 // launched ranks (1: no launcher); returns the per-step losses.
-std::vector<double> train(const std::string& name, const std::string& flags, int nproc = 1, int port = 0) {
+std::vector<double> train(const std::string& name, const std::string& flags, int nproc = 1) {
   const fs::path metrics = scratch() / (name + ".jsonl"), logs = scratch() / (name + "_logs");
   fs::remove(metrics);
   const fs::path cfg = small_train_config(name + ".yaml", 0);
   const std::string args = "train " + cfg.string() + " --metrics.path=" + metrics.string() + " " + flags;
-  const Run r = run(nproc == 1 ? args : launch(nproc, port, logs) + args);
+  const Run r = run(nproc == 1 ? args : launch(nproc, logs) + args);
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return metric_losses(metrics);
 }
@@ -61,8 +60,8 @@ fs::path base_dir() {
     fs::remove_all(root);
     fs::remove_all(out);
     train("base", kLlama + " --train.steps=2 --checkpoint.dir=" + root.string());
-    const Run r = run("checkpoint export " + checkpoint::newest_checkpoint(root.string()).value_or("") + " -o " +
-                      out.string());
+    const Run r =
+        run("checkpoint export " + checkpoint::newest_checkpoint(root.string()).value_or("") + " -o " + out.string());
     EXPECT_EQ(r.code, 0) << r.err;
     return out;
   }();
@@ -79,10 +78,12 @@ const Finetuned& finetuned() {
     Finetuned out;
     const fs::path root = scratch() / "lora_ckpt";
     fs::remove_all(root);
-    train("lora", kLlama + " --model.init_from=" + base_dir().string() +
-                      " --finetune.method=lora --finetune.r=4 --finetune.alpha=16 --finetune.target_modules=all-linear"
-                      " --train.steps=3 --parallel.strategy=zero3 --checkpoint.dir=" + root.string(),
-          2, 30630);
+    train("lora",
+          kLlama + " --model.init_from=" + base_dir().string() +
+              " --finetune.method=lora --finetune.r=4 --finetune.alpha=16 --finetune.target_modules=all-linear"
+              " --train.steps=3 --parallel.strategy=zero3 --checkpoint.dir=" +
+              root.string(),
+          2);
     out.ckpt = checkpoint::newest_checkpoint(root.string()).value_or("");
     out.adapter = scratch() / "lora_adapter";
     fs::remove_all(out.adapter);
@@ -135,8 +136,8 @@ fs::path ids_json(const at::Tensor& ids) {
 double python_loss(const std::string& script_args) {
   const fs::path res = scratch() / "peft_ref.json";
   fs::remove(res);
-  const std::string cmd = std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/" +
-                          script_args + " " + res.string();
+  const std::string cmd =
+      std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/" + script_args + " " + res.string();
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
   return read_json(res).at("loss").get<double>();
 }
@@ -161,7 +162,7 @@ TEST(PeftAdapter, CheckpointHoldsAdaptersOnlyAndExportsPeftLayout) {
     EXPECT_NE(key.find("lora_"), std::string::npos) << key << " is not an adapter tensor";
     adapters += key.rfind("model/", 0) == 0;
   }
-  EXPECT_EQ(adapters, 2 * 7 * 2);  // 2 blocks x 7 linear layers x (A, B)
+  EXPECT_EQ(adapters, 2 * 7 * 2);              // 2 blocks x 7 linear layers x (A, B)
   EXPECT_EQ(x.tensors.size(), 3u * adapters);  // parameters, exp_avg, exp_avg_sq
 
   const auto cfg = read_json(f.adapter / "adapter_config.json");
@@ -181,7 +182,8 @@ TEST(PeftAdapter, CheckpointHoldsAdaptersOnlyAndExportsPeftLayout) {
   EXPECT_EQ(b.shape, (std::vector<int64_t>{32, 4}));
   // B trained away from its zero start.
   checkpoint::HubWeights hw((f.adapter / "adapter_model.safetensors").string());
-  EXPECT_GT(hw.read("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight", at::kFloat).abs().max().item<double>(), 0);
+  EXPECT_GT(
+      hw.read("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight", at::kFloat).abs().max().item<double>(), 0);
 }
 
 // Merged = adapted, three ways: our adapted model, our merged directory, and
@@ -216,17 +218,17 @@ TEST(PeftAdapter, AdapterFromStartsWhereTheAdapterIs) {
   ASSERT_EQ(run("lora merge " + base_dir().string() + " " + f.adapter.string() + " -o " + merged.string()).code, 0);
   const std::string common = kLlama + " --train.steps=1 --parallel.strategy=zero3 --finetune.method=lora";
   // Naming the layers the adapter has (here all of them) is accepted.
-  const auto from = train("from_adapter", common + " --model.init_from=" + base_dir().string() +
-                                              " --finetune.target_modules=all-linear --finetune.adapter_from=" +
-                                              f.adapter.string(),
-                          2, 30631);
-  const auto fresh = train("fresh_on_merged", common + " --model.init_from=" + merged.string() +
-                                                  " --finetune.r=4 --finetune.target_modules=all-linear",
-                           2, 30632);
+  const auto from = train("from_adapter",
+                          common + " --model.init_from=" + base_dir().string() +
+                              " --finetune.target_modules=all-linear --finetune.adapter_from=" + f.adapter.string(),
+                          2);
+  const auto fresh = train(
+      "fresh_on_merged",
+      common + " --model.init_from=" + merged.string() + " --finetune.r=4 --finetune.target_modules=all-linear", 2);
   ASSERT_EQ(from.size(), 1u);
   ASSERT_EQ(fresh.size(), 1u);
   EXPECT_NEAR(from[0], fresh[0], 1e-5 * fresh[0]);
-  const auto plain = train("fresh_on_base", common + " --model.init_from=" + base_dir().string(), 2, 30633);
+  const auto plain = train("fresh_on_base", common + " --model.init_from=" + base_dir().string(), 2);
   ASSERT_EQ(plain.size(), 1u);
   EXPECT_GT(std::abs(plain[0] - from[0]), 1e-4) << "adapter_from changed nothing";
 }
@@ -255,11 +257,12 @@ TEST(PeftAdapter, ResumeFromAdaptersContinuesTheCurve) {
 // QLoRA learns; on 2 ZeRO-3 ranks that read the Hub directory slice by slice
 // and quantize layer by layer it follows the 1-rank curve.
 TEST(PeftAdapter, QloraLearnsAndTwoZero3RanksMatchOne) {
-  const std::string flags = kLlama + " --model.init_from=" + base_dir().string() +
-                            " --finetune.method=qlora --finetune.target_modules=all-linear --train.steps=6 --train.lr=1e-2";
+  const std::string flags =
+      kLlama + " --model.init_from=" + base_dir().string() +
+      " --finetune.method=qlora --finetune.target_modules=all-linear --train.steps=6 --train.lr=1e-2";
   const auto one = train("qlora_one", flags);
-  const auto two = train("qlora_two", flags + " --parallel.strategy=zero3", 2, 30634);
-  const auto pipe = train("qlora_pp", flags + " --parallel.pp=2", 2, 30637);  // each stage quantizes its blocks
+  const auto two = train("qlora_two", flags + " --parallel.strategy=zero3", 2);
+  const auto pipe = train("qlora_pp", flags + " --parallel.pp=2", 2);  // each stage quantizes its blocks
   ASSERT_EQ(one.size(), 6u);
   ASSERT_EQ(two.size(), 6u);
   ASSERT_EQ(pipe.size(), 6u);
@@ -269,8 +272,9 @@ TEST(PeftAdapter, QloraLearnsAndTwoZero3RanksMatchOne) {
     EXPECT_NEAR(pipe[i], one[i], 2e-5 * one[i]) << "pp=2 step " << i + 1;
   }
   // The quantized base is another model than the base.
-  const auto lora = train("lora_one", kLlama + " --model.init_from=" + base_dir().string() +
-                                          " --finetune.method=lora --finetune.target_modules=all-linear --train.steps=1");
+  const auto lora =
+      train("lora_one", kLlama + " --model.init_from=" + base_dir().string() +
+                            " --finetune.method=lora --finetune.target_modules=all-linear --train.steps=1");
   ASSERT_EQ(lora.size(), 1u);
   EXPECT_GT(std::abs(lora[0] - one[0]), 1e-5);
 }
@@ -285,19 +289,19 @@ TEST(PeftAdapter, TensorAndPipelineParallelTrainTheSameAdapters) {
                             " --finetune.target_modules=all-linear --train.steps=4 --train.lr=1e-2";
   struct Layout {
     std::string name, flags;
-    int nproc, port;
+    int nproc;
   };
   std::map<std::string, std::vector<double>> losses;
   std::map<std::string, fs::path> adapters;
-  for (const Layout& l : {Layout{"one", "", 1, 0}, Layout{"tp2", " --parallel.tp=2", 2, 30636},
-                          Layout{"tp2_sp", " --parallel.tp=2 --parallel.sequence_parallel=true", 2, 30638},
-                          Layout{"pp2", " --parallel.pp=2", 2, 30639}}) {
+  for (const Layout& l : {Layout{"one", "", 1}, Layout{"tp2", " --parallel.tp=2", 2},
+                          Layout{"tp2_sp", " --parallel.tp=2 --parallel.sequence_parallel=true", 2},
+                          Layout{"pp2", " --parallel.pp=2", 2}}) {
     const fs::path root = scratch() / ("lora_" + l.name + "_ckpt"), out = scratch() / ("lora_" + l.name + "_adapter");
     fs::remove_all(root);
     fs::remove_all(out);
-    losses[l.name] = train("lora_" + l.name, flags + l.flags + " --checkpoint.dir=" + root.string(), l.nproc, l.port);
+    losses[l.name] = train("lora_" + l.name, flags + l.flags + " --checkpoint.dir=" + root.string(), l.nproc);
     const auto r = run("checkpoint export " + checkpoint::newest_checkpoint(root.string()).value_or("") +
-                      " --adapter -o " + out.string());
+                       " --adapter -o " + out.string());
     ASSERT_EQ(r.code, 0) << l.name << ": " << r.err;
     adapters[l.name] = out / "adapter_model.safetensors";
   }
@@ -344,7 +348,8 @@ TEST(PeftAdapter, ReferenceAdaptersMergeAsTheReferenceMerges) {
                    theirs = scratch() / (tag + "_merged_ref");
     for (const auto& d : {adapter, ours, theirs}) fs::remove_all(d);
     ASSERT_EQ(std::system((py + "make " + c.base.string() + " " + adapter.string() + " " + c.make).c_str()), 0) << tag;
-    ASSERT_EQ(std::system((py + "merge " + c.base.string() + " " + adapter.string() + " " + theirs.string()).c_str()), 0);
+    ASSERT_EQ(std::system((py + "merge " + c.base.string() + " " + adapter.string() + " " + theirs.string()).c_str()),
+              0);
     const auto r = run("lora merge " + c.base.string() + " " + adapter.string() + " -o " + ours.string());
     ASSERT_EQ(r.code, 0) << r.err;
     // Tensor by tensor: the same merged weights (both sum in fp64, store fp32).
@@ -411,9 +416,9 @@ TEST(PeftAdapter, BadInputIsOneLineAndWritesNothing) {
   expect_usage_error(run("train " + small_train_config("bad_t.yaml", 0).string() + kLlama +
                          " --finetune.method=qlora --finetune.target_modules=qproj"),
                      "'qproj' names no linear layer");
-  expect_usage_error(run("train " + small_train_config("bad_r0.yaml", 0).string() + kLlama +
-                         " --finetune.method=lora --finetune.r=0"),
-                     "finetune.r must be at least 1");
+  expect_usage_error(
+      run("train " + small_train_config("bad_r0.yaml", 0).string() + kLlama + " --finetune.method=lora --finetune.r=0"),
+      "finetune.r must be at least 1");
   // NF4 blocks do not split over tensor-parallel ranks.
   expect_usage_error(run("train " + small_train_config("bad_qlora_tp.yaml", 0).string() + kLlama +
                          " --finetune.method=qlora --parallel.tp=2"),
@@ -423,7 +428,7 @@ TEST(PeftAdapter, BadInputIsOneLineAndWritesNothing) {
 // examples/lora.yaml as its header runs it, cut short (tests/examples/lora_example.sh).
 TEST(Examples, LoraYamlFinetunesExportsAndMerges) {
   const std::string cmd = std::string("bash ") + SCALETRAIN_SOURCE_DIR + "/tests/examples/lora_example.sh " +
-                          SCALETRAIN_BIN + " " + (scratch() / "example_lora").string() + " 30635 >" +
+                          SCALETRAIN_BIN + " " + (scratch() / "example_lora").string() + " >" +
                           (scratch() / "example_lora.log").string() + " 2>&1";
   const int status = std::system(cmd.c_str());
   std::ifstream in(scratch() / "example_lora.log");

@@ -43,7 +43,7 @@ int64_t total_numel() {
   for (int64_t x : parameter_numels()) t += x;
   return t;
 }
-constexpr int64_t kBlockNumel = 12704;           // one block's parameters
+constexpr int64_t kBlockNumel = 12704;                   // one block's parameters
 constexpr int64_t kRootNumel = 256 * 32 + 32 * 32 + 64;  // embeddings and the final norm
 
 json read_json(const fs::path& p) {
@@ -54,16 +54,16 @@ json read_json(const fs::path& p) {
 
 // Runs the small config on `nproc` ranks with `flags`, tracing steps 2-3 into
 // `name`_trace; returns the metrics path.
-fs::path traced_run(const std::string& name, int nproc, const std::string& flags, int port) {
+fs::path traced_run(const std::string& name, int nproc, const std::string& flags) {
   const fs::path metrics = scratch() / (name + ".jsonl"), dir = scratch() / (name + "_trace"),
                  logs = scratch() / (name + "_logs");
   fs::remove(metrics);
   fs::remove_all(dir);
   fs::remove_all(logs);
-  const Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-                    std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " train " +
-                    small_train_config("trace.yaml", 0).string() + " " + flags + " --metrics.path=" +
-                    metrics.string() + " --metrics.trace_steps=2,3 --metrics.trace_dir=" + dir.string());
+  const Run r =
+      run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --log-dir " + logs.string() +
+          " -- " + SCALETRAIN_BIN + " train " + small_train_config("trace.yaml", 0).string() + " " + flags +
+          " --metrics.path=" + metrics.string() + " --metrics.trace_steps=2,3 --metrics.trace_dir=" + dir.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return metrics;
 }
@@ -80,7 +80,8 @@ std::vector<json> check_chrome_trace(const json& t, const std::vector<int>& rank
     const std::string ph = e["ph"];
     if (ph == "M") {
       if (e["name"] == "process_name") named_processes.insert(e["pid"].get<int>());
-      if (e["name"] == "thread_name") threads[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"]["name"].get<std::string>();
+      if (e["name"] == "thread_name")
+        threads[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"]["name"].get<std::string>();
       continue;
     }
     EXPECT_EQ(ph, "X") << e;
@@ -100,8 +101,8 @@ std::vector<json> check_chrome_trace(const json& t, const std::vector<int>& rank
       last = ts;
       while (!open.empty() && ts >= open.back() - 1e-6) open.pop_back();
       if (!open.empty())
-        EXPECT_LE(ts + dur, open.back() + 1e-3) << "a span on rank " << key.first << " thread " << key.second
-                                                << " overlaps its parent's end";
+        EXPECT_LE(ts + dur, open.back() + 1e-3)
+            << "a span on rank " << key.first << " thread " << key.second << " overlaps its parent's end";
       open.push_back(ts + dur);
     }
   }
@@ -157,8 +158,7 @@ TEST(Tracing, DdpTraceHoldsEveryRankAndOneAllReducePerBucket) {
   const fs::path metrics =
       traced_run("ddp", 2,
                  "--parallel.strategy=ddp --parallel.bucket_cap_mb=0.0001 --parallel.first_bucket_mb=0.0001 "
-                 "--parallel.last_bucket_mb=0.0001",
-                 30850);
+                 "--parallel.last_bucket_mb=0.0001");
   const fs::path dir = scratch() / "ddp_trace";
   const json merged = read_json(dir / "trace.json");
   const std::vector<json> spans = check_chrome_trace(merged, {0, 1});
@@ -173,7 +173,8 @@ TEST(Tracing, DdpTraceHoldsEveryRankAndOneAllReducePerBucket) {
     for (int64_t n : parameter_numels()) expected.insert(4 * n);
   for (int rank = 0; rank < 2; ++rank) {
     // Each rank's own file holds that rank's events only.
-    const std::vector<json> own = check_chrome_trace(read_json(dir / ("rank" + std::to_string(rank) + ".json")), {rank});
+    const std::vector<json> own =
+        check_chrome_trace(read_json(dir / ("rank" + std::to_string(rank) + ".json")), {rank});
     EXPECT_EQ(own.size(), of_rank(spans, rank, "").size()) << rank;
     for (const char* name : {"step 2", "step 3", "forward micro-batch 0", "forward micro-batch 1",
                              "backward micro-batch 1", "forward block 0", "forward block 1", "backward block 0",
@@ -193,7 +194,8 @@ TEST(Tracing, DdpTraceHoldsEveryRankAndOneAllReducePerBucket) {
   for (int rank = 0; rank < 2; ++rank) {
     const json row = summary_row(rec, rank, "all_reduce");
     const int64_t per_step_small =
-        static_cast<int64_t>(of_rank(spans, rank, "comm").size() - comm_bytes(spans, rank, "all_reduce", 64).size()) / 2;
+        static_cast<int64_t>(of_rank(spans, rank, "comm").size() - comm_bytes(spans, rank, "all_reduce", 64).size()) /
+        2;
     EXPECT_EQ(row["count"].get<int64_t>(), 6 * (static_cast<int64_t>(parameter_numels().size()) + per_step_small));
     EXPECT_GE(row["bytes"].get<int64_t>(), 6 * 4 * total_numel());
     EXPECT_LE(row["bytes"].get<int64_t>(), 6 * 4 * total_numel() + 6 * per_step_small * 8);
@@ -229,7 +231,7 @@ TEST(Tracing, DdpTraceHoldsEveryRankAndOneAllReducePerBucket) {
 // root and both block units in forward and the two blocks again before their
 // backward, and reduce-scatters all three units (no no_sync under ZeRO-3).
 TEST(Tracing, ZeroThreeGathersAndReduceScattersEveryUnit) {
-  const fs::path metrics = traced_run("zero3", 2, "--parallel.strategy=zero3", 30851);
+  const fs::path metrics = traced_run("zero3", 2, "--parallel.strategy=zero3");
   const std::vector<json> spans = check_chrome_trace(read_json(scratch() / "zero3_trace" / "trace.json"), {0, 1});
   std::multiset<int64_t> gathers, reduces;
   for (int micro = 0; micro < 2 * 2; ++micro) {  // 2 steps x 2 micro-batches
@@ -256,12 +258,10 @@ TEST(Tracing, ZeroThreeGathersAndReduceScattersEveryUnit) {
 // micro-batch's activations [2, 32, 32] and receives their gradients, stage 1
 // the reverse; the summary has the measured bubble beside (p-1)/(m+p-1) = 0.2.
 TEST(Tracing, PipelineSendsPerMicroBatchAndReportsItsBubble) {
-  const fs::path metrics =
-      traced_run("pp", 2, "--parallel.pp=2 --parallel.microbatches=4 --parallel.schedule=1f1b", 30852);
+  const fs::path metrics = traced_run("pp", 2, "--parallel.pp=2 --parallel.microbatches=4 --parallel.schedule=1f1b");
   const std::vector<json> spans = check_chrome_trace(read_json(scratch() / "pp_trace" / "trace.json"), {0, 1});
   const int64_t act = 2 * 32 * 32 * 4;
-  const std::multiset<int64_t> eight(
-      {act, act, act, act, act, act, act, act});  // 2 steps x 4 micro-batches
+  const std::multiset<int64_t> eight({act, act, act, act, act, act, act, act});  // 2 steps x 4 micro-batches
   for (int rank = 0; rank < 2; ++rank) {
     std::multiset<int64_t> sends, recvs;
     for (int64_t b : comm_bytes(spans, rank, "send"))

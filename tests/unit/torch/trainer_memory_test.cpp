@@ -1,5 +1,5 @@
 // The trainer with activation checkpointing and its memory report, through
-// the real CLI on launched ranks (master ports 29960-29969): checkpointed runs
+// the real CLI on launched ranks: checkpointed runs
 // follow the plain runs' loss curves under the sharded strategies, DDP and a
 // pipeline, and every run logs the estimator's prediction next to what it
 // measured.
@@ -21,14 +21,11 @@ struct Trained {
   std::vector<nlohmann::json> memory;
 };
 
-// Ports 29960-29969 (the tests above) and 29740-29761 (out of sample).
-Trained train(int nproc, const std::string& name, const std::string& flags, int port) {
-  EXPECT_TRUE((port >= 29960 && port <= 29969) || (port >= 29740 && port <= 29761)) << port;
+Trained train(int nproc, const std::string& name, const std::string& flags) {
   const fs::path metrics = scratch() / (name + ".jsonl");
   fs::remove(metrics);
-  Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-              std::to_string(port) + " -- " + SCALETRAIN_BIN + " train " + config().string() + " " + flags +
-              " --metrics.path=" + metrics.string());
+  Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 -- " + SCALETRAIN_BIN +
+              " train " + config().string() + " " + flags + " --metrics.path=" + metrics.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   return {metric_losses(metrics), memory_records(metrics)};
 }
@@ -42,23 +39,23 @@ void expect_same_curve(const std::vector<double>& got, const std::vector<double>
 }
 
 TEST(TrainerCheckpointing, FollowsTheUncheckpointedCurve) {
-  const auto ref = train(2, "zero3_plain", "--parallel.strategy=zero3", 29960).losses;
+  const auto ref = train(2, "zero3_plain", "--parallel.strategy=zero3").losses;
   ASSERT_EQ(ref.size(), 6u);
   EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
   const std::string full = " --model.activation_checkpointing=full";
-  expect_same_curve(train(2, "zero3_ckpt", "--parallel.strategy=zero3" + full, 29961).losses, ref, "zero3");
-  expect_same_curve(train(2, "full_shard_ckpt", "--parallel.strategy=fsdp" + full, 29962).losses, ref, "FULL_SHARD");
-  expect_same_curve(train(2, "zero2_ckpt", "--parallel.strategy=zero2" + full, 29963).losses, ref, "zero2");
-  expect_same_curve(train(2, "ddp_ckpt", "--parallel.strategy=ddp" + full, 29964).losses, ref, "ddp");
+  expect_same_curve(train(2, "zero3_ckpt", "--parallel.strategy=zero3" + full).losses, ref, "zero3");
+  expect_same_curve(train(2, "full_shard_ckpt", "--parallel.strategy=fsdp" + full).losses, ref, "FULL_SHARD");
+  expect_same_curve(train(2, "zero2_ckpt", "--parallel.strategy=zero2" + full).losses, ref, "zero2");
+  expect_same_curve(train(2, "ddp_ckpt", "--parallel.strategy=ddp" + full).losses, ref, "ddp");
   // Pipeline chunks run their blocks through the same checkpointed bodies.
-  expect_same_curve(train(2, "pp2_ckpt", "--parallel.pp=2" + full, 29969).losses, ref, "pp2 1f1b");
+  expect_same_curve(train(2, "pp2_ckpt", "--parallel.pp=2" + full).losses, ref, "pp2 1f1b");
 }
 
 // With dropout the recomputation must draw the forward's masks again.
 TEST(TrainerCheckpointing, DropoutFollowsTheUncheckpointedCurve) {
   const std::string flags = "--parallel.strategy=fsdp --model.dropout=0.1 --model.attention=naive";
-  const auto ref = train(2, "dropout_plain", flags, 29965).losses;
-  expect_same_curve(train(2, "dropout_ckpt", flags + " --model.activation_checkpointing=full", 29966).losses, ref,
+  const auto ref = train(2, "dropout_plain", flags).losses;
+  expect_same_curve(train(2, "dropout_ckpt", flags + " --model.activation_checkpointing=full").losses, ref,
                     "FULL_SHARD, dropout 0.1");
 }
 
@@ -69,9 +66,8 @@ double mib(const nlohmann::json& rec, const char* part, const char* key) { retur
 // activations; measured model states are what the ZeRO-3 formula says; the
 // predicted peak is within 10% of the measured one.
 TEST(TrainerMemory, LogsPredictionNextToMeasurement) {
-  const auto plain = train(2, "mem_plain", "--parallel.strategy=zero3", 29967).memory;
-  const auto ckpt =
-      train(2, "mem_ckpt", "--parallel.strategy=zero3 --model.activation_checkpointing=full", 29968).memory;
+  const auto plain = train(2, "mem_plain", "--parallel.strategy=zero3").memory;
+  const auto ckpt = train(2, "mem_ckpt", "--parallel.strategy=zero3 --model.activation_checkpointing=full").memory;
   ASSERT_EQ(plain.size(), 2u);
   ASSERT_EQ(ckpt.size(), 2u);
   for (const auto* recs : {&plain, &ckpt}) {
@@ -111,11 +107,10 @@ struct OutOfSample {
 
 // Trains each case on `shape` (master ports from `port` on), prints and
 // checks its predicted peak; returns each run's end-of-run memory record.
-std::vector<nlohmann::json> expect_predictions(const std::vector<OutOfSample>& cases, const std::string& shape,
-                                               int port) {
+std::vector<nlohmann::json> expect_predictions(const std::vector<OutOfSample>& cases, const std::string& shape) {
   std::vector<nlohmann::json> ends;
   for (const auto& c : cases) {
-    const auto mem = train(c.nproc, c.name, c.flags + shape, port++).memory;
+    const auto mem = train(c.nproc, c.name, c.flags + shape).memory;
     EXPECT_EQ(mem.size(), 2u) << c.name << ": no memory record (the estimator could not describe the layout?)";
     if (mem.size() != 2u) continue;
     const auto& end = mem[1];
@@ -192,7 +187,7 @@ TEST(TrainerMemoryOutOfSample, PredictionWithinTenPercentOfMeasuredPeak) {
       {"oos_llama_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --model.preset=llama-tiny --model.n_kv_head=2",
        0.15},
   };
-  const auto ends = expect_predictions(cases, shape, 29740);
+  const auto ends = expect_predictions(cases, shape);
   expect_exact_states(ends, cases, [](const std::string& name) { return name.rfind("oos_fp8_o", 0) == 0; });
 }
 
@@ -228,7 +223,7 @@ TEST(TrainerMemoryOutOfSample, FinetuneRunsWithinTenPercentOfMeasuredPeak) {
       // adapters' sum was counted).
       {"oos_lora_tp2", 2, "--parallel.strategy=ddp --parallel.tp=2 --finetune.method=lora", 0.15},
   };
-  const auto ends = expect_predictions(cases, shape, 29754);
+  const auto ends = expect_predictions(cases, shape);
   // Model states exactly: the adapters' parameters, gradients and AdamW
   // states, and the frozen base (NF4 bytes for QLoRA), per rank.
   expect_exact_states(ends, cases);
@@ -250,7 +245,7 @@ TEST(TrainerMemoryOutOfSample, MoeRunsWithinTenPercentOfMeasuredPeak) {
       // not found); held to 25% until it is.
       {"oos_moe_ep2", 2, "--parallel.strategy=ddp --parallel.ep=2", 0.25},
   };
-  const auto ends = expect_predictions(cases, shape, 29759);
+  const auto ends = expect_predictions(cases, shape);
   expect_exact_states(ends, cases);
   ASSERT_EQ(ends.size(), cases.size());
   EXPECT_LT(mib(ends[1], "measured_mib", "states"), 0.75 * mib(ends[0], "measured_mib", "states"))
@@ -261,7 +256,7 @@ TEST(TrainerMemoryOutOfSample, MoeRunsWithinTenPercentOfMeasuredPeak) {
   const std::vector<OutOfSample> sharded{
       {"oos_moe_zero3_ep2", 4, "--parallel.strategy=zero3 --parallel.ep=2", 0.25},
   };
-  const auto sharded_ends = expect_predictions(sharded, shape + " --train.micro_batch=2", 29761);
+  const auto sharded_ends = expect_predictions(sharded, shape + " --train.micro_batch=2");
   expect_exact_states(sharded_ends, sharded);
 }
 

@@ -28,14 +28,13 @@ std::string sample_line(const fs::path& log_dir) {
 }
 
 // `sample`: if given, the text sampled at the end ("" when none was printed).
-std::vector<double> train(int nproc, const std::string& name, const std::string& flags, int port,
-                          std::string* sample = nullptr) {
+std::vector<double> train(int nproc, const std::string& name, const std::string& flags, std::string* sample = nullptr) {
   const fs::path metrics = scratch() / (name + ".jsonl"), logs = scratch() / (name + "_logs");
   fs::remove(metrics);
   fs::remove_all(logs);
-  Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --master-port " +
-              std::to_string(port) + " --log-dir " + logs.string() + " -- " + SCALETRAIN_BIN + " train " +
-              strategy_config().string() + " " + flags + " --metrics.path=" + metrics.string());
+  Run r = run("launch --nproc-per-node " + std::to_string(nproc) + " --threads 1 --timeout 120 --log-dir " +
+              logs.string() + " -- " + SCALETRAIN_BIN + " train " + strategy_config().string() + " " + flags +
+              " --metrics.path=" + metrics.string());
   EXPECT_EQ(r.code, 0) << name << ": " << r.err;
   if (sample) *sample = sample_line(logs);
   return metric_losses(metrics);
@@ -53,8 +52,7 @@ void expect_same_curve(const std::vector<double>& got, const std::vector<double>
 }
 
 TEST(TrainerStrategies, EveryStrategyFollowsTheDdpLossCurve) {
-  int port = 29860;
-  const auto ref = train(2, "ddp", "--parallel.strategy=ddp", port++);
+  const auto ref = train(2, "ddp", "--parallel.strategy=ddp");
   ASSERT_EQ(ref.size(), 6u);
   EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
   const std::vector<std::pair<std::string, std::string>> runs{
@@ -71,27 +69,24 @@ TEST(TrainerStrategies, EveryStrategyFollowsTheDdpLossCurve) {
       {"shard_grad_op", "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
       {"no_shard", "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=NO_SHARD"},
   };
-  for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags, port++), ref, name);
-  EXPECT_EQ(port, 29869) << "ports 29860-29869 belong to this test";
+  for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags), ref, name);
 }
 
 TEST(TrainerStrategies, HybridShardOnTwoSimulatedNodes) {
-  const auto ref = train(4, "ddp4", "--parallel.strategy=ddp", 29870);
+  const auto ref = train(4, "ddp4", "--parallel.strategy=ddp");
   const auto got = train(4, "hybrid",
                          "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=HYBRID_SHARD "
-                         "--parallel.dp_replicate=2",
-                         29871);
+                         "--parallel.dp_replicate=2");
   expect_same_curve(got, ref, "HYBRID_SHARD 2x2");
 }
 
 // Tensor parallelism keeps the data-parallel size's sample order: TP=2 on 2
 // ranks (dp 1) and DP2 x TP2 on 4 ranks follow DDP's curve on 2 ranks.
 TEST(TrainerStrategies, TensorParallelFollowsTheDdpLossCurve) {
-  const auto ref = train(2, "ddp_for_tp", "--parallel.strategy=ddp", 29875);
-  expect_same_curve(train(2, "tp2", "--parallel.tp=2 --train.sample_tokens=0", 29876), ref, "tp2");
-  expect_same_curve(
-      train(4, "dp2tp2", "--parallel.tp=2 --parallel.sequence_parallel=true --train.sample_tokens=0", 29877), ref,
-      "dp2 x tp2 (sequence parallel)");
+  const auto ref = train(2, "ddp_for_tp", "--parallel.strategy=ddp");
+  expect_same_curve(train(2, "tp2", "--parallel.tp=2 --train.sample_tokens=0"), ref, "tp2");
+  expect_same_curve(train(4, "dp2tp2", "--parallel.tp=2 --parallel.sequence_parallel=true --train.sample_tokens=0"),
+                    ref, "dp2 x tp2 (sequence parallel)");
 }
 
 // ZeRO/FSDP composed with tensor parallelism on DP2 x TP2 follow DDP's curve
@@ -99,7 +94,7 @@ TEST(TrainerStrategies, TensorParallelFollowsTheDdpLossCurve) {
 // config samples 8 tokens): the same text as DDP's model.
 TEST(TrainerStrategies, ShardedTensorParallelFollowsTheDdpLossCurve) {
   std::string ref_sample;
-  const auto ref = train(2, "ddp_for_tp_zero", "--parallel.strategy=ddp", 29980, &ref_sample);
+  const auto ref = train(2, "ddp_for_tp_zero", "--parallel.strategy=ddp", &ref_sample);
   ASSERT_FALSE(ref_sample.empty());
   const std::vector<std::pair<std::string, std::string>> runs{
       {"zero3_tp2", "--parallel.strategy=zero3 --parallel.tp=2"},
@@ -107,10 +102,9 @@ TEST(TrainerStrategies, ShardedTensorParallelFollowsTheDdpLossCurve) {
       {"zero2_tp2_sp", "--parallel.strategy=zero2 --parallel.tp=2 --parallel.sequence_parallel=true"},
       {"full_shard_tp2_sp", "--parallel.strategy=fsdp --parallel.tp=2 --parallel.sequence_parallel=true"},
   };
-  int port = 29981;
   for (auto& [name, flags] : runs) {
     std::string sample;
-    expect_same_curve(train(4, name, flags, port++, &sample), ref, name);
+    expect_same_curve(train(4, name, flags, &sample), ref, name);
     EXPECT_EQ(sample, ref_sample) << name;
   }
 }
@@ -118,20 +112,18 @@ TEST(TrainerStrategies, ShardedTensorParallelFollowsTheDdpLossCurve) {
 // A checkpoint saved by DP2 x TP2 zero3 resumes under DDP on 2 ranks, and
 // DDP's resumes under DP2 x TP2 (sequence parallel): both continue DDP's curve.
 TEST(TrainerStrategies, TensorParallelCheckpointsResumeUnderAnyLayout) {
-  const auto ref = train(2, "ddp_whole", "--parallel.strategy=ddp", 29985);
+  const auto ref = train(2, "ddp_whole", "--parallel.strategy=ddp");
   const fs::path tp_dir = scratch() / "tp_ckpt", ddp_dir = scratch() / "ddp_ckpt";
   fs::remove_all(tp_dir);
   fs::remove_all(ddp_dir);
   const std::string stop = " --train.stop_at=3 --train.sample_tokens=0 --checkpoint.dir=";
-  ASSERT_EQ(train(4, "tp_first", "--parallel.strategy=zero3 --parallel.tp=2" + stop + tp_dir.string(), 29986).size(),
-            3u);
-  const auto ddp_second = train(2, "ddp_second", "--parallel.strategy=ddp --checkpoint.dir=" + tp_dir.string(), 29987);
-  ASSERT_EQ(train(2, "ddp_first", "--parallel.strategy=ddp" + stop + ddp_dir.string(), 29988).size(), 3u);
+  ASSERT_EQ(train(4, "tp_first", "--parallel.strategy=zero3 --parallel.tp=2" + stop + tp_dir.string()).size(), 3u);
+  const auto ddp_second = train(2, "ddp_second", "--parallel.strategy=ddp --checkpoint.dir=" + tp_dir.string());
+  ASSERT_EQ(train(2, "ddp_first", "--parallel.strategy=ddp" + stop + ddp_dir.string()).size(), 3u);
   const auto tp_second = train(4, "tp_second",
                                "--parallel.strategy=ddp --parallel.tp=2 --parallel.sequence_parallel=true "
                                "--checkpoint.dir=" +
-                                   ddp_dir.string(),
-                               29989);
+                                   ddp_dir.string());
   ASSERT_EQ(ddp_second.size(), 3u);
   ASSERT_EQ(tp_second.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -169,15 +161,14 @@ TEST(TrainerStrategies, Bf16TrainingTracksFp32) {
       "--model.block_size=32 --train.steps=200 --train.global_batch=8 --train.micro_batch=4 "
       "--train.lr=3e-3 --train.warmup_steps=10 --train.sample_tokens=0 --data.path=" +
       wordy_tokens().string() + " --model.n_layer=4 --model.n_embd=128 --model.n_head=4";
-  const auto fp32 = train(2, "fp32", common, 29872);
+  const auto fp32 = train(2, "fp32", common);
   ASSERT_EQ(fp32.size(), 200u);
   EXPECT_LT(fp32.back(), 0.8 * fp32.front()) << "did not learn";
-  const auto bf16 = train(2, "bf16", common + " --precision.mode=bf16", 29873);
+  const auto bf16 = train(2, "bf16", common + " --precision.mode=bf16");
   const auto bf16w = train(2, "bf16w",
                            common +
                                " --parallel.strategy=zero2 --precision.mode=bf16 "
-                               "--precision.param_dtype=bf16 --precision.reduce_dtype=fp32",
-                           29874);
+                               "--precision.param_dtype=bf16 --precision.reduce_dtype=fp32");
   ASSERT_EQ(bf16.size(), 200u);
   ASSERT_EQ(bf16w.size(), 200u);
   // Average the last 10 steps: single-batch losses are noisy at this size.
@@ -196,13 +187,13 @@ TEST(TrainerStrategies, Bf16TrainingTracksFp32) {
 // FP8 linears with delayed scaling (Note [FP8 linears]): the scales are
 // agreed over dp and tp once a step, so every layout of the same global
 // batch casts with the scales a single process uses and follows its curve.
-// Ports 30700-30709.
+//
 TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
   const std::string fp8 = "--precision.fp8=true --train.sample_tokens=0 --model.n_layer=4";
-  const auto ref = train(1, "fp8_one", fp8, 30700);
+  const auto ref = train(1, "fp8_one", fp8);
   ASSERT_EQ(ref.size(), 6u);
   EXPECT_LT(ref.back(), ref.front()) << "the FP8 run did not learn";
-  const auto fp32 = train(1, "fp32_one", "--train.sample_tokens=0 --model.n_layer=4", 30701);
+  const auto fp32 = train(1, "fp32_one", "--train.sample_tokens=0 --model.n_layer=4");
   ASSERT_EQ(fp32.size(), 6u);
   // FP8 moves this curve by ~1e-4 relative (measured: 1.7e-4 at most): far
   // more than the tolerances below, so a layout that skipped the casts fails.
@@ -216,9 +207,7 @@ TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
       {2, "fp8_zero3", "--parallel.strategy=zero3", 1e-5},
       {2, "fp8_pp2", "--parallel.pp=2", 1e-5},
   };
-  int port = 30702;
-  for (auto& [n, name, flags, tol] : runs)
-    expect_same_curve(train(n, name, fp8 + " " + flags, port++), ref, name, tol);
+  for (auto& [n, name, flags, tol] : runs) expect_same_curve(train(n, name, fp8 + " " + flags), ref, name, tol);
   // Tensor parallelism also sums row-parallel products in another order, and
   // a last-bit change that moves a weight across an E4M3 rounding boundary
   // moves it by a whole step (1/16 of its value). When that first happens
@@ -228,9 +217,8 @@ TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
   // not agreed over tp moves the curve by ~1e-4 from step 2). The kernels
   // under tp are checked in fp32 (TensorParallelFollowsTheDdpLossCurve).
   const std::string aten = fp8 + " --model.fused=false";
-  const auto ref_aten = train(1, "fp8_one_aten", aten, port++);
-  expect_same_curve(train(2, "fp8_tp2", aten + " --parallel.tp=2", port++), ref_aten, "fp8_tp2", 3e-5);
-  EXPECT_LE(port, 30709);
+  const auto ref_aten = train(1, "fp8_one_aten", aten);
+  expect_same_curve(train(2, "fp8_tp2", aten + " --parallel.tp=2"), ref_aten, "fp8_tp2", 3e-5);
 }
 
 // MS-AMP's levels on 2 ranks follow the same level on 1 rank. Not to the
@@ -243,10 +231,9 @@ TEST(TrainerStrategies, Fp8FollowsTheSingleProcessCurveUnderEveryLayout) {
 // it runs under ZeRO-3, FSDP and ZeRO-3 with tp=2 instead of DDP; tp=2 on 2
 // ranks has no data parallelism, so nothing is cast for the wire: measured
 // 7.2e-5, and 4.5e-4 when the tensor-parallel ranks do not agree the scales
-// of the weights they split. Ports 30724-30735.
+// of the weights they split.
 TEST(TrainerStrategies, Fp8LevelsOnTwoRanksFollowOneRank) {
   const std::string fp8 = "--precision.fp8=true --train.sample_tokens=0 --model.n_layer=4 --precision.fp8_opt_level=";
-  int port = 30724;
   auto gap = [](const std::vector<double>& a, const std::vector<double>& b) {
     double g = 0;
     for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) g = std::max(g, std::abs(a[i] - b[i]) / b[i]);
@@ -254,17 +241,17 @@ TEST(TrainerStrategies, Fp8LevelsOnTwoRanksFollowOneRank) {
   };
   std::map<std::string, std::vector<double>> one;
   for (const std::string level : {"O1", "O2", "O3"}) {
-    one[level] = train(1, "one_" + level, fp8 + level + " --parallel.strategy=zero3", port++);
+    one[level] = train(1, "one_" + level, fp8 + level + " --parallel.strategy=zero3");
     ASSERT_EQ(one[level].size(), 6u);
     EXPECT_LT(one[level].back(), one[level].front()) << level << " did not learn";
-    std::vector<std::tuple<std::string, std::string, double>> layouts{
-        {"zero3", "--parallel.strategy=zero3", 1e-3}, {"fsdp", "--parallel.strategy=fsdp", 1e-3}};
+    std::vector<std::tuple<std::string, std::string, double>> layouts{{"zero3", "--parallel.strategy=zero3", 1e-3},
+                                                                      {"fsdp", "--parallel.strategy=fsdp", 1e-3}};
     if (level != "O3")
       layouts.emplace_back("ddp", "--parallel.strategy=ddp", 1e-3);
     else  // dp = 1: no gradient goes on the wire, only the split weights' scales must agree
       layouts.emplace_back("zero3_tp2", "--parallel.strategy=zero3 --parallel.tp=2", 2e-4);
     for (auto& [name, flags, tol] : layouts) {
-      const auto two = train(2, level + "_" + name, fp8 + level + " " + flags, port++);
+      const auto two = train(2, level + "_" + name, fp8 + level + " " + flags);
       ASSERT_EQ(two.size(), 6u) << level << " " << name;
       std::printf("[fp8 levels] %s %s on 2 ranks vs 1: %.3g\n", level.c_str(), name.c_str(), gap(two, one[level]));
       EXPECT_LT(gap(two, one[level]), tol) << level << " " << name;
@@ -272,24 +259,22 @@ TEST(TrainerStrategies, Fp8LevelsOnTwoRanksFollowOneRank) {
   }
   std::printf("[fp8 levels] O3 vs O2 on one rank: %.3g\n", gap(one["O3"], one["O2"]));
   EXPECT_GT(gap(one["O3"], one["O2"]), 1e-4) << "O3 computes what O2 does: no FP8 gather, no fp16 master";
-  EXPECT_LE(port, 30736);
 }
 
 // An O3 checkpoint holds fp16 master shards: ZeRO-3 stopped at step 3
 // resumes under FSDP and continues the uninterrupted curve (within what the
 // moments' new scales move, as in Fp8MomentsResumeUnderAnotherLayout).
-// Ports 30740-30742.
+//
 TEST(TrainerStrategies, Fp8O3ResumesUnderAnotherLayout) {
   const std::string o3 = " --precision.fp8=true --precision.fp8_opt_level=O3 --train.sample_tokens=0";
   const fs::path dir = scratch() / "o3_ckpt";
   fs::remove_all(dir);
-  const auto ref = train(2, "o3_whole", "--parallel.strategy=zero3" + o3, 30740);
+  const auto ref = train(2, "o3_whole", "--parallel.strategy=zero3" + o3);
   ASSERT_EQ(ref.size(), 6u);
-  ASSERT_EQ(train(2, "o3_first", "--parallel.strategy=zero3 --train.stop_at=3 --checkpoint.dir=" + dir.string() + o3,
-                  30741)
-                .size(),
-            3u);
-  const auto second = train(2, "o3_second", "--parallel.strategy=fsdp --checkpoint.dir=" + dir.string() + o3, 30742);
+  ASSERT_EQ(
+      train(2, "o3_first", "--parallel.strategy=zero3 --train.stop_at=3 --checkpoint.dir=" + dir.string() + o3).size(),
+      3u);
+  const auto second = train(2, "o3_second", "--parallel.strategy=fsdp --checkpoint.dir=" + dir.string() + o3);
   ASSERT_EQ(second.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(second[i], ref[i + 3], 2e-3 * ref[i + 3]) << "step " << i + 4;
 }
@@ -308,21 +293,21 @@ std::string resume_from(const fs::path& dir, const std::string& name) {
 // on dp 2 x ep 2 stopped at step 3 resumes on the same layout bit for bit,
 // and on 2 ranks with ep 2 (other experts per rank) and on one process (all
 // experts) within the invariant's 1e-5 of the uninterrupted curve.
-// Ports 30743-30747.
+//
 TEST(TrainerStrategies, MoeCheckpointsResumeUnderAnyExpertLayout) {
   const std::string moe = " --model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1";
   const fs::path dir = scratch() / "moe_ep_ckpt";
   fs::remove_all(dir);
-  const auto whole = train(4, "moe_ckpt_whole", "--parallel.ep=2" + moe, 30743);
+  const auto whole = train(4, "moe_ckpt_whole", "--parallel.ep=2" + moe);
   ASSERT_EQ(whole.size(), 6u);
-  ASSERT_EQ(train(4, "moe_ckpt_first", "--parallel.ep=2 --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe, 30744)
-                .size(),
-            3u);
+  ASSERT_EQ(
+      train(4, "moe_ckpt_first", "--parallel.ep=2 --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe).size(),
+      3u);
   // Each resume writes its own checkpoints: one copy of the step-3 directory each.
   auto from = [&](const std::string& name) { return resume_from(dir, name) + moe; };
-  const auto same = train(4, "moe_ckpt_same", "--parallel.ep=2" + from("moe_ckpt_same"), 30745);
-  const auto ep2 = train(2, "moe_ckpt_ep2", "--parallel.ep=2" + from("moe_ckpt_ep2"), 30746);
-  const auto one = train(1, "moe_ckpt_one", from("moe_ckpt_one"), 30747);
+  const auto same = train(4, "moe_ckpt_same", "--parallel.ep=2" + from("moe_ckpt_same"));
+  const auto ep2 = train(2, "moe_ckpt_ep2", "--parallel.ep=2" + from("moe_ckpt_ep2"));
+  const auto one = train(1, "moe_ckpt_one", from("moe_ckpt_one"));
   ASSERT_EQ(same.size(), 3u);
   ASSERT_EQ(ep2.size(), 3u);
   ASSERT_EQ(one.size(), 3u);
@@ -337,26 +322,24 @@ TEST(TrainerStrategies, MoeCheckpointsResumeUnderAnyExpertLayout) {
 // engine]): every rank saves the pieces it holds, experts named by their
 // global index. A dp 2 x ep 2 ZeRO-3 run stopped at step 3 resumes under DDP
 // with ep 2 on 2 ranks, under FSDP with ep 2 on 4 ranks and on one process,
-// each within the invariant's 1e-5 of the uninterrupted curve. Ports 30778-30782.
+// each within the invariant's 1e-5 of the uninterrupted curve.
 TEST(TrainerStrategies, MoeShardedCheckpointsResumeUnderAnyLayout) {
   const std::string moe = " --model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1";
   const std::string zero3 = "--parallel.strategy=zero3 --parallel.ep=2";
   const fs::path dir = scratch() / "moe_zero3_ckpt";
   fs::remove_all(dir);
-  const auto whole = train(4, "moe_zero3_ckpt_whole", zero3 + moe, 30778);
+  const auto whole = train(4, "moe_zero3_ckpt_whole", zero3 + moe);
   ASSERT_EQ(whole.size(), 6u);
   ASSERT_EQ(
-      train(4, "moe_zero3_ckpt_first", zero3 + " --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe, 30779).size(),
-      3u);
+      train(4, "moe_zero3_ckpt_first", zero3 + " --train.stop_at=3 --checkpoint.dir=" + dir.string() + moe).size(), 3u);
   auto from = [&](const std::string& name) { return resume_from(dir, name) + moe; };
   const std::vector<std::tuple<int, std::string, std::string>> resumes{
       {2, "moe_zero3_to_ddp_ep2", "--parallel.strategy=ddp --parallel.ep=2"},
       {4, "moe_zero3_to_fsdp_ep2", "--parallel.strategy=fsdp --parallel.ep=2"},
       {1, "moe_zero3_to_one", "--parallel.strategy=ddp"},
   };
-  int port = 30780;
   for (auto& [n, name, flags] : resumes) {
-    const auto got = train(n, name, flags + from(name), port++);
+    const auto got = train(n, name, flags + from(name));
     ASSERT_EQ(got.size(), 3u) << name;
     for (int i = 0; i < 3; ++i) EXPECT_NEAR(got[i], whole[i + 3], 1e-5 * whole[i + 3]) << name << ", step " << i + 4;
   }
@@ -379,13 +362,14 @@ nlohmann::json last_step(const std::string& name) {
 // ZeRO-3, a pipeline and recomputed blocks: routing, dropping and the
 // auxiliary losses are defined per sequence (Note [MoE routing]), so no
 // split of the batch changes them, and every layout routes the same slots.
-// Ports 30750-30759.
+//
 TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
   // A clip below the gradient norm makes the norm part of every update: Adam
   // alone would hide a gradient that is off by a constant factor.
-  const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
-                          "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05";
-  const auto ref = train(1, "moe_one", moe, 30750);
+  const std::string moe =
+      "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
+      "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05";
+  const auto ref = train(1, "moe_one", moe);
   ASSERT_EQ(ref.size(), 6u);
   EXPECT_LT(ref.back(), ref.front()) << "the MoE run did not learn";
   const nlohmann::json one = last_step("moe_one");
@@ -401,15 +385,13 @@ TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
       {2, "moe_pp2", "--parallel.pp=2"},
       {2, "moe_ep2_recompute", "--parallel.ep=2 --model.activation_checkpointing=full"},
   };
-  int port = 30751;
   for (auto& [n, name, flags] : runs) {
-    expect_same_curve(train(n, name, moe + " " + flags, port++), ref, name);
+    expect_same_curve(train(n, name, moe + " " + flags), ref, name);
     const nlohmann::json last = last_step(name);
     EXPECT_EQ(last.value("moe_tokens_per_expert", nlohmann::json()), one["moe_tokens_per_expert"]) << name;
     EXPECT_EQ(last.value("moe_dropped", -1), one["moe_dropped"].get<int64_t>()) << name;
     EXPECT_NEAR(last.value("moe_aux_loss", 0.0), one["moe_aux_loss"].get<double>(), 1e-5) << name;
   }
-  EXPECT_LE(port, 30759);
 }
 
 // Note [Experts in the sharded engine] (parallel/fsdp): under ZeRO-1/2/3 and
@@ -419,11 +401,12 @@ TEST(TrainerStrategies, MoeFollowsTheSingleProcessCurveUnderEveryLayout) {
 // sharded strategy follows the single-process curve of the MoE model the
 // layout test above uses; zero3 and FSDP with cpu_ram_efficient_loading draw
 // their deferred weights as the whole model does although each rank builds
-// only its own experts. Ports 30770-30777.
+// only its own experts.
 TEST(TrainerStrategies, MoeShardedEnginesFollowTheSingleProcessCurve) {
-  const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
-                          "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05 ";
-  const auto ref = train(1, "moe_sharded_one", moe, 30770);
+  const std::string moe =
+      "--model.preset=mixtral-tiny --train.sample_tokens=0 --model.capacity_factor=1 "
+      "--model.router_z_loss_coef=0.01 --train.grad_clip=0.05 ";
+  const auto ref = train(1, "moe_sharded_one", moe);
   ASSERT_EQ(ref.size(), 6u);
   const std::vector<std::tuple<int, std::string, std::string>> runs{
       {2, "moe_zero3_ep2", "--parallel.strategy=zero3"},
@@ -434,21 +417,18 @@ TEST(TrainerStrategies, MoeShardedEnginesFollowTheSingleProcessCurve) {
        "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true "
        "--parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
   };
-  int port = 30771;
-  for (auto& [n, name, flags] : runs)
-    expect_same_curve(train(n, name, moe + "--parallel.ep=2 " + flags, port++), ref, name);
-  EXPECT_LE(port, 30777);
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, moe + "--parallel.ep=2 " + flags), ref, name);
 }
 
 // Sampling under expert parallelism: the ranks of data-parallel rank 0's ep
 // group sample the same prompt together (their experts serve each other's
 // tokens), and the text equals what one process samples after the same
-// training. Ports 30748-30749.
+// training.
 TEST(TrainerStrategies, MoeSamplesUnderExpertParallelismAsOneProcessDoes) {
   const std::string moe = "--model.preset=mixtral-tiny --train.sample_tokens=24";
   std::string one, ep2;
-  ASSERT_EQ(train(1, "moe_sample_one", moe, 30748, &one).size(), 6u);
-  ASSERT_EQ(train(2, "moe_sample_ep2", moe + " --parallel.ep=2", 30749, &ep2).size(), 6u);
+  ASSERT_EQ(train(1, "moe_sample_one", moe, &one).size(), 6u);
+  ASSERT_EQ(train(2, "moe_sample_ep2", moe + " --parallel.ep=2", &ep2).size(), 6u);
   EXPECT_NE(one.find("sample: "), std::string::npos) << one;
   EXPECT_GT(one.size(), std::string("sample: ").size() + 10);
   EXPECT_EQ(ep2, one);
@@ -457,11 +437,12 @@ TEST(TrainerStrategies, MoeSamplesUnderExpertParallelismAsOneProcessDoes) {
 // The load-balancing loss does its job: 100 steps of a Mixtral model with
 // router_aux_loss_coef 0 and 0.5, the same data and initial weights; over the
 // last 20 steps the busiest expert's share of the slots (max / mean) and the
-// loss's own value are clearly lower with it. Ports 30760-30761.
+// loss's own value are clearly lower with it.
 TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
-  const std::string common = "--model.preset=mixtral-tiny --model.n_embd=64 --model.n_head=4 --train.steps=100 "
-                             "--train.global_batch=8 --train.micro_batch=8 --train.sample_tokens=0 --data.path=" +
-                             wordy_tokens().string() + " --model.router_aux_loss_coef=";
+  const std::string common =
+      "--model.preset=mixtral-tiny --model.n_embd=64 --model.n_head=4 --train.steps=100 "
+      "--train.global_batch=8 --train.micro_batch=8 --train.sample_tokens=0 --data.path=" +
+      wordy_tokens().string() + " --model.router_aux_loss_coef=";
   auto tail_stats = [](const std::string& name) {
     std::ifstream in(scratch() / (name + ".jsonl"));
     std::vector<nlohmann::json> steps;
@@ -481,13 +462,14 @@ TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
     const double n = static_cast<double>(steps.size() - from);
     return std::pair{imbalance / n, aux / n};
   };
-  ASSERT_EQ(train(1, "moe_lb_off", common + "0", 30760).size(), 100u);
-  ASSERT_EQ(train(1, "moe_lb_on", common + "0.5", 30761).size(), 100u);
+  ASSERT_EQ(train(1, "moe_lb_off", common + "0").size(), 100u);
+  ASSERT_EQ(train(1, "moe_lb_on", common + "0.5").size(), 100u);
   const auto [off_imbalance, off_aux] = tail_stats("moe_lb_off");
   const auto [on_imbalance, on_aux] = tail_stats("moe_lb_on");
-  std::printf("[moe load balance] busiest expert / mean over the last 20 steps: %.3f without the loss, %.3f with it; "
-              "aux loss %.4f and %.4f (1 = uniform)\n",
-              off_imbalance, on_imbalance, off_aux, on_aux);
+  std::printf(
+      "[moe load balance] busiest expert / mean over the last 20 steps: %.3f without the loss, %.3f with it; "
+      "aux loss %.4f and %.4f (1 = uniform)\n",
+      off_imbalance, on_imbalance, off_aux, on_aux);
   EXPECT_LT(on_imbalance, off_imbalance - 0.1);
   EXPECT_LT(on_aux, off_aux);
 }
@@ -496,7 +478,7 @@ TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
 // steps (200 took 150 s here and once ran past CI's 300 s): FP8 linears under bf16 autocast (what Accelerate's
 // mixed_precision fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16 Adam moments too (O2, under
 // ZeRO-2), and with FP8 weight gathers and fp16 master shards too (O3, under ZeRO-3), end within 3% of the bf16 run's
-// loss. Ports 30710-30713 and 30717.
+// loss.
 TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const fs::path txt = scratch() / "kjv_gen_ruth.txt", tok = scratch() / "kjv_gen_ruth.tok";
   ASSERT_EQ(std::system(("bible 'gen1:1-ruth4:22' > " + txt.string()).c_str()), 0);
@@ -505,13 +487,13 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
       "--model.block_size=64 --train.steps=100 --train.global_batch=8 --train.micro_batch=4 --train.lr=3e-3 "
       "--train.warmup_steps=10 --train.sample_tokens=0 --precision.mode=bf16 --data.path=" +
       tok.string() + " --model.n_layer=2 --model.n_embd=128 --model.n_head=4";
-  const auto bf16 = train(2, "kjv_bf16", common, 30710);
-  const auto fp8 = train(2, "kjv_fp8", common + " --precision.fp8=true", 30711);
-  const auto o1 = train(2, "kjv_fp8_o1", common + " --precision.fp8=true --precision.fp8_opt_level=O1", 30712);
-  const auto o2 = train(2, "kjv_fp8_o2",
-                        common + " --precision.fp8=true --precision.fp8_opt_level=O2 --parallel.strategy=zero2", 30713);
-  const auto o3 = train(2, "kjv_fp8_o3",
-                        common + " --precision.fp8=true --precision.fp8_opt_level=O3 --parallel.strategy=zero3", 30717);
+  const auto bf16 = train(2, "kjv_bf16", common);
+  const auto fp8 = train(2, "kjv_fp8", common + " --precision.fp8=true");
+  const auto o1 = train(2, "kjv_fp8_o1", common + " --precision.fp8=true --precision.fp8_opt_level=O1");
+  const auto o2 =
+      train(2, "kjv_fp8_o2", common + " --precision.fp8=true --precision.fp8_opt_level=O2 --parallel.strategy=zero2");
+  const auto o3 =
+      train(2, "kjv_fp8_o3", common + " --precision.fp8=true --precision.fp8_opt_level=O3 --parallel.strategy=zero3");
   ASSERT_EQ(bf16.size(), 100u);
   ASSERT_EQ(o3.size(), 100u);
   ASSERT_EQ(fp8.size(), 100u);
@@ -523,9 +505,10 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
     for (size_t i = v.size() - 20; i < v.size(); ++i) s += v[i];
     return s / 20;
   };
-  std::printf("[fp8] final loss bf16 %.4f, fp8 linears %.4f, O1 (and FP8 gradients on the wire) %.4f, "
-              "O2 (and FP8/fp16 Adam moments, zero2) %.4f, O3 (and FP8 weight gathers, fp16 masters, zero3) %.4f\n",
-              tail(bf16), tail(fp8), tail(o1), tail(o2), tail(o3));
+  std::printf(
+      "[fp8] final loss bf16 %.4f, fp8 linears %.4f, O1 (and FP8 gradients on the wire) %.4f, "
+      "O2 (and FP8/fp16 Adam moments, zero2) %.4f, O3 (and FP8 weight gathers, fp16 masters, zero3) %.4f\n",
+      tail(bf16), tail(fp8), tail(o1), tail(o2), tail(o3));
   EXPECT_NEAR(tail(o3), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NEAR(tail(fp8), tail(bf16), 0.03 * tail(bf16));
   EXPECT_NEAR(tail(o1), tail(bf16), 0.03 * tail(bf16));
@@ -537,19 +520,19 @@ TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
 // Note [FP8 scaling state]: a checkpoint keeps the delayed scaling state, so
 // an FP8 run stopped at step 3 and resumed on the same layout continues bit
 // for bit; stopped under a pipeline (each stage records only its layers) and
-// resumed under DDP, it continues within the invariant's 1e-5. Ports 30718-30722.
+// resumed under DDP, it continues within the invariant's 1e-5.
 TEST(TrainerStrategies, Fp8ScalingStateResumes) {
   const std::string fp8 = " --precision.fp8=true --train.sample_tokens=0 --model.n_layer=4";
   const fs::path same = scratch() / "fp8_same_ckpt", pp = scratch() / "fp8_pp_ckpt";
   fs::remove_all(same);
   fs::remove_all(pp);
-  const auto whole = train(2, "fp8_whole", "--parallel.strategy=ddp" + fp8, 30718);
+  const auto whole = train(2, "fp8_whole", "--parallel.strategy=ddp" + fp8);
   ASSERT_EQ(whole.size(), 6u);
   const std::string stop = " --train.stop_at=3 --checkpoint.dir=";
-  ASSERT_EQ(train(2, "fp8_first", "--parallel.strategy=ddp" + stop + same.string() + fp8, 30719).size(), 3u);
-  const auto second = train(2, "fp8_second", "--parallel.strategy=ddp --checkpoint.dir=" + same.string() + fp8, 30720);
-  ASSERT_EQ(train(2, "fp8_pp_first", "--parallel.pp=2" + stop + pp.string() + fp8, 30721).size(), 3u);
-  const auto from_pp = train(2, "fp8_from_pp", "--parallel.strategy=ddp --checkpoint.dir=" + pp.string() + fp8, 30722);
+  ASSERT_EQ(train(2, "fp8_first", "--parallel.strategy=ddp" + stop + same.string() + fp8).size(), 3u);
+  const auto second = train(2, "fp8_second", "--parallel.strategy=ddp --checkpoint.dir=" + same.string() + fp8);
+  ASSERT_EQ(train(2, "fp8_pp_first", "--parallel.pp=2" + stop + pp.string() + fp8).size(), 3u);
+  const auto from_pp = train(2, "fp8_from_pp", "--parallel.strategy=ddp --checkpoint.dir=" + pp.string() + fp8);
   ASSERT_EQ(second.size(), 3u);
   ASSERT_EQ(from_pp.size(), 3u);
   for (int i = 0; i < 3; ++i) {
@@ -562,18 +545,17 @@ TEST(TrainerStrategies, Fp8ScalingStateResumes) {
 // ZeRO-2 run stopped at step 3 resumes under DDP and continues the
 // uninterrupted curve, and a run that lost its moments would not. Not to
 // 1e-5: the moments are cast again at the new layout's scales (one per
-// parameter under DDP, one per flat shard under ZeRO-2). Ports 30714-30716.
+// parameter under DDP, one per flat shard under ZeRO-2).
 TEST(TrainerStrategies, Fp8MomentsResumeUnderAnotherLayout) {
   const std::string o2 = " --precision.fp8=true --precision.fp8_opt_level=O2 --train.sample_tokens=0";
   const fs::path dir = scratch() / "o2_ckpt";
   fs::remove_all(dir);
-  const auto ref = train(2, "o2_whole", "--parallel.strategy=zero2" + o2, 30714);
+  const auto ref = train(2, "o2_whole", "--parallel.strategy=zero2" + o2);
   ASSERT_EQ(ref.size(), 6u);
-  ASSERT_EQ(train(2, "o2_first", "--parallel.strategy=zero2 --train.stop_at=3 --checkpoint.dir=" + dir.string() + o2,
-                  30715)
-                .size(),
-            3u);
-  const auto second = train(2, "o2_second", "--parallel.strategy=ddp --checkpoint.dir=" + dir.string() + o2, 30716);
+  ASSERT_EQ(
+      train(2, "o2_first", "--parallel.strategy=zero2 --train.stop_at=3 --checkpoint.dir=" + dir.string() + o2).size(),
+      3u);
+  const auto second = train(2, "o2_second", "--parallel.strategy=ddp --checkpoint.dir=" + dir.string() + o2);
   ASSERT_EQ(second.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(second[i], ref[i + 3], 2e-3 * ref[i + 3]) << "step " << i + 4;
 }
@@ -608,7 +590,7 @@ TEST(TrainerStrategies, UnsupportedCombinationsAreOneLineErrors) {
 // 4 stages follow DDP's curve (4 blocks, so interleaving has 2 per stage).
 TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
   const std::string model = " --model.n_layer=4 --train.sample_tokens=0";
-  const auto ref = train(2, "ddp_for_pp", "--parallel.strategy=ddp" + model, 29990);
+  const auto ref = train(2, "ddp_for_pp", "--parallel.strategy=ddp" + model);
   const std::vector<std::tuple<int, std::string, std::string>> runs{
       {2, "pp2_1f1b", "--parallel.pp=2"},
       {2, "pp2_gpipe", "--parallel.pp=2 --parallel.schedule=gpipe --parallel.microbatches=2"},
@@ -618,14 +600,12 @@ TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
       {4, "dp2_pp2_zero3", "--parallel.pp=2 --parallel.strategy=zero3"},
       {4, "tp2_pp2", "--parallel.pp=2 --parallel.tp=2"},
   };
-  int port = 29991;
-  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model, port++), ref, name);
-  EXPECT_LE(port, 29999) << "ports 29990-29999 belong to this test";
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model), ref, name);
   // Too few micro-batches for the interleaved schedule: every rank stops with the reason.
-  const auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 60 --master-port 29999 -- " +
-              std::string(SCALETRAIN_BIN) + " train " + strategy_config().string() + model +
-              " --parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2 "
-              "--parallel.microbatches=1");
+  const auto r = run("launch --nproc-per-node 2 --threads 1 --timeout 60 -- " + std::string(SCALETRAIN_BIN) +
+                     " train " + strategy_config().string() + model +
+                     " --parallel.pp=2 --parallel.schedule=interleaved --parallel.virtual_stages=2 "
+                     "--parallel.microbatches=1");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("multiple of pp micro-batches"), std::string::npos) << r.err;
 }
@@ -635,7 +615,7 @@ TEST(TrainerStrategies, PipelinesFollowTheDdpLossCurve) {
 const std::string kLlama = " --model.preset=llama-tiny --model.n_head=4 --model.n_kv_head=2 --train.sample_tokens=0";
 
 TEST(TrainerStrategies, LlamaDataParallelStrategiesFollowTheDdpLossCurve) {
-  const auto ref = train(2, "llama_ddp", "--parallel.strategy=ddp" + kLlama, 30400);
+  const auto ref = train(2, "llama_ddp", "--parallel.strategy=ddp" + kLlama);
   ASSERT_EQ(ref.size(), 6u);
   EXPECT_LT(ref.back(), ref.front()) << "the reference run did not learn";
   const std::vector<std::pair<std::string, std::string>> runs{
@@ -646,14 +626,12 @@ TEST(TrainerStrategies, LlamaDataParallelStrategiesFollowTheDdpLossCurve) {
       {"llama_shard_grad_op", "--parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"},
       {"llama_zero3_ckpt", "--parallel.strategy=zero3 --model.activation_checkpointing=full"},
   };
-  int port = 30401;
-  for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags + kLlama, port++), ref, name);
-  EXPECT_LE(port, 30409) << "ports 30400-30409 belong to this test";
+  for (auto& [name, flags] : runs) expect_same_curve(train(2, name, flags + kLlama), ref, name);
 }
 
 TEST(TrainerStrategies, LlamaTensorAndPipelineParallelFollowTheDdpLossCurve) {
   const std::string model = kLlama + " --model.n_layer=4";
-  const auto ref = train(2, "llama_ddp4", "--parallel.strategy=ddp" + model, 30410);
+  const auto ref = train(2, "llama_ddp4", "--parallel.strategy=ddp" + model);
   const std::vector<std::tuple<int, std::string, std::string>> runs{
       {2, "llama_tp2", "--parallel.tp=2"},
       {2, "llama_tp2_sp", "--parallel.tp=2 --parallel.sequence_parallel=true"},
@@ -662,13 +640,10 @@ TEST(TrainerStrategies, LlamaTensorAndPipelineParallelFollowTheDdpLossCurve) {
       {4, "llama_dp2_tp2_zero3", "--parallel.tp=2 --parallel.strategy=zero3"},
       {4, "llama_tp2_pp2", "--parallel.pp=2 --parallel.tp=2"},
   };
-  int port = 30411;
-  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model, port++), ref, name);
-  EXPECT_LE(port, 30419) << "ports 30410-30419 belong to this test";
+  for (auto& [n, name, flags] : runs) expect_same_curve(train(n, name, flags + model), ref, name);
   // tp larger than the kv heads: every rank stops with the reason.
-  const auto r = run("launch --nproc-per-node 4 --threads 1 --timeout 60 --master-port 30419 -- " +
-                     std::string(SCALETRAIN_BIN) + " train " + strategy_config().string() + model +
-                     " --parallel.tp=4");
+  const auto r = run("launch --nproc-per-node 4 --threads 1 --timeout 60 -- " + std::string(SCALETRAIN_BIN) +
+                     " train " + strategy_config().string() + model + " --parallel.tp=4");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("does not divide the 2 key/value heads"), std::string::npos) << r.err;
 }
@@ -684,14 +659,16 @@ TEST(TrainerStrategies, LlamaHubDirectoryInitializesEveryStrategy) {
                             "/tests/reference/hub_checkpoint.py write " + hub.string() +
                             " --arch llama --dtype bfloat16 --max-shard-size 60000 --seed 5 > /dev/null";
   ASSERT_EQ(std::system(write.c_str()), 0) << write;
-  const std::string from = " --model.n_layer=0 --model.n_embd=0 --model.n_head=0 --train.sample_tokens=0"
-                           " --model.init_from=" + hub.string();
-  const auto ddp = train(2, "hub_ddp", "--parallel.strategy=ddp" + from, 30420);
-  const auto zero3 = train(2, "hub_zero3", "--parallel.strategy=zero3" + from, 30421);
-  const auto random = train(2, "hub_random", "--parallel.strategy=ddp" + kLlama, 30422);
+  const std::string from =
+      " --model.n_layer=0 --model.n_embd=0 --model.n_head=0 --train.sample_tokens=0"
+      " --model.init_from=" +
+      hub.string();
+  const auto ddp = train(2, "hub_ddp", "--parallel.strategy=ddp" + from);
+  const auto zero3 = train(2, "hub_zero3", "--parallel.strategy=zero3" + from);
+  const auto random = train(2, "hub_random", "--parallel.strategy=ddp" + kLlama);
   // Both sharded runs read each rank's slices of the files (deferred_slice_init).
-  const auto fsdp = train(2, "hub_fsdp", "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true" +
-                                            from, 30423);
+  const auto fsdp =
+      train(2, "hub_fsdp", "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true" + from);
   expect_same_curve(zero3, ddp, "zero3 from the hub directory");
   expect_same_curve(fsdp, ddp, "fsdp from the hub directory");
   ASSERT_FALSE(ddp.empty());
@@ -704,8 +681,8 @@ TEST(TrainerStrategies, LlamaHubDirectoryInitializesEveryStrategy) {
 // same curve as zero2, which builds the whole model eagerly and converts it.
 TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
   const std::string bf16 = "--precision.mode=bf16 --precision.param_dtype=bf16 --train.sample_tokens=0 ";
-  const auto eager = train(2, "zero2_bf16", bf16 + "--parallel.strategy=zero2", 30300);
-  const auto deferred = train(2, "zero3_bf16", bf16 + "--parallel.strategy=zero3", 30301);
+  const auto eager = train(2, "zero2_bf16", bf16 + "--parallel.strategy=zero2");
+  const auto deferred = train(2, "zero3_bf16", bf16 + "--parallel.strategy=zero3");
   ASSERT_EQ(eager.size(), 6u);
   // Same initial weights, same bf16 arithmetic: the first loss is bit for bit
   // the same; later steps differ only by the order of fp32 sums.
@@ -721,17 +698,16 @@ TEST(TrainerStrategies, DeferredInitializationOfBf16ParametersMatchesEager) {
 TEST(TrainerStrategies, DeferredInitializationLoadsInitFromOneTensorAtATime) {
   const fs::path ckpt = scratch() / "init_from_ckpt", hf = scratch() / "init_from.safetensors";
   fs::remove_all(ckpt);
-  ASSERT_EQ(train(2, "init_from_source", "--parallel.strategy=ddp --train.sample_tokens=0 --checkpoint.dir=" +
-                                             ckpt.string(),
-                  30302)
-                .size(),
-            6u);
+  ASSERT_EQ(
+      train(2, "init_from_source", "--parallel.strategy=ddp --train.sample_tokens=0 --checkpoint.dir=" + ckpt.string())
+          .size(),
+      6u);
   ASSERT_EQ(run("checkpoint consolidate " + (ckpt / "step-000006").string() + " -o " + hf.string()).code, 0);
   const std::string from = "--train.sample_tokens=0 --model.init_from=" + hf.string() + " ";
-  const auto eager = train(2, "init_from_zero2", from + "--parallel.strategy=zero2", 30303);
-  const auto zero3 = train(2, "init_from_zero3", from + "--parallel.strategy=zero3", 30304);
-  const auto fsdp = train(2, "init_from_fsdp",
-                          from + "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true", 30305);
+  const auto eager = train(2, "init_from_zero2", from + "--parallel.strategy=zero2");
+  const auto zero3 = train(2, "init_from_zero3", from + "--parallel.strategy=zero3");
+  const auto fsdp =
+      train(2, "init_from_fsdp", from + "--parallel.strategy=fsdp --parallel.fsdp.cpu_ram_efficient_loading=true");
   ASSERT_EQ(eager.size(), 6u);
   EXPECT_EQ(zero3.at(0), eager[0]);
   EXPECT_EQ(fsdp.at(0), eager[0]);
