@@ -18,10 +18,18 @@
 //     group id) cannot be reused.
 //  3. Every worker is reaped by waitpid() before run() returns, on every
 //     path, including exceptions (Supervisor's destructor).
+//  4. A launcher killed by SIGKILL runs none of the above, and mechanism 1
+//     reaches only the process it started: the `sh -c` of a wrapper, not
+//     the trainer that sh forked. So a process built on the library calls
+//     follow_launcher() (the trainers do): a thread waits until the read end
+//     of its heartbeat pipe is gone, which happens exactly when the launcher
+//     (or, after a restart, the launcher's attempt) is gone, and then stops
+//     the process with SIGTERM.
 #include "scaletrain/launch/launcher.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -36,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -189,7 +198,9 @@ void validate(const LaunchOptions& o, const std::vector<std::string>& command) {
   if (command.empty() || command[0].empty()) fail("no worker command given (put it after --)");
 }
 
-void heartbeat() {
+namespace {
+// The write end of this worker's heartbeat pipe, or -1 outside the launcher.
+int heartbeat_fd() {
   static const int fd = [] {
     const char* v = std::getenv("SCALETRAIN_HEARTBEAT_FD");
     if (!v) return -1;
@@ -198,11 +209,41 @@ void heartbeat() {
     if (end == v || *end != '\0' || n < 0 || n > INT_MAX || ::fcntl(static_cast<int>(n), F_GETFD) < 0) return -1;
     return static_cast<int>(n);
   }();
+  return fd;
+}
+}  // namespace
+
+void heartbeat() {
+  const int fd = heartbeat_fd();
   if (fd < 0) return;
   const char byte = 1;
   // Non-blocking: a full pipe already holds beats the launcher has not read.
   ssize_t ignored = ::write(fd, &byte, 1);
   (void)ignored;
+}
+
+// Note [No process left behind], mechanism 4: the kernel reports
+// POLLERR on a pipe's write end once no process holds its read end, which
+// only the launcher ever held. No clock is involved.
+void follow_launcher() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const int fd = heartbeat_fd();
+    if (fd < 0) return;
+    std::thread([fd] {
+      pollfd p{fd, 0, 0};
+      for (;;) {
+        const int ready = ::poll(&p, 1, -1);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready < 0 || (p.revents & POLLNVAL)) return;  // nothing to watch: mechanisms 1-3 remain
+        if (p.revents & (POLLERR | POLLHUP)) break;
+      }
+      static const char line[] = "scaletrain: the launcher that started this worker is gone; stopping\n";
+      ssize_t ignored = ::write(STDERR_FILENO, line, sizeof line - 1);
+      (void)ignored;
+      ::kill(::getpid(), SIGTERM);
+    }).detach();
+  });
 }
 
 namespace {

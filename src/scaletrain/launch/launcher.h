@@ -154,6 +154,13 @@ int usable_cores();
 // process was not started by `scaletrain launch`. Call it on progress.
 void heartbeat();
 
+// Stops this process (SIGTERM, after one line on stderr) when the launcher
+// that started it is gone, even when a wrapper (`sh -c`, a script) stands
+// between them and the launcher died by SIGKILL: Note [No process left
+// behind], mechanism 4. Starts one thread, once; a no-op outside the launcher.
+// The trainers call it; a program of your own may too.
+void follow_launcher();
+
 // Runs `command` (argv; command[0] is looked up in PATH unless it contains a
 // '/') once per local rank and supervises the workers until all have exited.
 // Returns 0 if every worker exited 0; 1 if one failed (the first failure is

@@ -21,6 +21,7 @@
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/launch/launcher.h"
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/module_trainer_internal.h"
@@ -85,6 +86,7 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
         "pass one (options from YAML set adamw: reset it to use your factory)");
   if (!optimizer && !options_.adamw)
     throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
+  launch::follow_launcher();
   build_engine();
   build_optimizer(std::move(optimizer));
   start_checkpoints();

@@ -431,6 +431,7 @@ TrainResult run_training(const Config& cfg) {
   const std::string sample_prompt = cfg.train.sample_tokens > 0 ? sample_prompt_text(cfg) : "";
 
   Run r{cfg, plan, dataset, plan.dims};
+  launch::follow_launcher();
   CollectiveHeartbeat collective_heartbeat;
   launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
   detail::setup(r, info);

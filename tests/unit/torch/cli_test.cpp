@@ -8,12 +8,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cli_util.h"
 
@@ -124,6 +128,66 @@ TEST(Cli, ARankWithAnotherConfigIsNamedAtStart) {
   EXPECT_NE(r.err.find("rank 1's resolved config differs from rank 0's: model.n_layer=3 (rank 0: model.n_layer=2)"),
             std::string::npos)
       << r.err;
+}
+
+// Processes whose command line holds `marker` (other than this test's).
+std::vector<pid_t> processes_with(const std::string& marker) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(e.path() / "cmdline");
+    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find(marker) != std::string::npos && std::stoi(name) != ::getpid()) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Note [No process left behind], mechanism 4: the launcher killed by SIGKILL
+// while its worker is a trainer forked by a wrapper (`sh -c '...; true'`,
+// which the kernel's parent-death signal does not reach). The trainer stops
+// once the launcher is gone; without follow_launcher() it trains on alone
+// (issue 52: a killed node's launcher left its trainer running).
+TEST(Cli, ATrainerBehindAWrapperStopsWithItsKilledLauncher) {
+  const auto metrics = scratch() / "orphan_marker.jsonl";
+  fs::remove(metrics);
+  auto cfg = write("orphan.yaml", "data:\n  path: " + tokens().string() +
+                                      "\nmodel:\n  block_size: 16\ntrain:\n  steps: 1000000\n  global_batch: 4\n"
+                                      "  micro_batch: 2\n  sample_tokens: 0\nmetrics:\n  progress: false\n");
+  const std::string worker =
+      std::string(SCALETRAIN_BIN) + " train " + cfg.string() + " --metrics.path=" + metrics.string() + "; true";
+  const pid_t launcher = ::fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string cmd = std::string(SCALETRAIN_BIN) + " launch --nproc-per-node 1 --threads 1 --timeout 600 -- " +
+                            "/bin/sh -c '" + worker + "' >/dev/null 2>&1";
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Until the trainer has written a step (or 5 minutes on a loaded machine).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  const auto trained = [&] {
+    std::ifstream in(metrics);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return text.find("\"loss\"") != std::string::npos;  // a line may be half written: no parse
+  };
+  while (!trained() && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(trained()) << "the trainer never trained";
+  const auto trainers = processes_with(metrics.string());
+  ASSERT_FALSE(trainers.empty());
+  for (pid_t p : processes_with("launch --nproc-per-node 1 --threads 1 --timeout 600"))
+    ::kill(p, SIGKILL);
+  ::waitpid(launcher, nullptr, 0);
+  // Event-driven: the trainer goes when the kernel reports the pipe's reader
+  // gone; the minute is only there so that a failure ends.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while (!processes_with(metrics.string()).empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto left = processes_with(metrics.string());
+  for (pid_t p : left) ::kill(p, SIGKILL);
+  EXPECT_TRUE(left.empty()) << "the trainer outlived its launcher by a minute";
 }
 
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
