@@ -330,5 +330,32 @@ TEST(ParallelizeModule, BadPlansNameTheModuleAndTheProblem) {
   expect_refused(twice, {{"fc1", colwise}}, "'fc1' is already tensor-parallel");
 }
 
+// An attention written with its whole head count: after q is split colwise,
+// view({B, T, heads, head_dim}) asks each rank for tp times its elements.
+// libtorch throws its own error; the line before it names the layer and the
+// fix (Note [A head count that tensor parallelism split]).
+struct FixedHeadsImpl : torch::nn::Module {
+  FixedHeadsImpl() { q = register_module("q", torch::nn::Linear(16, 16)); }
+  at::Tensor forward(const at::Tensor& x) { return q(x).view({x.size(0), x.size(1), 4, 4}); }
+  torch::nn::Linear q{nullptr};
+};
+TORCH_MODULE(FixedHeads);
+
+TEST(ParallelizeModule, AHeadCountTheSplitBreaksNamesTheLayer) {
+  if (world().size() < 2) GTEST_SKIP() << "needs tp >= 2";
+  auto attn = std::make_shared<torch::nn::Module>();
+  auto heads = attn->register_module("attn", FixedHeads());
+  auto tp = parallel::tensor::parallelize_module(attn, *world().group(), {{"attn.q", colwise}});
+  testing::internal::CaptureStderr();
+  EXPECT_THROW(heads->forward(torch::randn({2, 3, 16})), std::exception);  // libtorch's own
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("'attn.q' is colwise over tp=" + std::to_string(world().size()) + ", so each rank holds " +
+                     std::to_string(16 / world().size()) + " of its 16 output features, but the forward reshapes "
+                     "that output to [2, 3, 4, 4]"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("n_head / " + std::to_string(world().size()) + " heads on each rank"), std::string::npos) << err;
+}
+
 }  // namespace
 }  // namespace scaletrain::test

@@ -198,9 +198,84 @@ std::optional<Place> place_of(const c10::IValue& v) {
   return place_of(t);
 }
 
+// Note [A head count that tensor parallelism split]: a colwise layer gives
+// each rank out/tp of its features, so a forward that reshapes that output
+// with the model's whole head count (view({B, T, n_head, head_dim})) asks
+// for tp times the elements there are, and libtorch's own error names
+// neither the layer nor the fix. The storages of this thread's latest
+// colwise outputs are remembered; a view or reshape of one of them to
+// exactly tp times its elements prints one line naming the layer and what
+// to change, before libtorch throws. Nothing is thrown from here (the
+// callback cannot), and a shape with -1 is not judged.
+struct ColwiseOutput {
+  std::string name;
+  int tp = 1;
+  int64_t local = 0;
+};
+thread_local std::unordered_map<const c10::StorageImpl*, ColwiseOutput> t_colwise;
+
+void remember_colwise(const Call& call, const at::Tensor& out) {
+  if (!out.defined() || !out.has_storage() || out.dim() == 0) return;
+  if (t_colwise.size() >= 64) t_colwise.clear();  // a forward's recent layers are enough
+  t_colwise[out.storage().unsafeGetStorageImpl()] = {call.linear.name, call.linear.tp->size(), out.size(-1)};
+}
+
+std::optional<std::vector<int64_t>> int_list(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  if (!v.isList()) return std::nullopt;
+  std::vector<int64_t> out;
+  for (const c10::IValue& e : v.toListRef()) {
+    if (e.isInt())
+      out.push_back(e.toInt());
+    else if (e.isSymInt() && !e.toSymInt().is_symbolic())
+      out.push_back(e.toSymInt().expect_int());
+    else
+      return std::nullopt;
+  }
+  return out;
+}
+
+void check_reshape(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  if (inputs.size() < 2 || !inputs[0].isTensor()) return;
+  const at::Tensor& x = inputs[0].toTensor();
+  if (!x.defined() || !x.has_storage()) return;
+  auto it = t_colwise.find(x.storage().unsafeGetStorageImpl());
+  const auto shape = it == t_colwise.end() ? std::nullopt : int_list(inputs[1]);
+  if (!shape) return;
+  int64_t n = 1;
+  for (int64_t d : *shape) {
+    if (d < 0) return;
+    n *= d;
+  }
+  const ColwiseOutput& c = it->second;
+  if (n != x.numel() * c.tp) return;
+  static std::set<std::string> told;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!told.insert(c.name).second) return;
+  std::string dims;
+  for (int64_t d : *shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  std::fprintf(stderr,
+               "scaletrain: parallelize_module: '%s' is colwise over tp=%d, so each rank holds %lld of its %lld "
+               "output features, but the forward reshapes that output to [%s] (the whole width): give the "
+               "split dimension its per-rank size (for attention heads: n_head / %d heads on each rank, or -1)\n",
+               c.name.c_str(), c.tp, static_cast<long long>(c.local), static_cast<long long>(c.local * c.tp),
+               dims.c_str(), c.tp);
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (t_busy > 0) return nullptr;
   const char* name = fn.name();
+  if (!t_colwise.empty() && (std::strcmp(name, "aten::view") == 0 || std::strcmp(name, "aten::reshape") == 0)) {
+    ++t_busy;
+    try {
+      check_reshape(fn);
+    } catch (const std::exception&) {
+      // Only a hint: libtorch's own error follows either way.
+    }
+    --t_busy;
+    return nullptr;
+  }
   const Product* product = nullptr;
   for (const Product& p : kProducts)
     if (std::strcmp(name, p.name) == 0) product = &p;
@@ -239,6 +314,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       reduce_output(*call, out);
     else if (call->linear.style == ParallelStyle::Colwise)
       hook_input_gradient(*call, out);  // colwise_from_sequence: the user's all-gather reduce-scatters it
+    if (is_colwise(call->linear.style)) remember_colwise(*call, out);
   } catch (const std::exception& e) {
     fail(*call, out, e.what());
   }
