@@ -1,5 +1,6 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/torch.h>
@@ -129,6 +130,16 @@ std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& pa
   return groups;
 }
 
+// A parameter's place in its bucket: the bucket's memory, but not an
+// autograd view of it. libtorch's Optimizer::zero_grad() calls detach_() on
+// every .grad, which a view refuses (with a message about Python's
+// optimizer); an alias made by set_() detaches as any tensor does, and
+// zero_() still clears the bucket's memory.
+at::Tensor bucket_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, flat.options());
+  return t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+}
+
 }  // namespace
 
 void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& order) {
@@ -149,7 +160,7 @@ void DistributedDataParallel::State::build_buckets(const std::vector<size_t>& or
     int64_t off = 0;
     for (size_t i : members) {
       at::Tensor& p = params[i];
-      views[i] = b.flat.narrow(0, off, p.numel()).view(p.sizes());
+      views[i] = bucket_alias(b.flat, off, p.sizes());
       if (p.grad().defined()) views[i].copy_(p.grad());
       if (options.gradient_as_bucket_view) p.mutable_grad() = views[i];
       bucket_of[i] = fresh.size();

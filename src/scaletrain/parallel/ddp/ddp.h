@@ -112,12 +112,13 @@ struct DDPOptions {
   // order gradients became ready (on rank 0) instead of reverse registration
   // order. See Note [Bucket rebuild].
   bool rebuild_buckets = true;
-  // Each parameter's .grad is a view into its bucket (no copies; the
-  // trainer's setting). libtorch 1.13's torch::optim::Optimizer::zero_grad()
-  // calls detach_() on every .grad and throws on a view, so the default, as
-  // PyTorch's gradient_as_bucket_view=False, keeps .grad a tensor of its own:
-  // it is copied into its bucket when ready and the average copied back when
-  // backward ends. Either way DistributedDataParallel::zero_grad() works.
+  // Each parameter's .grad is its place in its bucket (no copies; the
+  // trainer's setting): the bucket's memory, but not an autograd view, so
+  // libtorch's Optimizer::zero_grad() (which detach_()es every .grad) works
+  // on it. The default, as PyTorch's gradient_as_bucket_view=False, keeps
+  // .grad a tensor of its own: it is copied into its bucket when ready and
+  // the average copied back when backward ends. Either way both zero_grad()s
+  // work.
   bool gradient_as_bucket_view = false;
   // Expert parallelism (parallel/expert, Note [Expert parallelism]): the
   // parameters `expert_param` selects are averaged over `expert_group` (the
