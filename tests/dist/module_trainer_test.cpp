@@ -20,6 +20,7 @@
 #include "reference.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/train/module_trainer.h"
+#include "scaletrain/util/error.h"
 #include "user_modules.h"
 
 namespace scaletrain::test {
@@ -288,6 +289,23 @@ TEST(ModuleTrainer, BadOptionsNameTheField) {
   o = options(ModuleStrategy::DDP, 4);
   o.adamw = train::AdamWSettings{};
   expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "both given", "factory and adamw");
+}
+
+// Note [Same on every rank] for a user's module: a rank with another option
+// or another module is named before any collective, and every rank throws
+// (the ranks equal to rank 0 as well, so none goes on into a collective alone).
+TEST(ModuleTrainer, ARankWithOtherOptionsOrModuleIsNamedAtStart) {
+  const bool odd = world().rank() == world().size() - 1;
+  ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
+  if (odd) o.steps = 5;
+  expect_error<UsageError>([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "steps=5", "steps");
+  auto other = make_toy();
+  if (odd) other->to(at::kFloat);
+  expect_error<UsageError>([&] { ModuleTrainer t(other, world(), adam, mse, options(ModuleStrategy::DDP, 4)); },
+                           "Float", "module");
+  // Equal everywhere: trains.
+  ModuleTrainer t(make_toy(), world(), adam, mse, options(ModuleStrategy::DDP, 1));
+  EXPECT_EQ(t.fit(dataset()).losses.size(), 1u);
 }
 
 // Checkpoints save Adam, AdamW and plain SGD; anything else is refused before a step.

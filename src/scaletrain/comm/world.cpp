@@ -276,33 +276,40 @@ std::string first_difference(const std::string& mine, const std::string& theirs,
 // otherwise meet first in a collective of another shape or count, and fail
 // after a timeout that blames whoever serves the store. The settings travel
 // through the store once, before any collective, so the error names the rank
-// that differs and the setting, on every rank.
+// that differs and the setting. Every rank throws: one that differs at once
+// with its own difference, the others once rank 0 has published its verdict
+// (without it, ranks equal to rank 0 would go on into collectives that the
+// others never join). Each call has keys of its own (next_instance), so a
+// program may check several times.
 void World::check_same_everywhere(const std::string& what, const std::string& text) {
   if (size() == 1) return;
-  const std::string prefix = "scaletrain/same/" + what + "/";
+  const std::string prefix = "scaletrain/same/" + what + "/" + std::to_string(next_instance("same/" + what)) + "/";
   auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
-  auto read = [&](int r) {
-    const std::string k = prefix + std::to_string(r);
+  auto read = [&](const std::string& name) {
+    const std::string k = prefix + name;
     store_->wait({k}, options_.timeout);
     const auto v = store_->get(k);
     return std::string(v.begin(), v.end());
   };
   store_->set(prefix + std::to_string(rank()), bytes(text));
   if (rank() != 0) {
-    const std::string zero = read(0);
+    const std::string zero = read("0");
     if (zero != text)
       throw UsageError("rank " + std::to_string(rank()) + "'s " + what +
                        " differs from rank 0's: " + first_difference(text, zero, 0));
+    const std::string verdict = read("verdict");
+    if (!verdict.empty()) throw UsageError(what + " differs between ranks: " + verdict);
     return;
   }
   std::string odd;
   for (int r = 1; r < size(); ++r) {
-    const std::string theirs = read(r);
+    const std::string theirs = read(std::to_string(r));
     if (theirs != text && odd.empty())
       odd = "rank " + std::to_string(r) + ": " + first_difference(theirs, text, 0);
     else if (theirs != text)
       odd += "; rank " + std::to_string(r);
   }
+  store_->set(prefix + "verdict", bytes(odd));
   if (!odd.empty()) throw UsageError(what + " differs between ranks: " + odd);
 }
 

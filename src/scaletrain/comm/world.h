@@ -70,7 +70,8 @@ class World {
   // Note [Same on every rank]: every rank posts `text` (lines "key=value")
   // under `what`; rank 0 compares every rank's with its own, the others
   // theirs with rank 0's, before any collective. A difference throws
-  // UsageError naming the rank and its first differing line on both sides.
+  // UsageError on every rank, naming the rank and its first differing line
+  // on both sides. Collective: every rank calls it, in the same order.
   void check_same_everywhere(const std::string& what, const std::string& text);
 
  private:

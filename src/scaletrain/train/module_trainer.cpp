@@ -87,6 +87,7 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   if (!optimizer && !options_.adamw)
     throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
   launch::follow_launcher();
+  world_.check_same_everywhere("module trainer's options and module", detail::settings_text(options_, *module_));
   build_engine();
   build_optimizer(std::move(optimizer));
   start_checkpoints();

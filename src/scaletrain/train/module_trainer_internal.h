@@ -4,6 +4,8 @@
 // share.
 #include <string>
 
+#include <torch/nn/module.h>
+
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/train/module_trainer.h"
 #include "scaletrain/train/plan.h"
@@ -15,5 +17,10 @@ parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's
 ModuleStrategy strategy_of(DataParallelism d);           // the plan's strategy (NO_SHARD runs DDP)
 // std::invalid_argument "ModuleTrainerOptions.FIELD PROBLEM".
 [[noreturn]] void bad(const std::string& field, const std::string& problem);
+// What must be the same on every rank (Note [Same on every rank] in
+// comm/world.cpp): the options that decide the collectives and the module's
+// parameters and buffers (names, shapes, dtypes), one "key=value" a line.
+// Rank 0's own outputs (metrics_path, progress, log_every) are left out.
+std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module& module);
 
 }  // namespace scaletrain::train::detail

@@ -59,6 +59,36 @@ void bad(const std::string& field, const std::string& problem) {
   throw std::invalid_argument("ModuleTrainerOptions." + field + " " + problem);
 }
 
+namespace {
+template <class T>
+std::string list(const std::vector<T>& v) {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
+  return s.str();
+}
+std::string tensor_text(const at::Tensor& t) {
+  return "[" + list(t.sizes().vec()) + "] " + std::string(c10::toString(t.scalar_type())) +
+         (t.requires_grad() ? " trainable" : "");
+}
+}  // namespace
+
+std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module& module) {
+  std::ostringstream s;
+  s << "strategy=" << to_string(o.strategy) << "\nunits.types=" << list(o.units.types)
+    << "\nunits.names=" << list(o.units.names) << "\nunits.min_num_params=" << o.units.min_num_params
+    << "\ndp_replicate=" << o.dp_replicate << "\nsteps=" << o.steps << "\nstop_at=" << o.stop_at
+    << "\nglobal_batch=" << o.global_batch << "\nmicro_batch=" << o.micro_batch << "\nseed=" << o.seed
+    << "\nshuffle=" << o.shuffle << "\nclip_grad_norm=" << o.clip_grad_norm << "\npeak_lr=" << o.peak_lr
+    << "\nlr_schedule=" << (o.lr_schedule ? "set" : "none") << "\nadamw=" << (o.adamw ? "set" : "none")
+    << "\ncheckpoint_dir=" << o.checkpoint_dir << "\ncheckpoint_every=" << o.checkpoint_every
+    << "\ncheckpoint_keep=" << o.checkpoint_keep << "\ncheckpoint_async=" << o.checkpoint_async
+    << "\nfull_state_dict=" << o.full_state_dict << "\nresume=" << o.resume
+    << "\ntrace_steps=" << list(o.trace_steps) << "\n";
+  for (const auto& p : module.named_parameters()) s << "parameter " << p.key() << "=" << tensor_text(p.value()) << "\n";
+  for (const auto& b : module.named_buffers()) s << "buffer " << b.key() << "=" << tensor_text(b.value()) << "\n";
+  return s.str();
+}
+
 }  // namespace detail
 
 using detail::bad;
