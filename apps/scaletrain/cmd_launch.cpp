@@ -100,11 +100,13 @@ struct GivenFlags {
 // times of the elastic rounds.
 void add_size_options(CLI::App* sub, LaunchFlags& f) {
   f.nproc = sub->add_option("--nproc-per-node", f.opts.nproc_per_node,
-                            "Workers to start on this node (required unless --config_file gives num_processes)");
+                            "Workers to start on this node (required unless --config_file gives num_processes)")
+                ->envname("PET_NPROC_PER_NODE");
   f.nnodes = sub->add_option("--nnodes", f.nnodes_text,
                              "Nodes in the job: N, or MIN:MAX for an elastic job whose nodes may leave and join "
                              "(rounds formed through the store at --master-addr:--master-port)")
-                 ->capture_default_str();
+                 ->capture_default_str()
+                 ->envname("PET_NNODES");
   sub->add_option("--rdzv-last-call", f.last_call_s,
                   "Elastic: a round with at least MIN nodes closes once no node joined for S seconds")
       ->capture_default_str();
@@ -117,14 +119,25 @@ void add_size_options(CLI::App* sub, LaunchFlags& f) {
 
 // Where this node sits and where the job meets: --node-rank, --master-addr,
 // --master-port, and the Accelerate config file that can set them.
+//
+// Note [torchrun's PET_ variables]: torchrun reads each of its flags from
+// PET_<FLAG> when the flag is not given, and Kubernetes' training operators
+// (Kubeflow's PyTorchJob and Trainer's TrainJob) start pods with PET_NNODES,
+// PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT
+// set. The same five set ours; a flag given on the command line wins, and
+// either wins over --config_file.
 void add_placement_options(CLI::App* sub, LaunchFlags& f) {
   f.node_rank =
-      sub->add_option("--node-rank", f.opts.node_rank, "Index of this node, in [0, nnodes)")->capture_default_str();
+      sub->add_option("--node-rank", f.opts.node_rank, "Index of this node, in [0, nnodes)")
+          ->capture_default_str()
+          ->envname("PET_NODE_RANK");
   f.addr = sub->add_option("--master-addr", f.opts.master_addr, "Host of the rank-0 node (rendezvous)")
-               ->capture_default_str();
+               ->capture_default_str()
+               ->envname("PET_MASTER_ADDR");
   f.port = sub->add_option("--master-port", f.opts.master_port,
                            "Rendezvous port on the master; default: a free port when one node runs the job "
-                           "(--nnodes 1), else 29500");
+                           "(--nnodes 1), else 29500")
+               ->envname("PET_MASTER_PORT");
   sub->add_option("--config_file,--config-file", f.config_file,
                   "Accelerate config file (as `accelerate launch --config_file`): its launcher keys set the flags "
                   "not given, its training keys reach each `scaletrain train` worker");

@@ -190,6 +190,30 @@ TEST(Cli, ATrainerBehindAWrapperStopsWithItsKilledLauncher) {
   EXPECT_TRUE(left.empty()) << "the trainer outlived its launcher by a minute";
 }
 
+// Note [torchrun's PET_ variables]: a pod of a Kubernetes training operator
+// gets its place in the job from PET_*; a flag given explicitly wins.
+TEST(Cli, LaunchTakesItsPlaceFromTorchrunVariables) {
+  const std::vector<std::pair<const char*, const char*>> pet = {{"PET_NNODES", "2"},
+                                                                {"PET_NPROC_PER_NODE", "2"},
+                                                                {"PET_NODE_RANK", "1"},
+                                                                {"PET_MASTER_ADDR", "127.0.0.7"},
+                                                                {"PET_MASTER_PORT", "23456"}};
+  for (const auto& [k, v] : pet) ::setenv(k, v, 1);
+  const std::string worker = " -- /bin/sh -c 'echo at $RANK of $WORLD_SIZE via $MASTER_ADDR:$MASTER_PORT >&2'";
+  const auto from_env = run("launch --threads 1 --timeout 60" + worker);
+  const auto flag_wins = run("launch --threads 1 --timeout 60 --node-rank 0" + worker);
+  ::setenv("PET_NPROC_PER_NODE", "many", 1);
+  const auto bad = run("launch --threads 1 --timeout 60" + worker);
+  for (const auto& [k, v] : pet) ::unsetenv(k);
+  ASSERT_EQ(from_env.code, 0) << from_env.err;
+  EXPECT_NE(from_env.err.find("[rank 2] at 2 of 4 via 127.0.0.7:23456"), std::string::npos) << from_env.err;
+  EXPECT_NE(from_env.err.find("[rank 3] at 3 of 4 via 127.0.0.7:23456"), std::string::npos) << from_env.err;
+  ASSERT_EQ(flag_wins.code, 0) << flag_wins.err;
+  EXPECT_NE(flag_wins.err.find("[rank 0] at 0 of 4"), std::string::npos) << flag_wins.err;
+  EXPECT_EQ(bad.code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("many"), std::string::npos) << bad.err;
+}
+
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
   auto metrics = scratch() / "m.jsonl";
   auto cfg = write("tiny.yaml", "data:\n  path: " + tokens().string() +
