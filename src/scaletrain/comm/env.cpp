@@ -66,6 +66,9 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
     w.rank = parse_int(getenv, "RANK", 0, true);
     w.world_size = parse_int(getenv, "WORLD_SIZE", 1, true);
     w.local_rank = parse_int(getenv, "LOCAL_RANK", w.rank, false);
+    const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    w.agent_store = agent != nullptr && std::string(agent) == "True";
+    if (w.agent_store) w.restart_count = parse_int(getenv, "TORCHELASTIC_RESTART_COUNT", 0, false);
     w.local_world_size = parse_int(getenv, "LOCAL_WORLD_SIZE", w.world_size, false);
   } else if (getenv("OMPI_COMM_WORLD_RANK")) {
     w.source = "openmpi";

@@ -16,6 +16,12 @@ struct WorldInfo {
   std::string master_addr = "127.0.0.1";  // host of the rendezvous store (rank 0's host)
   int master_port = 29500;                // port of the rendezvous store
   std::string source = "single";          // "torchrun", "openmpi", "slurm" or "single"
+  // Note [torchrun's agent store]: torchrun's agent (static rendezvous)
+  // serves a c10d TCPStore at MASTER_ADDR:MASTER_PORT itself
+  // (TORCHELASTIC_USE_AGENT_STORE=True); every rank is then its client, under
+  // the prefix of the agent's restart count.
+  bool agent_store = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
 };
 
 using GetEnv = std::function<const char*(const char*)>;

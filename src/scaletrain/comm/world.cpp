@@ -3,6 +3,7 @@
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <csignal>
 
@@ -180,6 +181,24 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   }
   if (info.world_size == 1) {
     w->store_ = c10::make_intrusive<c10d::HashStore>();
+  } else if (info.agent_store) {
+    // Note [torchrun's agent store] (env.h): the port is the agent's, so no
+    // rank can serve our own store there. Without our store there is no
+    // Responder: a failed collective is reported without its culprit.
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(info.master_port);
+    o.isServer = false;
+    o.waitWorkers = false;
+    o.timeout = options.timeout;
+    try {
+      auto agent = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+      w->store_ = c10::make_intrusive<c10d::PrefixStore>(
+          "scaletrain/attempt_" + std::to_string(info.restart_count), agent);
+    } catch (const std::exception& e) {
+      std::string msg = e.what();
+      throw CommError("torchrun's agent store at " + info.master_addr + ":" + std::to_string(info.master_port) +
+                      " cannot be reached: " + msg.substr(0, msg.find('\n')));
+    }
   } else {
     // Our own store rather than c10d::TCPStore: its 1.13 server listens on
     // every interface, ours only on MASTER_ADDR.

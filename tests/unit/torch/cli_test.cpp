@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cli_util.h"
+#include "scaletrain/launch/launcher.h"
 
 namespace {
 
@@ -212,6 +213,36 @@ TEST(Cli, LaunchTakesItsPlaceFromTorchrunVariables) {
   EXPECT_NE(flag_wins.err.find("[rank 0] at 0 of 4"), std::string::npos) << flag_wins.err;
   EXPECT_EQ(bad.code, 2) << bad.err;
   EXPECT_NE(bad.err.find("many"), std::string::npos) << bad.err;
+}
+
+// Note [torchrun's agent store] (comm/env.h): under torchrun's default
+// (static) rendezvous its agent serves the store on MASTER_PORT, so rank 0
+// could not listen there ("Address already in use"). The ranks join the
+// agent's store instead, and train as under our own launcher.
+TEST(Cli, TorchrunTrainsAsOurLauncherDoes) {
+  ASSERT_TRUE(fs::exists("/usr/bin/torchrun")) << "Debian's python3-torch (a test dependency) provides torchrun";
+  auto cfg = write("torchrun.yaml", "data:\n  path: " + tokens().string() +
+                                        "\nmodel:\n  block_size: 16\ntrain:\n  steps: 3\n  global_batch: 4\n"
+                                        "  micro_batch: 2\n  sample_tokens: 0\nmetrics:\n  progress: false\n");
+  const auto ours = scratch() / "launch_peer.jsonl", theirs = scratch() / "torchrun.jsonl";
+  fs::remove(ours);
+  fs::remove(theirs);
+  const std::string train = std::string(SCALETRAIN_BIN) + " train " + cfg.string() + " --metrics.path=";
+  const auto launched = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- " + train + ours.string());
+  ASSERT_EQ(launched.code, 0) << launched.err;
+  // Debian's torchrun 1.13 starts workers only with its output redirected (--redirects/--tee).
+  const std::string cmd = "env -u RANK -u WORLD_SIZE OMP_NUM_THREADS=1 timeout 120 /usr/bin/torchrun "
+                          "--nproc_per_node 2 --redirects 9:0 --tee 9:0 --no_python --master_port " +
+                          std::to_string(scaletrain::launch::free_port()) + " " + train + theirs.string() + " >" +
+                          (scratch() / "torchrun.log").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream log(scratch() / "torchrun.log");
+  const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  const auto a = metric_losses(ours), b = metric_losses(theirs);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u) << out;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_DOUBLE_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {

@@ -45,6 +45,18 @@ TEST(WorldEnv, Torchrun) {
   EXPECT_EQ(w.master_addr, "10.0.0.1");
   EXPECT_EQ(w.master_port, 1234);
   EXPECT_EQ(w.source, "torchrun");
+  EXPECT_FALSE(w.agent_store);
+  // Note [torchrun's agent store]: torchrun's static rendezvous serves the store itself.
+  auto a = comm::world_info_from_env(fake({{"RANK", "1"},
+                                           {"WORLD_SIZE", "2"},
+                                           {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                           {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  EXPECT_TRUE(a.agent_store);
+  EXPECT_EQ(a.restart_count, 2);
+  EXPECT_FALSE(comm::world_info_from_env(fake({{"RANK", "1"},
+                                               {"WORLD_SIZE", "2"},
+                                               {"TORCHELASTIC_USE_AGENT_STORE", "False"}}))
+                   .agent_store);
 }
 
 TEST(WorldEnv, OpenMpi) {
