@@ -31,6 +31,7 @@ REGISTRY = {
     ("comm/group.cpp", "t_described"): "per thread: the collective being described, for its error message",
     # The launcher's signal handling: POSIX handlers are process-wide.
     ("launch/launcher.cpp", "g_running"): "one run() per process, since its signal handlers are global",
+    ("launch/launcher.cpp", "once"): "one watcher of the launcher per process (follow_launcher)",
     ("launch/launcher_spawn.cpp", "g_pending_int"): "SIGINTs the handler saw and the loop has not handled",
     ("launch/launcher_spawn.cpp", "g_pending_term"): "SIGTERMs the handler saw and the loop has not handled",
     ("launch/launcher_spawn.cpp", "g_wake_fd"): "the self-pipe the signal handler writes to",
@@ -51,6 +52,10 @@ REGISTRY = {
     ("parallel/tensor/parallelize_module.cpp", "g_callback"): "the one RecordFunction callback",
     ("parallel/tensor/parallelize_module.cpp", "m"): "the split linears the callback looks for, by weight storage",
     ("parallel/tensor/parallelize_module.cpp", "t_busy"): "per thread: our own operators are not looked at",
+    ("parallel/tensor/parallelize_module.cpp", "t_colwise"):
+        "per thread: the storages of its forward's latest colwise outputs (Note [A head count that tensor "
+        "parallelism split])",
+    ("parallel/tensor/parallelize_module.cpp", "told"): "the layers whose reshape hint was printed: one line each",
     # Activation checkpointing: per-thread recursion depth of a recomputation.
     ("models/checkpoint.cpp", "recompute_depth"): "per thread: inside a recomputed forward",
     # RPC (rpc/rpc.h): one agent per process, as torch.distributed.rpc has,
@@ -86,7 +91,9 @@ def found(src):
             rel = os.path.relpath(path, src)
             for number, line in enumerate(open(path, encoding="utf-8"), 1):
                 m = TOP.match(line) if not line[:1].isspace() else None
-                if m and not re.search(r"\bconst(expr)?\b", m.group(1)) and "(" not in line.split("=")[0].split("{")[0]:
+                # A const inside template arguments (map<const T*, U>) does not make the variable const.
+                kind = re.sub(r"<.*>", "", m.group(1)) if m else ""
+                if m and not re.search(r"\bconst(expr)?\b", kind) and "(" not in line.split("=")[0].split("{")[0]:
                     yield rel, m.group(2), number
                 m = LOCAL.match(line)
                 if m:

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -210,6 +211,14 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
     o.connect_timeout = options.timeout;
     o.timeout = options.timeout;
     o.secret = w->options_.store_secret;
+    // Only `scaletrain launch` makes a secret (one node); under mpirun, srun
+    // or a launch across nodes without one, any client that reaches the
+    // port is served: said once per job, by the rank that serves it.
+    if (o.secret.empty() && o.is_server)
+      std::fprintf(stderr,
+                   "scaletrain: warning: SCALETRAIN_STORE_SECRET is not set, so the rendezvous store at %s:%d "
+                   "accepts any client (ranks from %s); set it to one value for the whole job\n",
+                   info.master_addr.c_str(), info.master_port, info.source.c_str());
     try {
       auto store = c10::make_intrusive<RendezvousStore>(o);
       w->responder_ = std::make_shared<Responder>(*store, info.rank);

@@ -245,6 +245,25 @@ TEST(Cli, TorchrunTrainsAsOurLauncherDoes) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_DOUBLE_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
+// A store without a secret (mpirun, srun, a launch across nodes without
+// SCALETRAIN_STORE_SECRET) serves any client: the rank that serves it says so, once.
+TEST(Cli, AStoreWithoutASecretIsNamedOnce) {
+  auto cfg = write("no_secret.yaml", "data:\n  path: " + tokens().string() +
+                                         "\nmodel:\n  block_size: 16\ntrain:\n  steps: 1\n  global_batch: 4\n"
+                                         "  micro_batch: 2\n  sample_tokens: 0\n");
+  const std::string train = std::string(SCALETRAIN_BIN) + " train " + cfg.string();
+  const std::string warning = "scaletrain: warning: SCALETRAIN_STORE_SECRET is not set, so the rendezvous store at ";
+  const auto open = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- /bin/sh -c "
+                        "'unset SCALETRAIN_STORE_SECRET; exec " + train + "'");
+  ASSERT_EQ(open.code, 0) << open.err;
+  const size_t at = open.err.find("[rank 0] " + warning);
+  EXPECT_NE(at, std::string::npos) << open.err;
+  EXPECT_EQ(open.err.find(warning, at + warning.size()), std::string::npos) << "said twice:\n" << open.err;
+  const auto closed = run("launch --nproc-per-node 2 --threads 1 --timeout 120 -- " + train);
+  ASSERT_EQ(closed.code, 0) << closed.err;
+  EXPECT_EQ(closed.err.find(warning), std::string::npos) << closed.err;
+}
+
 TEST(Cli, TrainsTwoStepsAndWritesMetrics) {
   auto metrics = scratch() / "m.jsonl";
   auto cfg = write("tiny.yaml", "data:\n  path: " + tokens().string() +

@@ -1,6 +1,5 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 
-#include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/torch.h>
@@ -133,11 +132,10 @@ std::vector<std::vector<size_t>> bucket_groups(const std::vector<at::Tensor>& pa
 // A parameter's place in its bucket: the bucket's memory, but not an
 // autograd view of it. libtorch's Optimizer::zero_grad() calls detach_() on
 // every .grad, which a view refuses (with a message about Python's
-// optimizer); an alias made by set_() detaches as any tensor does, and
-// zero_() still clears the bucket's memory.
+// optimizer); the detach() of a view is no view, so it detaches as any
+// tensor does, and zero_() still clears the bucket's memory.
 at::Tensor bucket_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
-  at::Tensor t = at::empty({0}, flat.options());
-  return t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return flat.narrow(0, offset, c10::multiply_integers(sizes)).view(sizes).detach();
 }
 
 }  // namespace
