@@ -19,6 +19,7 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/ddp/sync_batchnorm.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"

@@ -11,6 +11,7 @@
 
 #include "scaletrain/comm/compat.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/parallel/ddp/sync_batchnorm.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
 #include "scaletrain/precision/fp8.h"
 
@@ -348,6 +349,10 @@ void check_module(const torch::nn::Module& module) {
       throw std::invalid_argument("DDP: parameter '" + item.key() +
                                   "' is already in another live DDP (the module is wrapped twice)");
   }
+  const std::string unbound = unbound_sync_batchnorm(module);
+  if (!unbound.empty())
+    throw std::invalid_argument("DDP: SyncBatchNorm '" + unbound +
+                                "' is bound to no group: call convert_sync_batchnorm(module, group) first");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
+#include "scaletrain/parallel/ddp/sync_batchnorm.h"
 #include "scaletrain/parallel/fsdp/engine_state.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/gather_on_use.h"
@@ -36,6 +37,10 @@ void check_module(const torch::nn::Module& module) {
       throw std::invalid_argument("fully_shard: parameter '" + item.key() +
                                   "' is already in a live DDP (the module is wrapped twice)");
   }
+  const std::string unbound = unbound_sync_batchnorm(module);
+  if (!unbound.empty())
+    throw std::invalid_argument("fully_shard: SyncBatchNorm '" + unbound +
+                                "' is bound to no group: call convert_sync_batchnorm(module, group) first");
 }
 
 }  // namespace
