@@ -249,6 +249,19 @@ TEST(FullyShard, StepProtocolMistakesAreLoud) {
       expect_usage_error([&] { engine->after_step(); }, {"build the optimizer over engine->shards()"},
                          name + " optimizer over parameters");
     }
+    {  // Note [Spent gradients]: Adam built before fully_shard, libtorch's zero_grad, no after_step()
+      auto m = c.make();
+      torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(0.1));
+      auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
+      opt.zero_grad();
+      backward(*m);
+      opt.step();  // noted: it read the gradient of net1.weight, which the module no longer gets
+      opt.zero_grad();
+      expect_usage_error([&] { backward(*m); },
+                         {"the gradient of parameter 'net1.weight' was read through the module",
+                          "build the optimizer over engine->shards()"},
+                         name + " optimizer built before fully_shard");
+    }
     for (bool via_backward : {false, true}) {  // a step without after_step()
       auto m = c.make();
       auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
@@ -262,11 +275,12 @@ TEST(FullyShard, StepProtocolMistakesAreLoud) {
         expect_usage_error([&] { engine->zero_grad(); }, {"after_step() was not called"}, name + " zero_grad");
       }
     }
-    {  // a skipped step (both skipped) is not a mistake
+    {  // a skipped step (both skipped) is not a mistake, nor the module's zero_grad()
       auto m = c.make();
       auto engine = parallel::fsdp::fully_shard(m, world(), *world().group(), c.units, o);
       torch::optim::SGD opt(engine->shards(), torch::optim::SGDOptions(0.1));
       backward(*m);
+      m->zero_grad();  // the module's own zero_grad only clears: not a read
       EXPECT_NO_THROW(engine->zero_grad()) << name;
       backward(*m);
       opt.step();

@@ -40,6 +40,8 @@ struct Unit {
   // A trainable parameter's gradient arrived since the last synchronized
   // backward (Note [Units that took no part], fully_shard.cpp).
   bool grad_seen = false;
+  // Its parameters' .grad are their spent markers (Note [Spent gradients]).
+  bool spent_grads = false;
 
   bool unsharded() const {
     for (auto& f : flats)
@@ -123,6 +125,18 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::string unused_units;  // a synchronized backward's units without gradients, until zero_grad()
   // Any thread, under the gather-on-use registry's lock: never throws or takes `mu`.
   void note_foreign_use(const at::Tensor& t);
+  // Note [Spent gradients]: each trainable parameter's marker (by the
+  // parameter), the parameter's name by the marker's storage, and the first
+  // read of one, not yet reported.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> spent_marker;
+  std::unordered_map<const c10::StorageImpl*, std::string> spent_param;
+  std::string spent_read;
+  void make_spent_markers();
+  void mark_grads_spent(size_t u);
+  void clear_spent_grads(Unit& unit);
+  // An operator on the engine's thread reads `storage`: notes the first read
+  // of a marker (under the registry's lock, as note_foreign_use).
+  void note_spent_read(const c10::StorageImpl* storage, const char* op);
   // The end of a backward: notes the units without gradients (a synchronized
   // one), then throws what check_user_rules() finds.
   void end_user_backward();

@@ -290,6 +290,7 @@ void ShardedDataParallel::State::finish_oldest_reduce() {
   wait_ms += ms_since(t0);
   for (auto& f : units[u].flats)
     if (f->trainable()) f->finish_reduce();
+  if (user_module) mark_grads_spent(u);
 }
 
 void ShardedDataParallel::State::finish_backward() {

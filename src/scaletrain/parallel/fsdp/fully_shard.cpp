@@ -92,6 +92,10 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   hooks.foreign = [weak](const at::Tensor& t) {
     if (auto st = weak.lock()) st->note_foreign_use(t);
   };
+  s.make_spent_markers();
+  hooks.read = [weak](const c10::StorageImpl* storage, const char* op) {
+    if (auto st = weak.lock()) st->note_spent_read(storage, op);
+  };
   gather_on_use_ = std::make_unique<GatherOnUse>(std::move(hooks));
 }
 
@@ -113,6 +117,7 @@ void ShardedDataParallel::State::use_unit(size_t u) {
   if (moved && !backward && forward_unit != 0 && engine::reshard_after_forward(options.sharding))
     reshard(forward_unit);  // forward moved on to another unit: the one before it is done
   if (moved) current = u;
+  if (!backward && unit.spent_grads) clear_spent_grads(unit);
   if (!ready) {
     if (unit.gathering) ++stats.prefetched;
     if (backward) begin_backward();
@@ -137,6 +142,66 @@ void ShardedDataParallel::State::note_foreign_use(const at::Tensor& t) {
                 "there (Note [Gather on use]): run the module's forward and backward on the thread that called "
                 "fully_shard";
   std::fprintf(stderr, "scaletrain: fully_shard: %s (the engine's next call throws this)\n", foreign_use.c_str());
+}
+
+// Note [Spent gradients]: the optimizer must step engine->shards(), and a
+// PyTorch habit builds it over module->parameters() (before fully_shard, or
+// after). Those parameters get no gradient: each unit's are reduce-scattered
+// into the shards, so an optimizer over them skips every one (a .grad that
+// is undefined), the model never changes, and nothing says so (after_step(),
+// which would notice, is the same habit's other omission). So once a unit's
+// gradients are reduced, each of its trainable parameters gets as .grad a
+// marker of its own: a zero of one element, whose storage names the
+// parameter. An operator on the engine's thread that reads a marker (the
+// optimizer's step, a clip or a norm over module->parameters()) is noted
+// with one line on stderr, and the engine's next call throws it (the end of
+// the next backward, zero_grad(), after_step(), clip_grad_norm()): reads
+// that only clear a gradient (detach, zero_: libtorch's zero_grad()s) pass.
+// The first read of a unit in the next forward takes the markers away,
+// before any backward can accumulate into them. A marker is a zero, so the
+// step it slips into changes nothing, as before.
+void ShardedDataParallel::State::make_spent_markers() {
+  for (auto& unit : units)
+    for (auto& f : unit.flats) {
+      if (!f->trainable()) continue;
+      for (size_t i = 0; i < f->params().size(); ++i) {
+        const at::Tensor& p = f->params()[i];
+        at::Tensor marker = at::zeros({}, p.options().requires_grad(false));
+        spent_param[marker.storage().unsafeGetStorageImpl()] = f->names()[i];
+        spent_marker[p.unsafeGetTensorImpl()] = std::move(marker);
+      }
+    }
+}
+
+void ShardedDataParallel::State::mark_grads_spent(size_t u) {
+  for (auto& f : units[u].flats)
+    if (f->trainable())
+      for (const at::Tensor& p : f->params()) p.mutable_grad() = spent_marker.at(p.unsafeGetTensorImpl());
+  units[u].spent_grads = true;
+}
+
+void ShardedDataParallel::State::clear_spent_grads(Unit& unit) {
+  unit.spent_grads = false;
+  for (auto& f : unit.flats)
+    if (f->trainable())
+      for (const at::Tensor& p : f->params())
+        if (p.grad().defined() && p.grad().is_alias_of(spent_marker.at(p.unsafeGetTensorImpl())))
+          p.mutable_grad().reset();  // the marker, or a detached alias of it (Module::zero_grad)
+}
+
+void ShardedDataParallel::State::note_spent_read(const c10::StorageImpl* storage, const char* op) {
+  auto it = spent_param.find(storage);
+  if (it == spent_param.end()) return;
+  std::string name = op;
+  if (name.rfind("aten::", 0) == 0) name = name.substr(6);
+  if (name == "detach" || name == "detach_" || name == "zero_") return;  // clearing, not reading
+  std::lock_guard<std::mutex> lock(foreign_mu);
+  if (!spent_read.empty()) return;
+  spent_read = "the gradient of parameter '" + it->second + "' was read through the module (" + name +
+               ": an optimizer, a clip or a norm over module->parameters()), but under fully_shard the gradients "
+               "are reduce-scattered into engine->shards() and the module's parameters hold none: build the "
+               "optimizer over engine->shards(), clip with engine->clip_grad_norm() (Note [Spent gradients])";
+  std::fprintf(stderr, "scaletrain: fully_shard: %s (the engine's next call throws this)\n", spent_read.c_str());
 }
 
 // Note [Units that took no part]: a unit can get no gradient in a step:
@@ -187,6 +252,11 @@ void ShardedDataParallel::State::check_user_rules(const char* where) {
   {
     std::lock_guard<std::mutex> lock(foreign_mu);
     foreign.swap(foreign_use);  // reported once
+  }
+  if (!foreign.empty()) throw UsageError(std::string(where) + ": fully_shard: " + foreign);
+  {
+    std::lock_guard<std::mutex> lock(foreign_mu);
+    foreign.swap(spent_read);  // reported once
   }
   if (!foreign.empty()) throw UsageError(std::string(where) + ": fully_shard: " + foreign);
   if (!unused_units.empty()) throw UsageError(std::string(where) + ": fully_shard: " + unused_units);

@@ -68,6 +68,7 @@ std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
       each_tensor(v, [&](const at::Tensor& t) {
         const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
         for (GatherOnUse::Impl* impl : registry()) {
+          if (impl->hooks.read && carries(impl->handle)) impl->hooks.read(s, fn.name());
           const int64_t u = impl->hooks.unit_of(s);
           if (u < 0) continue;
           if (!carries(impl->handle)) {  // another engine's thread

@@ -80,6 +80,10 @@ class GatherOnUse {
     // from any thread under the registry's lock: it must neither throw nor
     // wait for the engine.
     std::function<void(const at::Tensor& t)> foreign;
+    // An operator `op` on the engine's thread reads `storage` (any input):
+    // the engine notes reads it forbids (Note [Spent gradients] in
+    // fully_shard.cpp). Same rules as `foreign`; may be empty.
+    std::function<void(const c10::StorageImpl* storage, const char* op)> read;
   };
   // Registers the thread-local callback on the calling thread (the engine's).
   explicit GatherOnUse(Hooks hooks);
