@@ -100,11 +100,32 @@ std::vector<at::Tensor> train_alone(const Case& c, int parts) {
   return m->parameters();
 }
 
+// FSDP2's habit (Note [Nested fully_shard]): each unit's submodule under
+// fully_shard first, then the module with no units of its own; the
+// submodules' engines live on, emptied, until the end.
+std::vector<std::unique_ptr<ShardedDataParallel>> shard_units_first(const Case& c, torch::nn::Module& m,
+                                                                   comm::Group& shard, const ShardedOptions& o,
+                                                                   comm::Group* replicate) {
+  std::vector<std::unique_ptr<ShardedDataParallel>> blocks;
+  auto modules = m.named_modules();
+  for (const std::string& name : parallel::fsdp::select_units(m, c.units))
+    blocks.push_back(parallel::fsdp::fully_shard(modules[name], world(), shard, {}, o, replicate));
+  return blocks;
+}
+
 std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mesh* hybrid = nullptr,
-                                      const Inspect& inspect = {}) {
+                                      const Inspect& inspect = {}, bool nested = false) {
   auto m = c.make();
   comm::Group& shard = hybrid ? hybrid->dp_shard() : *world().group();
-  auto engine = parallel::fsdp::fully_shard(m, world(), shard, c.units, o, hybrid ? &hybrid->dp_replicate() : nullptr);
+  comm::Group* replicate = hybrid ? &hybrid->dp_replicate() : nullptr;
+  auto blocks = nested ? shard_units_first(c, *m, shard, o, replicate)
+                       : std::vector<std::unique_ptr<ShardedDataParallel>>{};
+  auto engine = parallel::fsdp::fully_shard(m, world(), shard, nested ? ModuleUnits{} : c.units, o, replicate);
+  if (nested) {
+    std::vector<std::string> want{engine->unit_names().front()};
+    for (const std::string& n : parallel::fsdp::select_units(*c.make(), c.units)) want.push_back(n);
+    EXPECT_EQ(engine->unit_names(), want) << c.name;
+  }
   torch::optim::Adam opt(engine->shards(), torch::optim::AdamOptions(1e-2));
   const int64_t n = kBatch / world().size();
   for (int s = 0; s < kSteps; ++s) {
@@ -120,10 +141,10 @@ std::vector<at::Tensor> train_sharded(const Case& c, ShardedOptions o, comm::Mes
 }
 
 void expect_parity(const Case& c, const ShardedOptions& o, const std::string& what, comm::Mesh* hybrid = nullptr,
-                   const Inspect& inspect = {}) {
+                   const Inspect& inspect = {}, bool nested = false) {
   const bool batchnorm = c.name == "resnet";
   auto want = train_alone(c, batchnorm ? world().size() : 1);
-  auto got = train_sharded(c, o, hybrid, inspect);
+  auto got = train_sharded(c, o, hybrid, inspect, nested);
   ASSERT_EQ(got.size(), want.size());
   EXPECT_LE(relative_diff(got, want, /*per_tensor=*/true), 1e-10) << c.name << " " << what;
   auto init = c.make()->parameters();
@@ -149,6 +170,52 @@ TEST(FullyShard, UserModulesMatchOneProcessUnderEveryStrategy) {
       o.sharding = s;
       expect_parity(c, o, parallel::fsdp::to_string(s));
     }
+}
+
+// FSDP2's habit composes into one engine whose units are the submodules
+// sharded first, matching one process as the one-call form does.
+TEST(FullyShard, NestedCallsComposeIntoOneEngine) {
+  for (const Case& c : cases())
+    for (Sharding s : {Sharding::Zero2, Sharding::FullShard}) {
+      ShardedOptions o;
+      o.sharding = s;
+      expect_parity(c, o, "nested " + parallel::fsdp::to_string(s), nullptr, {}, /*nested=*/true);
+    }
+}
+
+// What cannot compose is named: other options, a submodule's engine with
+// units of its own; an engine taken in says so when called.
+TEST(FullyShard, NestedCallsThatCannotComposeAreNamed) {
+  auto expect_invalid = [](const std::function<void()>& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted; expected an error naming '" << part << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  const Case resnet = cases()[2];
+  auto m = resnet.make();
+  auto modules = m->named_modules();
+  ShardedOptions grad_op;
+  grad_op.sharding = Sharding::ShardGradOp;
+  auto first = parallel::fsdp::fully_shard(modules["layer1.0"], world(), *world().group(), {}, grad_op);
+  expect_invalid([&] { parallel::fsdp::fully_shard(m, world(), *world().group(), {}); },
+                 "submodule 'layer1.0' is under fully_shard already, with other options (sharding SHARD_GRAD_OP and "
+                 "FULL_SHARD)");
+  first.reset();
+  auto m2 = resnet.make();
+  ModuleUnits convs;
+  convs.types = {"Conv2dImpl"};
+  auto with_units = parallel::fsdp::fully_shard(m2->named_modules()["layer1.1"], world(), *world().group(), convs);
+  expect_invalid([&] { parallel::fsdp::fully_shard(m2, world(), *world().group(), {}); },
+                 "submodule 'layer1.1' is under fully_shard already, with units of its own (conv1, ...), and units "
+                 "do not nest");
+  auto m3 = resnet.make();
+  auto block = parallel::fsdp::fully_shard(m3->named_modules()["layer1.0"], world(), *world().group(), {});
+  auto root = parallel::fsdp::fully_shard(m3, world(), *world().group(), {});
+  expect_usage_error([&] { block->shards(); }, {"the engine of submodule 'layer1.0' was taken in by fully_shard"},
+                     "an absorbed engine");
 }
 
 TEST(FullyShard, PrefetchingAndHybridShardMatch) {

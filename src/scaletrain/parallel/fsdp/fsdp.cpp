@@ -377,28 +377,28 @@ void ShardedDataParallel::State::check_after_step_called(const char* where) cons
 at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   {
-    std::lock_guard<std::recursive_mutex> lock(state_->mu);
-    state_->start_unshard(0);
-    if (options_.forward_prefetch || state_->replicated()) state_->prefetch(1, +1);
-    state_->unshard(0);
+    std::lock_guard<std::recursive_mutex> lock(st().mu);
+    st().start_unshard(0);
+    if (options_.forward_prefetch || st().replicated()) st().prefetch(1, +1);
+    st().unshard(0);
   }
   at::Tensor out = fn();
   // Without autograd no backward will come to free the root.
-  if (!torch::GradMode::is_enabled() || !out.requires_grad()) state_->reshard(0);
+  if (!torch::GradMode::is_enabled() || !out.requires_grad()) st().reshard(0);
   return out;
 }
 
 void ShardedDataParallel::reshard_all() {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
-  std::lock_guard<std::recursive_mutex> lock(state_->mu);
-  for (size_t u = 0; u < state_->units.size(); ++u) state_->reshard(u);
+  std::lock_guard<std::recursive_mutex> lock(st().mu);
+  for (size_t u = 0; u < st().units.size(); ++u) st().reshard(u);
 }
 
 void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor& grad) {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   torch::NoGradGuard no_grad;
   const at::Tensor flat = grad.reshape({-1});
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) {
       if (!f->trainable()) continue;
       for (const ShardPiece& piece : f->pieces()) {
@@ -411,14 +411,14 @@ void ShardedDataParallel::add_to_grad(const std::string& name, const at::Tensor&
     }
 }
 
-ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& e) : e_(e), previous_(e.state_->sync) {
-  e_.state_->sync = false;
+ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& e) : e_(e), previous_(e.st().sync) {
+  e_.st().sync = false;
 }
-ShardedDataParallel::NoSync::~NoSync() { e_.state_->sync = previous_; }
+ShardedDataParallel::NoSync::~NoSync() { if (e_.state_) e_.state_->sync = previous_; }
 
 std::vector<at::Tensor> ShardedDataParallel::shards() const {
   std::vector<at::Tensor> out;
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats)
       if (f->trainable()) out.push_back(f->shard());
   return out;
@@ -426,7 +426,7 @@ std::vector<at::Tensor> ShardedDataParallel::shards() const {
 
 std::vector<int64_t> ShardedDataParallel::shard_decay_numel() const {
   std::vector<int64_t> out;
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats)
       if (f->trainable()) out.push_back(f->shard_decay_numel());
   return out;
@@ -436,8 +436,8 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
   // Shards partition the gradient over the shard group; replicas hold the same.
   if (split.group == nullptr || split.group->size() == 1) {
-    const double norm = optim::clip_grad_norm(shards(), max_norm, {state_->shard});
-    state_->check_user_rules("clip_grad_norm");
+    const double norm = optim::clip_grad_norm(shards(), max_norm, {st().shard});
+    st().check_user_rules("clip_grad_norm");
     return norm;
   }
   // Note [Sharding tensor-parallel parameters]: squares of split and of
@@ -445,7 +445,7 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> parts[2];  // per piece: split, replicated
   at::TensorOptions opts = at::TensorOptions().dtype(at::kDouble);
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) {
       if (!f->trainable() || !f->shard().grad().defined()) continue;
       const at::Tensor g = f->shard().grad();
@@ -456,7 +456,7 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
     }
   auto total = [&](const std::vector<at::Tensor>& v) { return v.empty() ? at::zeros({}, opts) : at::stack(v).sum(); };
   at::Tensor sq = at::stack({total(parts[0]), total(parts[1])});
-  state_->shard->all_reduce(sq).wait();
+  st().shard->all_reduce(sq).wait();
   at::Tensor split_sq = sq.narrow(0, 0, 1).clone();
   split.group->all_reduce(split_sq).wait();
   const double norm = std::sqrt(split_sq.item<double>() + sq[1].item<double>());
@@ -465,7 +465,7 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
     for (auto& t : shards())
       if (t.grad().defined()) t.mutable_grad().mul_(scale);
   }
-  state_->check_user_rules("clip_grad_norm");
+  st().check_user_rules("clip_grad_norm");
   return norm;
 }
 
@@ -473,51 +473,52 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, const NormSplit& spl
 // FullParams) gathers each unit.
 void ShardedDataParallel::after_step() {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
-  std::lock_guard<std::recursive_mutex> lock(state_->mu);
-  if (state_->awaiting_step && state_->gradients_nonzero() && !state_->shards_changed())
+  std::lock_guard<std::recursive_mutex> lock(st().mu);
+  if (st().awaiting_step && st().gradients_nonzero() && !st().shards_changed())
     throw UsageError(
         "after_step: no shard changed since backward reduced the gradients: build the optimizer over "
         "engine->shards(), not the module's parameters (and when a step is skipped or changes nothing, skip "
         "after_step() too)");
-  state_->awaiting_step = false;
+  st().awaiting_step = false;
   if (!replicated_params(options_.sharding)) {
-    state_->wait_gathers();
+    st().wait_gathers();
     // Optimizer offload keeps a device copy of each stepped host shard.
-    for (auto& unit : state_->units)
+    for (auto& unit : st().units)
       for (auto& f : unit.flats) f->refresh_device_copy();
-    state_->refresh_fp8_scales();
-    state_->check_user_rules("after_step");
+    st().refresh_fp8_scales();
+    st().check_user_rules("after_step");
     return;
   }
-  state_->wait_gathers();
-  for (auto& unit : state_->units) unit.stale = unit.trainable > 0;
-  state_->check_user_rules("after_step");
+  st().wait_gathers();
+  for (auto& unit : st().units) unit.stale = unit.trainable > 0;
+  st().check_user_rules("after_step");
 }
 
 void ShardedDataParallel::zero_grad() {
   GatherOnUse::Quiet quiet;  // Note [Gather on use]: the engine's own reads
-  state_->check_after_step_called("zero_grad");
-  for (auto& unit : state_->units)
+  st().check_after_step_called("zero_grad");
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) f->zero_grad();
-  state_->unused_units.clear();  // the gradients it was about are gone
-  state_->check_user_rules("zero_grad");
+  st().unused_units.clear();  // the gradients it was about are gone
+  st().check_user_rules("zero_grad");
 }
 
 ShardedDataParallel::FullParams::FullParams(ShardedDataParallel& e) : e_(e) {
   GatherOnUse::Quiet quiet;
-  std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
-  e_.state_->exact_gathers = true;
-  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->start_unshard(u);
-  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->unshard(u);
-  e_.state_->exact_gathers = false;
-  e_.state_->summoned = true;
+  std::lock_guard<std::recursive_mutex> lock(e_.st().mu);
+  e_.st().exact_gathers = true;
+  for (size_t u = 0; u < e_.st().units.size(); ++u) e_.st().start_unshard(u);
+  for (size_t u = 0; u < e_.st().units.size(); ++u) e_.st().unshard(u);
+  e_.st().exact_gathers = false;
+  e_.st().summoned = true;
 }
 
 ShardedDataParallel::FullParams::~FullParams() {
+  if (!e_.state_) return;  // absorbed meanwhile (Note [Nested fully_shard]): nothing of it is left
   GatherOnUse::Quiet quiet;
-  std::lock_guard<std::recursive_mutex> lock(e_.state_->mu);
-  e_.state_->summoned = false;
-  for (size_t u = 0; u < e_.state_->units.size(); ++u) e_.state_->reshard(u);
+  std::lock_guard<std::recursive_mutex> lock(e_.st().mu);
+  e_.st().summoned = false;
+  for (size_t u = 0; u < e_.st().units.size(); ++u) e_.st().reshard(u);
 }
 
 std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
@@ -525,7 +526,7 @@ std::vector<at::Tensor> ShardedDataParallel::full_parameters() {
   FullParams full(*this);
   std::vector<at::Tensor> out;
   for (auto& p : module_->parameters()) out.push_back(p.detach().clone());
-  state_->check_user_rules("full_parameters");
+  st().check_user_rules("full_parameters");
   return out;
 }
 
@@ -535,7 +536,7 @@ torch::OrderedDict<std::string, at::Tensor> ShardedDataParallel::full_state_dict
   torch::OrderedDict<std::string, at::Tensor> out;
   for (const auto& item : module_->named_parameters()) out.insert(item.key(), item.value().detach().clone());
   for (const auto& item : module_->named_buffers()) out.insert(item.key(), item.value().detach().clone());
-  state_->check_user_rules("full_state_dict");
+  st().check_user_rules("full_state_dict");
   return out;
 }
 

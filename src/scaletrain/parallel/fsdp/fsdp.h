@@ -319,6 +319,13 @@ class ShardedDataParallel {
 
  private:
   void init(comm::World& world, comm::Group& shard, comm::Group* replicate);
+  // Note [Nested fully_shard] (fully_shard.cpp): the live engines over
+  // submodules of module_ give their modules back and become units here.
+  ModuleUnits absorb_children(const ModuleUnits& units, comm::Group& shard, comm::Group* replicate);
+  void give_back_module(const std::string& parent);
+  // The engine's state; UsageError once another engine absorbed this one.
+  State& st() const;
+  std::string absorbed_;  // set by give_back_module
   std::shared_ptr<torch::nn::Module> module_;
   std::unique_ptr<interfaces::Blockwise> own_blocks_;  // a user module's units (ModuleBlocks)
   interfaces::Blockwise* blocks_;
@@ -329,7 +336,9 @@ class ShardedDataParallel {
 
 // PyTorch's fully_shard for any torch::nn::Module: ZeRO-1/2/3 and every FSDP
 // sharding strategy (options.sharding) over `shard` (and `replicate` for
-// HYBRID_SHARD). The step: call the module as usual, loss.backward(),
+// HYBRID_SHARD). FSDP2's habit composes: fully_shard each block, then the
+// model; the model's call takes the blocks' engines in as its units (Note
+// [Nested fully_shard] in fully_shard.cpp) and only its engine trains. The step: call the module as usual, loss.backward(),
 // clip_grad_norm() if wanted, the optimizer over shards() (never over
 // module->parameters()), after_step(), zero_grad(). Every unit with trainable
 // parameters must take part in each step (Note [Units that took no part]).

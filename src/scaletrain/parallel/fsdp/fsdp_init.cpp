@@ -311,61 +311,56 @@ void ShardedDataParallel::init(comm::World& world, comm::Group& shard, comm::Gro
   install_hooks(state_, *blocks_);
 }
 
-ShardedDataParallel::~ShardedDataParallel() {
-  gather_on_use_.reset();
-  blocks_->set_block_runner(nullptr);
-}
-
 std::vector<ShardedDataParallel::ShardView> ShardedDataParallel::shard_views() const {
   std::vector<ShardView> out;
   for (bool trainable : {true, false})
-    for (auto& unit : state_->units)
+    for (auto& unit : st().units)
       for (auto& f : unit.flats)
         if (f->trainable() == trainable) out.push_back({f->shard(), trainable, f->pieces()});
   return out;
 }
 
-int ShardedDataParallel::replica_rank() const { return state_->replicate ? state_->replicate->rank() : 0; }
+int ShardedDataParallel::replica_rank() const { return st().replicate ? st().replicate->rank() : 0; }
 
-int ShardedDataParallel::num_units() const { return static_cast<int>(state_->units.size()); }
+int ShardedDataParallel::num_units() const { return static_cast<int>(st().units.size()); }
 
 std::vector<std::string> ShardedDataParallel::unit_names() const {
   std::vector<std::string> out;
-  for (auto& u : state_->units) out.push_back(u.name);
+  for (auto& u : st().units) out.push_back(u.name);
   return out;
 }
 
 int64_t ShardedDataParallel::param_bytes() const {
   int64_t b = 0;
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) b += f->param_bytes();
   return b;
 }
 
 int64_t ShardedDataParallel::offloaded_bytes() const {
   int64_t b = 0;
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) b += f->offloaded_bytes();
   return b;
 }
 
 int64_t ShardedDataParallel::grad_bytes() const {
   int64_t b = 0;
-  for (auto& unit : state_->units)
+  for (auto& unit : st().units)
     for (auto& f : unit.flats) b += f->grad_bytes();
   return b;
 }
 
-double ShardedDataParallel::comm_wait_ms() const { return state_->wait_ms; }
-ShardedDataParallel::Stats ShardedDataParallel::stats() const { return state_->stats; }
+double ShardedDataParallel::comm_wait_ms() const { return st().wait_ms; }
+ShardedDataParallel::Stats ShardedDataParallel::stats() const { return st().stats; }
 void ShardedDataParallel::reset_stats() {
-  state_->wait_ms = 0;
-  state_->stats = {};
+  st().wait_ms = 0;
+  st().stats = {};
 }
 
 int ShardedDataParallel::stale_units() const {
   int n = 0;
-  for (auto& unit : state_->units) n += unit.stale ? 1 : 0;
+  for (auto& unit : st().units) n += unit.stale ? 1 : 0;
   return n;
 }
 

@@ -3,7 +3,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <cstdio>
+#include <mutex>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/ddp/ddp_comm.h"
@@ -43,7 +45,105 @@ void check_module(const torch::nn::Module& module) {
                                 "' is bound to no group: call convert_sync_batchnorm(module, group) first");
 }
 
+// The live fully_shard engines, by the module each holds (Note [Nested fully_shard]).
+std::mutex g_live_mu;
+std::unordered_map<const torch::nn::Module*, ShardedDataParallel*>& live_engines() {
+  static std::unordered_map<const torch::nn::Module*, ShardedDataParallel*> m;
+  return m;
+}
+
+// What a child engine's options must share with its parent's call: the
+// parent's engine runs every unit with its own options.
+std::string options_differ(const ShardedOptions& a, const ShardedOptions& b) {
+  auto same = [](bool x, bool y) { return x == y; };
+  if (a.sharding != b.sharding) return "sharding " + to_string(a.sharding) + " and " + to_string(b.sharding);
+  if (a.master_dtype != b.master_dtype || a.reduce_dtype != b.reduce_dtype || a.grad_dtype != b.grad_dtype)
+    return "master, reduce or gradient dtypes";
+  if (a.backward_prefetch != b.backward_prefetch || a.forward_prefetch != b.forward_prefetch ||
+      a.limit_all_gathers != b.limit_all_gathers || a.prefetch_bytes != b.prefetch_bytes ||
+      a.max_live_numel != b.max_live_numel || a.max_inflight_reduces != b.max_inflight_reduces ||
+      a.allgather_bucket_numel != b.allgather_bucket_numel)
+    return "prefetching or communication limits";
+  if (a.allow_unused_units != b.allow_unused_units) return "allow_unused_units";
+  if (!same(static_cast<bool>(a.offload_alloc), static_cast<bool>(b.offload_alloc)) ||
+      a.offload_params != b.offload_params)
+    return "offloading";
+  if (!same(a.fp8_reduce.has_value(), b.fp8_reduce.has_value()) ||
+      !same(a.fp8_gather.has_value(), b.fp8_gather.has_value()))
+    return "FP8 communication";
+  if (static_cast<bool>(a.expert_param) || static_cast<bool>(a.deferred_init) ||
+      static_cast<bool>(a.deferred_slice_init))
+    return "experts or deferred initialization (give them to the parent's call only)";
+  return "";
+}
+
 }  // namespace
+
+ShardedDataParallel::State& ShardedDataParallel::st() const {
+  if (!state_) throw UsageError("fully_shard: " + absorbed_);
+  return *state_;
+}
+
+// Note [Nested fully_shard]: FSDP2's habit is fully_shard(block) for each
+// block, then fully_shard(model); each call marks a module, and the model's
+// call makes the blocks units of one engine. Here each call returns a
+// working engine (a block trained alone works), so the model's call finds
+// the live engines over its submodules (registration order, the same on
+// every rank), checks that they share its groups and options (one engine
+// runs every unit one way), has each give its module back (its parameters
+// gathered whole into tensors of their own: a collective, one block at a
+// time) and adds each block to its units by name. The blocks' engines are
+// then empty: any call on one is a UsageError that says which call absorbed
+// it, and their hooks are gone with their state. A block engine with units
+// of its own cannot become one unit (units do not nest): refused. The cost
+// is one gather of each block at the model's call, before any step.
+ModuleUnits ShardedDataParallel::absorb_children(const ModuleUnits& units, comm::Group& shard,
+                                                 comm::Group* replicate) {
+  std::vector<std::pair<std::string, ShardedDataParallel*>> children;
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+      auto it = live_engines().find(item.value().get());
+      if (it != live_engines().end()) children.emplace_back(item.key(), it->second);
+    }
+  }
+  ModuleUnits out = units;
+  for (auto& [name, child] : children) {
+    const std::string what = "fully_shard: submodule '" + name + "' is under fully_shard already, ";
+    if (child->st().shard != &shard || child->st().replicate != replicate)
+      throw std::invalid_argument(what + "over other groups than this call's: give both calls the same groups");
+    const std::string differ = options_differ(child->options_, options_);
+    if (!differ.empty())
+      throw std::invalid_argument(what + "with other options (" + differ +
+                                  "): one engine runs every unit one way, so give both calls the same options");
+    if (child->num_units() > 1)
+      throw std::invalid_argument(what + "with units of its own (" + child->unit_names()[1] +
+                                  ", ...), and units do not nest: shard the submodule with one call and no units");
+  }
+  for (auto& [name, child] : children) {
+    child->give_back_module(name);
+    out.names.push_back(name);
+  }
+  return out;
+}
+
+void ShardedDataParallel::give_back_module(const std::string& name) {
+  std::vector<at::Tensor> whole = full_parameters();  // collective, in named_parameters() order
+  {
+    torch::NoGradGuard no_grad;
+    auto params = module_->parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_data(whole[i]);
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    live_engines().erase(module_.get());
+  }
+  gather_on_use_.reset();
+  state_.reset();  // the hooks hold it weakly: they do nothing from now on
+  absorbed_ = "the engine of submodule '" + name +
+              "' was taken in by fully_shard of a module holding it (Note [Nested fully_shard]): use the engine "
+              "that call returned";
+}
 
 ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, const ModuleUnits& units,
                                          comm::World& world, comm::Group& shard, comm::Group* replicate,
@@ -53,8 +153,9 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     throw std::invalid_argument("fully_shard: units of a module are chosen by ModuleUnits, not options.wrap");
   if (options_.keep_root_between_backwards)
     throw std::invalid_argument("fully_shard: keep_root_between_backwards is for pipeline chunks");
+  const ModuleUnits all = absorb_children(units, shard, replicate);
   check_module(*module_);
-  own_blocks_ = std::make_unique<ModuleBlocks>(select_units(*module_, units));
+  own_blocks_ = std::make_unique<ModuleBlocks>(select_units(*module_, all));
   blocks_ = own_blocks_.get();
   GatherOnUse::Quiet quiet;
   init(world, shard, replicate);
@@ -97,6 +198,18 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     if (auto st = weak.lock()) st->note_spent_read(storage, op);
   };
   gather_on_use_ = std::make_unique<GatherOnUse>(std::move(hooks));
+  std::lock_guard<std::mutex> lock(g_live_mu);
+  live_engines()[module_.get()] = this;
+}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  {
+    std::lock_guard<std::mutex> lock(g_live_mu);
+    auto it = live_engines().find(module_.get());
+    if (it != live_engines().end() && it->second == this) live_engines().erase(it);
+  }
+  gather_on_use_.reset();
+  blocks_->set_block_runner(nullptr);
 }
 
 std::unique_ptr<ShardedDataParallel> fully_shard(std::shared_ptr<torch::nn::Module> module, comm::World& world,
