@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "scaletrain/observe/metrics.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/module_library.h"
 #include "scaletrain/train/trainer.h"
 
 namespace scaletrain::cli {
@@ -39,7 +40,10 @@ void add_train(CLI::App& app, Runner& run) {
       auto cfg = train::load_config(*config, overrides);
       if (!deepspeed->empty())
         train::apply_deepspeed_config(cfg, *deepspeed, train::deepspeed_data_parallel_size(cfg));
-      train::run_training(cfg);
+      if (cfg.model.library.empty())
+        train::run_training(cfg);
+      else
+        train::run_module_library(cfg);
       return 0;
     };
   });

@@ -49,3 +49,44 @@ for example in toy_ddp mnist resnet_fsdp resnet_pipeline tensor_parallel lstm_lm
       -- "$work/examples/$example" ${flag:+"$flag"}
   done
 done
+
+# The CLI trains a module library (examples/cpp/module_library.cpp): one
+# process, then 2 under DDP and under FULL_SHARD (the library's units), each
+# step's loss the same to 1e-10 in float64; what it cannot train is refused.
+lib=$work/examples/libmodule_library.so
+st=$prefix/bin/scaletrain
+train_lib() {  # NPROC NAME [overrides...]
+  local n=$1 name=$2
+  shift 2
+  echo "== module library, $name, on $n process(es)"
+  "$st" launch --nproc-per-node "$n" --threads 1 --timeout 240 -- "$st" train "$src/examples/cpp/module_library.yaml" \
+    --model.library="$lib" --model.library_args=float64 --metrics.path="$work/lib_$name.jsonl" "$@"
+}
+train_lib 1 one
+train_lib 2 ddp
+train_lib 2 full_shard --parallel.strategy=fsdp --parallel.fsdp.sharding_strategy=FULL_SHARD
+/usr/bin/python3 - "$work" <<'PY'
+import json, sys
+def losses(name):
+    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/lib_{name}.jsonl")]
+one = losses("one")
+assert len(one) == 20 and one[-1] < 0.6 * one[0], one
+for name in ("ddp", "full_shard"):
+    got = losses(name)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, one))
+    assert len(got) == len(one) and worst < 1e-10, (name, worst)
+    print(f"module library {name}: {len(got)} steps, largest relative difference from one process {worst:.1e}")
+PY
+refused() {  # EXPECTED-TEXT ARGS...: exit 2 and one line naming the problem
+  local want=$1 out rc=0
+  shift
+  out=$("$st" train "$src/examples/cpp/module_library.yaml" "$@" 2>&1) || rc=$?
+  if [ "$rc" != 2 ] || ! grep -qF -- "$want" <<<"$out"; then
+    echo "expected exit 2 and '$want', got $rc: $out" >&2
+    exit 1
+  fi
+}
+refused "model.library: no file $work/none.so" --model.library="$work/none.so"
+refused "exports no scaletrain_module_task_v1" --model.library="$prefix/lib/libscaletrain_core.so"
+refused "model.preset=gpt2 would have no effect" --model.library="$lib" --model.preset=gpt2
+echo "module library: refusals named"

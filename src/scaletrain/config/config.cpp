@@ -212,6 +212,8 @@ const std::map<std::string, Field>& fields() {
     ST_FIELD(model, capacity_factor, positive_capacity(v), show_double)
     ST_ENUM(model, moe_drop_policy)
     ST_STR(model, init_from)
+    ST_STR(model, library)
+    ST_STR(model, library_args)
     ST_ENUM(model, activation_checkpointing)
     ST_ENUM(model, attention)
     ST_BOOL(model, fused)

@@ -47,6 +47,12 @@ struct ModelOptions {
   // Hugging Face weights to start from: a GPT-2 safetensors file, or a Hub directory (config.json +
   // safetensors) of a model_type model.config reads ("" = random init)
   std::string init_from;
+  // A module library instead of a family: a shared library built against the
+  // package that exports SCALETRAIN_MODULE_TASK (train/module_task.h), whose
+  // module, loss and samples the module trainer trains with the other keys
+  // ("" = the families). docs/own-model.md, "The CLI trains your module".
+  std::string library;
+  std::string library_args;  // text handed to the library's task function as it is
   // none | full: full keeps only each block's input for backward and
   // recomputes the block there (less activation memory, one more forward).
   std::string activation_checkpointing = "none";

@@ -208,6 +208,8 @@ bool starts(const std::string& key, const std::string& prefix) { return key.comp
 
 // Why a key that is not mapped would have no effect on a user module.
 std::string unread_reason(const std::string& key) {
+  if (key == "model.library" || key == "model.library_args")
+    return "it is read by scaletrain train, which loads the library (train/module_library.h)";
   if (starts(key, "model.")) return "a user module is yours; model.* describes the CLI's transformer families";
   if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
   if (starts(key, "finetune.")) return "adapters are added to the CLI's families only";

@@ -364,6 +364,10 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
+  if (!c.model.library.empty())  // the families' plan; a library's module goes to the module trainer
+    throw UsageError("model.library=" + c.model.library +
+                     " names a user module, which scaletrain train (and launch) trains; this command plans the "
+                     "CLI's families only");
   // The checks below read these; a name validate_config would refuse stops here.
   if (!problems.check([&] { plan.data_parallel = data_parallelism(p); })) problems.raise();
   const DataParallelism d = plan.data_parallel;

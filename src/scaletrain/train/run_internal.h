@@ -63,6 +63,9 @@ struct Run {
 
 // run_setup.cpp: joins the job and builds the mesh, the model, its strategy
 // and the optimizer; then the lead rank prints what it built.
+// Compute threads per rank as the launcher decided (SCALETRAIN_THREADS or
+// OMP_NUM_THREADS), else libtorch's default.
+void set_threads();
 void setup(Run& r, const comm::WorldInfo& info);
 void print_start(Run& r, const comm::WorldInfo& info);
 

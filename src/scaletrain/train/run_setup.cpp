@@ -61,6 +61,8 @@ std::string fp8_description(const Config& c, const Plan& plan) {
   return out;
 }
 
+}  // namespace
+
 // Threads per rank: what the launcher decided (SCALETRAIN_THREADS or
 // OMP_NUM_THREADS), else libtorch's default.
 void set_threads() {
@@ -74,8 +76,6 @@ void set_threads() {
     }
   }
 }
-
-}  // namespace
 
 // Joins the job and builds the mesh, the model, its strategy and the optimizer.
 void setup(Run& r, const comm::WorldInfo& info) {
