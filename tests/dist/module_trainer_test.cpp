@@ -83,9 +83,10 @@ struct Reference {
 
 // One process: the sampler's global batch of each step, the whole batch's
 // mean loss, torch's clipping, the schedule written into Adam's lr.
-Reference train_alone(const ModuleTrainerOptions& o) {
+Reference train_alone(const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
   auto m = make_toy();
-  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(kLr));
+  std::unique_ptr<torch::optim::Optimizer> made = factory(m->parameters());
+  torch::optim::Optimizer& opt = *made;
   data::SamplerOptions so;
   so.seed = o.seed;
   so.global_batch = o.global_batch;
@@ -98,8 +99,7 @@ Reference train_alone(const ModuleTrainerOptions& o) {
     at::Tensor loss = mse(*m, b.input, b.target);
     loss.backward();
     ref.norms.push_back(torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm));
-    static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options())
-        .lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
+    opt.param_groups()[0].options().set_lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
     opt.step();
     ref.losses.push_back(loss.item<double>());
   }
@@ -309,46 +309,59 @@ TEST(ModuleTrainer, ARankWithOtherOptionsOrModuleIsNamedAtStart) {
 }
 
 // Checkpoints save Adam, AdamW and plain SGD; anything else is refused before a step.
-TEST(ModuleTrainer, RefusesCheckpointsOfUnsupportedOptimizers) {
-  const fs::path dir = fresh_dir("refused");
+// Every libtorch optimizer with per-parameter state resumes exactly: saved
+// under DDP after 3 of 6 steps, resumed under ZeRO-3 (and the other way),
+// the run continues the uninterrupted one's losses. A checkpoint of another
+// optimizer's state does not load, and LBFGS is refused with checkpoints on.
+TEST(ModuleTrainer, EveryTorchOptimizerResumesExactly) {
   using Factory = train::OptimizerFactory;
-  const std::vector<std::tuple<std::string, Factory, std::string>> refused = {
-      {"RMSprop",
-       [](std::vector<at::Tensor> p) {
-         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(kLr));
-       },
-       "torch::optim::RMSprop"},
-      {"SGD with momentum",
-       [](std::vector<at::Tensor> p) {
-         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr).momentum(0.9));
-       },
-       "SGD with momentum"},
-      {"Adam amsgrad",
-       [](std::vector<at::Tensor> p) {
-         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(kLr).amsgrad(true));
-       },
-       "amsgrad"}};
-  for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero3}) {
-    for (const auto& entry : refused) {
-      const std::string& what = std::get<0>(entry);
-      const Factory& factory = std::get<1>(entry);  // a plain reference: lambdas below capture it
-      const std::string& part = std::get<2>(entry);
-      ModuleTrainerOptions o = options(s, 2);
-      o.checkpoint_dir = dir.string();
-      expect_error([&] { ModuleTrainer t(make_toy(), world(), factory, mse, o); }, part, what);
-      expect_error([&] { ModuleTrainer t(make_toy(), world(), factory, mse, o); }, "checkpoint_dir", what);
-      o.checkpoint_dir.clear();  // without checkpoints any optimizer trains
-      EXPECT_NO_THROW(ModuleTrainer(make_toy(), world(), factory, mse, o).fit(dataset())) << what;
+  using namespace torch::optim;
+  const std::vector<std::pair<std::string, Factory>> optimizers = {
+      {"SGD momentum dampening", [](std::vector<at::Tensor> p) {
+         return std::make_unique<SGD>(p, SGDOptions(kLr).momentum(0.9).dampening(0.1).weight_decay(0.01));
+       }},
+      {"SGD nesterov", [](std::vector<at::Tensor> p) {
+         return std::make_unique<SGD>(p, SGDOptions(kLr).momentum(0.8).nesterov(true));
+       }},
+      {"RMSprop momentum centered", [](std::vector<at::Tensor> p) {
+         return std::make_unique<RMSprop>(p, RMSpropOptions(kLr).momentum(0.5).centered(true));
+       }},
+      {"Adagrad", [](std::vector<at::Tensor> p) { return std::make_unique<Adagrad>(p, AdagradOptions(kLr)); }},
+      {"Adam amsgrad", [](std::vector<at::Tensor> p) {
+         return std::make_unique<Adam>(p, AdamOptions(kLr).amsgrad(true));
+       }},
+      {"AdamW amsgrad", [](std::vector<at::Tensor> p) {
+         return std::make_unique<AdamW>(p, AdamWOptions(kLr).amsgrad(true));
+       }}};
+  for (const auto& [what, factory] : optimizers) {
+    const Reference ref = train_alone(options(ModuleStrategy::DDP, 6), factory);
+    for (auto [save_as, resume_as] : {std::pair{ModuleStrategy::DDP, ModuleStrategy::Zero3},
+                                      std::pair{ModuleStrategy::Zero3, ModuleStrategy::DDP}}) {
+      const std::string name = what + ", " + train::to_string(save_as) + " -> " + train::to_string(resume_as);
+      const fs::path dir = fresh_dir("optimizers");
+      ModuleTrainerOptions first = options(save_as, 6);
+      first.stop_at = 3;
+      first.checkpoint_dir = dir.string();
+      expect_losses(ModuleTrainer(make_toy(), world(), factory, mse, first).fit(dataset()).losses,
+                    std::vector<double>(ref.losses.begin(), ref.losses.begin() + 3), 0, name + " (first part)");
+      ModuleTrainerOptions second = options(resume_as, 6);
+      second.checkpoint_dir = dir.string();
+      ModuleTrainer trainer(make_toy(), world(), factory, mse, second);
+      expect_losses(trainer.fit(dataset()).losses, ref.losses, 3, name);
+      EXPECT_LE(relative_diff(trainer.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
     }
-    ModuleTrainerOptions o = options(s, 2);
-    o.checkpoint_dir = dir.string();
-    o.resume = "never";
-    auto sgd = [](std::vector<at::Tensor> p) {
-      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr));
-    };
-    EXPECT_NO_THROW(ModuleTrainer(make_toy(), world(), sgd, mse, o).fit(dataset())) << "plain SGD";
   }
-  EXPECT_TRUE(fs::exists(dir / "step-000002" / "index.json"));
+  const fs::path dir = fresh_dir("optimizers");
+  ModuleTrainerOptions o = options(ModuleStrategy::DDP, 2);
+  o.checkpoint_dir = dir.string();
+  ModuleTrainer(make_toy(), world(), optimizers[0].second, mse, o).fit(dataset());
+  o.steps = 4;  // Adam resuming SGD's checkpoint: its moments are not there
+  expect_error<std::exception>([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "has no tensor exp_avg/",
+                               "Adam from SGD");
+  auto lbfgs = [](std::vector<at::Tensor> p) { return std::make_unique<LBFGS>(p, LBFGSOptions(kLr)); };
+  expect_error([&] { ModuleTrainer t(make_toy(), world(), lbfgs, mse, o); }, "torch::optim::LBFGS", "LBFGS");
+  o.checkpoint_dir.clear();  // without checkpoints LBFGS is not refused at construction
+  EXPECT_NO_THROW(ModuleTrainer(make_toy(), world(), lbfgs, mse, o)) << "LBFGS without checkpoints";
 }
 
 // The YAML route: the CLI's keys give the options, and the optimizer is

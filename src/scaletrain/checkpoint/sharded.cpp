@@ -26,7 +26,6 @@ using nlohmann::json;
 
 namespace {
 
-const char* const kKinds[] = {"model", "exp_avg", "exp_avg_sq"};
 
 std::string rank_name(int rank, const char* ext) {
   char buf[48];
@@ -45,18 +44,18 @@ struct OutPiece {
 std::vector<OutPiece> collect(const Layout& layout, const OptimizerState* opt, bool copy) {
   std::vector<OutPiece> out;
   for (const auto& slot : layout.slots) {
-    std::vector<std::pair<const char*, at::Tensor>> sources{{kKinds[0], slot.tensor}};
+    std::vector<std::pair<std::string, at::Tensor>> sources{{"model", slot.tensor}};
     if (opt && slot.optim_index >= 0) {
       // fp32 values whatever the optimizer stores (Note [FP8 moments] in optim/adamw.h)
-      sources.emplace_back(kKinds[1], opt->exp_avg_value(slot.optim_index));
-      sources.emplace_back(kKinds[2], opt->exp_avg_sq_value(slot.optim_index));
+      const std::vector<std::string> kinds = opt->kinds();
+      for (size_t k = 0; k < kinds.size(); ++k) sources.emplace_back(kinds[k], opt->value(k, slot.optim_index));
     }
     for (const auto& [kind, t] : sources) {
       at::Tensor flat = t.detach().reshape(-1);
       for (const auto& p : slot.pieces) {
         if (!p.saved) continue;
         at::Tensor d = flat.narrow(0, p.local_offset, p.numel).to(at::kCPU).contiguous();  // host: file bytes
-        out.push_back({std::string(kind) + "/" + p.name, p.shape, p.param_offset, copy ? d.clone() : d});
+        out.push_back({kind + "/" + p.name, p.shape, p.param_offset, copy ? d.clone() : d});
       }
     }
   }
@@ -442,20 +441,24 @@ Index load_checkpoint(const std::string& dir, const Layout& layout, OptimizerSta
   Index index = read_index(dir);
   Reader reader(dir, index);
   for (const auto& slot : layout.slots) {
-    std::vector<std::pair<const char*, at::Tensor>> targets{{kKinds[0], slot.tensor}};
-    if (opt && slot.optim_index >= 0) {
-      // The moments' fp32 values: the stored tensors themselves, or copies
-      // that set_moments() stores (Note [FP8 moments] in optim/adamw.h).
-      targets.emplace_back(kKinds[1], opt->exp_avg_value(slot.optim_index));
-      targets.emplace_back(kKinds[2], opt->exp_avg_sq_value(slot.optim_index));
+    std::vector<std::pair<std::string, at::Tensor>> targets{{"model", slot.tensor}};
+    const bool with_opt = opt && slot.optim_index >= 0;
+    if (with_opt) {
+      // The states' fp32 values: the stored tensors themselves, or copies
+      // that set_values() stores (Note [FP8 moments] in optim/adamw.h).
+      const std::vector<std::string> kinds = opt->kinds();
+      for (size_t k = 0; k < kinds.size(); ++k) targets.emplace_back(kinds[k], opt->value(k, slot.optim_index));
     }
     for (const auto& [kind, t] : targets) {
       at::Tensor flat = t.detach().view(-1);
       for (const auto& p : slot.pieces)
-        reader.copy(std::string(kind) + "/" + p.name, &p.shape, p.param_offset,
-                    flat.narrow(0, p.local_offset, p.numel));
+        reader.copy(kind + "/" + p.name, &p.shape, p.param_offset, flat.narrow(0, p.local_offset, p.numel));
     }
-    if (opt && slot.optim_index >= 0) opt->set_moments(slot.optim_index, targets[1].second, targets[2].second);
+    if (with_opt) {
+      std::vector<at::Tensor> values;
+      for (size_t k = 1; k < targets.size(); ++k) values.push_back(targets[k].second);
+      opt->set_values(slot.optim_index, values);
+    }
   }
   if (opt) opt->set_steps(index.state.optimizer_steps);
   return index;

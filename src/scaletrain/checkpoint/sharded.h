@@ -109,17 +109,23 @@ struct SaveState {
   ModelShape model;  // for consolidation
 };
 
-// What a checkpoint saves and restores of an optimizer: two moments per
-// layout slot (Slot::optim_index), read and written as fp32 values whatever
-// the optimizer stores, and the step count. OptimizerMoments adapts any
-// optimizer with these members (optim::AdamW), so this layer does not
-// depend on optim/.
+// What a checkpoint saves and restores of an optimizer: per layout slot
+// (Slot::optim_index) one tensor of each kind the optimizer keeps (Adam's
+// "exp_avg" and "exp_avg_sq", SGD's "momentum_buffer", ...), each the
+// slot's size, and the step count. A checkpoint's tensors are named by
+// kind, so one saved by another optimizer does not load ("has no tensor
+// momentum_buffer/..."). OptimizerMoments adapts any optimizer with Adam's
+// two moments as members (optim::AdamW), so this layer does not depend on
+// optim/.
 class OptimizerState {
  public:
   virtual ~OptimizerState() = default;
-  virtual at::Tensor exp_avg_value(size_t i) const = 0;
-  virtual at::Tensor exp_avg_sq_value(size_t i) const = 0;
-  virtual void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) = 0;
+  virtual std::vector<std::string> kinds() const = 0;
+  // Slot i's tensor of kinds()[kind]; values to load are written into it
+  // and then handed to set_values (a copy where the optimizer stores
+  // another form: Note [FP8 moments] in optim/adamw.h).
+  virtual at::Tensor value(size_t kind, size_t i) const = 0;
+  virtual void set_values(size_t i, const std::vector<at::Tensor>& values) = 0;
   virtual void set_steps(int64_t steps) = 0;
 };
 
@@ -127,9 +133,11 @@ template <class Optimizer>
 class OptimizerMoments final : public OptimizerState {
  public:
   explicit OptimizerMoments(Optimizer& o) : o_(o) {}
-  at::Tensor exp_avg_value(size_t i) const override { return o_.exp_avg_value(i); }
-  at::Tensor exp_avg_sq_value(size_t i) const override { return o_.exp_avg_sq_value(i); }
-  void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) override { o_.set_moments(i, m, v); }
+  std::vector<std::string> kinds() const override { return {"exp_avg", "exp_avg_sq"}; }
+  at::Tensor value(size_t kind, size_t i) const override {
+    return kind == 0 ? o_.exp_avg_value(i) : o_.exp_avg_sq_value(i);
+  }
+  void set_values(size_t i, const std::vector<at::Tensor>& v) override { o_.set_moments(i, v.at(0), v.at(1)); }
   void set_steps(int64_t steps) override { o_.set_steps(steps); }
 
  private:

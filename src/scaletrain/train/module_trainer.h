@@ -23,7 +23,8 @@
 //   4. The reported loss is the mean over the global batch (one all-reduce).
 // Every piece is public and composes by hand: DistributedDataParallel and
 // fully_shard, DistributedSampler, optim::lr_at, checkpoint::Checkpointer
-// with replicated_layout / sharded_layout and torch_optimizer_state below.
+// with replicated_layout / sharded_layout and torch_optimizer_state
+// (torch_optimizer_state.h).
 #include <ATen/ATen.h>
 #include <c10/util/Type.h>
 #include <torch/nn/module.h>
@@ -50,6 +51,7 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/torch_optimizer_state.h"
 
 namespace scaletrain::comm {
 class Mesh;
@@ -176,66 +178,6 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 // The mean loss of one micro-batch.
 using ModuleLoss = std::function<at::Tensor(torch::nn::Module&, const at::Tensor& input, const at::Tensor& target)>;
 
-// The checkpoint's view of torch::optim::Adam or AdamW over `params` (State:
-// AdamParamState or AdamWParamState). Their per-parameter states are keyed
-// by the parameter's TensorImpl and created at its first step; a state that
-// does not exist yet reads as zeros and is created when a checkpoint sets it.
-template <class State>
-class TorchAdamState final : public checkpoint::OptimizerState {
- public:
-  TorchAdamState(torch::optim::Optimizer& o, std::vector<at::Tensor> params) : o_(o), params_(std::move(params)) {}
-  at::Tensor exp_avg_value(size_t i) const override {
-    const State* s = find(i);
-    return s ? s->exp_avg() : at::zeros_like(params_.at(i), at::MemoryFormat::Contiguous);
-  }
-  at::Tensor exp_avg_sq_value(size_t i) const override {
-    const State* s = find(i);
-    return s ? s->exp_avg_sq() : at::zeros_like(params_.at(i), at::MemoryFormat::Contiguous);
-  }
-  void set_moments(size_t i, const at::Tensor& m, const at::Tensor& v) override {
-    if (!find(i)) {
-      auto s = std::make_unique<State>();
-      s->step(steps_);
-      o_.state()[key(i)] = std::move(s);
-    }
-    find(i)->exp_avg(m).exp_avg_sq(v);
-  }
-  void set_steps(int64_t steps) override {
-    steps_ = steps;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (State* s = find(i)) s->step(steps);
-  }
-
- private:
-  // The state's key: the parameter's TensorImpl, as text (libtorch 1.x's
-  // c10::guts::to_string of the pointer) or as the pointer (2.x).
-  template <class Key = typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type>
-  Key key(size_t i) const {
-    if constexpr (std::is_same_v<Key, std::string>) {
-      std::ostringstream text;
-      text << params_.at(i).unsafeGetTensorImpl();
-      return text.str();
-    } else {
-      return params_.at(i).unsafeGetTensorImpl();
-    }
-  }
-  State* find(size_t i) const {
-    auto it = o_.state().find(key(i));
-    return it == o_.state().end() ? nullptr : dynamic_cast<State*>(it->second.get());
-  }
-  torch::optim::Optimizer& o_;
-  std::vector<at::Tensor> params_;
-  int64_t steps_ = 0;
-};
-
-// A checkpoint's view of a libtorch optimizer over `params` (slot i's
-// optimizer state is params[i]'s): torch::optim::Adam and AdamW (exp_avg,
-// exp_avg_sq and step of each parameter's state; not amsgrad) and SGD
-// without momentum (no state: returns null). Any other optimizer is refused
-// with std::invalid_argument naming it.
-std::unique_ptr<checkpoint::OptimizerState> torch_optimizer_state(torch::optim::Optimizer& optimizer,
-                                                                  std::vector<at::Tensor> params);
-
 // The checkpoint a run resumes from (ModuleTrainerOptions::resume), "" for
 // a fresh start: under auto the newest complete checkpoint of `dir` whose
 // files pass their checksums. Throws UsageError when none is intact or a
@@ -301,7 +243,7 @@ class ModuleTrainer {
   std::unique_ptr<parallel::fsdp::ShardedDataParallel> sharded_;
   std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order
   std::unique_ptr<torch::optim::Optimizer> opt_;
-  std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: SGD without momentum, or no checkpoints
+  std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: an optimizer without state, or no checkpoints
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
   int64_t step_ = 0;
   int64_t last_saved_ = -1;
@@ -325,40 +267,6 @@ inline ModuleData::ModuleData(at::Tensor inputs, at::Tensor targets) {
     return ModuleBatch{inputs.index_select(0, idx.to(inputs.device())),
                        targets.index_select(0, idx.to(targets.device()))};
   };
-}
-
-namespace detail {
-template <class Options>
-bool any_group(torch::optim::Optimizer& o, const std::function<bool(const Options&)>& pred) {
-  for (auto& g : o.param_groups())
-    if (pred(static_cast<const Options&>(g.options()))) return true;
-  return false;
-}
-}  // namespace detail
-
-inline std::unique_ptr<checkpoint::OptimizerState> torch_optimizer_state(torch::optim::Optimizer& o,
-                                                                         std::vector<at::Tensor> params) {
-  const std::string unsaved = " is not supported by checkpoints";
-  if (dynamic_cast<torch::optim::Adam*>(&o)) {
-    if (detail::any_group<torch::optim::AdamOptions>(o, [](const auto& x) { return x.amsgrad(); }))
-      throw std::invalid_argument("optimizer torch::optim::Adam with amsgrad" + unsaved +
-                                  " (max_exp_avg_sq is not saved)");
-    return std::make_unique<TorchAdamState<torch::optim::AdamParamState>>(o, std::move(params));
-  }
-  if (dynamic_cast<torch::optim::AdamW*>(&o)) {
-    if (detail::any_group<torch::optim::AdamWOptions>(o, [](const auto& x) { return x.amsgrad(); }))
-      throw std::invalid_argument("optimizer torch::optim::AdamW with amsgrad" + unsaved +
-                                  " (max_exp_avg_sq is not saved)");
-    return std::make_unique<TorchAdamState<torch::optim::AdamWParamState>>(o, std::move(params));
-  }
-  if (dynamic_cast<torch::optim::SGD*>(&o)) {
-    if (detail::any_group<torch::optim::SGDOptions>(o, [](const auto& x) { return x.momentum() != 0; }))
-      throw std::invalid_argument("optimizer torch::optim::SGD with momentum" + unsaved +
-                                  " (its momentum buffers are not saved): use momentum 0, Adam or AdamW");
-    return nullptr;  // plain SGD keeps no state
-  }
-  throw std::invalid_argument("optimizer " + c10::demangle(typeid(o).name()) + unsaved +
-                              " (torch::optim::Adam, AdamW and SGD without momentum are)");
 }
 
 template <class Dataset>
