@@ -366,19 +366,21 @@ TEST(ModuleTrainer, EveryTorchOptimizerResumesExactly) {
 
 // The YAML route: the CLI's keys give the options, and the optimizer is
 // torch::optim::AdamW with the train section's settings.
-TEST(ModuleTrainer, YamlKeysTrainWithAdamW) {
+// The YAML route: `keys` (with the batch and schedule below) read by
+// module_trainer_options train as AdamW on one process does; `inspect` looks
+// at the trainer before it runs.
+void expect_yaml_run(const std::vector<std::string>& keys, ModuleStrategy want,
+                     const std::function<void(ModuleTrainer&)>& inspect) {
   train::Config c;
-  for (const char* kv : {"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP",
-                         "parallel.fsdp.transformer_layer_cls=LinearImpl", "train.steps=4", "train.global_batch=24",
-                         "train.warmup_steps=1", "train.weight_decay=0.05", "train.grad_clip=0.3", "train.seed=11",
-                         "metrics.progress=false"})
+  for (const char* kv : {"train.steps=4", "train.global_batch=24", "train.warmup_steps=1", "train.weight_decay=0.05",
+                         "train.grad_clip=0.3", "train.seed=11", "metrics.progress=false"})
     train::apply_override(c, kv);
+  for (const std::string& kv : keys) train::apply_override(c, kv);
   train::apply_override(c, "train.micro_batch=" + std::to_string(kGlobal / (2 * world().size())));
   const ModuleTrainerOptions o = train::module_trainer_options(c);
-  ASSERT_EQ(o.strategy, ModuleStrategy::ShardGradOp);
+  ASSERT_EQ(o.strategy, want);
   ModuleTrainer trainer(make_toy(), world(), nullptr, mse, o);
-  ASSERT_NE(trainer.sharded(), nullptr);
-  EXPECT_EQ(trainer.sharded()->options().sharding, parallel::fsdp::Sharding::ShardGradOp);
+  inspect(trainer);
   const std::vector<double> losses = trainer.fit(dataset()).losses;
 
   auto m = make_toy();
@@ -398,6 +400,39 @@ TEST(ModuleTrainer, YamlKeysTrainWithAdamW) {
     EXPECT_NEAR(losses.at(s), loss.item<double>(), 1e-10 * loss.item<double>()) << "step " << s + 1;
   }
   EXPECT_LE(relative_diff(trainer.full_parameters(), m->parameters(), /*per_tensor=*/true), 1e-10);
+}
+
+TEST(ModuleTrainer, YamlKeysTrainWithAdamW) {
+  expect_yaml_run({"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP",
+                   "parallel.fsdp.transformer_layer_cls=LinearImpl"},
+                  ModuleStrategy::ShardGradOp, [](ModuleTrainer& t) {
+                    ASSERT_NE(t.sharded(), nullptr);
+                    EXPECT_EQ(t.sharded()->options().sharding, parallel::fsdp::Sharding::ShardGradOp);
+                  });
+}
+
+// Offload keys reach a user module: ZeRO-3 with optimizer and parameter
+// shards in host memory, then in files, and FSDP's offload_params; the
+// shards live off the device and the run is unchanged.
+TEST(ModuleTrainer, YamlOffloadKeysOffloadShards) {
+  const fs::path files = fresh_dir("offload");
+  if (world().rank() == 0) fs::create_directories(files);
+  world().group()->barrier().wait();
+  auto offloaded = [](ModuleTrainer& t) {
+    ASSERT_NE(t.sharded(), nullptr);
+    EXPECT_GT(t.sharded()->offloaded_bytes(), 0);
+  };
+  expect_yaml_run({"parallel.strategy=zero3", "parallel.zero.offload_optimizer=cpu", "parallel.zero.offload_param=cpu"},
+                  ModuleStrategy::Zero3, offloaded);
+  expect_yaml_run({"parallel.strategy=zero3", "parallel.zero.offload_param=nvme",
+                   "parallel.zero.offload_dir=" + files.string()},
+                  ModuleStrategy::Zero3, offloaded);
+  expect_yaml_run({"parallel.strategy=fsdp", "parallel.fsdp.offload_params=true"}, ModuleStrategy::FullShard,
+                  offloaded);
+  train::Config c;
+  for (const char* kv : {"parallel.strategy=zero2", "parallel.zero.offload_param=cpu"}) train::apply_override(c, kv);
+  expect_error<UsageError>([&] { train::module_trainer_options(c); },
+                           "parallel.zero.offload_param=cpu would have no effect: stages 1 and 2", "offload_param zero2");
 }
 
 }  // namespace

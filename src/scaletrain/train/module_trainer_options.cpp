@@ -5,6 +5,8 @@
 
 #include <c10/util/Type.h>
 
+#include <unistd.h>
+
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -12,6 +14,8 @@
 #include <utility>
 
 #include "scaletrain/config/config_values.h"
+#include "scaletrain/optim/file_backed.h"
+#include "scaletrain/train/device.h"
 #include "scaletrain/train/module_trainer_internal.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/util/error.h"
@@ -191,7 +195,8 @@ const std::set<std::string>& mapped_keys() {
         {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters"},
         {"parallel.fsdp",
          "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
-         "limit_all_gathers sync_module_states state_dict_type"},
+         "limit_all_gathers sync_module_states state_dict_type offload_params"},
+        {"parallel.zero", "offload_optimizer offload_param offload_dir"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
     std::set<std::string> out;
@@ -237,6 +242,15 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
        key == "parallel.first_bucket_mb" || key == "parallel.last_bucket_mb") &&
       !runs_ddp(d))
     return "DDP reads it; strategy " + to_string(d) + " does not";
+  const bool zero = d == DataParallelism::kZero1 || d == DataParallelism::kZero2 || d == DataParallelism::kZero3;
+  if (starts(key, "parallel.zero.") && !zero) return "parallel.zero applies to parallel.strategy=zero1, zero2, zero3";
+  if (key == "parallel.zero.offload_param" && d != DataParallelism::kZero3)
+    return "stages 1 and 2 keep whole parameters on every rank; parameter offload is stage 3's";
+  if (key == "parallel.zero.offload_optimizer" && c.parallel.zero.offload_optimizer == "nvme")
+    return "the module trainer's optimizer (torch::optim) keeps its states in memory: offload_optimizer cpu puts "
+           "the shards and their gradients in host memory, nvme is the CLI families' AdamW";
+  if (key == "parallel.zero.offload_dir" && c.parallel.zero.offload_param != "nvme")
+    return "it is read only when offload_param is nvme";
   if (key == "parallel.dp_replicate" && d != DataParallelism::kHybridShard)
     return "it is read by fsdp HYBRID_SHARD only";
   if ((key == "checkpoint.every" || key == "checkpoint.keep" || key == "checkpoint.async") && c.checkpoint.dir.empty())
@@ -285,6 +299,30 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
   o.full_state_dict = f.state_dict_type == "FULL_STATE_DICT";
 }
 
+// Note [Offloaded shards] (parallel/fsdp/flat_param.h) for a user module:
+// parallel.zero.offload_optimizer cpu keeps the trainable shards and their
+// gradients in host memory, where the optimizer steps them; offload_param
+// cpu or nvme (stage 3), and parallel.fsdp.offload_params, the parameter
+// shards too (nvme: file-backed under offload_dir, read ahead per unit).
+void map_offload(const Config& c, ModuleTrainerOptions& o) {
+  const ZeroOptions& z = c.parallel.zero;
+  const bool zero = o.strategy == ModuleStrategy::Zero1 || o.strategy == ModuleStrategy::Zero2 ||
+                    o.strategy == ModuleStrategy::Zero3;
+  const std::string params = zero ? z.offload_param : (c.parallel.fsdp.offload_params ? "cpu" : "none");
+  const bool optimizer = zero && z.offload_optimizer == "cpu";
+  if (params == "none" && !optimizer) return;
+  const bool files = params == "nvme";
+  if (files && ::access(z.offload_dir.c_str(), W_OK) != 0)
+    throw UsageError("parallel.zero.offload_dir '" + z.offload_dir + "' is not a writable directory");
+  o.sharded.offload_params = params != "none";
+  o.sharded.read_ahead = files;
+  const std::string dir = z.offload_dir;
+  o.sharded.offload_alloc = [files, dir](int64_t numel, at::ScalarType dtype, bool gradient) {
+    if (files && !gradient) return optim::file_backed_zeros(dir, numel, dtype);
+    return host_empty(numel, dtype, /*pin=*/false);
+  };
+}
+
 }  // namespace
 
 optim::ScheduleOptions schedule_options(const TrainOptions& t) {
@@ -305,6 +343,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   refuse_unread_keys(c, data_parallelism(c.parallel));
   ModuleTrainerOptions o;
   map_parallel(c, o);
+  map_offload(c, o);
   const TrainOptions& t = c.train;
   o.steps = t.steps;
   o.stop_at = t.stop_at;
