@@ -19,6 +19,8 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/hub/peft_adapter.h"
+#include "scaletrain/models/lora_linear.h"
 #include "scaletrain/train/module_trainer.h"
 #include "scaletrain/util/error.h"
 #include "user_modules.h"
@@ -366,6 +368,136 @@ TEST(ModuleTrainer, EveryTorchOptimizerResumesExactly) {
 
 // The YAML route: the CLI's keys give the options, and the optimizer is
 // torch::optim::AdamW with the train section's settings.
+// A user module with two LoraLinear layers and a plain Linear head.
+struct AdaptedImpl : torch::nn::Module {
+  AdaptedImpl() {
+    q = register_module("q", models::LoraLinear(10, 16));
+    v = register_module("v", models::LoraLinear(16, 10));
+    head = register_module("head", torch::nn::Linear(10, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(torch::relu(v(torch::relu(q(x))))); }
+  models::LoraLinear q{nullptr}, v{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Adapted);
+
+std::shared_ptr<torch::nn::Module> make_adapted() {
+  torch::manual_seed(3);
+  auto m = Adapted();
+  m->to(at::kDouble);
+  return m.ptr();
+}
+
+at::Tensor adapted_mse(torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+  return torch::mse_loss(dynamic_cast<AdaptedImpl&>(m).forward(x), y);
+}
+
+models::LoraOptions lora_options() {
+  models::LoraOptions l;
+  l.r = 4;
+  l.alpha = 8;
+  l.target_modules = {"q", "v"};
+  l.seed = 5;
+  return l;
+}
+
+// LoRA through the trainer: adapters on the targeted LoraLinear layers train
+// as on one process (1e-10) under DDP and the sharded strategies, the rest
+// stays as it was; save_adapter writes a PEFT directory that adapter_from
+// reads back; targets that are no LoraLinear are named.
+TEST(ModuleTrainer, LoraTrainsTheAdaptersOfAUserModule) {
+  {  // a LoraLinear without an adapter is a torch::nn::Linear: the same draws, the same names
+    torch::manual_seed(9);
+    torch::nn::Linear plain(10, 16);
+    torch::manual_seed(9);
+    models::LoraLinear lora(10, 16);
+    EXPECT_TRUE(plain->weight.equal(lora->weight) && plain->bias.equal(lora->bias));
+    EXPECT_EQ(lora->named_parameters().keys(), plain->named_parameters().keys());
+  }
+  auto ref = make_adapted();
+  models::add_lora_adapters(*ref, lora_options());
+  const std::vector<at::Tensor> init = [&] {
+    std::vector<at::Tensor> v;
+    for (auto& p : ref->parameters()) v.push_back(p.detach().clone());
+    return v;
+  }();
+  const ModuleTrainerOptions base = options(ModuleStrategy::DDP, 4);
+  {
+    torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(kLr));
+    data::SamplerOptions so;
+    so.seed = base.seed;
+    so.global_batch = base.global_batch;
+    data::DistributedSampler sampler(kSamples, so);
+    for (int64_t s = 0; s < base.steps; ++s) {
+      const train::ModuleBatch b = dataset().get(sampler.global_batch(s));
+      opt.zero_grad();
+      adapted_mse(*ref, b.input, b.target).backward();
+      torch::nn::utils::clip_grad_norm_(ref->parameters(), base.clip_grad_norm);
+      opt.param_groups()[0].options().set_lr(optim::lr_at(s, base.peak_lr, *base.lr_schedule));
+      opt.step();
+    }
+  }
+  const fs::path dir = fresh_dir("adapter");
+  for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
+    const std::string name = train::to_string(s);
+    ModuleTrainerOptions o = options(s, 4);
+    if (s != ModuleStrategy::DDP) o.units.names = {"q", "v"};
+    o.lora = lora_options();
+    ModuleTrainer trainer(make_adapted(), world(), adam, adapted_mse, o);
+    trainer.fit(dataset());
+    const std::vector<at::Tensor> got = trainer.full_parameters();
+    EXPECT_LE(relative_diff(got, ref->parameters(), /*per_tensor=*/true), 1e-10) << name;
+    const auto named = ref->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i)
+      if (models::is_adapter_parameter(named[i].key()))
+        EXPECT_GT((got[i] - init[i]).abs().max().item<double>(), 1e-4) << name << " " << named[i].key() << " trained";
+      else
+        EXPECT_TRUE(got[i].equal(init[i])) << name << " " << named[i].key() << " frozen";
+    if (s == ModuleStrategy::FullShard) trainer.save_adapter(dir.string());
+  }
+  // The PEFT directory: PEFT's names and config, and the trained values.
+  const hub::Adapter a = hub::read_adapter(dir.string(), "module");
+  EXPECT_EQ(a.settings.r, 4);
+  EXPECT_EQ(a.settings.alpha, 8);
+  EXPECT_EQ(a.settings.target_modules, (std::vector<std::string>{"q", "v"}));
+  ASSERT_EQ(a.tensors.size(), 4u);
+  for (auto& p : ref->named_parameters())
+    if (models::is_adapter_parameter(p.key()))
+      EXPECT_LE(relative_diff({a.tensors.at(p.key()).to(at::kDouble)}, {p.value()}, true), 1e-6) << p.key();
+  if (world().rank() == 0) {
+    std::ifstream in(dir / "adapter_config.json");
+    const auto j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["peft_type"], "LORA");
+    EXPECT_TRUE(j["task_type"].is_null());
+  }
+  ModuleTrainerOptions again = options(ModuleStrategy::DDP, 4);
+  again.lora = lora_options();
+  again.adapter_from = dir.string();
+  ModuleTrainer resumed(make_adapted(), world(), adam, adapted_mse, again);
+  const auto loaded = resumed.full_parameters();
+  const auto names = ref->named_parameters();
+  for (size_t i = 0; i < loaded.size(); ++i)
+    if (models::is_adapter_parameter(names[i].key()))
+      EXPECT_TRUE(loaded[i].to(at::kFloat).equal(a.tensors.at(names[i].key()))) << names[i].key() << " from the file";
+
+  ModuleTrainerOptions bad = options(ModuleStrategy::DDP, 4);
+  bad.lora = lora_options();
+  bad.lora->target_modules = {"head"};
+  expect_error<UsageError>([&] { ModuleTrainer t(make_adapted(), world(), adam, adapted_mse, bad); },
+                           "LoRA: 'head' is a torch::nn::Linear", "a plain Linear targeted");
+  bad.lora->target_modules = {"q", "k_proj"};
+  expect_error<UsageError>([&] { ModuleTrainer t(make_adapted(), world(), adam, adapted_mse, bad); },
+                           "target_modules entry 'k_proj' matches no LoraLinear", "a target matching nothing");
+  train::Config c;
+  for (const char* kv : {"finetune.method=lora", "finetune.r=4", "finetune.alpha=8", "finetune.target_modules=q, v"})
+    train::apply_override(c, kv);
+  const ModuleTrainerOptions yaml = train::module_trainer_options(c);
+  ASSERT_TRUE(yaml.lora.has_value());
+  EXPECT_EQ(yaml.lora->target_modules, (std::vector<std::string>{"q", "v"}));
+  train::apply_override(c, "finetune.method=qlora");
+  expect_error<UsageError>([&] { train::module_trainer_options(c); }, "QLoRA quantizes the CLI families'", "qlora");
+}
+
 // The YAML route: `keys` (with the batch and schedule below) read by
 // module_trainer_options train as AdamW on one process does; `inspect` looks
 // at the trainer before it runs.

@@ -141,7 +141,7 @@ std::string our_tensor_name(const std::string& family, const std::string& peft_n
 void write_adapter_files(const std::string& dir, const std::string& family, const AdapterSettings& s,
                          const std::map<std::string, at::Tensor>& tensors, at::ScalarType dtype) {
   const json config = {{"peft_type", "LORA"},
-                       {"task_type", "CAUSAL_LM"},
+                       {"task_type", family == "module" ? json(nullptr) : json("CAUSAL_LM")},
                        {"r", s.r},
                        {"lora_alpha", s.alpha},
                        {"lora_dropout", s.dropout},

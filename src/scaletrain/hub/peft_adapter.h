@@ -67,6 +67,8 @@ struct Adapter {
 
 // Writes adapter_config.json and adapter_model.safetensors into the existing
 // directory `dir`. `tensors`: our names; written in `dtype` (fp32 default).
+// Family "module": a user's module (models/lora_linear.h), whose names are
+// its module paths and whose task_type is null.
 void write_adapter_files(const std::string& dir, const std::string& family, const AdapterSettings& s,
                          const std::map<std::string, at::Tensor>& tensors, at::ScalarType dtype = at::kFloat);
 

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -21,6 +22,7 @@
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/train/checkpoint_layout.h"
@@ -87,6 +89,7 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   if (!optimizer && !options_.adamw)
     throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
   launch::follow_launcher();
+  if (options_.lora) add_adapters();
   world_.check_same_everywhere("module trainer's options and module", detail::settings_text(options_, *module_));
   build_engine();
   build_optimizer(std::move(optimizer));
@@ -103,6 +106,56 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
 }
 
 ModuleTrainer::~ModuleTrainer() = default;
+
+// Adapters on the targeted LoraLinear layers, from their initialization or
+// from a PEFT directory whose tensors must be exactly the module's adapters.
+void ModuleTrainer::add_adapters() {
+  models::add_lora_adapters(*module_, *options_.lora);
+  if (options_.adapter_from.empty()) return;
+  const hub::Adapter a = hub::read_adapter(options_.adapter_from, "module");
+  auto named = module_->named_parameters();
+  size_t adapters = 0;
+  torch::NoGradGuard no_grad;
+  for (auto& p : named) {
+    if (!models::is_adapter_parameter(p.key())) continue;
+    ++adapters;
+    auto it = a.tensors.find(p.key());
+    if (it == a.tensors.end())
+      throw UsageError("adapter_from " + options_.adapter_from + " has no tensor for " + p.key());
+    if (it->second.sizes() != p.value().sizes())
+      throw UsageError("adapter_from " + options_.adapter_from + ": " + p.key() + " has shape " +
+                       c10::str(it->second.sizes()) + ", the module's " + c10::str(p.value().sizes()));
+    p.value().copy_(it->second);
+  }
+  if (adapters != a.tensors.size())
+    throw UsageError("adapter_from " + options_.adapter_from + " holds " + std::to_string(a.tensors.size()) +
+                     " tensors, the module's adapters are " + std::to_string(adapters));
+}
+
+void ModuleTrainer::save_adapter(const std::string& dir) {
+  if (!options_.lora) throw UsageError("save_adapter: the trainer added no adapters (ModuleTrainerOptions.lora)");
+  const std::vector<at::Tensor> whole = full_parameters();  // collective, in named_parameters() order
+  std::map<std::string, at::Tensor> tensors;
+  std::set<std::string> layers;
+  const auto named = module_->named_parameters();
+  for (size_t i = 0; i < named.size(); ++i)
+    if (models::is_adapter_parameter(named[i].key())) {
+      tensors[named[i].key()] = whole[i];
+      const std::string layer = named[i].key().substr(0, named[i].key().rfind(".lora_"));
+      layers.insert(layer.substr(layer.rfind('.') + 1));
+    }
+  if (world_.rank() == 0) {
+    hub::AdapterSettings s;
+    s.r = options_.lora->r;
+    s.alpha = options_.lora->alpha;
+    s.dropout = options_.lora->dropout;
+    s.rslora = options_.lora->rslora;
+    s.target_modules.assign(layers.begin(), layers.end());
+    std::filesystem::create_directories(dir);
+    hub::write_adapter_files(dir, "module", s, tensors);
+  }
+  world_.group()->barrier().wait();
+}
 
 // The engine over the data-parallel group(s), and this rank's place in them.
 void ModuleTrainer::build_engine() {

@@ -46,6 +46,7 @@
 
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/comm/world.h"
+#include "scaletrain/models/lora_linear.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
@@ -117,6 +118,13 @@ struct ModuleTrainerOptions {
   // auto: the newest intact checkpoint in checkpoint_dir, if any | never |
   // a step directory or a root of them.
   std::string resume = "auto";
+
+  // LoRA (models/lora_linear.h): before the engine wraps the module, an
+  // adapter on each of its LoraLinear layers that lora->target_modules
+  // names, every other parameter frozen; with adapter_from (a PEFT adapter
+  // directory) the adapters start from its tensors. save_adapter() writes them.
+  std::optional<models::LoraOptions> lora;
+  std::string adapter_from;
 
   std::string metrics_path;          // rank 0 appends one JSON line per step ("" = none)
   int64_t log_every = 1;             // steps between progress lines
@@ -208,6 +216,10 @@ class ModuleTrainer {
   double step(const ModuleData& data);
   // Saves a checkpoint of the steps done (collective; needs checkpoint_dir).
   void save();
+  // Writes the adapters (options.lora) as a PEFT adapter directory `dir`:
+  // adapter_config.json and adapter_model.safetensors, tensors named
+  // "base_model.model.<path>.lora_A.weight" (collective; rank 0 writes).
+  void save_adapter(const std::string& dir);
 
   int64_t completed_steps() const { return step_; }
   int64_t stop_step() const { return options_.stop_at > 0 ? options_.stop_at : options_.steps; }
@@ -221,6 +233,7 @@ class ModuleTrainer {
   std::vector<at::Tensor> full_parameters();
 
  private:
+  void add_adapters();
   void build_engine();
   void build_optimizer(OptimizerFactory factory);
   void start_checkpoints();

@@ -87,7 +87,12 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
     << "\ncheckpoint_dir=" << o.checkpoint_dir << "\ncheckpoint_every=" << o.checkpoint_every
     << "\ncheckpoint_keep=" << o.checkpoint_keep << "\ncheckpoint_async=" << o.checkpoint_async
     << "\nfull_state_dict=" << o.full_state_dict << "\nresume=" << o.resume
-    << "\ntrace_steps=" << list(o.trace_steps) << "\n";
+    << "\ntrace_steps=" << list(o.trace_steps);
+  if (o.lora)
+    s << "\nlora.r=" << o.lora->r << "\nlora.alpha=" << o.lora->alpha << "\nlora.rslora=" << o.lora->rslora
+      << "\nlora.dropout=" << o.lora->dropout << "\nlora.targets=" << list(o.lora->target_modules)
+      << "\nlora.gaussian_init=" << o.lora->gaussian_init << "\nlora.seed=" << o.lora->seed;
+  s << "\nadapter_from=" << o.adapter_from << "\n";
   for (const auto& p : module.named_parameters()) s << "parameter " << p.key() << "=" << tensor_text(p.value()) << "\n";
   for (const auto& b : module.named_buffers()) s << "buffer " << b.key() << "=" << tensor_text(b.value()) << "\n";
   return s.str();
@@ -197,6 +202,7 @@ const std::set<std::string>& mapped_keys() {
          "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
         {"parallel.zero", "offload_optimizer offload_param offload_dir"},
+        {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
     std::set<std::string> out;
@@ -217,7 +223,8 @@ std::string unread_reason(const std::string& key) {
     return "it is read by scaletrain train, which loads the library (train/module_library.h)";
   if (starts(key, "model.")) return "a user module is yours; model.* describes the CLI's transformer families";
   if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
-  if (starts(key, "finetune.")) return "adapters are added to the CLI's families only";
+  if (key == "finetune.double_quant") return "it is QLoRA's, which quantizes the CLI families' linear layers";
+  if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
   if (starts(key, "precision.")) return "the module computes in its own dtypes";
   if (key == "parallel.tp" || key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
     return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
@@ -251,6 +258,10 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
            "the shards and their gradients in host memory, nvme is the CLI families' AdamW";
   if (key == "parallel.zero.offload_dir" && c.parallel.zero.offload_param != "nvme")
     return "it is read only when offload_param is nvme";
+  if (starts(key, "finetune.") && key != "finetune.method" && c.finetune.method == "full")
+    return "finetune.method is full (set lora)";
+  if (key == "finetune.method" && c.finetune.method == "qlora")
+    return "QLoRA quantizes the CLI families' linear layers; a user module's LoraLinear takes method lora";
   if (key == "parallel.dp_replicate" && d != DataParallelism::kHybridShard)
     return "it is read by fsdp HYBRID_SHARD only";
   if ((key == "checkpoint.every" || key == "checkpoint.keep" || key == "checkpoint.async") && c.checkpoint.dir.empty())
@@ -304,6 +315,30 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
 // gradients in host memory, where the optimizer steps them; offload_param
 // cpu or nvme (stage 3), and parallel.fsdp.offload_params, the parameter
 // shards too (nvme: file-backed under offload_dir, read ahead per unit).
+// finetune.*: LoRA on the module's LoraLinear layers (models/lora_linear.h).
+void map_lora(const Config& c, ModuleTrainerOptions& o) {
+  const FinetuneOptions& f = c.finetune;
+  if (f.method != "lora") return;
+  models::LoraOptions l;
+  l.r = f.r;
+  l.alpha = f.alpha;
+  l.rslora = f.rslora;
+  l.dropout = f.dropout;
+  l.gaussian_init = f.init == "gaussian";
+  l.seed = c.train.seed;
+  std::stringstream names(f.target_modules);
+  for (std::string name; std::getline(names, name, ',');) {
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) l.target_modules.push_back(name);
+  }
+  if (l.target_modules.empty())
+    throw UsageError("finetune.target_modules: a user module has no default targets; name its LoraLinear layers "
+                     "(q_proj,v_proj) or all-linear");
+  o.lora = l;
+  o.adapter_from = f.adapter_from;
+}
+
 void map_offload(const Config& c, ModuleTrainerOptions& o) {
   const ZeroOptions& z = c.parallel.zero;
   const bool zero = o.strategy == ModuleStrategy::Zero1 || o.strategy == ModuleStrategy::Zero2 ||
@@ -344,6 +379,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   ModuleTrainerOptions o;
   map_parallel(c, o);
   map_offload(c, o);
+  map_lora(c, o);
   const TrainOptions& t = c.train;
   o.steps = t.steps;
   o.stop_at = t.stop_at;
