@@ -44,6 +44,9 @@ REGISTRY = {
     # gather parameters on use (parallel/fsdp/gather_on_use.h) and split
     # linears (parallel/tensor/parallelize_module.h) register in them.
     ("parallel/fsdp/gather_on_use.cpp", "g_mu"): "guards the live engines' registry",
+    # Note [Nested fully_shard]: a module's fully_shard finds the live engines over its submodules.
+    ("parallel/fsdp/fully_shard.cpp", "g_live_mu"): "guards the live fully_shard engines by module",
+    ("parallel/fsdp/fully_shard.cpp", "m"): "the live fully_shard engines by module (any caller may compose them)",
     ("parallel/fsdp/gather_on_use.cpp", "r"): "the live engines whose parameters gather on use",
     ("parallel/fsdp/gather_on_use.cpp", "t_quiet"): "per thread: our own operators are not looked at",
     ("parallel/fsdp/gather_on_use.cpp", "g_watch"): "the process-wide callback that names reads of a live engine's "
