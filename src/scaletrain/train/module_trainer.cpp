@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +26,7 @@
 #include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/observe/tracing.h"
+#include "scaletrain/precision/policy.h"
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/module_trainer_internal.h"
 #include "scaletrain/train/plan.h"
@@ -292,11 +294,18 @@ std::vector<at::Tensor> ModuleTrainer::full_parameters() {
 double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine) {
   double loss_sum = 0;
   const int64_t m = options_.micro_batch;
+  precision::PrecisionPolicy policy;
+  policy.compute = options_.autocast;
   for (int64_t k = 0; k < accum_; ++k) {
     const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
     ModuleBatch b = data.get(idx);
     const at::Tensor x = b.input.to(device_), y = b.target.to(device_);
-    at::Tensor loss = loss_(*module_, x, y);
+    at::Tensor loss;
+    {
+      std::optional<precision::AutocastGuard> autocast;
+      if (options_.autocast != at::kFloat) autocast.emplace(policy, device_.type());
+      loss = loss_(*module_, x, y);
+    }
     if (!loss.defined() || loss.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
     loss = loss.reshape({}) / static_cast<double>(accum_);

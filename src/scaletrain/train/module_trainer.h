@@ -119,6 +119,12 @@ struct ModuleTrainerOptions {
   // a step directory or a root of them.
   std::string resume = "auto";
 
+  // Autocast (precision/policy.h) over each micro-batch's forward and loss:
+  // kBFloat16 runs the autocast-eligible operators (matmuls, convolutions)
+  // in bf16 on the module's device, its parameters and gradients staying in
+  // their dtype; kFloat: off. fp16 (kHalf) needs loss scaling: refused.
+  at::ScalarType autocast = at::kFloat;
+
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules
   // names, every other parameter frozen; with adapter_from (a PEFT adapter

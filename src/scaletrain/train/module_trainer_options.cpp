@@ -92,7 +92,7 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
     s << "\nlora.r=" << o.lora->r << "\nlora.alpha=" << o.lora->alpha << "\nlora.rslora=" << o.lora->rslora
       << "\nlora.dropout=" << o.lora->dropout << "\nlora.targets=" << list(o.lora->target_modules)
       << "\nlora.gaussian_init=" << o.lora->gaussian_init << "\nlora.seed=" << o.lora->seed;
-  s << "\nadapter_from=" << o.adapter_from << "\n";
+  s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\n";
   for (const auto& p : module.named_parameters()) s << "parameter " << p.key() << "=" << tensor_text(p.value()) << "\n";
   for (const auto& b : module.named_buffers()) s << "buffer " << b.key() << "=" << tensor_text(b.value()) << "\n";
   return s.str();
@@ -169,6 +169,10 @@ void validate(const ModuleTrainerOptions& o) {
   if (o.global_batch % o.micro_batch != 0)
     bad("global_batch",
         "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" + std::to_string(o.micro_batch));
+  if (o.autocast != at::kFloat && o.autocast != at::kBFloat16)
+    bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off) or kBFloat16") +
+                        (o.autocast == at::kHalf ? " (fp16 needs loss scaling, which the module trainer does not run)"
+                                                 : ""));
   if (!is_sharded(o.strategy) && units_given(o.units))
     bad("units", "are for the sharded strategies: DDP gathers nothing");
   validate_groups(o);
@@ -203,6 +207,7 @@ const std::set<std::string>& mapped_keys() {
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
         {"parallel.zero", "offload_optimizer offload_param offload_dir"},
         {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
+        {"precision", "mode"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
     std::set<std::string> out;
@@ -225,7 +230,10 @@ std::string unread_reason(const std::string& key) {
   if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
   if (key == "finetune.double_quant") return "it is QLoRA's, which quantizes the CLI families' linear layers";
   if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
-  if (starts(key, "precision.")) return "the module computes in its own dtypes";
+  if (key == "precision.param_dtype" || key == "precision.buffer_dtype" || key == "precision.reduce_dtype")
+    return "the module keeps its own dtypes (precision.mode bf16 autocasts its operators)";
+  if (starts(key, "precision.fp8")) return "FP8 linears are the CLI families' layers";
+  if (starts(key, "precision.")) return "loss scaling is for fp16, which the module trainer does not run";
   if (key == "parallel.tp" || key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
     return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
   if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
@@ -258,6 +266,8 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
            "the shards and their gradients in host memory, nvme is the CLI families' AdamW";
   if (key == "parallel.zero.offload_dir" && c.parallel.zero.offload_param != "nvme")
     return "it is read only when offload_param is nvme";
+  if (key == "precision.mode" && c.precision.mode != "bf16")
+    return "fp16 needs loss scaling, which the module trainer does not run (bf16 autocasts)";
   if (starts(key, "finetune.") && key != "finetune.method" && c.finetune.method == "full")
     return "finetune.method is full (set lora)";
   if (key == "finetune.method" && c.finetune.method == "qlora")
@@ -380,6 +390,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   map_parallel(c, o);
   map_offload(c, o);
   map_lora(c, o);
+  if (c.precision.mode == "bf16") o.autocast = at::kBFloat16;
   const TrainOptions& t = c.train;
   o.steps = t.steps;
   o.stop_at = t.stop_at;

@@ -69,6 +69,24 @@ TEST(WorldEnv, OpenMpi) {
   EXPECT_EQ(w.world_size, 8);
   EXPECT_EQ(w.local_world_size, 4);
   EXPECT_EQ(w.source, "openmpi");
+  EXPECT_EQ(w.master_port, 29500) << "no job id: the default";
+  // Two mpirun jobs (their ids as Open MPI 4.1 gave them) meet in two stores.
+  auto port = [&](const char* job) {
+    return comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "0"},
+                                           {"OMPI_COMM_WORLD_SIZE", "2"},
+                                           {"OMPI_MCA_ess_base_jobid", job}}))
+        .master_port;
+  };
+  EXPECT_EQ(port("1105199105"), 20000 + ((0x41E0 ^ 1) % 20000));
+  EXPECT_NE(port("1105199105"), port("1104871425"));
+  EXPECT_EQ(comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "0"},
+                                            {"OMPI_COMM_WORLD_SIZE", "2"},
+                                            {"OMPI_MCA_ess_base_jobid", "1105199105"},
+                                            {"MASTER_PORT", "31000"}}))
+                .master_port,
+            31000)
+      << "MASTER_PORT wins";
+  EXPECT_THROW(port("job7"), UsageError);
 }
 
 TEST(WorldEnv, Slurm) {
