@@ -147,6 +147,19 @@ std::shared_ptr<World> World::init(const WorldOptions& options) { return init(wo
 // unless the program has chosen a disposition of its own. Writes to a closed
 // socket or pipe then fail with EPIPE, which becomes an error with a message.
 namespace {
+
+// Said when the other ranks never came: where this rank's idea of the world
+// came from, and for Slurm the usual cause (an sbatch script runs one task
+// and sees the job's SLURM_NTASKS; srun starts the tasks).
+std::string missing_ranks_hint(const WorldInfo& info) {
+  std::string s = " (rank " + std::to_string(info.rank) + " of " + std::to_string(info.world_size) + ", from " +
+                  info.source + " variables";
+  if (info.source == "slurm")
+    s += "; a command run directly in an sbatch script is one task even when SLURM_NTASKS is " +
+         std::to_string(info.world_size) + ": start the ranks with srun, or with scaletrain launch";
+  return s + ")";
+}
+
 void ignore_broken_pipes() {
   struct sigaction current {};
   if (::sigaction(SIGPIPE, nullptr, &current) != 0) return;
@@ -226,12 +239,19 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
     } catch (const std::exception& e) {
       std::string msg = e.what();
       throw CommError("rendezvous with " + info.master_addr + ":" + std::to_string(info.master_port) +
-                      " failed: " + msg.substr(0, msg.find('\n')));
+                      " failed: " + msg.substr(0, msg.find('\n')) + missing_ranks_hint(info));
     }
   }
   std::vector<int> all(info.world_size);
   for (int i = 0; i < info.world_size; ++i) all[i] = i;
-  w->world_ = w->new_group("world", all);
+  try {
+    w->world_ = w->new_group("world", all);
+  } catch (const std::exception& e) {
+    if (info.world_size == 1) throw;
+    const std::string msg = e.what();
+    throw CommError("the world group of " + std::to_string(info.world_size) + " ranks could not form: " +
+                    msg.substr(0, msg.find('\n')) + missing_ranks_hint(info));
+  }
   return w;
 }
 

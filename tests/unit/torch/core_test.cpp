@@ -18,6 +18,7 @@
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
@@ -87,6 +88,30 @@ TEST(WorldEnv, OpenMpi) {
             31000)
       << "MASTER_PORT wins";
   EXPECT_THROW(port("job7"), UsageError);
+}
+
+// A batch script that runs the trainer itself is one task of a job whose
+// SLURM_NTASKS says 2: rank 0 waits for a rank that never starts, and the
+// error says how the ranks are started.
+TEST(WorldEnv, MissingRanksUnderSlurmSayHowToStartThem) {
+  comm::WorldInfo info;
+  info.source = "slurm";
+  info.world_size = 2;
+  info.local_world_size = 2;
+  info.master_addr = "127.0.0.1";
+  info.master_port = launch::free_port();
+  comm::WorldOptions o;
+  o.backend = comm::Backend::Gloo;
+  o.timeout = std::chrono::seconds(1);
+  try {
+    comm::World::init(info, o);
+    ADD_FAILURE() << "a world of 2 formed with one rank";
+  } catch (const comm::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 of 2, from slurm variables; a command run directly in an sbatch "
+                                         "script is one task"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(WorldEnv, Slurm) {
