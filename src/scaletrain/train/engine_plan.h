@@ -16,6 +16,10 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/nf4.h"
 
+namespace scaletrain::config {
+struct Config;
+}  // namespace scaletrain::config
+
 namespace scaletrain::train {
 
 // The model a run starts from (train/starting_model.h).
@@ -45,5 +49,11 @@ struct EnginePlan {
   parallel::pipeline::PipelineOptions pipeline;    // applied when dims.pp > 1
   int ep = 1;                                      // expert-parallel degree (parallel.ep)
 };
+
+struct Plan;  // train/plan.h, which holds an EnginePlan
+
+// The engine sections of `config` as the engines' options, for a plan whose
+// checks passed (make_plan calls it last; engine_plan.cpp).
+EnginePlan plan_engines(const config::Config& config, const Plan& plan);
 
 }  // namespace scaletrain::train

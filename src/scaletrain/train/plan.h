@@ -54,10 +54,6 @@ struct Plan {
   EnginePlan engines;                  // what parallelize() builds (train/engine_plan.h)
 };
 
-// The engine sections of `config` as the engines' options, for a plan whose
-// checks passed (make_plan calls it last).
-EnginePlan plan_engines(const Config& config, const Plan& plan);
-
 // Validates `config` for `world_size` ranks, the device resolved for the rank
 // with `local_rank`; throws UsageError listing every problem (Note [One plan]).
 Plan make_plan(const Config& config, int world_size, int local_rank = 0,
