@@ -91,6 +91,7 @@ void run_module_library(const Config& config) {
   const auto& u = options.units;
   if (options.strategy != ModuleStrategy::DDP && u.names.empty() && u.types.empty() && u.min_num_params == 0)
     options.units = task.units;
+  if (options.tp > 1) options.tensor_plan = task.tensor_plan;
   if (task.optimizer) {
     refuse_adamw_keys(c);
     options.adamw.reset();

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "scaletrain/parallel/fsdp/module_units.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/train/module_trainer.h"
 
 namespace scaletrain::train {
@@ -39,6 +40,8 @@ struct ModuleTask {
   // Units of the sharded strategies when the config names none
   // (parallel.fsdp.auto_wrap_policy); a config that names some wins.
   parallel::fsdp::ModuleUnits units;
+  // The tensor-parallel plan of the module's names, used when parallel.tp > 1.
+  parallel::tensor::ModulePlan tensor_plan;
 };
 
 // The symbol `scaletrain train` looks for, and its type. Versioned: a

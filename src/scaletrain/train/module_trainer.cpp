@@ -88,6 +88,9 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
     throw std::invalid_argument(
         "ModuleTrainer: an optimizer factory and ModuleTrainerOptions.adamw are both given; "
         "pass one (options from YAML set adamw: reset it to use your factory)");
+  if (options_.tp > 1 && options_.tensor_plan.empty())
+    bad("tensor_plan", "is empty: tp=" + std::to_string(options_.tp) +
+                           " splits the submodules a plan of the module's names chooses");
   if (!optimizer && !options_.adamw)
     throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
   launch::follow_launcher();
@@ -164,7 +167,13 @@ void ModuleTrainer::build_engine() {
   if (!module_->parameters().empty()) device_ = module_->parameters().front().device();
   const ModuleTrainerOptions& o = options_;
   shard_ = world_.group().get();
-  if (o.strategy == ModuleStrategy::HybridShard) {
+  if (o.tp > 1) {  // tensor parallelism first, then data parallelism over dp
+    if (world_.size() % o.tp != 0)
+      bad("tp", "=" + std::to_string(o.tp) + " does not divide the world of " + std::to_string(world_.size()));
+    mesh_ = std::make_unique<comm::Mesh>(world_, comm::MeshDims{1, 1, -1, o.tp, 1});
+    shard_ = &mesh_->dp();
+    tp_ = parallel::tensor::parallelize_module(module_, mesh_->tp(), o.tensor_plan);
+  } else if (o.strategy == ModuleStrategy::HybridShard) {
     if (o.shard_group) {
       shard_ = o.shard_group;
       replicate_ = o.replicate_group;
@@ -186,6 +195,7 @@ void ModuleTrainer::build_engine() {
   accum_ = o.global_batch / (o.micro_batch * dp_size_);
   if (!is_sharded(o.strategy)) {
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(module_, *shard_, o.ddp);
+    if (tp_) tp_norm_ = parallel::tensor::grad_norm_params(*module_, tp_->plan());
     return;
   }
   fsdp::ShardedOptions so = o.sharded;
@@ -283,9 +293,15 @@ void ModuleTrainer::save() {
 }
 
 std::vector<at::Tensor> ModuleTrainer::full_parameters() {
-  if (sharded_) return sharded_->full_parameters();
   std::vector<at::Tensor> out;
-  for (const auto& p : module_->parameters()) out.push_back(p.detach().clone());
+  if (sharded_) {
+    out = sharded_->full_parameters();
+  } else {
+    for (const auto& p : module_->parameters()) out.push_back(p.detach().clone());
+  }
+  if (tp_)  // whole over dp; the pieces of split parameters joined over tp
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = parallel::tensor::gather_parameter(out[i], tp_->plan().params.at(i), mesh_->tp());
   return out;
 }
 
@@ -326,8 +342,18 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
 // Clipping, the step's learning rate and the optimizer step (Note [Module
 // trainer step], 3); returns the learning rate.
 double ModuleTrainer::update(double* grad_norm) {
-  *grad_norm = sharded_ ? sharded_->clip_grad_norm(options_.clip_grad_norm)
-                        : optim::clip_grad_norm(opt_params_, options_.clip_grad_norm);
+  const double clip = options_.clip_grad_norm;
+  if (sharded_ && tp_) {  // a split parameter's squares add over tp, a replicated one counts once
+    const parallel::tensor::TensorParallelPlan& plan = tp_->plan();
+    *grad_norm = sharded_->clip_grad_norm(
+        clip, fsdp::NormSplit{&mesh_->tp(), [&plan](const std::string& n) { return plan.layout(n).sharded(); }});
+  } else if (sharded_) {
+    *grad_norm = sharded_->clip_grad_norm(clip);
+  } else if (tp_) {
+    *grad_norm = parallel::tensor::clip_grad_norm(tp_norm_, clip, mesh_->tp());
+  } else {
+    *grad_norm = optim::clip_grad_norm(opt_params_, clip);
+  }
   double lr = opt_->param_groups().front().options().get_lr();
   if (options_.lr_schedule) {
     lr = optim::lr_at(step_, options_.peak_lr, *options_.lr_schedule);
@@ -362,6 +388,7 @@ double ModuleTrainer::step(const ModuleData& data) {
   const double loss = l.item<double>();
   double grad_norm = 0;
   const double lr = update(&grad_norm);
+  if (tp_) tp_->check();  // a collective that failed inside forward
   ++step_;
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   write_metrics(loss, lr, grad_norm, ms);

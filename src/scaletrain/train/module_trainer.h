@@ -51,6 +51,8 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/module_units.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/torch_optimizer_state.h"
 
@@ -118,6 +120,15 @@ struct ModuleTrainerOptions {
   // auto: the newest intact checkpoint in checkpoint_dir, if any | never |
   // a step directory or a root of them.
   std::string resume = "auto";
+
+  // Tensor parallelism by a plan over the module's submodule names
+  // (parallel/tensor/parallelize_module.h), applied before data
+  // parallelism: the world becomes a dp x tp mesh (tp innermost), tp ranks
+  // split the planned submodules and see the same micro-batches, the engine
+  // runs over dp. tp > 1 needs a plan (a plan needs tp > 1); not with
+  // HybridShard or checkpoints yet.
+  int tp = 1;
+  parallel::tensor::ModulePlan tensor_plan;
 
   // Autocast (precision/policy.h) over each micro-batch's forward and loss:
   // kBFloat16 runs the autocast-eligible operators (matmuls, convolutions)
@@ -252,7 +263,10 @@ class ModuleTrainer {
   comm::World& world_;
   ModuleLoss loss_;
   ModuleTrainerOptions options_;
-  std::unique_ptr<comm::Mesh> mesh_;  // HybridShard over dp_replicate
+  std::unique_ptr<comm::Mesh> mesh_;  // HybridShard over dp_replicate, or dp x tp
+  // Outlives the engines (destroyed after them): the planned submodules run split while it lives.
+  std::unique_ptr<parallel::tensor::TensorParallelModule> tp_;
+  parallel::tensor::GradNormParams tp_norm_;  // DDP over tp: the parameters the global norm reads
   comm::Group* shard_ = nullptr;      // the engine's group (the world's, or the shard group)
   comm::Group* replicate_ = nullptr;  // HybridShard
   int dp_size_ = 1, dp_rank_ = 0;

@@ -92,7 +92,10 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
     s << "\nlora.r=" << o.lora->r << "\nlora.alpha=" << o.lora->alpha << "\nlora.rslora=" << o.lora->rslora
       << "\nlora.dropout=" << o.lora->dropout << "\nlora.targets=" << list(o.lora->target_modules)
       << "\nlora.gaussian_init=" << o.lora->gaussian_init << "\nlora.seed=" << o.lora->seed;
-  s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\n";
+  s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\ntp=" << o.tp;
+  for (const auto& [pattern, style] : o.tensor_plan)
+    s << "\ntensor_plan " << pattern << "=" << parallel::tensor::style_name(style);
+  s << "\n";
   for (const auto& p : module.named_parameters()) s << "parameter " << p.key() << "=" << tensor_text(p.value()) << "\n";
   for (const auto& b : module.named_buffers()) s << "buffer " << b.key() << "=" << tensor_text(b.value()) << "\n";
   return s.str();
@@ -169,6 +172,14 @@ void validate(const ModuleTrainerOptions& o) {
   if (o.global_batch % o.micro_batch != 0)
     bad("global_batch",
         "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" + std::to_string(o.micro_batch));
+  if (o.tp < 1) bad("tp", "must be at least 1, got " + std::to_string(o.tp));
+  if (o.tp == 1 && !o.tensor_plan.empty()) bad("tensor_plan", "is given but tp is 1");
+  if (o.tp > 1 && o.strategy == ModuleStrategy::HybridShard)
+    bad("tp", "with HybridShard is not supported by the module trainer yet (use FullShard over dp)");
+  if (o.tp > 1 && (o.shard_group != nullptr || o.replicate_group != nullptr))
+    bad("tp", "builds its own dp x tp mesh: give no shard_group or replicate_group");
+  if (o.tp > 1 && !o.checkpoint_dir.empty())
+    bad("checkpoint_dir", "with tp > 1: checkpoints of tensor-parallel user modules are not supported yet");
   if (o.autocast != at::kFloat && o.autocast != at::kBFloat16)
     bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off) or kBFloat16") +
                         (o.autocast == at::kHalf ? " (fp16 needs loss scaling, which the module trainer does not run)"
@@ -201,7 +212,7 @@ const std::set<std::string>& mapped_keys() {
         {"train",
          "steps stop_at global_batch micro_batch seed grad_clip lr warmup_steps min_lr_ratio lr_schedule warmup_type "
          "warmup_start_ratio beta1 beta2 eps weight_decay"},
-        {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters"},
+        {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters tp"},
         {"parallel.fsdp",
          "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
@@ -234,7 +245,7 @@ std::string unread_reason(const std::string& key) {
     return "the module keeps its own dtypes (precision.mode bf16 autocasts its operators)";
   if (starts(key, "precision.fp8")) return "FP8 linears are the CLI families' layers";
   if (starts(key, "precision.")) return "loss scaling is for fp16, which the module trainer does not run";
-  if (key == "parallel.tp" || key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
+  if (key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
     return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
   if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
   if (key == "parallel.backend" || key == "parallel.timeout_s" || key == "parallel.debug_collectives")
@@ -391,6 +402,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   map_offload(c, o);
   map_lora(c, o);
   if (c.precision.mode == "bf16") o.autocast = at::kBFloat16;
+  o.tp = c.parallel.tp;  // the plan of the module's names comes with the module (tensor_plan)
   const TrainOptions& t = c.train;
   o.steps = t.steps;
   o.stop_at = t.stop_at;
