@@ -580,7 +580,8 @@ TORCH_MODULE(TpNet);
 
 // Tensor parallelism through the trainer: tp 2 (and dp 2 on 4 ranks) under
 // DDP, ZeRO-2 and FULL_SHARD, losses and parameters as one process (1e-10),
-// with clipping on; what it cannot run is named.
+// with clipping on; checkpoints move between tp 2 and no tensor
+// parallelism; what it cannot run is named.
 TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
   auto make = [] {
     torch::manual_seed(3);
@@ -624,14 +625,39 @@ TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
     expect_losses(trainer.fit(dataset()).losses, ref_losses, 0, name);
     EXPECT_LE(relative_diff(trainer.full_parameters(), ref->parameters(), /*per_tensor=*/true), 1e-10) << name;
   }
+  // Saved after 2 of 4 steps under FULL_SHARD over tp 2, resumed without
+  // tensor parallelism (DDP over every rank), and the other way round.
+  for (int saved_tp : {2, 1}) {
+    const fs::path dir = fresh_dir("tp_resume");
+    auto tp_options = [&](int tp, ModuleStrategy s) {
+      ModuleTrainerOptions o = options(s, 4);
+      o.units.names.clear();
+      if (s != ModuleStrategy::DDP) o.units.names = {"fc1", "fc2"};
+      o.tp = tp;
+      if (tp > 1) o.tensor_plan = {{"fc1", parallel::tensor::colwise}, {"fc2", parallel::tensor::rowwise}};
+      o.micro_batch = kGlobal / (2 * (world().size() / tp));
+      o.checkpoint_dir = dir.string();
+      return o;
+    };
+    const int resumed_tp = 3 - saved_tp;
+    const std::string name = "tp " + std::to_string(saved_tp) + " -> tp " + std::to_string(resumed_tp);
+    ModuleTrainerOptions first = tp_options(saved_tp, saved_tp > 1 ? ModuleStrategy::FullShard : ModuleStrategy::DDP);
+    first.stop_at = 2;
+    expect_losses(ModuleTrainer(make(), world(), adam, loss, first).fit(dataset()).losses,
+                  std::vector<double>(ref_losses.begin(), ref_losses.begin() + 2), 0, name + " (first part)");
+    ModuleTrainer second(make(), world(), adam, loss,
+                         tp_options(resumed_tp, resumed_tp > 1 ? ModuleStrategy::FullShard : ModuleStrategy::DDP));
+    EXPECT_EQ(second.completed_steps(), 2) << name;
+    expect_losses(second.fit(dataset()).losses, ref_losses, 2, name);
+    EXPECT_LE(relative_diff(second.full_parameters(), ref->parameters(), /*per_tensor=*/true), 1e-10) << name;
+  }
   ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
   o.tp = 2;
   expect_error([&] { ModuleTrainer t(make(), world(), adam, loss, o); }, "ModuleTrainerOptions.tensor_plan is empty",
                "tp without a plan");
+  o.strategy = ModuleStrategy::HybridShard;
   o.tensor_plan = {{"fc1", parallel::tensor::colwise}};
-  o.checkpoint_dir = fresh_dir("tp").string();
-  expect_error([&] { train::validate(o); }, "checkpoints of tensor-parallel user modules are not supported yet",
-               "tp with checkpoints");
+  expect_error([&] { train::validate(o); }, "with HybridShard is not supported", "tp with HybridShard");
 }
 
 // The YAML route: `keys` (with the batch and schedule below) read by

@@ -263,7 +263,10 @@ void ModuleTrainer::start_checkpoints() {
 // rank keeps its own, as in PyTorch; rank 0's are saved and every rank loads them.
 checkpoint::Layout ModuleTrainer::layout() const {
   checkpoint::Layout l =
-      sharded_ ? sharded_layout(*sharded_) : checkpoint::replicated_layout(*module_, world_.rank() == 0);
+      sharded_ ? sharded_layout(*sharded_) : checkpoint::replicated_layout(*module_, dp_rank_ == 0);
+  // Tensor parallel: the split parameters' pieces in the whole parameters'
+  // coordinates, the replicated ones saved by tp rank 0 (any layout loads them).
+  if (tp_) l = tensor_parallel_layout(std::move(l), tp_->plan());
   for (const auto& item : module_->named_buffers()) {
     const at::Tensor& b = item.value();
     if (!b.defined() || b.numel() == 0) continue;
@@ -275,6 +278,7 @@ checkpoint::Layout ModuleTrainer::layout() const {
   l.mesh = replicate_
                ? "dp_replicate " + std::to_string(replicate_->size()) + " x dp_shard " + std::to_string(shard_->size())
                : "dp " + std::to_string(dp_size_);
+  if (tp_) l.mesh += " x tp " + std::to_string(options_.tp);
   return l;
 }
 

@@ -125,8 +125,9 @@ struct ModuleTrainerOptions {
   // (parallel/tensor/parallelize_module.h), applied before data
   // parallelism: the world becomes a dp x tp mesh (tp innermost), tp ranks
   // split the planned submodules and see the same micro-batches, the engine
-  // runs over dp. tp > 1 needs a plan (a plan needs tp > 1); not with
-  // HybridShard or checkpoints yet.
+  // runs over dp; checkpoints hold the whole parameters' pieces, so any
+  // layout resumes them. tp > 1 needs a plan (a plan needs tp > 1); not with
+  // HybridShard yet.
   int tp = 1;
   parallel::tensor::ModulePlan tensor_plan;
 

@@ -178,8 +178,6 @@ void validate(const ModuleTrainerOptions& o) {
     bad("tp", "with HybridShard is not supported by the module trainer yet (use FullShard over dp)");
   if (o.tp > 1 && (o.shard_group != nullptr || o.replicate_group != nullptr))
     bad("tp", "builds its own dp x tp mesh: give no shard_group or replicate_group");
-  if (o.tp > 1 && !o.checkpoint_dir.empty())
-    bad("checkpoint_dir", "with tp > 1: checkpoints of tensor-parallel user modules are not supported yet");
   if (o.autocast != at::kFloat && o.autocast != at::kBFloat16)
     bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off) or kBFloat16") +
                         (o.autocast == at::kHalf ? " (fp16 needs loss scaling, which the module trainer does not run)"
