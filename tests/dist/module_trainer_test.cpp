@@ -86,8 +86,8 @@ struct Reference {
 
 // One process: the sampler's global batch of each step, the whole batch's
 // mean loss, torch's clipping, the schedule written into Adam's lr.
-Reference train_alone(const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
-  auto m = make_toy();
+Reference run_alone(const std::shared_ptr<torch::nn::Module>& m, const train::ModuleLoss& loss,
+                    const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
   std::unique_ptr<torch::optim::Optimizer> made = factory(m->parameters());
   torch::optim::Optimizer& opt = *made;
   data::SamplerOptions so;
@@ -99,15 +99,19 @@ Reference train_alone(const ModuleTrainerOptions& o, const train::OptimizerFacto
   for (int64_t s = 0; s < o.steps; ++s) {
     const train::ModuleBatch b = data.get(sampler.global_batch(s));
     opt.zero_grad();
-    at::Tensor loss = mse(*m, b.input, b.target);
-    loss.backward();
+    at::Tensor l = loss(*m, b.input, b.target);
+    l.backward();
     ref.norms.push_back(torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm));
     opt.param_groups()[0].options().set_lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
     opt.step();
-    ref.losses.push_back(loss.item<double>());
+    ref.losses.push_back(l.item<double>());
   }
   ref.params = m->parameters();
   return ref;
+}
+
+Reference train_alone(const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
+  return run_alone(make_toy(), mse, o, factory);
 }
 
 void expect_losses(const std::vector<double>& got, const std::vector<double>& want, size_t first,
@@ -422,22 +426,7 @@ TEST(ModuleTrainer, LoraTrainsTheAdaptersOfAUserModule) {
     for (auto& p : ref->parameters()) v.push_back(p.detach().clone());
     return v;
   }();
-  const ModuleTrainerOptions base = options(ModuleStrategy::DDP, 4);
-  {
-    torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(kLr));
-    data::SamplerOptions so;
-    so.seed = base.seed;
-    so.global_batch = base.global_batch;
-    data::DistributedSampler sampler(kSamples, so);
-    for (int64_t s = 0; s < base.steps; ++s) {
-      const train::ModuleBatch b = dataset().get(sampler.global_batch(s));
-      opt.zero_grad();
-      adapted_mse(*ref, b.input, b.target).backward();
-      torch::nn::utils::clip_grad_norm_(ref->parameters(), base.clip_grad_norm);
-      opt.param_groups()[0].options().set_lr(optim::lr_at(s, base.peak_lr, *base.lr_schedule));
-      opt.step();
-    }
-  }
+  run_alone(ref, adapted_mse, options(ModuleStrategy::DDP, 4));
   const fs::path dir = fresh_dir("adapter");
   for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
     const std::string name = train::to_string(s);
@@ -592,26 +581,8 @@ TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
   auto loss = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
     return torch::mse_loss(dynamic_cast<TpNetImpl&>(m).forward(x), y);
   };
-  const ModuleTrainerOptions base = options(ModuleStrategy::DDP, 4);
   auto ref = make();
-  std::vector<double> ref_losses;
-  {
-    torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(kLr));
-    data::SamplerOptions so;
-    so.seed = base.seed;
-    so.global_batch = base.global_batch;
-    data::DistributedSampler sampler(kSamples, so);
-    for (int64_t s = 0; s < base.steps; ++s) {
-      const train::ModuleBatch b = dataset().get(sampler.global_batch(s));
-      opt.zero_grad();
-      at::Tensor l = loss(*ref, b.input, b.target);
-      l.backward();
-      ref_losses.push_back(l.item<double>());
-      torch::nn::utils::clip_grad_norm_(ref->parameters(), base.clip_grad_norm);
-      opt.param_groups()[0].options().set_lr(optim::lr_at(s, base.peak_lr, *base.lr_schedule));
-      opt.step();
-    }
-  }
+  const std::vector<double> ref_losses = run_alone(ref, loss, options(ModuleStrategy::DDP, 4)).losses;
   for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
     const std::string name = train::to_string(s) + " over tp 2";
     ModuleTrainerOptions o = options(s, 4);

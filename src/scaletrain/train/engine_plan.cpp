@@ -17,6 +17,24 @@ namespace scaletrain::train {
 
 namespace fsdp = parallel::fsdp;
 
+models::LoraOptions finetune_lora(const config::Config& c) {
+  const FinetuneOptions& f = c.finetune;
+  models::LoraOptions o;
+  o.r = f.r;
+  o.alpha = f.alpha;
+  o.rslora = f.rslora;
+  o.dropout = f.dropout;
+  o.gaussian_init = f.init == "gaussian";
+  o.seed = c.train.seed;
+  std::stringstream names(f.target_modules);
+  for (std::string name; std::getline(names, name, ',');) {
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) o.target_modules.push_back(name);
+  }
+  return o;
+}
+
 namespace {
 
 int64_t mib_to_numel(double mib, at::ScalarType dtype) {
@@ -50,23 +68,10 @@ void take_adapter_settings(const Config& c, const models::ModelConfig& m, models
 
 // finetune.method lora or qlora: the adapters to add (models/lora.h); none for full.
 std::optional<models::LoraOptions> lora_options(const Config& c, const models::ModelConfig& m) {
-  const FinetuneOptions& f = c.finetune;
-  if (f.method == "full") return std::nullopt;
-  models::LoraOptions o;
-  o.r = f.r;
-  o.alpha = f.alpha;
-  o.rslora = f.rslora;
-  o.dropout = f.dropout;
-  o.gaussian_init = f.init == "gaussian";
-  o.seed = c.train.seed;
-  std::stringstream names(f.target_modules);
-  for (std::string name; std::getline(names, name, ',');) {
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
-    if (!name.empty()) o.target_modules.push_back(name);
-  }
+  if (c.finetune.method == "full") return std::nullopt;
+  models::LoraOptions o = finetune_lora(c);
   if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
-  if (!f.adapter_from.empty()) take_adapter_settings(c, m, o);
+  if (!c.finetune.adapter_from.empty()) take_adapter_settings(c, m, o);
   return o;
 }
 

@@ -50,6 +50,11 @@ struct EnginePlan {
   int ep = 1;                                      // expert-parallel degree (parallel.ep)
 };
 
+// The finetune section's adapter settings (r, alpha, rslora, dropout, init,
+// train.seed) and target_modules as listed ("q_proj, v_proj"; empty when
+// none are): the families' recipe and the module trainer read them alike.
+models::LoraOptions finetune_lora(const config::Config& c);
+
 struct Plan;  // train/plan.h, which holds an EnginePlan
 
 // The engine sections of `config` as the engines' options, for a plan whose

@@ -338,19 +338,7 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
 void map_lora(const Config& c, ModuleTrainerOptions& o) {
   const FinetuneOptions& f = c.finetune;
   if (f.method != "lora") return;
-  models::LoraOptions l;
-  l.r = f.r;
-  l.alpha = f.alpha;
-  l.rslora = f.rslora;
-  l.dropout = f.dropout;
-  l.gaussian_init = f.init == "gaussian";
-  l.seed = c.train.seed;
-  std::stringstream names(f.target_modules);
-  for (std::string name; std::getline(names, name, ',');) {
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
-    if (!name.empty()) l.target_modules.push_back(name);
-  }
+  const models::LoraOptions l = finetune_lora(c);
   if (l.target_modules.empty())
     throw UsageError("finetune.target_modules: a user module has no default targets; name its LoraLinear layers "
                      "(q_proj,v_proj) or all-linear");

@@ -364,6 +364,8 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
+  if (c.model.library.empty() && !c.model.library_args.empty())
+    throw UsageError("model.library_args=" + c.model.library_args + " is read only with model.library");
   if (!c.model.library.empty())  // the families' plan; a library's module goes to the module trainer
     throw UsageError("model.library=" + c.model.library +
                      " names a user module, which scaletrain train (and launch) trains; this command plans the "

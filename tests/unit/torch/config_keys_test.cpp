@@ -59,6 +59,8 @@ const std::map<std::string, Check>& table() {
     {"model.attention", {"naive", What::Memory, "activations"}},
     {"model.fused", {"false", What::Memory, "activations"}},
     {"model.init_from", {"@HF@", What::Losses}},
+    {"model.library", {"/nonexistent/libtask.so", What::Refused, "model.library: no file /nonexistent/libtask.so"}},
+    {"model.library_args", {"x", What::Refused, "model.library_args=x is read only with model.library"}},
     {"model.activation_checkpointing", {"full", What::Memory, "activations"}},
     {"model.num_local_experts", {"2", What::Line, "parameters", {"model.preset=mixtral-tiny"}}},
     {"model.num_experts_per_tok", {"1", What::Losses, "", {"model.preset=mixtral-tiny"}}},

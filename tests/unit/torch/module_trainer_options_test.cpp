@@ -94,18 +94,27 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.ddp.bucket_cap_bytes, 2 << 20);
   EXPECT_TRUE(o.ddp.find_unused_parameters);
   EXPECT_EQ(refusal({"train.sample_tokens=0"}), "") << "no sample is what the module trainer does";
+  // Tensor parallelism's degree, bf16 autocast and LoRA reach a user module.
+  o = module_trainer_options(with({"parallel.tp=2", "precision.mode=bf16", "finetune.method=lora",
+                                   "finetune.target_modules=q, v"}));
+  EXPECT_EQ(o.tp, 2);
+  EXPECT_EQ(o.autocast, at::kBFloat16);
+  ASSERT_TRUE(o.lora.has_value());
+  EXPECT_EQ(o.lora->target_modules, (std::vector<std::string>{"q", "v"}));
 }
 
 TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"model.preset=gpt2", "model.preset"},
       {"data.path=tokens.tok", "data.path"},
-      {"parallel.tp=2", "parallel.tp"},
       {"parallel.pp=2", "parallel.pp"},
       {"parallel.cp=2", "parallel.cp"},
       {"parallel.ep=2", "parallel.ep"},
-      {"finetune.method=lora", "finetune.method"},
-      {"precision.mode=bf16", "precision.mode"},
+      {"finetune.method=qlora", "finetune.method"},
+      {"finetune.r=4", "finetune.r"},  // method full
+      {"precision.param_dtype=bf16", "precision.param_dtype"},
+      {"precision.fp8=true", "precision.fp8"},
+      {"parallel.zero.offload_param=cpu", "parallel.zero"},  // strategy ddp
       {"train.device=cpu", "train.device"},
       {"parallel.timeout_s=10", "parallel.timeout_s"},
       {"metrics.peak_flops=1e12", "metrics.peak_flops"},
@@ -123,7 +132,7 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
   EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.zero.reduce_bucket_mb=10"}).find("parallel.zero"),
             std::string::npos);
   // Every such key at once.
-  const std::string all = refusal({"model.preset=gpt2", "data.path=x", "parallel.tp=2"});
+  const std::string all = refusal({"model.preset=gpt2", "data.path=x", "parallel.cp=2"});
   EXPECT_NE(all.find("3 problems"), std::string::npos) << all;
   // Values the config itself refuses keep their message.
   EXPECT_NE(refusal({"train.micro_batch=0"}).find("train.micro_batch"), std::string::npos);
