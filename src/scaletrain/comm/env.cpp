@@ -105,6 +105,14 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
     // One port per job, so two jobs sharing a node do not collide.
     int job = parse_int(getenv, "SLURM_JOB_ID", 0, false);
     w.master_port = 20000 + job % 20000;
+  } else if (getenv("PMI_RANK")) {
+    // MPICH's Hydra (mpiexec.hydra); no job id reaches the environment, so
+    // the port stays 29500 unless MASTER_PORT is set.
+    w.source = "mpich";
+    w.rank = parse_int(getenv, "PMI_RANK", 0, true);
+    w.world_size = parse_int(getenv, "PMI_SIZE", 1, true);
+    w.local_rank = parse_int(getenv, "MPI_LOCALRANKID", 0, false);
+    w.local_world_size = parse_int(getenv, "MPI_LOCALNRANKS", w.world_size, false);
   }
   // An explicit MASTER_ADDR / MASTER_PORT overrides whatever the launcher implied.
   w.master_addr = str(getenv, "MASTER_ADDR", w.master_addr);

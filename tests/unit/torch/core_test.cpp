@@ -90,6 +90,23 @@ TEST(WorldEnv, OpenMpi) {
   EXPECT_THROW(port("job7"), UsageError);
 }
 
+// MPICH's mpiexec.hydra, with the variables it set for rank 1 of 2 (measured).
+TEST(WorldEnv, Mpich) {
+  auto w = comm::world_info_from_env(
+      fake({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}, {"PMI_FD", "8"}}));
+  EXPECT_EQ(w.source, "mpich");
+  EXPECT_EQ(w.rank, 1);
+  EXPECT_EQ(w.world_size, 2);
+  EXPECT_EQ(w.local_rank, 1);
+  EXPECT_EQ(w.local_world_size, 2);
+  EXPECT_EQ(w.master_port, 29500);
+  // Under srun with a PMI plugin Slurm's own variables win.
+  EXPECT_EQ(comm::world_info_from_env(fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"PMI_RANK", "0"},
+                                            {"PMI_SIZE", "2"}}))
+                .source,
+            "slurm");
+}
+
 // A batch script that runs the trainer itself is one task of a job whose
 // SLURM_NTASKS says 2: rank 0 waits for a rank that never starts, and the
 // error says how the ranks are started.
