@@ -2,6 +2,7 @@
 // The sharded engine's state (internal: fsdp.cpp, fsdp_init.cpp and fully_shard.cpp).
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -131,6 +132,9 @@ struct ShardedDataParallel::State : std::enable_shared_from_this<State> {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> spent_marker;
   std::unordered_map<const c10::StorageImpl*, std::string> spent_param;
   std::string spent_read;
+  // Units whose parameters hold markers now: the operator hook looks no
+  // further while it is 0 (all of forward and backward).
+  std::shared_ptr<std::atomic<int>> spent_units = std::make_shared<std::atomic<int>>(0);
   void make_spent_markers();
   void mark_grads_spent(size_t u);
   void clear_spent_grads(Unit& unit);

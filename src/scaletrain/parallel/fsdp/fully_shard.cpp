@@ -194,7 +194,8 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
     if (auto st = weak.lock()) st->note_foreign_use(t);
   };
   s.make_spent_markers();
-  hooks.read = [weak](const c10::StorageImpl* storage, const char* op) {
+  hooks.read = [weak, spent = s.spent_units](const c10::StorageImpl* storage, const char* op) {
+    if (spent->load(std::memory_order_relaxed) == 0) return;  // the hot path: no markers out
     if (auto st = weak.lock()) st->note_spent_read(storage, op);
   };
   gather_on_use_ = std::make_unique<GatherOnUse>(std::move(hooks));
@@ -290,11 +291,13 @@ void ShardedDataParallel::State::mark_grads_spent(size_t u) {
   for (auto& f : units[u].flats)
     if (f->trainable())
       for (const at::Tensor& p : f->params()) p.mutable_grad() = spent_marker.at(p.unsafeGetTensorImpl());
+  if (!units[u].spent_grads) spent_units->fetch_add(1, std::memory_order_relaxed);
   units[u].spent_grads = true;
 }
 
 void ShardedDataParallel::State::clear_spent_grads(Unit& unit) {
   unit.spent_grads = false;
+  spent_units->fetch_sub(1, std::memory_order_relaxed);
   for (auto& f : unit.flats)
     if (f->trainable())
       for (const at::Tensor& p : f->params())

@@ -64,14 +64,18 @@ std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (registry().empty()) return nullptr;
+    // Whether this thread carries each engine's callback, once per operator.
+    c10::SmallVector<bool, 4> own;
+    for (GatherOnUse::Impl* impl : registry()) own.push_back(carries(impl->handle));
     for (const c10::IValue& v : fn.inputs())
       each_tensor(v, [&](const at::Tensor& t) {
         const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-        for (GatherOnUse::Impl* impl : registry()) {
-          if (impl->hooks.read && carries(impl->handle)) impl->hooks.read(s, fn.name());
+        for (size_t i = 0; i < registry().size(); ++i) {
+          GatherOnUse::Impl* impl = registry()[i];
+          if (impl->hooks.read && own[i]) impl->hooks.read(s, fn.name());
           const int64_t u = impl->hooks.unit_of(s);
           if (u < 0) continue;
-          if (!carries(impl->handle)) {  // another engine's thread
+          if (!own[i]) {  // another engine's thread
             impl->hooks.foreign(t);
             continue;
           }
