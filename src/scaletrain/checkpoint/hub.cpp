@@ -5,6 +5,7 @@
 #include <set>
 
 #include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/checkpoint/torch_file.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
 
@@ -19,38 +20,71 @@ nlohmann::json parse_file(const fs::path& p) {
 
 }  // namespace
 
+namespace {
+
+// The files an index names, checked to exist beside it; fills `weight_map`.
+std::vector<fs::path> indexed_shards(const fs::path& index, std::map<std::string, std::string>* weight_map) {
+  const nlohmann::json j = parse_file(index);
+  if (!j.contains("weight_map") || !j["weight_map"].is_object())
+    throw UsageError(index.string() + ": no \"weight_map\" object");
+  std::set<std::string> files;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string()) throw UsageError(index.string() + ": weight_map entry '" + name + "' is not a file name");
+    (*weight_map)[name] = file.get<std::string>();
+    files.insert(file.get<std::string>());
+  }
+  std::vector<fs::path> shards;
+  for (const auto& f : files) {
+    if (f.find('/') != std::string::npos) throw UsageError(index.string() + ": file '" + f + "' is not in the directory");
+    if (!fs::exists(index.parent_path() / f))
+      throw UsageError(index.string() + " names " + f + ", which does not exist");
+    shards.push_back(index.parent_path() / f);
+  }
+  return shards;
+}
+
+// The weight files of a directory, safetensors first; sets *torch_format
+// when only PyTorch files are there.
+std::vector<fs::path> directory_shards(const fs::path& p, std::map<std::string, std::string>* weight_map,
+                                       bool* torch_format) {
+  *torch_format = false;
+  if (fs::exists(p / "model.safetensors.index.json")) return indexed_shards(p / "model.safetensors.index.json", weight_map);
+  if (fs::exists(p / "model.safetensors")) return {p / "model.safetensors"};
+  *torch_format = true;
+  if (fs::exists(p / "pytorch_model.bin.index.json")) return indexed_shards(p / "pytorch_model.bin.index.json", weight_map);
+  if (fs::exists(p / "pytorch_model.bin")) return {p / "pytorch_model.bin"};
+  throw UsageError(p.string() + ": no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
+                   "or pytorch_model.bin.index.json");
+}
+
+// A single file is a PyTorch one when it starts as a zip does.
+bool zip_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  char head[4] = {};
+  in.read(head, 4);
+  return in.gcount() == 4 && std::string(head, 4) == std::string("PK\x03\x04", 4);
+}
+
+}  // namespace
+
 HubWeights::HubWeights(const std::string& path) : source_(path) {
   const fs::path p(path);
   std::vector<fs::path> shards;
   std::map<std::string, std::string> weight_map;  // from the index
+  bool torch_format = false;
   if (fs::is_directory(p)) {
-    const fs::path index = p / "model.safetensors.index.json";
-    if (fs::exists(index)) {
-      const nlohmann::json j = parse_file(index);
-      if (!j.contains("weight_map") || !j["weight_map"].is_object())
-        throw UsageError(index.string() + ": no \"weight_map\" object");
-      std::set<std::string> files;
-      for (const auto& [name, file] : j["weight_map"].items()) {
-        if (!file.is_string()) throw UsageError(index.string() + ": weight_map entry '" + name + "' is not a file name");
-        weight_map[name] = file.get<std::string>();
-        files.insert(file.get<std::string>());
-      }
-      for (const auto& f : files) {
-        if (f.find('/') != std::string::npos) throw UsageError(index.string() + ": file '" + f + "' is not in the directory");
-        if (!fs::exists(p / f)) throw UsageError(index.string() + " names " + f + ", which does not exist");
-        shards.push_back(p / f);
-      }
-    } else if (fs::exists(p / "model.safetensors")) {
-      shards.push_back(p / "model.safetensors");
-    } else {
-      throw UsageError(path + ": neither model.safetensors nor model.safetensors.index.json is there");
-    }
+    shards = directory_shards(p, &weight_map, &torch_format);
   } else if (fs::exists(p)) {
     shards.push_back(p);
+    torch_format = zip_file(p);
   } else {
     throw UsageError(path + ": no such file or directory");
   }
   for (const auto& s : shards) {
+    if (torch_format) {
+      add_torch_file(s.string(), weight_map);
+      continue;
+    }
     try {
       files_.push_back(std::make_unique<SafetensorsFile>(s.string()));
     } catch (const SafetensorsError& e) {
@@ -68,6 +102,36 @@ HubWeights::HubWeights(const std::string& path) : source_(path) {
   for (const auto& [name, file] : weight_map)
     if (!where_.count(name))
       throw UsageError(path + ": the index places '" + name + "' in " + file + ", which does not hold it");
+}
+
+void HubWeights::add_torch_file(const std::string& path, const std::map<std::string, std::string>& weight_map) {
+  torch_files_.push_back(std::make_unique<TorchFile>(path));
+  const TorchFile& f = *torch_files_.back();
+  const std::string file = fs::path(path).filename().string();
+  const PyObject& root = f.root();
+  if (root.kind != PyKind::Dict) torch_file_fail(path, std::string("holds a ") + kind_name(root.kind) + ", not a state dict");
+  for (const auto& [k, v] : root.entries) {
+    if (k->kind != PyKind::Str || v->kind != PyKind::Tensor)
+      torch_file_fail(path, "holds an entry that is not a named tensor (not a state dict)");
+    if (!weight_map.empty()) {
+      auto it = weight_map.find(k->text);
+      if (it == weight_map.end() || it->second != file) continue;
+    }
+    const TensorRecord& r = *v->tensor;
+    TensorView view;
+    view.name = k->text;
+    view.dtype = r.dtype;
+    view.shape = r.size;
+    view.nbytes = static_cast<std::size_t>(view.numel()) * dtype_size(r.dtype);
+    view.data = f.contiguous_bytes(r);
+    if (!view.data) {  // strided: one copy, owned here
+      strided_copies_.push_back(f.tensor(r));
+      view.data = static_cast<const unsigned char*>(strided_copies_.back().data_ptr());
+    }
+    torch_views_.push_back(std::move(view));
+    if (!where_.emplace(k->text, &torch_views_.back()).second)
+      throw UsageError(source_ + ": tensor '" + k->text + "' is in two files");
+  }
 }
 
 HubWeights::~HubWeights() = default;
@@ -95,6 +159,8 @@ const TensorView& HubWeights::weight(const std::string& name) const {
 
 void HubWeights::release(const unsigned char* p, std::size_t n) const {
   for (const auto& f : files_)
+    if (f->contains(p, n)) return f->release(p, n);
+  for (const auto& f : torch_files_)
     if (f->contains(p, n)) return f->release(p, n);
 }
 

@@ -1,7 +1,12 @@
 #pragma once
 // Hugging Face Hub model directories, read: `config.json` beside either one
 // `model.safetensors` or shards named by `model.safetensors.index.json`
-// ({"metadata": {"total_size": N}, "weight_map": {tensor: file}}).
+// ({"metadata": {"total_size": N}, "weight_map": {tensor: file}}). Where no
+// safetensors exist, `pytorch_model.bin` or the shards its
+// `pytorch_model.bin.index.json` names (the same index format) are read as
+// PyTorch files (checkpoint/torch_file.h: nothing pickled is executed); a
+// tensor stored strided in one is copied once at open, the rest are read
+// from the mapping like safetensors.
 //
 // Every file is memory-mapped; a tensor is copied out (and converted to the
 // run's dtype) only when asked for, so a loader that asks for one tensor at a
@@ -15,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -24,6 +30,8 @@
 #include "scaletrain/checkpoint/safetensors.h"
 
 namespace scaletrain::checkpoint {
+
+class TorchFile;
 
 class HubWeights {
  public:
@@ -52,9 +60,15 @@ class HubWeights {
  private:
   const TensorView& weight(const std::string& name) const;  // view(), floating point or UsageError
   void release(const unsigned char* p, std::size_t n) const;  // SafetensorsFile::release in whichever file holds it
+  // Adds the state dict of a PyTorch file (a shard when `weight_map` is not
+  // empty) to where_.
+  void add_torch_file(const std::string& path, const std::map<std::string, std::string>& weight_map);
 
   std::string source_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::vector<std::unique_ptr<TorchFile>> torch_files_;
+  std::deque<TensorView> torch_views_;  // stable addresses for where_
+  std::vector<at::Tensor> strided_copies_;  // the bytes of views of strided tensors
   std::map<std::string, const TensorView*> where_;
 };
 
