@@ -576,6 +576,55 @@ def cmd_hubbin(src, out, shards):
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+def resume_model():
+    """The model of `train` and `resume`: float64, Linear(4, 8), LayerNorm(8), Tanh, Linear(8, 2)."""
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 2)).double()
+
+
+def fit(model, opt, x, y, steps):
+    """`steps` AdamW steps on the whole batch; the loss of each (before its update)."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def cmd_train(out, before, after):
+    """Trains BEFORE steps, saves {"model", "optim", "step"} as train64.pt, trains AFTER
+    more; writes the batch (data.safetensors) and every step's loss (losses.json)."""
+    model = resume_model()
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    os.makedirs(out, exist_ok=True)
+    losses = fit(model, opt, x, y, before)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": before},
+               os.path.join(out, "train64.pt"))
+    losses += fit(model, opt, x, y, after)
+    safetensors_io.write_file(os.path.join(out, "data.safetensors"), {"input": x, "target": y})
+    with open(os.path.join(out, "losses.json"), "w") as f:
+        json.dump({"losses": losses}, f)
+
+
+def cmd_resume(path, data, steps, out):
+    """Loads {"model", "optim"} from PATH (written by anyone) into `train`'s model and an
+    AdamW whose settings come from the file, trains STEPS steps on DATA, writes the losses."""
+    obj, _ = load(path)
+    model = resume_model()
+    model.load_state_dict(obj["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=123.0)  # every setting comes from the file
+    opt.load_state_dict(obj["optim"])
+    batch = safetensors_io.read_file(data)
+    with open(out, "w") as f:
+        json.dump({"losses": fit(model, opt, batch["input"], batch["target"], steps)}, f)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -592,7 +641,22 @@ def main():
     h.add_argument("src")
     h.add_argument("out")
     h.add_argument("--shards", type=int, default=1)
+    t = sub.add_parser("train")
+    t.add_argument("out")
+    t.add_argument("--before", type=int, default=3)
+    t.add_argument("--after", type=int, default=3)
+    r = sub.add_parser("resume")
+    r.add_argument("file")
+    r.add_argument("data")
+    r.add_argument("steps", type=int)
+    r.add_argument("out")
     a = ap.parse_args()
+    if a.cmd == "train":
+        cmd_train(a.out, a.before, a.after)
+        return 0
+    if a.cmd == "resume":
+        cmd_resume(a.file, a.data, a.steps, a.out)
+        return 0
     if a.cmd == "hubbin":
         cmd_hubbin(a.src, a.out, a.shards)
         return 0

@@ -295,6 +295,18 @@ void Checkpointer::save(const Layout& layout, const OptimizerState* opt, const S
 
 void Checkpointer::finish() { commit_pending(); }
 
+std::string save_alone(const std::string& root, const Layout& layout, const OptimizerState* opt,
+                       const SaveState& state) {
+  const std::string dir = step_dir(root, state.run.step);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) throw UsageError("checkpoint: cannot create " + dir + ": " + ec.message());
+  write_part(dir, 0, collect(layout, opt, /*copy=*/false));
+  write_index(dir, build_index(dir, 1, layout.strategy, layout.mesh, state, {}));
+  return dir;
+}
+
 namespace {
 
 // What one rank holds of one tensor, as every rank learns it (Note [Full state dict]).

@@ -171,6 +171,13 @@ class Checkpointer {
   double last_stall_s_ = 0;
 };
 
+// Writes a checkpoint of one process that holds everything (no group, no
+// barrier): ROOT/step-N with rank 0's file and the index, as save() would on
+// a world of one. For checkpoints made outside a run (an import). Returns the
+// step directory.
+std::string save_alone(const std::string& root, const Layout& layout, const OptimizerState* opt,
+                       const SaveState& state);
+
 // Loads the checkpoint in `step_dir` into `layout`'s tensors and `opt`'s
 // states (may be null: model only). Each rank reads, from memory-mapped
 // files, only the pieces that overlap what it holds, and verifies their

@@ -150,10 +150,19 @@ NamedTensors read_torch_state_dict(const std::string& path, const std::string& k
   return state_dict_tensors(TorchFile(path), key);
 }
 
-void load_state_dict(torch::nn::Module& module, const NamedTensors& state, bool strict) {
+namespace {
+
+std::map<std::string, at::Tensor> parameters_and_buffers(const torch::nn::Module& module) {
   std::map<std::string, at::Tensor> targets;
   for (const auto& p : module.named_parameters(true)) targets.emplace(p.key(), p.value());
   for (const auto& b : module.named_buffers(true)) targets.emplace(b.key(), b.value());
+  return targets;
+}
+
+}  // namespace
+
+void check_state_dict(const torch::nn::Module& module, const NamedTensors& state, bool strict) {
+  const std::map<std::string, at::Tensor> targets = parameters_and_buffers(module);
   std::string problems;
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
@@ -170,6 +179,11 @@ void load_state_dict(torch::nn::Module& module, const NamedTensors& state, bool 
     for (const auto& [name, t] : targets)
       if (!seen.count(name)) problems += "; missing '" + name + "'";
   if (!problems.empty()) throw UsageError("state dict does not fit the module: " + problems.substr(2));
+}
+
+void load_state_dict(torch::nn::Module& module, const NamedTensors& state, bool strict) {
+  check_state_dict(module, state, strict);
+  const std::map<std::string, at::Tensor> targets = parameters_and_buffers(module);
   torch::NoGradGuard no_grad;
   for (const auto& [name, t] : state) targets.at(name).copy_(t);
 }

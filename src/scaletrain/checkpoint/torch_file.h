@@ -68,6 +68,8 @@ NamedTensors read_torch_state_dict(const std::string& path, const std::string& k
 // parameter or buffer the state lacks (unless `strict` is false) and a shape
 // that differs, all named in one message (UsageError).
 void load_state_dict(torch::nn::Module& module, const NamedTensors& state, bool strict = true);
+// The checks alone (nothing is written).
+void check_state_dict(const torch::nn::Module& module, const NamedTensors& state, bool strict = true);
 
 // Builds the pickled value of a `torch.save` file: tensors added here become
 // storages of the file (one per tensor, contiguous CPU copies).
