@@ -1,4 +1,4 @@
-// `scaletrain checkpoint inspect|consolidate|export`.
+// `scaletrain checkpoint inspect|consolidate|export|convert`.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -6,7 +6,11 @@
 
 #include "commands.h"
 #include "scaletrain/hub/hf_gpt2.h"
+#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/checkpoint/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
+#include "scaletrain/checkpoint/tensor_io.h"
+#include "scaletrain/checkpoint/torch_file.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/models/hf_config.h"
@@ -121,10 +125,57 @@ int export_dir(const std::string& arg, const std::string& out, const std::string
   return 0;
 }
 
+// A Hub directory of .bin files as one of safetensors shards, with every
+// other file (config.json, tokenizer files) copied.
+int convert_dir(const std::string& in, const std::string& out, int64_t max_shard_bytes) {
+  if (fs::exists(fs::path(in) / "model.safetensors") || fs::exists(fs::path(in) / "model.safetensors.index.json"))
+    throw UsageError(in + " already holds safetensors weights");
+  if (fs::exists(out) && !(fs::is_directory(out) && fs::is_empty(out)))
+    throw UsageError("-o " + out + ": exists and is not an empty directory");
+  const checkpoint::HubWeights w(in);
+  std::vector<checkpoint::HubTensor> tensors;
+  for (const std::string& name : w.names()) {
+    const checkpoint::TensorView& v = w.view(name);
+    tensors.push_back({name, v.dtype, v.shape, [&w, name] { return checkpoint::tensor_from_view(w.view(name), w.source()); }});
+  }
+  fs::create_directories(out);
+  const std::vector<std::string> files = checkpoint::write_hub_weights(out, tensors, max_shard_bytes);
+  int copied = 0;
+  for (const auto& e : fs::directory_iterator(in)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file() || e.path().extension() == ".bin" || name == "pytorch_model.bin.index.json") continue;
+    fs::copy_file(e.path(), fs::path(out) / name);
+    ++copied;
+  }
+  std::printf("wrote %s: %zu tensors in %zu safetensors file(s), %d other file(s) copied\n", out.c_str(),
+              tensors.size(), files.size(), copied);
+  return 0;
+}
+
+// A torch.save file (a state dict, or one under `key`) as one safetensors file.
+int convert(const std::string& in, const std::string& out, const std::string& key, const std::string& size) {
+  const int64_t max_shard_bytes = checkpoint::parse_shard_size(size);
+  if (fs::is_directory(in)) {
+    if (!key.empty()) throw UsageError("--key picks an entry of one file; " + in + " is a directory");
+    return convert_dir(in, out, max_shard_bytes);
+  }
+  if (fs::path(out).extension() != ".safetensors")
+    throw UsageError("-o " + out + ": a PyTorch file converts to one .safetensors file");
+  const checkpoint::NamedTensors tensors = checkpoint::read_torch_state_dict(in, key);
+  try {
+    checkpoint::save_safetensors(out, tensors, {{"format", "pt"}});
+  } catch (const checkpoint::SafetensorsError& e) {
+    throw UsageError(e.what());
+  }
+  std::printf("wrote %s: %zu tensors\n", out.c_str(), tensors.size());
+  return 0;
+}
+
 }  // namespace
 
 void add_checkpoint(CLI::App& app, Runner& run) {
-  auto* cmd = app.add_subcommand("checkpoint", "inspect, consolidate or export sharded checkpoints");
+  auto* cmd = app.add_subcommand("checkpoint", "inspect, consolidate or export sharded checkpoints; convert "
+                                               "PyTorch files");
   cmd->require_subcommand(1);
   auto dir = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
@@ -158,6 +209,14 @@ void add_checkpoint(CLI::App& app, Runner& run) {
       return 0;
     };
   });
+  auto key = std::make_shared<std::string>();
+  auto* conv = cmd->add_subcommand("convert", "a torch.save file (model.pt, pytorch_model.bin) as safetensors, or a "
+                                              "Hub directory of .bin files as one of safetensors shards");
+  conv->add_option("input", *dir, "a PyTorch file, or a directory with pytorch_model.bin[.index.json]")->required();
+  conv->add_option("-o,--output", *out, "FILE.safetensors, or a new directory")->required();
+  conv->add_option("--key", *key, "the state dict's key in the saved dict (e.g. model, state_dict)");
+  conv->add_option("--max-shard-size", *size, "a directory's largest shard: 5GB (default), 500MB, 2GiB, or bytes");
+  conv->callback([&run, dir, out, key, size] { run = [dir, out, key, size] { return convert(*dir, *out, *key, *size); }; });
 }
 
 }  // namespace scaletrain::cli

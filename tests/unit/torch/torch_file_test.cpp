@@ -19,6 +19,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
 #include "scaletrain/util/error.h"
+#include "cli_util.h"
 
 namespace scaletrain::test {
 namespace {
@@ -195,6 +196,40 @@ TEST(TorchFile, HubDirectoryOfBinFilesLoadsLikeItsSafetensors) {
     const auto pa = a->named_parameters(), pb = b->named_parameters();
     for (const auto& p : pa) expect_bitwise(p.key(), p.value().detach(), pb[p.key()].detach());
   }
+  // `checkpoint convert` turns the .bin directory into safetensors shards
+  // (the other files copied), read back as the original.
+  const test::Run r = run("checkpoint convert " + (d / "bins").string() + " -o " + (d / "conv").string() +
+                    " --max-shard-size 60000");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d / "conv" / "model.safetensors.index.json"));
+  EXPECT_TRUE(fs::exists(d / "conv" / "config.json"));
+  const HubWeights st((d / "st").string()), conv((d / "conv").string());
+  ASSERT_EQ(st.names(), conv.names());
+  for (const std::string& name : st.names())
+    expect_bitwise(name, conv.read(name, torch::kFloat), st.read(name, torch::kFloat));
+}
+
+TEST(TorchFile, CliConvertsAFileAndRefusesBadInputWithExit2) {
+  REQUIRE_PYTHON();
+  const fs::path d = python_files(), out = scratch("convert");
+  test::Run r = run("checkpoint convert " + (d / "training.pt").string() + " --key model -o " +
+              (out / "model.safetensors").string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  const TensorMap want = load_safetensors((d / "model.safetensors").string());
+  const TensorMap got = load_safetensors((out / "model.safetensors").string());
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : got) expect_bitwise(name, t, want.at(name));
+  r = run("checkpoint convert " + (d / "training.pt").string() + " -o " + (out / "all.safetensors").string());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("is a dict, not a tensor (is the state dict under a key such as 'model'?)"), std::string::npos)
+      << r.err;
+  r = run("checkpoint convert " + (d / "model.pt").string() + " -o " + (out / "model.bin").string());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("converts to one .safetensors file"), std::string::npos) << r.err;
+  r = run("checkpoint convert " + (d / "legacy.pt").string() + " -o " + (out / "legacy.safetensors").string());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("legacy"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(out / "legacy.safetensors"));
 }
 
 }  // namespace
