@@ -10,10 +10,13 @@
 //   parallel::pipeline::ModulePipeline   pipelines over stages you give (split a Sequential)
 //   parallel::tensor::parallelize_module   tensor parallelism by a plan over module names
 //   checkpoint::                   sharded checkpoints that reload under any layout
+//   checkpoint::load_state_dict    PyTorch's torch.save files, read safely; a Python run's state imported
 //   train::sharded_layout, ...     which piece of which tensor an engine's rank holds, for checkpoint::
 //   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
 //   data::DistributedSampler       sample order that depends on (seed, global batch) only
 #include "scaletrain/checkpoint/sharded.h"
+#include "scaletrain/checkpoint/torch_file.h"
+#include "scaletrain/checkpoint/torch_training.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/data/sampler.h"
