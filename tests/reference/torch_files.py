@@ -552,13 +552,27 @@ def cmd_selftest():
     return 0
 
 
-def cmd_hubbin(src, out, shards):
+def gpt2_masks(tensors, config):
+    """The buffers old GPT-2 .bin files carry per block: the causal mask `attn.bias`
+    [1, 1, n_positions, n_positions] and the scalar `attn.masked_bias` (-1e4)."""
+    n = config["n_positions"]
+    prefix = "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+    for i in range(config["n_layer"]):
+        tensors["%sh.%d.attn.bias" % (prefix, i)] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+        tensors["%sh.%d.attn.masked_bias" % (prefix, i)] = torch.tensor(-1e4)
+
+
+def cmd_hubbin(src, out, shards, masks):
     """A copy of the Hub directory SRC (safetensors) with its weights as
     pytorch_model.bin, or as SHARDS files named by pytorch_model.bin.index.json
-    (the layout transformers wrote before safetensors)."""
+    (the layout transformers wrote before safetensors); with MASKS, GPT-2's
+    mask buffers added as old GPT-2 files have them."""
     tensors = {}
     for path in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
         tensors.update(safetensors_io.read_file(path))
+    if masks:
+        with open(os.path.join(src, "config.json")) as f:
+            gpt2_masks(tensors, json.load(f))
     os.makedirs(out, exist_ok=False)
     shutil.copy(os.path.join(src, "config.json"), os.path.join(out, "config.json"))
     names = sorted(tensors)
@@ -641,6 +655,7 @@ def main():
     h.add_argument("src")
     h.add_argument("out")
     h.add_argument("--shards", type=int, default=1)
+    h.add_argument("--gpt2-masks", action="store_true")
     t = sub.add_parser("train")
     t.add_argument("out")
     t.add_argument("--before", type=int, default=3)
@@ -658,7 +673,7 @@ def main():
         cmd_resume(a.file, a.data, a.steps, a.out)
         return 0
     if a.cmd == "hubbin":
-        cmd_hubbin(a.src, a.out, a.shards)
+        cmd_hubbin(a.src, a.out, a.shards, a.gpt2_masks)
         return 0
     if a.cmd == "write":
         cmd_write(a.dir)

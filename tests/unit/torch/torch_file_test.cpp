@@ -15,8 +15,11 @@
 #include "scaletrain/checkpoint/hub.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/checkpoint/torch_file.h"
+#include "scaletrain/hub/hf_gpt2.h"
 #include "scaletrain/hub/hub_load.h"
 #include "scaletrain/models/causal_lm.h"
+#include "scaletrain/models/gpt.h"
+#include "scaletrain/models/hf_config.h"
 #include "scaletrain/models/llama.h"
 #include "scaletrain/util/error.h"
 #include "cli_util.h"
@@ -209,6 +212,25 @@ TEST(TorchFile, HubDirectoryOfBinFilesLoadsLikeItsSafetensors) {
     expect_bitwise(name, conv.read(name, torch::kFloat), st.read(name, torch::kFloat));
 }
 
+// GPT-2 as its old .bin files are: bare names, no lm_head (tied), and the
+// mask buffers attn.bias / attn.masked_bias, which the loader skips.
+TEST(TorchFile, Gpt2BinFileLoadsLikeItsSafetensors) {
+  REQUIRE_PYTHON();
+  const fs::path d = scratch("gpt2");
+  std::string cmd = std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/hub_checkpoint.py write " +
+                    (d / "st").string() + " --arch gpt2 --gpt2-bare-names --seed 5 > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  cmd = reference("hubbin " + (d / "st").string() + " " + (d / "bin").string() + " --gpt2-masks");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(d / "st" / "config.json");
+  const models::ModelConfig c = models::gpt2_config_from_hf(nlohmann::json::parse(in), "config.json");
+  models::GPT a(c), b(c);
+  hub::import_hf_gpt2(a, (d / "st").string());
+  hub::import_hf_gpt2(b, (d / "bin").string());
+  const auto pb = b->named_parameters();
+  for (const auto& p : a->named_parameters()) expect_bitwise(p.key(), p.value().detach(), pb[p.key()].detach());
+}
+
 TEST(TorchFile, CliConvertsAFileAndRefusesBadInputWithExit2) {
   REQUIRE_PYTHON();
   const fs::path d = python_files(), out = scratch("convert");
@@ -230,6 +252,26 @@ TEST(TorchFile, CliConvertsAFileAndRefusesBadInputWithExit2) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("legacy"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(out / "legacy.safetensors"));
+  // Every hostile file: exit 2 with its one-line reason, under a 4 GiB
+  // address-space limit (a reader that allocated what a file claims would
+  // die of bad_alloc, exit 1), and nothing written.
+  const fs::path bad = out / "hostile";
+  const std::string make = reference("malicious " + bad.string() + " " + (out / "MARKER").string());
+  ASSERT_EQ(std::system(make.c_str()), 0) << make;
+  std::ifstream in(bad / "manifest.json");
+  for (const auto& entry : nlohmann::json::parse(in)) {
+    const std::string file = (bad / entry.at("file").get<std::string>()).string();
+    const fs::path err = out / "err.txt";
+    const std::string cmd = "bash -c 'ulimit -v 4194304; exec " + std::string(SCALETRAIN_BIN) + " checkpoint convert " +
+                            file + " -o " + (out / "x.safetensors").string() + "' >/dev/null 2>" + err.string();
+    const int status = std::system(cmd.c_str());
+    std::ifstream e(err);
+    const std::string text((std::istreambuf_iterator<char>(e)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 2) << file << ": " << text;
+    EXPECT_NE(text.find(entry.at("expect").get<std::string>()), std::string::npos) << text;
+  }
+  EXPECT_FALSE(fs::exists(out / "x.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "MARKER"));
 }
 
 }  // namespace
