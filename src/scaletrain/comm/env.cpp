@@ -59,6 +59,14 @@ std::string first_slurm_host(const std::string& nodelist) {
   return first + nodelist.substr(open + 1, end - open - 1);
 }
 
+// Note [Slurm's batch step]: measured with Slurm 22.05 on one node, an
+// sbatch -n2 script sees SLURM_PROCID=0, SLURM_NTASKS=2 and no
+// SLURM_STEP_ID (nor the older SLURM_STEPID); each task of an srun inside it
+// sees SLURM_STEP_ID=0, 1, ... A trainer run directly in the script would
+// serve the store as rank 0 of 2 and wait out the timeout for a rank that
+// never starts, so it is refused at once. (A world of one in a batch script
+// is a real run.) tests/launchers/cluster.sh runs both for real.
+//
 // Note [Open MPI's job id]: every mpirun gives its processes one job id
 // (OMPI_MCA_ess_base_jobid, also PMIX_NAMESPACE), the same on every rank and
 // different for the next mpirun: measured with Open MPI 4.1, 1105199105 and
@@ -77,6 +85,8 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
     w.agent_store = agent != nullptr && std::string(agent) == "True";
     if (w.agent_store) w.restart_count = parse_int(getenv, "TORCHELASTIC_RESTART_COUNT", 0, false);
     w.local_world_size = parse_int(getenv, "LOCAL_WORLD_SIZE", w.world_size, false);
+    const std::string run_id = str(getenv, "TORCHELASTIC_RUN_ID", "");
+    if (!run_id.empty() && run_id != "none") w.job_secret = "torchrun-" + run_id;
   } else if (getenv("OMPI_COMM_WORLD_RANK")) {
     w.source = "openmpi";
     w.rank = parse_int(getenv, "OMPI_COMM_WORLD_RANK", 0, true);
@@ -92,19 +102,31 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
       if (end == job.c_str() || *end != '\0')
         throw UsageError("OMPI_MCA_ess_base_jobid '" + job + "' is not a job id (a non-negative integer)");
       w.master_port = 20000 + static_cast<int>(((id >> 16) ^ (id & 0xffff)) % 20000);
+      w.job_secret = "openmpi-" + job;
     }
   } else if (getenv("SLURM_PROCID")) {
     w.source = "slurm";
     w.rank = parse_int(getenv, "SLURM_PROCID", 0, true);
     w.world_size = parse_int(getenv, "SLURM_NTASKS", 1, true);
+    // Note [Slurm's batch step]: the batch script itself has SLURM_PROCID 0
+    // and the job's SLURM_NTASKS but no step id; every srun step has one.
+    const bool batch_script = !getenv("SLURM_STEP_ID") && !getenv("SLURM_STEPID");
+    if (batch_script && w.world_size > 1)
+      throw UsageError("this is the batch script of Slurm job " + str(getenv, "SLURM_JOB_ID", "?") + ", one task of " +
+                       std::to_string(w.world_size) + " (SLURM_NTASKS): start the ranks with `srun scaletrain ...`, "
+                       "or with `scaletrain launch` inside the script");
     w.local_rank = parse_int(getenv, "SLURM_LOCALID", 0, false);
     std::string per_node = str(getenv, "SLURM_NTASKS_PER_NODE", str(getenv, "SLURM_TASKS_PER_NODE", ""));
     w.local_world_size = leading_int(per_node, w.world_size);
     std::string nodes = str(getenv, "SLURM_JOB_NODELIST", str(getenv, "SLURM_NODELIST", ""));
     if (!nodes.empty()) w.master_addr = first_slurm_host(nodes);
-    // One port per job, so two jobs sharing a node do not collide.
-    int job = parse_int(getenv, "SLURM_JOB_ID", 0, false);
-    w.master_port = 20000 + job % 20000;
+    // One port per job step, so two jobs sharing a node, or two steps of
+    // one job running at once, do not meet in one store: the step moves
+    // the port by a prime, so consecutive jobs and steps differ.
+    const int job = parse_int(getenv, "SLURM_JOB_ID", 0, false);
+    const int step = parse_int(getenv, "SLURM_STEP_ID", parse_int(getenv, "SLURM_STEPID", 0, false), false);
+    w.master_port = 20000 + static_cast<int>((static_cast<int64_t>(job) + 7919LL * step) % 20000);
+    if (job > 0) w.job_secret = "slurm-" + std::to_string(job) + "." + std::to_string(step);
   } else if (getenv("PMI_RANK")) {
     // MPICH's Hydra (mpiexec.hydra); no job id reaches the environment, so
     // the port stays 29500 unless MASTER_PORT is set.

@@ -22,6 +22,12 @@ struct WorldInfo {
   // the prefix of the agent's restart count.
   bool agent_store = false;
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  // The store secret the launcher's job identity gives when
+  // SCALETRAIN_STORE_SECRET is not set: Slurm's job and step ids, Open MPI's
+  // job id, torchrun's run id; empty when the launcher gives none. It keeps
+  // two jobs apart (one cannot join the other's store by a port collision),
+  // not an attacker out: job ids are public on the host.
+  std::string job_secret;
 };
 
 using GetEnv = std::function<const char*(const char*)>;

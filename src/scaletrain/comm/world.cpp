@@ -180,6 +180,7 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
   }
   if (w->options_.store_secret.empty())
     if (const char* s = std::getenv("SCALETRAIN_STORE_SECRET")) w->options_.store_secret = s;
+  if (w->options_.store_secret.empty()) w->options_.store_secret = info.job_secret;  // WorldInfo::job_secret
   switch (options.backend) {
     case Backend::Gloo:
       w->kind_ = BackendKind::Gloo;
@@ -224,9 +225,10 @@ std::shared_ptr<World> World::init(const WorldInfo& info, const WorldOptions& op
     o.connect_timeout = options.timeout;
     o.timeout = options.timeout;
     o.secret = w->options_.store_secret;
-    // Only `scaletrain launch` makes a secret (one node); under mpirun, srun
-    // or a launch across nodes without one, any client that reaches the
-    // port is served: said once per job, by the rank that serves it.
+    // `scaletrain launch` makes a secret (one node), mpirun, srun and
+    // torchrun's run id give one (WorldInfo::job_secret); under MPICH or a
+    // launch across nodes without one, any client that reaches the port is
+    // served: said once per job, by the rank that serves it.
     if (o.secret.empty() && o.is_server)
       std::fprintf(stderr,
                    "scaletrain: warning: SCALETRAIN_STORE_SECRET is not set, so the rendezvous store at %s:%d "

@@ -80,6 +80,19 @@ TEST(WorldEnv, OpenMpi) {
   };
   EXPECT_EQ(port("1105199105"), 20000 + ((0x41E0 ^ 1) % 20000));
   EXPECT_NE(port("1105199105"), port("1104871425"));
+  // ... and each has its own store secret, the same on all its ranks.
+  EXPECT_EQ(comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "1"},
+                                            {"OMPI_COMM_WORLD_SIZE", "2"},
+                                            {"OMPI_MCA_ess_base_jobid", "1105199105"}}))
+                .job_secret,
+            "openmpi-1105199105");
+  EXPECT_EQ(w.job_secret, "") << "no job id: no secret (the store host warns)";
+  EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RUN_ID", "7f3a"}}))
+                .job_secret,
+            "torchrun-7f3a");
+  EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RUN_ID", "none"}}))
+                .job_secret,
+            "");
   EXPECT_EQ(comm::world_info_from_env(fake({{"OMPI_COMM_WORLD_RANK", "0"},
                                             {"OMPI_COMM_WORLD_SIZE", "2"},
                                             {"OMPI_MCA_ess_base_jobid", "1105199105"},
@@ -101,8 +114,8 @@ TEST(WorldEnv, Mpich) {
   EXPECT_EQ(w.local_world_size, 2);
   EXPECT_EQ(w.master_port, 29500);
   // Under srun with a PMI plugin Slurm's own variables win.
-  EXPECT_EQ(comm::world_info_from_env(fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"PMI_RANK", "0"},
-                                            {"PMI_SIZE", "2"}}))
+  EXPECT_EQ(comm::world_info_from_env(fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_STEP_ID", "0"},
+                                            {"PMI_RANK", "0"}, {"PMI_SIZE", "2"}}))
                 .source,
             "slurm");
 }
@@ -132,17 +145,37 @@ TEST(WorldEnv, MissingRanksUnderSlurmSayHowToStartThem) {
 }
 
 TEST(WorldEnv, Slurm) {
-  auto w = comm::world_info_from_env(fake({{"SLURM_PROCID", "6"},
-                                           {"SLURM_NTASKS", "8"},
-                                           {"SLURM_LOCALID", "2"},
-                                           {"SLURM_TASKS_PER_NODE", "4(x2)"},
-                                           {"SLURM_JOB_NODELIST", "gpu[07-08]"},
-                                           {"SLURM_JOB_ID", "4242"}}));
+  std::map<std::string, std::string> step{{"SLURM_PROCID", "6"},          {"SLURM_NTASKS", "8"},
+                                          {"SLURM_LOCALID", "2"},         {"SLURM_TASKS_PER_NODE", "4(x2)"},
+                                          {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "4242"},
+                                          {"SLURM_STEP_ID", "0"}};
+  auto w = comm::world_info_from_env(fake(step));
   EXPECT_EQ(w.rank, 6);
   EXPECT_EQ(w.local_rank, 2);
   EXPECT_EQ(w.local_world_size, 4);
   EXPECT_EQ(w.master_addr, "gpu07");
   EXPECT_EQ(w.master_port, 20000 + 4242);
+  EXPECT_EQ(w.job_secret, "slurm-4242.0");  // two jobs never meet in one store
+  // Another step of the job running at once, and the next job: other ports.
+  step["SLURM_STEP_ID"] = "1";
+  EXPECT_EQ(comm::world_info_from_env(fake(step)).master_port, 20000 + (4242 + 7919) % 20000);
+  step["SLURM_STEP_ID"] = "0";
+  step["SLURM_JOB_ID"] = "4243";
+  EXPECT_EQ(comm::world_info_from_env(fake(step)).master_port, 20000 + 4243);
+  // Note [Slurm's batch step]: the script of an sbatch -n8 job is one task.
+  step.erase("SLURM_STEP_ID");
+  step["SLURM_PROCID"] = "0";
+  try {
+    comm::world_info_from_env(fake(step));
+    ADD_FAILURE() << "a batch script became rank 0 of 8";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("batch script of Slurm job 4243, one task of 8"), std::string::npos)
+        << e.what();
+  }
+  step["SLURM_NTASKS"] = "1";
+  step["SLURM_TASKS_PER_NODE"] = "1";
+  step["SLURM_LOCALID"] = "0";
+  EXPECT_EQ(comm::world_info_from_env(fake(step)).world_size, 1);
   EXPECT_EQ(comm::first_slurm_host("a1,b2"), "a1");
   EXPECT_EQ(comm::first_slurm_host("n[003-004,9],x"), "n003");
 }
