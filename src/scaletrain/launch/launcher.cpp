@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <climits>
 #include <cmath>
 #include <csignal>
@@ -124,7 +125,8 @@ int run_elastic(const LaunchOptions& opts, const std::vector<std::string>& comma
     }
     if (!culprit.empty()) say("culprit: " + culprit);
     if (why == Stop::kFailure)
-      reason = "round " + std::to_string(rd.round) + ": node " + std::to_string(rd.node_index) + ": " + failure;
+      reason = "round " + std::to_string(rd.round) + ": node " + std::to_string(rd.node_index) + ": " +
+               failure_reason(failure, culprit, rd.first_rank, opts.nproc_per_node);
     switch (why) {
       case Stop::kNone:
         rdzv.succeeded();
@@ -299,6 +301,14 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+std::string failure_reason(const std::string& failure, const std::string& culprit, int first_rank, int nproc) {
+  int rank = -1;
+  if (std::sscanf(culprit.c_str(), "rank %d", &rank) != 1 || (rank >= first_rank && rank < first_rank + nproc))
+    return failure;
+  return "rank " + std::to_string(rank) + " of another node stopped answering (culprit: " + culprit +
+         "); then here: " + failure;
+}
+
 int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
   validate(opts, command);
   if (!opts.log_dir.empty()) {
@@ -334,7 +344,8 @@ int run(const LaunchOptions& opts, const std::vector<std::string>& command) {
       failure = sup.failure();
       culprit = sup.culprit();
     }
-    failures.push_back("attempt " + std::to_string(attempt) + ": " + failure);
+    failures.push_back("attempt " + std::to_string(attempt) + ": " +
+                       failure_reason(failure, culprit, static_placement(opts).first_rank, opts.nproc_per_node));
     std::string all;
     for (const auto& f : failures) all += (all.empty() ? "" : "; ") + f;
     // The last line names the rank that caused a failed collective, if one did.

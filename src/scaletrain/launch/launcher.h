@@ -181,6 +181,13 @@ void follow_launcher();
 // workers exits.
 int run(const LaunchOptions& opts, const std::vector<std::string>& command);
 
+// This node's failure as the next attempt's SCALETRAIN_RESTART_REASON:
+// `failure` ("rank 1 exited with code 1"), unless the workers named a culprit
+// ("rank 3 (it did not answer ...) (reported by rank 1)") that is not one of
+// this node's ranks [first_rank, first_rank + nproc): when a node is lost,
+// the survivors' collectives fail first, and the reason names the lost rank.
+std::string failure_reason(const std::string& failure, const std::string& culprit, int first_rank, int nproc);
+
 // A TCP port that nothing listens on now, chosen by the kernel (bind to port
 // 0): what `scaletrain launch` on one node uses when no --master-port is
 // given, so that two jobs on one host do not meet at one store (torchrun's

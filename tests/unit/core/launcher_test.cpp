@@ -541,3 +541,24 @@ TEST(Launch, CommandIsFoundInPath) {
   EXPECT_EQ(scaletrain::launch::run(c.opts, {"false"}), 1);
   EXPECT_NE(slurp(dir / "launcher.err").find("rank 0 exited with code 1"), std::string::npos);
 }
+
+namespace scaletrain::launch {
+namespace {
+
+// After a node is lost, the survivors' collectives fail first: the restart
+// reason names the lost node's rank (the workers' culprit), not the survivor.
+TEST(Launch, RestartReasonNamesACulpritOfAnotherNode) {
+  const std::string here = "rank 0 exited with code 1";
+  // Node 0 holds ranks 0-1; rank 3 is on node 1.
+  EXPECT_EQ(failure_reason(here, "rank 3 (it did not answer) (reported by rank 0)", 0, 2),
+            "rank 3 of another node stopped answering (culprit: rank 3 (it did not answer) (reported by rank 0)); "
+            "then here: rank 0 exited with code 1");
+  EXPECT_EQ(failure_reason(here, "rank 1 (behind) (reported by rank 0)", 0, 2), here) << "a local culprit";
+  EXPECT_EQ(failure_reason(here, "", 0, 2), here) << "no culprit";
+  EXPECT_EQ(failure_reason("rank 2 exited with code 1", "rank 0 (it serves the store) (reported by rank 2)", 2, 2),
+            "rank 0 of another node stopped answering (culprit: rank 0 (it serves the store) (reported by rank 2)); "
+            "then here: rank 2 exited with code 1");
+}
+
+}  // namespace
+}  // namespace scaletrain::launch
