@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "scaletrain/comm/env.h"
 #include "scaletrain/comm/rendezvous_store.h"
 #include "scaletrain/config/accelerate_config.h"
 #include "scaletrain/launch/elastic.h"
@@ -187,11 +188,87 @@ void parse_nnodes(const std::string& nn, launch::LaunchOptions& opts) {
   }
 }
 
+// Note [Launch inside a Slurm allocation]: with SLURM_JOB_ID set, the flags
+// not given come from the allocation, and a given one that contradicts it
+// is refused. In the batch script (no SLURM_STEP_ID: Note [Slurm's batch
+// step] in comm/env.cpp) the launcher runs on the first node only: one node,
+// its tasks (SLURM_TASKS_PER_NODE) as workers; an allocation of several
+// nodes needs one launcher per node, started by srun. Under srun, each task
+// is a launcher: the step's node count and this task's SLURM_NODEID place
+// it, the store is at the first host of the node list on the job step's
+// port, and the workers per node must be given (the step's tasks are the
+// launchers, not the workers). Where each value came from is printed.
+const char* slurm_var(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+int slurm_int(const char* name, int fallback) {
+  const char* v = slurm_var(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);  // "2(x3)": the leading count
+  if (end == v || x < 0 || x > 1 << 24)
+    throw UsageError(std::string("launch: ") + name + "='" + v + "' is not a count");
+  return static_cast<int>(x);
+}
+
+// Returns whether it chose the port.
+bool apply_slurm(launch::LaunchOptions& o, const GivenFlags& given) {
+  const char* job = slurm_var("SLURM_JOB_ID");
+  if (!job || o.max_nodes > 0) return false;
+  const bool batch = !slurm_var("SLURM_STEP_ID") && !slurm_var("SLURM_STEPID");
+  const int step = slurm_int("SLURM_STEP_ID", slurm_int("SLURM_STEPID", 0));
+  const std::string where = std::string("Slurm job ") + job + (batch ? " (its batch script)" : " step " + std::to_string(step));
+  const int nodes = batch ? slurm_int("SLURM_JOB_NUM_NODES", slurm_int("SLURM_NNODES", 1))
+                          : slurm_int("SLURM_STEP_NUM_NODES", slurm_int("SLURM_NNODES", 1));
+  if (batch && nodes > 1)
+    throw UsageError("launch: this batch script runs on the first of the " + std::to_string(nodes) + " nodes of " +
+                     where + ": start one launcher per node, `srun --ntasks-per-node=1 scaletrain launch ...`");
+  const int launchers_here = slurm_int("SLURM_STEP_TASKS_PER_NODE", slurm_int("SLURM_TASKS_PER_NODE", 1));
+  if (!batch && launchers_here > 1)
+    throw UsageError("launch: srun started " + std::to_string(launchers_here) + " launchers on this node (" + where +
+                     "): start one per node (--ntasks-per-node=1); each starts --nproc-per-node workers");
+  const int node = batch ? 0 : slurm_int("SLURM_NODEID", 0);
+  if (given.nnodes && o.nnodes != nodes)
+    throw UsageError("launch: --nnodes " + std::to_string(o.nnodes) + ", but " + where + " runs on " +
+                     std::to_string(nodes) + " node(s)");
+  if (given.node_rank && o.node_rank != node)
+    throw UsageError("launch: --node-rank " + std::to_string(o.node_rank) + ", but this is node " +
+                     std::to_string(node) + " of " + where + " (SLURM_NODEID)");
+  std::string said;
+  auto say = [&](const std::string& s) { said += (said.empty() ? "" : ", ") + s; };
+  if (!given.nnodes) say("nnodes " + std::to_string(o.nnodes = nodes) + (batch ? " (batch script)" : " (SLURM_STEP_NUM_NODES)"));
+  if (!given.node_rank) say("node rank " + std::to_string(o.node_rank = node) + (batch ? "" : " (SLURM_NODEID)"));
+  if (!given.nproc) {
+    if (!batch)
+      throw UsageError("launch: --nproc-per-node is needed under srun (" + where +
+                       "): the step's tasks are the launchers, one per node");
+    say("nproc-per-node " + std::to_string(o.nproc_per_node = slurm_int("SLURM_TASKS_PER_NODE", 1)) +
+        " (SLURM_TASKS_PER_NODE)");
+  }
+  bool port_set = false;
+  if (nodes > 1) {
+    const char* list = slurm_var("SLURM_STEP_NODELIST") ? slurm_var("SLURM_STEP_NODELIST") : slurm_var("SLURM_JOB_NODELIST");
+    if (!given.addr && list) say("master " + (o.master_addr = comm::first_slurm_host(list)) + " (first of the node list)");
+    if (!given.port) {
+      o.master_port = 20000 + static_cast<int>((std::strtoll(job, nullptr, 10) + 7919LL * step) % 20000);
+      say("port " + std::to_string(o.master_port) + " (of the job step)");
+      port_set = true;
+    }
+    if (!std::getenv("SCALETRAIN_STORE_SECRET"))  // the job's identity (WorldInfo::job_secret)
+      ::setenv("SCALETRAIN_STORE_SECRET", ("slurm-" + std::string(job) + "." + std::to_string(step)).c_str(), 1);
+  }
+  if (!said.empty()) std::fprintf(stderr, "scaletrain launch: from %s: %s\n", where.c_str(), said.c_str());
+  return port_set;
+}
+
 // The runner: the config file's launcher keys for the flags not given, the
 // port, the elastic rendezvous, then launch::run().
 int run_launch(LaunchFlags& f, bool from_file, const GivenFlags& given) {
   launch::LaunchOptions& opts = f.opts;
   bool port_chosen = given.port;
+  if (!from_file) port_chosen = apply_slurm(opts, given) || port_chosen;
   if (from_file) {
     const auto l = config::read_accelerate_launch(f.config_file);
     if (!given.nnodes) opts.nnodes = l.num_machines;
@@ -247,8 +324,8 @@ void add_launch(CLI::App& app, Runner& run) {
     for (double* v : {&f->last_call_s, &f->keepalive_s, &f->join_s})
       if (!(*v > 0) || *v > 1e7) throw UsageError("launch: --rdzv-* times must be positive seconds");
     const bool from_file = !f->config_file.empty();
-    if (!from_file && f->nproc->count() == 0)
-      throw CLI::RequiredError("--nproc-per-node (or --config_file with num_processes)");
+    if (!from_file && f->nproc->count() == 0 && !slurm_var("SLURM_JOB_ID"))
+      throw CLI::RequiredError("--nproc-per-node (or --config_file with num_processes, or a Slurm allocation)");
     // Which flags were given explicitly: those win over the file.
     const GivenFlags given{f->nproc->count() > 0, f->nnodes->count() > 0, f->node_rank->count() > 0,
                            f->addr->count() > 0, f->port->count() > 0};

@@ -3,7 +3,8 @@
 # a one-node Slurm started here (munged, slurmctld and slurmd on localhost,
 # in WORK_DIR, stopped at the end) train the same 3 steps as
 # `scaletrain launch`, loss for loss: `mpirun -np 2`, `srun -n2`, `sbatch -n2`
-# with srun inside, and `sbatch -n2` with `scaletrain launch` inside. A
+# with srun inside, `sbatch -n2` with `scaletrain launch` inside (its
+# workers from the allocation) and `srun -n1 scaletrain launch`. A
 # trainer run directly in an sbatch -n2 script is refused at once, exit 2
 # (Note [Slurm's batch step] in comm/env.cpp).
 # Usage: cluster.sh SCALETRAIN_BIN WORK_DIR
@@ -110,13 +111,25 @@ done
 same_as_local "srun -n2" srun.jsonl
 no_open_store srun.log
 
+# One launcher per node under srun (Note [Launch inside a Slurm allocation]);
+# two on one node are refused.
+"${clean_env[@]}" timeout 180 srun -N1 -n1 "$bin" launch --nproc-per-node 2 --threads 1 --timeout 120 -- \
+  $train="$work/srun_launch.jsonl" > srun_launch.log 2>&1 || { cat srun_launch.log >&2; exit 1; }
+same_as_local "srun -n1 scaletrain launch" srun_launch.jsonl
+set +e
+"${clean_env[@]}" timeout 60 srun -N1 -n2 "$bin" launch --nproc-per-node 1 -- true > srun_two.log 2>&1
+code=$?
+set -e
+[ "$code" = 2 ] && grep -q "srun started 2 launchers on this node" srun_two.log ||
+  { echo "cluster.sh: two launchers on one node were not refused (exit $code):" >&2; cat srun_two.log >&2; exit 1; }
+
 cat > batch_srun.sh <<EOF
 #!/bin/bash
 srun $train=$work/sbatch_srun.jsonl
 EOF
 cat > batch_launch.sh <<EOF
 #!/bin/bash
-$bin launch --nproc-per-node 2 --threads 1 --timeout 120 -- $train=$work/sbatch_launch.jsonl
+$bin launch --threads 1 --timeout 120 -- $train=$work/sbatch_launch.jsonl
 EOF
 cat > batch_direct.sh <<EOF
 #!/bin/bash
@@ -129,6 +142,8 @@ for job in batch_srun batch_launch batch_direct; do
 done
 same_as_local "sbatch -n2 with srun inside" sbatch_srun.jsonl
 same_as_local "sbatch -n2 with scaletrain launch inside" sbatch_launch.jsonl
+grep -q "scaletrain launch: from Slurm job .* (its batch script): nnodes 1 (batch script), node rank 0, nproc-per-node 2 (SLURM_TASKS_PER_NODE)" batch_launch.out ||
+  { echo "cluster.sh: the launcher in the batch script did not say where its size came from:" >&2; cat batch_launch.out >&2; exit 1; }
 grep -q "exit code 2" batch_direct.out && grep -q "batch script of Slurm job .*, one task of 2 (SLURM_NTASKS)" batch_direct.out ||
   { echo "cluster.sh: a trainer run directly in an sbatch -n2 script was not refused at once:" >&2; cat batch_direct.out >&2; exit 1; }
 [ ! -e sbatch_direct.jsonl ] || { echo "cluster.sh: the refused run wrote metrics" >&2; exit 1; }

@@ -215,6 +215,41 @@ TEST(Cli, LaunchTakesItsPlaceFromTorchrunVariables) {
   EXPECT_NE(bad.err.find("many"), std::string::npos) << bad.err;
 }
 
+// Note [Launch inside a Slurm allocation] (cmd_launch.cpp), with a
+// two-node srun step's variables: node 1 of 2 takes ranks 2-3, the store at
+// the first host on the step's port, with the step's secret; a flag that
+// contradicts the allocation, and a batch script of two nodes, are refused.
+// (tests/launchers/cluster.sh runs the one-node cases under a real Slurm.)
+TEST(Cli, LaunchTakesItsPlaceFromASlurmStep) {
+  const std::vector<std::pair<const char*, const char*>> step = {
+      {"SLURM_JOB_ID", "4242"},          {"SLURM_STEP_ID", "1"},       {"SLURM_STEP_NUM_NODES", "2"},
+      {"SLURM_NODEID", "1"},             {"SLURM_STEP_TASKS_PER_NODE", "1(x2)"},
+      {"SLURM_STEP_NODELIST", "localhost,n2"}};
+  for (const auto& [k, v] : step) ::setenv(k, v, 1);
+  ::unsetenv("SCALETRAIN_STORE_SECRET");
+  const std::string worker =
+      " -- /bin/sh -c 'echo at $RANK of $WORLD_SIZE via $MASTER_ADDR:$MASTER_PORT with $SCALETRAIN_STORE_SECRET >&2'";
+  const auto placed = run("launch --nproc-per-node 2 --threads 1 --timeout 60" + worker);
+  const auto contradicted = run("launch --nproc-per-node 2 --node-rank 0 --threads 1 --timeout 60" + worker);
+  const auto no_nproc = run("launch --threads 1 --timeout 60" + worker);
+  ::unsetenv("SLURM_STEP_ID");
+  ::setenv("SLURM_JOB_NUM_NODES", "2", 1);
+  const auto batch = run("launch --threads 1 --timeout 60" + worker);
+  for (const auto& [k, v] : step) ::unsetenv(k);
+  ::unsetenv("SLURM_JOB_NUM_NODES");
+  ASSERT_EQ(placed.code, 0) << placed.err;
+  const std::string port = std::to_string(20000 + (4242 + 7919) % 20000);
+  EXPECT_NE(placed.err.find("[rank 3] at 3 of 4 via localhost:" + port + " with slurm-4242.1"), std::string::npos)
+      << placed.err;
+  EXPECT_NE(placed.err.find("from Slurm job 4242 step 1: nnodes 2 (SLURM_STEP_NUM_NODES), node rank 1 (SLURM_NODEID), "
+                            "master localhost (first of the node list), port " + port + " (of the job step)"),
+            std::string::npos)
+      << placed.err;
+  expect_usage_error(contradicted, "--node-rank 0, but this is node 1 of Slurm job 4242 step 1 (SLURM_NODEID)");
+  expect_usage_error(no_nproc, "--nproc-per-node is needed under srun");
+  expect_usage_error(batch, "start one launcher per node, `srun --ntasks-per-node=1 scaletrain launch ...`");
+}
+
 // Note [torchrun's agent store] (comm/env.h): under torchrun's default
 // (static) rendezvous its agent serves the store on MASTER_PORT, so rank 0
 // could not listen there ("Address already in use"). The ranks join the
