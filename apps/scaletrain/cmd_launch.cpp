@@ -263,11 +263,22 @@ bool apply_slurm(launch::LaunchOptions& o, const GivenFlags& given) {
   return port_set;
 }
 
+// Note [torchrun's PET_ variables]: which were read, said once.
+void say_operator_variables() {
+  std::string said;
+  for (const char* v : {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"})
+    if (const char* x = std::getenv(v)) said += std::string(said.empty() ? "" : ", ") + v + "=" + x;
+  if (!said.empty())
+    std::fprintf(stderr, "scaletrain launch: from the training operator's variables: %s (a flag given wins)\n",
+                 said.c_str());
+}
+
 // The runner: the config file's launcher keys for the flags not given, the
 // port, the elastic rendezvous, then launch::run().
 int run_launch(LaunchFlags& f, bool from_file, const GivenFlags& given) {
   launch::LaunchOptions& opts = f.opts;
   bool port_chosen = given.port;
+  say_operator_variables();
   if (!from_file) port_chosen = apply_slurm(opts, given) || port_chosen;
   if (from_file) {
     const auto l = config::read_accelerate_launch(f.config_file);

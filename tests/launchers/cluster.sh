@@ -57,6 +57,15 @@ no_open_store() {  # LOG: the job's identity gave the store a secret (WorldInfo:
   ! grep -q "SCALETRAIN_STORE_SECRET is not set" "$1" || { echo "cluster.sh: $1: a store without a secret" >&2; exit 1; }
 }
 no_open_store mpirun.log
+# RANK and WORLD_SIZE exported by hand would make both ranks rank 0 of 1
+# (Note [Stale RANK and WORLD_SIZE]): refused, not two silent runs.
+set +e
+"${clean_env[@]}" RANK=0 WORLD_SIZE=1 timeout 180 mpirun --allow-run-as-root --oversubscribe -np 2 -x RANK -x WORLD_SIZE \
+  $train="$work/stale.jsonl" > stale.log 2>&1
+code=$?
+set -e
+[ "$code" != 0 ] && grep -q "RANK=0 and WORLD_SIZE=1 are set, but mpirun started this process as rank 1 of 2" stale.log &&
+  [ ! -e stale.jsonl ] || { echo "cluster.sh: stale RANK/WORLD_SIZE under mpirun were not refused (exit $code):" >&2; cat stale.log >&2; exit 1; }
 
 # A one-node Slurm of our own: its own munge key and socket, free ports.
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -294,6 +295,36 @@ void Checkpointer::save(const Layout& layout, const OptimizerState* opt, const S
 }
 
 void Checkpointer::finish() { commit_pending(); }
+
+void check_shared_directory(comm::Group& group, const std::string& root) {
+  if (group.size() == 1) return;
+  const fs::path marker = fs::path(root) / ".scaletrain-shared-directory";
+  at::Tensor token = at::zeros({1}, at::kLong);
+  if (group.rank() == 0) {
+    token.fill_(static_cast<int64_t>(std::chrono::steady_clock::now().time_since_epoch().count() ^ ::getpid()));
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    if (ec) throw UsageError("checkpoint.dir: cannot create " + root + ": " + ec.message());
+    write_file_durably(marker.string(), std::to_string(token.item<int64_t>()));
+  }
+  group.broadcast(token, 0).wait();
+  std::ifstream in(marker);
+  std::string seen;
+  std::getline(in, seen);
+  at::Tensor bad = at::zeros({group.size()}, at::kLong);
+  if (seen != std::to_string(token.item<int64_t>())) bad[group.rank()] = 1;
+  group.all_reduce(bad, comm::ReduceOp::Sum).wait();
+  for (int r = 0; r < group.size(); ++r)
+    if (bad[r].item<int64_t>() != 0) {
+      char host[256] = "?";
+      ::gethostname(host, sizeof host - 1);
+      throw UsageError("checkpoint.dir " + root + " is not the directory rank 0 writes on rank " + std::to_string(r) +
+                       (r == group.rank() ? std::string(" (host ") + host + ")" : std::string()) +
+                       ": every rank writes its part there and rank 0 reads them all, so it must be on a "
+                       "filesystem every node shares");
+    }
+  if (group.rank() == 0) fs::remove(marker);
+}
 
 std::string save_alone(const std::string& root, const Layout& layout, const OptimizerState* opt,
                        const SaveState& state) {

@@ -171,6 +171,16 @@ class Checkpointer {
   double last_stall_s_ = 0;
 };
 
+// Note [One checkpoint directory]: every rank writes its part into ROOT and
+// rank 0 reads them all to commit, so ROOT must be one directory on every
+// node (a shared filesystem); a node with a local directory of the same
+// name would write parts rank 0 never sees, and the first save would hang
+// or fail far from the cause. Checked at the start (collective): rank 0
+// writes a marker file with a fresh token into ROOT, and every rank reads
+// it back; a rank that sees another file, or none, is named with its host
+// on every rank (UsageError).
+void check_shared_directory(comm::Group& group, const std::string& root);
+
 // Writes a checkpoint of one process that holds everything (no group, no
 // barrier): ROOT/step-N with rank 0's file and the index, as save() would on
 // a world of one. For checkpoints made outside a run (an import). Returns the

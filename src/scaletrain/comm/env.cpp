@@ -74,12 +74,41 @@ std::string first_slurm_host(const std::string& nodelist) {
 // family above a 16-bit job number. Mixing the halves before the modulo
 // keeps the family's 16 bits; the job id itself modulo 20000 would take
 // only 625 values (65536 = 5536 mod 20000, which shares 32 with 20000).
+// Note [Stale RANK and WORLD_SIZE]: RANK and WORLD_SIZE win over the other
+// launchers' variables, since `scaletrain launch` and torchrun set them for
+// workers that may sit inside an srun step or an mpirun (whose own counts
+// are then the launchers', not the workers'). Both also set
+// TORCHELASTIC_RESTART_COUNT. Without it, RANK and WORLD_SIZE were exported
+// by hand or by a script, and when mpirun, an srun step or MPICH says
+// otherwise, every rank would train as the same rank of a world they do
+// not form: refused, naming both.
+void check_not_stale(const GetEnv& getenv, int rank, int world_size) {
+  if (getenv("TORCHELASTIC_RESTART_COUNT")) return;
+  struct Other {
+    const char* rank;
+    const char* size;
+    const char* who;
+  };
+  const bool srun_step = getenv("SLURM_STEP_ID") || getenv("SLURM_STEPID");
+  for (const Other& o : {Other{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun"},
+                         Other{"SLURM_PROCID", "SLURM_NTASKS", "srun"}, Other{"PMI_RANK", "PMI_SIZE", "mpiexec"}}) {
+    if (!getenv(o.rank) || (std::string(o.who) == "srun" && !srun_step)) continue;
+    const int r = parse_int(getenv, o.rank, 0, true), n = parse_int(getenv, o.size, 1, false);
+    if (r != rank || n != world_size)
+      throw UsageError("RANK=" + std::to_string(rank) + " and WORLD_SIZE=" + std::to_string(world_size) +
+                       " are set, but " + o.who + " started this process as rank " + std::to_string(r) + " of " +
+                       std::to_string(n) + " (" + o.rank + ", " + o.size + "): unset RANK and WORLD_SIZE (exported "
+                       "by hand?) or start the job with scaletrain launch");
+  }
+}
+
 WorldInfo world_info_from_env(const GetEnv& getenv) {
   WorldInfo w;
   if (getenv("RANK") || getenv("WORLD_SIZE")) {
     w.source = "torchrun";
     w.rank = parse_int(getenv, "RANK", 0, true);
     w.world_size = parse_int(getenv, "WORLD_SIZE", 1, true);
+    check_not_stale(getenv, w.rank, w.world_size);
     w.local_rank = parse_int(getenv, "LOCAL_RANK", w.rank, false);
     const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
     w.agent_store = agent != nullptr && std::string(agent) == "True";

@@ -243,6 +243,7 @@ void ModuleTrainer::start_checkpoints() {
   } catch (const std::invalid_argument& e) {
     bad(o.checkpoint_dir.empty() ? "resume" : "checkpoint_dir", "is set, but the " + std::string(e.what()));
   }
+  if (!o.checkpoint_dir.empty()) checkpoint::check_shared_directory(*world_.group(), o.checkpoint_dir);
   if (!o.checkpoint_dir.empty())
     ckpt_ = std::make_unique<checkpoint::Checkpointer>(
         *world_.group(),

@@ -195,6 +195,7 @@ int64_t resume(Run& r) {
       r.finetune = hub::settings_to_json(settings).dump();
     }
   }
+  if (!cfg.checkpoint.dir.empty()) checkpoint::check_shared_directory(*r.world->group(), cfg.checkpoint.dir);
   if (!cfg.checkpoint.dir.empty())
     r.ckpt = std::make_unique<checkpoint::Checkpointer>(
         *r.world->group(),

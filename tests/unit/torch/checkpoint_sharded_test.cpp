@@ -170,6 +170,36 @@ TEST(CheckpointResume, SixStepsEqualThreePlusResumedThree) {
 // never (that is for a first start): the two attempts' losses are the
 // uninterrupted run's, bit for bit, in one metrics file with a restart
 // record between them.
+// Note [One checkpoint directory]: rank 1 runs in a mount namespace of its
+// own with a tmpfs over checkpoint.dir, as a node whose directory of that
+// name is local. Both ranks stop at the start naming rank 1 (exit 2),
+// before any step or save.
+TEST(CheckpointResume, ADirectoryNotSharedByEveryRankIsNamedAtStart) {
+  const auto dir = fresh("not_shared");
+  const std::string train = std::string(SCALETRAIN_BIN) + " train " + config().string() +
+                            " --checkpoint.dir=" + dir.string() + " --train.steps=2";
+  const std::string worker = "if [ \"$RANK\" = 1 ]; then exec unshare -m sh -c \"mount -t tmpfs none " + dir.string() +
+                             " && exec " + train + "\"; else exec " + train + "; fi";
+  int code = 0;
+  const std::string out =
+      capture("launch --nproc-per-node 2 --threads 1 --timeout 120 -- sh -c '" + worker + "'", &code);
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("[rank 1] scaletrain: error: checkpoint.dir " + dir.string() +
+                     " is not the directory rank 0 writes on rank 1 (host "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("[rank 0] scaletrain: error: checkpoint.dir " + dir.string() +
+                     " is not the directory rank 0 writes on rank 1: every rank"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(fs::path(checkpoint::step_dir(dir.string(), 2)))) << out;
+  // Shared, the same run trains and saves.
+  EXPECT_EQ(capture("launch --nproc-per-node 2 --threads 1 --timeout 120 -- " + train, &code).find("error"),
+            std::string::npos);
+  EXPECT_EQ(code, 0);
+  EXPECT_TRUE(fs::exists(fs::path(checkpoint::step_dir(dir.string(), 2)) / "index.json"));
+}
+
 TEST(CheckpointResume, LauncherRestartGoesOnFromTheNewestCheckpoint) {
   const auto dir = fresh("restart");
   const std::string zero3 = "--parallel.strategy=zero3 ";

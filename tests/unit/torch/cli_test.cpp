@@ -209,6 +209,10 @@ TEST(Cli, LaunchTakesItsPlaceFromTorchrunVariables) {
   ASSERT_EQ(from_env.code, 0) << from_env.err;
   EXPECT_NE(from_env.err.find("[rank 2] at 2 of 4 via 127.0.0.7:23456"), std::string::npos) << from_env.err;
   EXPECT_NE(from_env.err.find("[rank 3] at 3 of 4 via 127.0.0.7:23456"), std::string::npos) << from_env.err;
+  EXPECT_NE(from_env.err.find("scaletrain launch: from the training operator's variables: PET_NNODES=2, "
+                              "PET_NPROC_PER_NODE=2, PET_NODE_RANK=1, PET_MASTER_ADDR=127.0.0.7, PET_MASTER_PORT=23456"),
+            std::string::npos)
+      << from_env.err;
   ASSERT_EQ(flag_wins.code, 0) << flag_wins.err;
   EXPECT_NE(flag_wins.err.find("[rank 0] at 0 of 4"), std::string::npos) << flag_wins.err;
   EXPECT_EQ(bad.code, 2) << bad.err;

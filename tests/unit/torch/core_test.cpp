@@ -180,6 +180,39 @@ TEST(WorldEnv, Slurm) {
   EXPECT_EQ(comm::first_slurm_host("n[003-004,9],x"), "n003");
 }
 
+// Note [Stale RANK and WORLD_SIZE]: exported by hand, they would make every
+// rank of an mpirun or srun train as rank 0 of 1; under a launcher that set
+// them (TORCHELASTIC_RESTART_COUNT), they are the workers' and win.
+TEST(WorldEnv, StaleRankAndWorldSizeAreRefused) {
+  try {
+    comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "1"},
+                                    {"OMPI_COMM_WORLD_SIZE", "2"}}));
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK=0 and WORLD_SIZE=1 are set, but mpirun started this process as rank 1 "
+                                         "of 2 (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "1"},
+                                               {"SLURM_NTASKS", "2"}, {"SLURM_STEP_ID", "0"}})),
+               UsageError);
+  // A launcher's workers inside an srun step or an mpirun: theirs win.
+  EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"TORCHELASTIC_RESTART_COUNT", "0"},
+                                            {"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_STEP_ID", "0"}}))
+                .rank,
+            3);
+  // The same counts agree; a batch script's SLURM_NTASKS is not a step's.
+  EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"},
+                                            {"OMPI_COMM_WORLD_SIZE", "2"}}))
+                .world_size,
+            2);
+  EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "0"},
+                                            {"SLURM_NTASKS", "4"}}))
+                .world_size,
+            1);
+}
+
 TEST(WorldEnv, NoVariablesIsOneProcess) {
   auto w = comm::world_info_from_env(fake({}));
   EXPECT_EQ(w.world_size, 1);
