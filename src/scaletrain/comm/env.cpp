@@ -84,6 +84,13 @@ std::string first_slurm_host(const std::string& nodelist) {
 // not form: refused, naming both.
 void check_not_stale(const GetEnv& getenv, int rank, int world_size) {
   if (getenv("TORCHELASTIC_RESTART_COUNT")) return;
+  // A PyTorchJob pod: its RANK and WORLD_SIZE count pods, and
+  // PET_NPROC_PER_NODE processes per pod need a launcher in the pod.
+  const int per_pod = parse_int(getenv, "PET_NPROC_PER_NODE", 1, false);
+  if (per_pod > 1)
+    throw UsageError("PET_NPROC_PER_NODE=" + std::to_string(per_pod) + " asks for " + std::to_string(per_pod) +
+                     " processes per pod, but this one process was started with RANK and WORLD_SIZE counting "
+                     "pods: make the pod's command `scaletrain launch -- scaletrain train ...`");
   struct Other {
     const char* rank;
     const char* size;

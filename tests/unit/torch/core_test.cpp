@@ -197,6 +197,14 @@ TEST(WorldEnv, StaleRankAndWorldSizeAreRefused) {
   EXPECT_THROW(comm::world_info_from_env(fake({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "1"},
                                                {"SLURM_NTASKS", "2"}, {"SLURM_STEP_ID", "0"}})),
                UsageError);
+  // A PyTorchJob pod with 4 processes per pod, running the trainer itself.
+  try {
+    comm::world_info_from_env(fake({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"PET_NPROC_PER_NODE", "4"}}));
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("PET_NPROC_PER_NODE=4 asks for 4 processes per pod"), std::string::npos)
+        << e.what();
+  }
   // A launcher's workers inside an srun step or an mpirun: theirs win.
   EXPECT_EQ(comm::world_info_from_env(fake({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"TORCHELASTIC_RESTART_COUNT", "0"},
                                             {"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_STEP_ID", "0"}}))
