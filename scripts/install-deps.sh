@@ -32,7 +32,7 @@ test_packages=(
   python3-torch                     # PyTorch's own DDP, the side-by-side peer for bench/
   librsvg2-bin                      # rsvg-convert: tests render the SVGs `scaletrain plot` writes
   python3-jinja2                    # Jinja2 3.1: a reference renderer for chat templates (tests)
-  openmpi-bin slurmd slurmctld slurm-client munge   # mpirun and a one-node Slurm (tests/launchers/cluster.sh)
+  openmpi-bin mpich slurmd slurmctld slurm-client munge   # mpirun, mpiexec and a one-node Slurm (tests/launchers/cluster.sh)
 )
 [[ $WHAT == all ]] && packages+=("${test_packages[@]}")
 

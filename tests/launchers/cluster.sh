@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The cluster launchers for real, on this one machine: Open MPI's mpirun and
+# The cluster launchers for real, on this one machine: Open MPI's mpirun,
+# MPICH's mpiexec and
 # a one-node Slurm started here (munged, slurmctld and slurmd on localhost,
 # in WORK_DIR, stopped at the end) train the same 3 steps as
-# `scaletrain launch`, loss for loss: `mpirun -np 2`, `srun -n2`, `sbatch -n2`
+# `scaletrain launch`, loss for loss: `mpirun -np 2`, `mpiexec -n 2`,
+# `srun -n2`, `sbatch -n2`
 # with srun inside, `sbatch -n2` with `scaletrain launch` inside (its
 # workers from the allocation) and `srun -n1 scaletrain launch`. A
 # trainer run directly in an sbatch -n2 script is refused at once, exit 2
@@ -10,7 +12,7 @@
 # Usage: cluster.sh SCALETRAIN_BIN WORK_DIR
 set -euo pipefail
 bin=$(realpath "$1") work=$2
-for tool in mpirun srun sbatch sinfo slurmctld slurmd munged; do
+for tool in mpirun.openmpi mpiexec.hydra srun sbatch sinfo slurmctld slurmd munged; do
   command -v "$tool" >/dev/null || { echo "cluster.sh: $tool is missing (scripts/install-deps.sh installs it)" >&2; exit 1; }
 done
 rm -rf "$work" && mkdir -p "$work" && work=$(realpath "$work")
@@ -50,7 +52,7 @@ want=$(losses local.jsonl)
 [ "$(wc -w <<< "$want")" = 3 ] || { echo "cluster.sh: the local run gave [$want]" >&2; exit 1; }
 
 # Open MPI: ranks from OMPI_COMM_WORLD_*, the store port from the job id.
-"${clean_env[@]}" timeout 180 mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS \
+"${clean_env[@]}" timeout 180 mpirun.openmpi --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS \
   $train="$work/mpirun.jsonl" > mpirun.log 2>&1 || { cat mpirun.log >&2; exit 1; }
 same_as_local "mpirun -np 2" mpirun.jsonl
 no_open_store() {  # LOG: the job's identity gave the store a secret (WorldInfo::job_secret)
@@ -60,12 +62,19 @@ no_open_store mpirun.log
 # RANK and WORLD_SIZE exported by hand would make both ranks rank 0 of 1
 # (Note [Stale RANK and WORLD_SIZE]): refused, not two silent runs.
 set +e
-"${clean_env[@]}" RANK=0 WORLD_SIZE=1 timeout 180 mpirun --allow-run-as-root --oversubscribe -np 2 -x RANK -x WORLD_SIZE \
+"${clean_env[@]}" RANK=0 WORLD_SIZE=1 timeout 180 mpirun.openmpi --allow-run-as-root --oversubscribe -np 2 -x RANK -x WORLD_SIZE \
   $train="$work/stale.jsonl" > stale.log 2>&1
 code=$?
 set -e
 [ "$code" != 0 ] && grep -q "RANK=0 and WORLD_SIZE=1 are set, but mpirun started this process as rank 1 of 2" stale.log &&
   [ ! -e stale.jsonl ] || { echo "cluster.sh: stale RANK/WORLD_SIZE under mpirun were not refused (exit $code):" >&2; cat stale.log >&2; exit 1; }
+
+# MPICH's Hydra: ranks from PMI_RANK and PMI_SIZE; no job id reaches the
+# ranks, so the port is given.
+"${clean_env[@]}" timeout 180 mpiexec.hydra -n 2 -env OMP_NUM_THREADS 1 -env MASTER_PORT "$(/usr/bin/python3 -c \
+  'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
+  $train="$work/mpich.jsonl" > mpich.log 2>&1 || { cat mpich.log >&2; exit 1; }
+same_as_local "mpiexec.hydra -n 2 (MPICH)" mpich.jsonl
 
 # A one-node Slurm of our own: its own munge key and socket, free ports.
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
