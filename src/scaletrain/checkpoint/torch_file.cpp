@@ -190,7 +190,7 @@ void load_state_dict(torch::nn::Module& module, const NamedTensors& state, bool 
 
 PyRef TorchFileWriter::tensor(const at::Tensor& t) {
   TORCH_CHECK(t.defined() && t.layout() == at::kStrided, "TorchFileWriter: an undefined or sparse tensor");
-  storages_.push_back(t.detach().to(at::kCPU).contiguous());
+  storages_.push_back(t.detach().to(at::kCPU).contiguous());  // host: the file's bytes
   const at::Tensor& s = storages_.back();
   TensorRecord r;
   r.storage = std::to_string(storages_.size() - 1);

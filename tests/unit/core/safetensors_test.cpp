@@ -130,7 +130,8 @@ TEST(Safetensors, MatchesRustLayout) {
 // follows the Rust layout; the writer must reproduce them byte for byte.
 TEST(Safetensors, SeedCorpusIsCanonical) {
   int seen = 0;
-  for (const auto& entry : fs::directory_iterator(fs::path(SCALETRAIN_SOURCE_DIR) / "fuzz" / "corpus")) {
+  const fs::path corpus = fs::path(SCALETRAIN_SOURCE_DIR) / "fuzz" / "corpus" / "safetensors";
+  for (const auto& entry : fs::directory_iterator(corpus)) {
     std::ifstream in(entry.path(), std::ios::binary);
     const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const SafetensorsView v = parse(bytes);
