@@ -14,12 +14,14 @@
 //   train::sharded_layout, ...     which piece of which tensor an engine's rank holds, for checkpoint::
 //   optim::AdamW, clip_grad_norm   the optimizer over whole tensors or flat shards
 //   data::DistributedSampler       sample order that depends on (seed, global batch) only
+//   observe::StepTracer            Chrome traces of chosen steps, every rank's in one file
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/checkpoint/torch_file.h"
 #include "scaletrain/checkpoint/torch_training.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/observe/tracing.h"
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/ddp/sync_batchnorm.h"
