@@ -217,7 +217,7 @@ int slurm_int(const char* name, int fallback) {
 bool apply_slurm(launch::LaunchOptions& o, const GivenFlags& given) {
   const char* job = slurm_var("SLURM_JOB_ID");
   if (!job || o.max_nodes > 0) return false;
-  const bool batch = !slurm_var("SLURM_STEP_ID") && !slurm_var("SLURM_STEPID");
+  const bool batch = !comm::in_slurm_step([](const char* name) { return slurm_var(name); });
   const int step = slurm_int("SLURM_STEP_ID", slurm_int("SLURM_STEPID", 0));
   const std::string where = std::string("Slurm job ") + job + (batch ? " (its batch script)" : " step " + std::to_string(step));
   const int nodes = batch ? slurm_int("SLURM_JOB_NUM_NODES", slurm_int("SLURM_NNODES", 1))
@@ -252,12 +252,12 @@ bool apply_slurm(launch::LaunchOptions& o, const GivenFlags& given) {
     const char* list = slurm_var("SLURM_STEP_NODELIST") ? slurm_var("SLURM_STEP_NODELIST") : slurm_var("SLURM_JOB_NODELIST");
     if (!given.addr && list) say("master " + (o.master_addr = comm::first_slurm_host(list)) + " (first of the node list)");
     if (!given.port) {
-      o.master_port = 20000 + static_cast<int>((std::strtoll(job, nullptr, 10) + 7919LL * step) % 20000);
+      o.master_port = comm::slurm_step_port(std::strtoll(job, nullptr, 10), step);
       say("port " + std::to_string(o.master_port) + " (of the job step)");
       port_set = true;
     }
     if (!std::getenv("SCALETRAIN_STORE_SECRET"))  // the job's identity (WorldInfo::job_secret)
-      ::setenv("SCALETRAIN_STORE_SECRET", ("slurm-" + std::string(job) + "." + std::to_string(step)).c_str(), 1);
+      ::setenv("SCALETRAIN_STORE_SECRET", comm::slurm_step_secret(std::strtoll(job, nullptr, 10), step).c_str(), 1);
   }
   if (!said.empty()) std::fprintf(stderr, "scaletrain launch: from %s: %s\n", where.c_str(), said.c_str());
   return port_set;

@@ -49,6 +49,14 @@ void validate(const WorldInfo& w) {
 
 }  // namespace
 
+bool in_slurm_step(const GetEnv& getenv) { return getenv("SLURM_STEP_ID") || getenv("SLURM_STEPID"); }
+
+int slurm_step_port(int64_t job, int step) { return 20000 + static_cast<int>((job + 7919LL * step) % 20000); }
+
+std::string slurm_step_secret(int64_t job, int step) {
+  return "slurm-" + std::to_string(job) + "." + std::to_string(step);
+}
+
 std::string first_slurm_host(const std::string& nodelist) {
   std::string first = nodelist.substr(0, nodelist.find_first_of(",["));
   size_t open = nodelist.find('[');
@@ -96,7 +104,7 @@ void check_not_stale(const GetEnv& getenv, int rank, int world_size) {
     const char* size;
     const char* who;
   };
-  const bool srun_step = getenv("SLURM_STEP_ID") || getenv("SLURM_STEPID");
+  const bool srun_step = in_slurm_step(getenv);
   for (const Other& o : {Other{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun"},
                          Other{"SLURM_PROCID", "SLURM_NTASKS", "srun"}, Other{"PMI_RANK", "PMI_SIZE", "mpiexec"}}) {
     if (!getenv(o.rank) || (std::string(o.who) == "srun" && !srun_step)) continue;
@@ -146,8 +154,7 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
     w.world_size = parse_int(getenv, "SLURM_NTASKS", 1, true);
     // Note [Slurm's batch step]: the batch script itself has SLURM_PROCID 0
     // and the job's SLURM_NTASKS but no step id; every srun step has one.
-    const bool batch_script = !getenv("SLURM_STEP_ID") && !getenv("SLURM_STEPID");
-    if (batch_script && w.world_size > 1)
+    if (!in_slurm_step(getenv) && w.world_size > 1)
       throw UsageError("this is the batch script of Slurm job " + str(getenv, "SLURM_JOB_ID", "?") + ", one task of " +
                        std::to_string(w.world_size) + " (SLURM_NTASKS): start the ranks with `srun scaletrain ...`, "
                        "or with `scaletrain launch` inside the script");
@@ -156,13 +163,10 @@ WorldInfo world_info_from_env(const GetEnv& getenv) {
     w.local_world_size = leading_int(per_node, w.world_size);
     std::string nodes = str(getenv, "SLURM_JOB_NODELIST", str(getenv, "SLURM_NODELIST", ""));
     if (!nodes.empty()) w.master_addr = first_slurm_host(nodes);
-    // One port per job step, so two jobs sharing a node, or two steps of
-    // one job running at once, do not meet in one store: the step moves
-    // the port by a prime, so consecutive jobs and steps differ.
     const int job = parse_int(getenv, "SLURM_JOB_ID", 0, false);
     const int step = parse_int(getenv, "SLURM_STEP_ID", parse_int(getenv, "SLURM_STEPID", 0, false), false);
-    w.master_port = 20000 + static_cast<int>((static_cast<int64_t>(job) + 7919LL * step) % 20000);
-    if (job > 0) w.job_secret = "slurm-" + std::to_string(job) + "." + std::to_string(step);
+    w.master_port = slurm_step_port(job, step);
+    if (job > 0) w.job_secret = slurm_step_secret(job, step);
   } else if (getenv("PMI_RANK")) {
     // MPICH's Hydra (mpiexec.hydra); no job id reaches the environment, so
     // the port stays 29500 unless MASTER_PORT is set.

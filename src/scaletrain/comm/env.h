@@ -3,6 +3,7 @@
 // launcher left: torchrun / `scaletrain launch` (RANK, WORLD_SIZE, ...), Open
 // MPI's mpirun (OMPI_COMM_WORLD_*), or Slurm's srun (SLURM_PROCID, ...).
 // No variables at all means a single process.
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -40,5 +41,16 @@ WorldInfo world_info_from_env();
 
 // First host of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07".
 std::string first_slurm_host(const std::string& nodelist);
+
+// Whether this process is a task of an srun step (SLURM_STEP_ID, or the
+// older SLURM_STEPID, is set); a batch script is not (Note [Slurm's batch
+// step] in env.cpp).
+bool in_slurm_step(const GetEnv& getenv);
+// The rendezvous store's port and secret of a Slurm job step: one port per
+// step, so two jobs sharing a node or two steps of one job running at once
+// do not meet in one store (the step moves the port by a prime, so
+// consecutive jobs and steps differ); the secret keeps jobs apart.
+int slurm_step_port(int64_t job, int step);
+std::string slurm_step_secret(int64_t job, int step);
 
 }  // namespace scaletrain::comm
