@@ -153,8 +153,11 @@ int convert_dir(const std::string& in, const std::string& out, int64_t max_shard
 }
 
 // A torch.save file (a state dict, or one under `key`) as one safetensors file.
-int convert(const std::string& in, const std::string& out, const std::string& key, const std::string& size) {
+int convert(const std::string& in, const std::string& out, const std::string& key, const std::string& size,
+            bool sized) {
   const int64_t max_shard_bytes = checkpoint::parse_shard_size(size);
+  if (sized && !fs::is_directory(in))
+    throw UsageError("--max-shard-size cuts a directory's shards; " + in + " converts to one file");
   if (fs::is_directory(in)) {
     if (!key.empty()) throw UsageError("--key picks an entry of one file; " + in + " is a directory");
     return convert_dir(in, out, max_shard_bytes);
@@ -216,7 +219,10 @@ void add_checkpoint(CLI::App& app, Runner& run) {
   conv->add_option("-o,--output", *out, "FILE.safetensors, or a new directory")->required();
   conv->add_option("--key", *key, "the state dict's key in the saved dict (e.g. model, state_dict)");
   conv->add_option("--max-shard-size", *size, "a directory's largest shard: 5GB (default), 500MB, 2GiB, or bytes");
-  conv->callback([&run, dir, out, key, size] { run = [dir, out, key, size] { return convert(*dir, *out, *key, *size); }; });
+  conv->callback([&run, dir, out, key, size, conv] {
+    const bool sized = conv->count("--max-shard-size") > 0;
+    run = [dir, out, key, size, sized] { return convert(*dir, *out, *key, *size, sized); };
+  });
 }
 
 }  // namespace scaletrain::cli

@@ -138,6 +138,14 @@ TEST(TorchInterop, AFileThatDoesNotFitIsNamed) {
     EXPECT_NE(std::string(e.what()).find("no optimizer state dict under 'optimizer'"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(dir / "a")) << "nothing is written for a file that does not fit";
+  // An existing checkpoint of that step is never replaced.
+  checkpoint::import_torch_training(*module, file, (dir / "c").string());
+  try {
+    checkpoint::import_torch_training(*module, file, (dir / "c").string());
+    ADD_FAILURE() << "replaced";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("step-000002 already exists"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 

@@ -329,8 +329,9 @@ void check_shared_directory(comm::Group& group, const std::string& root) {
 std::string save_alone(const std::string& root, const Layout& layout, const OptimizerState* opt,
                        const SaveState& state) {
   const std::string dir = step_dir(root, state.run.step);
+  if (fs::exists(dir))  // a run's checkpoint, or an earlier import: never overwritten
+    throw UsageError("checkpoint: " + dir + " already exists; give another root");
   std::error_code ec;
-  fs::remove_all(dir, ec);
   fs::create_directories(dir, ec);
   if (ec) throw UsageError("checkpoint: cannot create " + dir + ": " + ec.message());
   write_part(dir, 0, collect(layout, opt, /*copy=*/false));

@@ -184,7 +184,7 @@ void check_shared_directory(comm::Group& group, const std::string& root);
 // Writes a checkpoint of one process that holds everything (no group, no
 // barrier): ROOT/step-N with rank 0's file and the index, as save() would on
 // a world of one. For checkpoints made outside a run (an import). Returns the
-// step directory.
+// step directory; UsageError when it exists already (nothing is replaced).
 std::string save_alone(const std::string& root, const Layout& layout, const OptimizerState* opt,
                        const SaveState& state);
 

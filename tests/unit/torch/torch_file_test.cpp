@@ -248,6 +248,10 @@ TEST(TorchFile, CliConvertsAFileAndRefusesBadInputWithExit2) {
   r = run("checkpoint convert " + (d / "model.pt").string() + " -o " + (out / "model.bin").string());
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("converts to one .safetensors file"), std::string::npos) << r.err;
+  r = run("checkpoint convert " + (d / "model.pt").string() + " --max-shard-size 1GB -o " +
+          (out / "sized.safetensors").string());
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--max-shard-size cuts a directory's shards"), std::string::npos) << r.err;
   r = run("checkpoint convert " + (d / "legacy.pt").string() + " -o " + (out / "legacy.safetensors").string());
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("legacy"), std::string::npos) << r.err;
