@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
@@ -550,6 +552,97 @@ TEST(ModuleTrainer, Bf16AutocastMatchesOneProcessOnTheSameSlices) {
   expect_error([&] { train::validate(half); }, "fp16 needs loss scaling", "fp16 autocast");
 }
 
+// bf16 storage with fp32 masters (param_dtype) under the sharded strategies:
+// every rank's bf16 gradients summed in fp32 and averaged, clipped and stepped
+// on fp32 masters, the module's bf16 parameters their rounding; one process
+// computing the same slices the same way is the reference.
+TEST(ModuleTrainer, Bf16StorageStepsFp32MastersAsOneProcessWould) {
+  auto make32 = [] {
+    torch::manual_seed(3);
+    return Toy().ptr();
+  };
+  auto loss32 = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+    return torch::mse_loss(dynamic_cast<ToyImpl&>(m).forward(x).to(at::kFloat), y);
+  };
+  const train::ModuleBatch whole = dataset().get([] {
+    std::vector<int64_t> v(kSamples);
+    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
+    return v;
+  }());
+  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const int64_t n = kGlobal / world().size();
+  // The run's master shards against the reference's masters by name:
+  // |shard - reference| / |reference| over this rank's pieces.
+  auto run = [&](ModuleStrategy s, at::ScalarType master, const std::map<std::string, at::Tensor>& want) {
+    ModuleTrainerOptions o = options(s, 4);
+    o.micro_batch = n;  // one slice per rank and step
+    o.param_dtype = at::kBFloat16;
+    o.sharded.master_dtype = master;
+    auto module = make32();
+    ModuleTrainer t(module, world(), adam, loss32, o);
+    EXPECT_EQ(t.optimizer().param_groups()[0].params()[0].scalar_type(),
+              master == at::ScalarType::Undefined ? at::kFloat : master);
+    t.fit(data);
+    for (const auto& p : module->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
+    double num = 0, den = 0;
+    for (const auto& v : t.sharded()->shard_views())
+      for (const auto& piece : v.pieces) {
+        const at::Tensor ref = want.at(piece.name).flatten().narrow(0, piece.param_offset, piece.numel);
+        const at::Tensor got = v.shard.narrow(0, piece.shard_offset, piece.numel).to(at::kFloat);
+        num += (got - ref).pow(2).sum().item<double>();
+        den += ref.pow(2).sum().item<double>();
+      }
+    return std::sqrt(num / den);
+  };
+  auto bf = make32();
+  bf->to(at::kBFloat16);
+  std::vector<at::Tensor> masters;
+  for (const auto& p : bf->parameters()) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
+  torch::optim::Adam opt(masters, torch::optim::AdamOptions(kLr));
+  const ModuleTrainerOptions o = options(ModuleStrategy::FullShard, 4);
+  data::SamplerOptions so;
+  so.seed = o.seed;
+  so.global_batch = o.global_batch;
+  data::DistributedSampler sampler(kSamples, so);
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const train::ModuleBatch b = data.get(sampler.global_batch(step));
+    std::vector<at::Tensor> sum;
+    for (const auto& p : masters) sum.push_back(at::zeros_like(p));
+    for (int r = 0; r < world().size(); ++r) {
+      bf->zero_grad();
+      loss32(*bf, b.input.narrow(0, r * n, n).to(at::kBFloat16), b.target.narrow(0, r * n, n)).backward();
+      auto params = bf->parameters();
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += params[i].grad().to(at::kFloat);
+    }
+    // Reduced in the gradients' dtype (no reduce_dtype): the fp32 sum's mean, rounded to bf16.
+    for (size_t i = 0; i < sum.size(); ++i)
+      masters[i].mutable_grad() = (sum[i] / world().size()).to(at::kBFloat16).to(at::kFloat);
+    torch::nn::utils::clip_grad_norm_(masters, o.clip_grad_norm);
+    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
+    opt.step();
+    torch::NoGradGuard no_grad;
+    auto params = bf->parameters();
+    for (size_t i = 0; i < masters.size(); ++i) params[i].copy_(masters[i]);
+  }
+  std::map<std::string, at::Tensor> want;
+  {
+    auto named = bf->named_parameters();
+    for (size_t i = 0; i < masters.size(); ++i) want[named[i].key()] = masters[i].detach();
+  }
+  for (ModuleStrategy s : {ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
+    const double diff = run(s, at::ScalarType::Undefined, want);
+    EXPECT_LE(diff, 1e-6) << train::to_string(s) << ": bf16 storage, fp32 masters, against one process";
+    if (s != ModuleStrategy::FullShard) continue;
+    const double bf16_masters = run(s, at::kBFloat16, want);
+    EXPECT_GT(bf16_masters, 100 * std::max(diff, 1e-8)) << "with bf16 masters the run should end elsewhere";
+  }
+  ModuleTrainerOptions ddp = options(ModuleStrategy::DDP, 4);
+  ddp.param_dtype = at::kBFloat16;
+  expect_error([&] { train::validate(ddp); }, "needs fp32 master weights", "bf16 storage under DDP");
+  ddp.param_dtype = at::kHalf;
+  expect_error([&] { train::validate(ddp); }, "fp16 storage needs loss scaling", "fp16 storage");
+}
+
 // A residual MLP of the user's: the pair fc1 (colwise) -> fc2 (rowwise)
 // splits over tp, the rest is replicated.
 struct TpNetImpl : torch::nn::Module {
@@ -583,7 +676,9 @@ TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
   };
   auto ref = make();
   const std::vector<double> ref_losses = run_alone(ref, loss, options(ModuleStrategy::DDP, 4)).losses;
-  for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
+  std::vector<ModuleStrategy> strategies{ModuleStrategy::DDP, ModuleStrategy::Zero2, ModuleStrategy::FullShard};
+  if (world().size() == 4) strategies.push_back(ModuleStrategy::HybridShard);  // 2 replicas x 1 shard x tp 2
+  for (ModuleStrategy s : strategies) {
     const std::string name = train::to_string(s) + " over tp 2";
     ModuleTrainerOptions o = options(s, 4);
     o.units.names.clear();
@@ -628,7 +723,8 @@ TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
                "tp without a plan");
   o.strategy = ModuleStrategy::HybridShard;
   o.tensor_plan = {{"fc1", parallel::tensor::colwise}};
-  expect_error([&] { train::validate(o); }, "with HybridShard is not supported", "tp with HybridShard");
+  o.shard_group = o.replicate_group = world().group().get();
+  expect_error([&] { train::validate(o); }, "builds its own dp x tp mesh", "tp with given HybridShard groups");
 }
 
 // The YAML route: `keys` (with the batch and schedule below) read by

@@ -1,7 +1,7 @@
 #pragma once
 // The data-parallel strategy of a run behind one small interface, so the
 // training loop reads the same for DDP, ZeRO-1/2/3, every FSDP strategy and
-// pipelines; parallelize() (train/strategy.h) builds one, engines.cpp and
+// pipelines; parallelize() (train/recipe.h) builds one, engines.cpp and
 // pipeline_strategy.cpp implement them.
 #include <torch/torch.h>
 

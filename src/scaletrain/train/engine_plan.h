@@ -1,5 +1,5 @@
 #pragma once
-// What the parallelize recipe (train/strategy.h) builds, resolved from the
+// What the parallelize recipe (train/recipe.h) builds, resolved from the
 // config once, after make_plan's checks passed: the starting model's source
 // and adapters, and each engine's options. The recipe reads these and the
 // plan's dimensions; it never sees the YAML-level Config, so a program that

@@ -7,7 +7,6 @@
 
 #include "scaletrain/models/linear.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/util/error.h"
@@ -302,17 +301,6 @@ ShardedSetup sharded_setup(const Plan& plan, comm::Mesh& mesh) {
   // zero.Init): never build the whole model; make_plan says when it cannot.
   out.deferred = plan.deferred_init;
   return out;
-}
-
-// Note [Split attention] (models/attention.h): with cp > 1 every layer's
-// attention runs over the cp group on the tokens this rank holds.
-void apply_context_parallel(models::CausalLM& model, comm::Mesh& mesh, const Plan& run) {
-  if (run.dims.cp == 1) return;
-  const parallel::context::AttentionOptions o = run.engines.context;
-  model.set_split_attention([group = &mesh.cp(), o](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const models::SequenceLayout* layout) {
-    return parallel::context::attention(q, k, v, layout != nullptr ? layout->segments : at::Tensor(), *group, o);
-  });
 }
 
 }  // namespace scaletrain::train

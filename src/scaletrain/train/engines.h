@@ -1,8 +1,7 @@
 #pragma once
-// The data-parallel engines the parallelize recipe (train/strategy.cpp) and
-// the pipeline strategy (train/pipeline_strategy.cpp) put behind
-// train::DataParallel: DDP, and the sharded engine with the groups a plan's
-// mesh gives it.
+// The data-parallel engines the parallelize recipe (train/recipe.cpp) puts
+// behind train::DataParallel: DDP, the sharded engine with the groups a
+// plan's mesh gives it, and pipelines of chunks under either.
 #include <torch/torch.h>
 
 #include <memory>
@@ -16,7 +15,8 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/plan.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/checkpoint_layout.h"
+#include "scaletrain/train/data_parallel.h"
 
 namespace scaletrain::train {
 
@@ -52,12 +52,10 @@ ShardedSetup sharded_setup(const Plan& plan, comm::Mesh& mesh);
 // of `module`'s FP8 linears (models::fp8_weight_names) as the ones to gather in FP8.
 void select_fp8_weights(parallel::fsdp::ShardedOptions& o, torch::nn::Module& module);
 
-// parallel.cp > 1: every layer's attention over the mesh's cp group, in the
-// plan's mode (both recipes, before data parallelism).
-void apply_context_parallel(models::CausalLM& model, comm::Mesh& mesh, const Plan& run);
-
-// parallel.pp > 1: the model cut into stages, each under DDP or the sharded
-// engine (train/pipeline_strategy.cpp).
-Parallelized parallelize_pipeline(const Plan& plan, comm::World& world, comm::Mesh& mesh);
+// parallel.pp > 1: the model (split by `plan` when tensor-parallel) cut
+// into stages, each chunk under DDP or the sharded engine
+// (train/pipeline_strategy.cpp).
+std::unique_ptr<DataParallel> pipeline_strategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh,
+                                                const Plan& run, TensorPlan plan);
 
 }  // namespace scaletrain::train

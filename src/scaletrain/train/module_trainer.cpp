@@ -37,8 +37,6 @@ namespace scaletrain::train {
 namespace fsdp = parallel::fsdp;
 
 using detail::bad;
-using detail::is_sharded;
-using detail::sharding_of;
 
 std::string resume_checkpoint(const std::string& dir, const std::string& resume) {
   if (resume == "never") return "";
@@ -163,53 +161,33 @@ void ModuleTrainer::save_adapter(const std::string& dir) {
 }
 
 // The engine over the data-parallel group(s), and this rank's place in them.
+// The recipe (train/recipe.h) over the module, then the accumulation the
+// data-parallel size gives.
 void ModuleTrainer::build_engine() {
   if (!module_->parameters().empty()) device_ = module_->parameters().front().device();
   const ModuleTrainerOptions& o = options_;
-  shard_ = world_.group().get();
-  if (o.tp > 1) {  // tensor parallelism first, then data parallelism over dp
-    if (world_.size() % o.tp != 0)
-      bad("tp", "=" + std::to_string(o.tp) + " does not divide the world of " + std::to_string(world_.size()));
-    mesh_ = std::make_unique<comm::Mesh>(world_, comm::MeshDims{1, 1, -1, o.tp, 1});
-    shard_ = &mesh_->dp();
-    tp_ = parallel::tensor::parallelize_module(module_, mesh_->tp(), o.tensor_plan);
-  } else if (o.strategy == ModuleStrategy::HybridShard) {
-    if (o.shard_group) {
-      shard_ = o.shard_group;
-      replicate_ = o.replicate_group;
-    } else {
-      mesh_ = std::make_unique<comm::Mesh>(world_, comm::MeshDims{1, o.dp_replicate, -1, 1, 1});
-      shard_ = &mesh_->dp_shard();
-      replicate_ = &mesh_->dp_replicate();
-    }
-    if (shard_->size() * replicate_->size() != world_.size())
-      bad("shard_group", "of " + std::to_string(shard_->size()) + " ranks x replicate_group of " +
-                             std::to_string(replicate_->size()) + " must cover the world of " +
-                             std::to_string(world_.size()));
-  }
-  dp_size_ = shard_->size() * (replicate_ ? replicate_->size() : 1);
-  dp_rank_ = (replicate_ ? replicate_->rank() * shard_->size() : 0) + shard_->rank();
-  if (o.global_batch % (o.micro_batch * dp_size_) != 0)
+  ModuleRecipe r;
+  r.tp = o.tp;
+  r.tensor_plan = o.tensor_plan;
+  r.param_dtype = o.param_dtype;
+  r.buffer_dtype = o.buffer_dtype;
+  r.strategy = o.strategy;
+  r.units = o.units;
+  r.ddp = o.ddp;
+  r.sharded = o.sharded;
+  r.shard_group = o.shard_group;
+  r.replicate_group = o.replicate_group;
+  r.dp_replicate = o.dp_replicate;
+  par_ = parallelize(module_, world_, r);
+  const int dp = par_.dp_size;
+  if (o.global_batch % (o.micro_batch * dp) != 0)
     bad("global_batch", "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" +
-                            std::to_string(o.micro_batch) + " x data-parallel size " + std::to_string(dp_size_));
-  accum_ = o.global_batch / (o.micro_batch * dp_size_);
-  if (!is_sharded(o.strategy)) {
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(module_, *shard_, o.ddp);
-    if (tp_) tp_norm_ = parallel::tensor::grad_norm_params(*module_, tp_->plan());
-    return;
-  }
-  fsdp::ShardedOptions so = o.sharded;
-  so.sharding = sharding_of(o.strategy);
-  sharded_ = fsdp::fully_shard(module_, world_, *shard_, o.units, so, replicate_);
+                            std::to_string(o.micro_batch) + " x data-parallel size " + std::to_string(dp));
+  accum_ = o.global_batch / (o.micro_batch * dp);
 }
 
 void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
-  if (sharded_) {
-    opt_params_ = sharded_->shards();
-  } else {
-    for (const auto& p : module_->parameters())
-      if (p.requires_grad()) opt_params_.push_back(p);
-  }
+  opt_params_ = par_.trainable();
   if (factory) {
     opt_ = factory(opt_params_);
     if (!opt_) throw std::invalid_argument("ModuleTrainer: the optimizer factory returned no optimizer");
@@ -228,7 +206,7 @@ void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
   if (given != held)
     throw std::invalid_argument("ModuleTrainer: the optimizer factory must build the optimizer over exactly the " +
                                 std::to_string(given.size()) + " tensors it is given (" +
-                                (sharded_ ? "the engine's shards" : "the module's trainable parameters") +
+                                (par_.sharded ? "the engine's shards" : "the module's trainable parameters") +
                                 "); the optimizer holds " + std::to_string(held.size()) + " others or more");
 }
 
@@ -251,7 +229,7 @@ void ModuleTrainer::start_checkpoints() {
             o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}});
   if (from.empty()) return;
   const checkpoint::Index index = checkpoint::load_checkpoint(from, layout(), opt_state_.get());
-  if (sharded_) sharded_->after_step();  // replicated strategies gather the loaded shards in the next forward
+  if (par_.sharded) par_.sharded->after_step();  // replicated strategies gather the loaded shards in the next forward
   checkpoint::set_cpu_rng_state(index.state.rng_cpu);
   step_ = last_saved_ = index.state.step;
   if (world_.rank() == 0)
@@ -264,10 +242,10 @@ void ModuleTrainer::start_checkpoints() {
 // rank keeps its own, as in PyTorch; rank 0's are saved and every rank loads them.
 checkpoint::Layout ModuleTrainer::layout() const {
   checkpoint::Layout l =
-      sharded_ ? sharded_layout(*sharded_) : checkpoint::replicated_layout(*module_, dp_rank_ == 0);
+      par_.sharded ? sharded_layout(*par_.sharded) : checkpoint::replicated_layout(*module_, par_.dp_rank == 0);
   // Tensor parallel: the split parameters' pieces in the whole parameters'
   // coordinates, the replicated ones saved by tp rank 0 (any layout loads them).
-  if (tp_) l = tensor_parallel_layout(std::move(l), tp_->plan());
+  if (par_.tp) l = tensor_parallel_layout(std::move(l), par_.tp->plan());
   for (const auto& item : module_->named_buffers()) {
     const at::Tensor& b = item.value();
     if (!b.defined() || b.numel() == 0) continue;
@@ -276,10 +254,10 @@ checkpoint::Layout ModuleTrainer::layout() const {
     piece.saved = world_.rank() == 0;
     l.slots.push_back({b, -1, {piece}});
   }
-  l.mesh = replicate_
-               ? "dp_replicate " + std::to_string(replicate_->size()) + " x dp_shard " + std::to_string(shard_->size())
-               : "dp " + std::to_string(dp_size_);
-  if (tp_) l.mesh += " x tp " + std::to_string(options_.tp);
+  l.mesh = par_.replicate
+               ? "dp_replicate " + std::to_string(par_.replicate->size()) + " x dp_shard " + std::to_string(par_.shard->size())
+               : "dp " + std::to_string(par_.dp_size);
+  if (par_.tp) l.mesh += " x tp " + std::to_string(options_.tp);
   return l;
 }
 
@@ -299,14 +277,14 @@ void ModuleTrainer::save() {
 
 std::vector<at::Tensor> ModuleTrainer::full_parameters() {
   std::vector<at::Tensor> out;
-  if (sharded_) {
-    out = sharded_->full_parameters();
+  if (par_.sharded) {
+    out = par_.sharded->full_parameters();
   } else {
     for (const auto& p : module_->parameters()) out.push_back(p.detach().clone());
   }
-  if (tp_)  // whole over dp; the pieces of split parameters joined over tp
+  if (par_.tp)  // whole over dp; the pieces of split parameters joined over tp
     for (size_t i = 0; i < out.size(); ++i)
-      out[i] = parallel::tensor::gather_parameter(out[i], tp_->plan().params.at(i), mesh_->tp());
+      out[i] = parallel::tensor::gather_parameter(out[i], par_.tp->plan().params.at(i), par_.mesh->tp());
   return out;
 }
 
@@ -320,7 +298,9 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
   for (int64_t k = 0; k < accum_; ++k) {
     const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
     ModuleBatch b = data.get(idx);
-    const at::Tensor x = b.input.to(device_), y = b.target.to(device_);
+    at::Tensor x = b.input.to(device_);
+    const at::Tensor y = b.target.to(device_);
+    if (options_.param_dtype != at::ScalarType::Undefined && x.is_floating_point()) x = x.to(options_.param_dtype);
     at::Tensor loss;
     {
       std::optional<precision::AutocastGuard> autocast;
@@ -332,11 +312,11 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
     loss = loss.reshape({}) / static_cast<double>(accum_);
     if (k + 1 == accum_) {
       loss.backward();  // reduces the accumulated gradients
-    } else if (ddp_) {
-      auto guard = ddp_->no_sync();
+    } else if (par_.ddp) {
+      auto guard = par_.ddp->no_sync();
       loss.backward();
     } else {
-      auto guard = sharded_->no_sync();
+      auto guard = par_.sharded->no_sync();
       loss.backward();
     }
     loss_sum += loss.item<double>();
@@ -348,14 +328,14 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
 // trainer step], 3); returns the learning rate.
 double ModuleTrainer::update(double* grad_norm) {
   const double clip = options_.clip_grad_norm;
-  if (sharded_ && tp_) {  // a split parameter's squares add over tp, a replicated one counts once
-    const parallel::tensor::TensorParallelPlan& plan = tp_->plan();
-    *grad_norm = sharded_->clip_grad_norm(
-        clip, fsdp::NormSplit{&mesh_->tp(), [&plan](const std::string& n) { return plan.layout(n).sharded(); }});
-  } else if (sharded_) {
-    *grad_norm = sharded_->clip_grad_norm(clip);
-  } else if (tp_) {
-    *grad_norm = parallel::tensor::clip_grad_norm(tp_norm_, clip, mesh_->tp());
+  if (par_.sharded && par_.tp) {  // a split parameter's squares add over tp, a replicated one counts once
+    const parallel::tensor::TensorParallelPlan& plan = par_.tp->plan();
+    *grad_norm = par_.sharded->clip_grad_norm(
+        clip, fsdp::NormSplit{&par_.mesh->tp(), [&plan](const std::string& n) { return plan.layout(n).sharded(); }});
+  } else if (par_.sharded) {
+    *grad_norm = par_.sharded->clip_grad_norm(clip);
+  } else if (par_.tp) {
+    *grad_norm = parallel::tensor::clip_grad_norm(par_.tp_norm, clip, par_.mesh->tp());
   } else {
     *grad_norm = optim::clip_grad_norm(opt_params_, clip);
   }
@@ -365,7 +345,7 @@ double ModuleTrainer::update(double* grad_norm) {
     for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
   }
   opt_->step();
-  if (sharded_) sharded_->after_step();
+  if (par_.sharded) par_.sharded->after_step();
   return lr;
 }
 
@@ -380,20 +360,20 @@ double ModuleTrainer::step(const ModuleData& data) {
     sampler = std::make_unique<data::DistributedSampler>(data.size(), so);
   }
   observers_->tracer->begin_step(step_ + 1);
-  ddp_ ? ddp_->zero_grad() : sharded_->zero_grad();
+  par_.ddp ? par_.ddp->zero_grad() : par_.sharded->zero_grad();
   // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
-  const int64_t share = options_.global_batch / dp_size_;
+  const int64_t share = options_.global_batch / par_.dp_size;
   std::vector<int64_t> global = sampler->global_batch(step_);
-  const std::vector<int64_t> mine(global.begin() + dp_rank_ * share, global.begin() + (dp_rank_ + 1) * share);
+  const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
   const double loss_sum = run_micro_batches(data, mine);
   // The global mean: every rank's micro-batches weigh the same.
   at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
-  shard_->all_reduce(l, comm::ReduceOp::Avg).wait();
-  if (replicate_) replicate_->all_reduce(l, comm::ReduceOp::Avg).wait();
+  par_.shard->all_reduce(l, comm::ReduceOp::Avg).wait();
+  if (par_.replicate) par_.replicate->all_reduce(l, comm::ReduceOp::Avg).wait();
   const double loss = l.item<double>();
   double grad_norm = 0;
   const double lr = update(&grad_norm);
-  if (tp_) tp_->check();  // a collective that failed inside forward
+  if (par_.tp) par_.tp->check();  // a collective that failed inside forward
   ++step_;
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   write_metrics(loss, lr, grad_norm, ms);

@@ -54,6 +54,7 @@
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/config.h"
+#include "scaletrain/train/recipe.h"
 #include "scaletrain/train/torch_optimizer_state.h"
 
 namespace scaletrain::comm {
@@ -61,11 +62,6 @@ class Mesh;
 }  // namespace scaletrain::comm
 
 namespace scaletrain::train {
-
-// The data-parallel engine: DDP, or the sharded engine with one of its
-// strategies (parallel/fsdp/fsdp.h has the table of what each shards).
-enum class ModuleStrategy { DDP, Zero1, Zero2, Zero3, FullShard, ShardGradOp, HybridShard };
-std::string to_string(ModuleStrategy s);  // "ddp", "zero2", "fsdp FULL_SHARD", ...
 
 // torch::optim::AdamW's settings, for runs whose optimizer the trainer builds
 // (the YAML route: the CLI trains with AdamW).
@@ -136,6 +132,16 @@ struct ModuleTrainerOptions {
   // in bf16 on the module's device, its parameters and gradients staying in
   // their dtype; kFloat: off. fp16 (kHalf) needs loss scaling: refused.
   at::ScalarType autocast = at::kFloat;
+  // Storage (ModuleRecipe::param_dtype, YAML precision.param_dtype and
+  // buffer_dtype): kBFloat16 keeps the module's floating parameters (and
+  // buffers, unless buffer_dtype says otherwise) in bf16 and the sharded
+  // strategies' optimizer shards in fp32 (sharded.master_dtype); floating
+  // inputs are cast to it before each forward, as FSDP's mixed precision
+  // casts forward inputs. Gradients are reduced in sharded.reduce_dtype
+  // (YAML precision.reduce_dtype; unset: the gradients' dtype, summed in
+  // fp32 by Gloo). Undefined: the module's own dtypes. Not with DDP.
+  at::ScalarType param_dtype = at::ScalarType::Undefined;
+  at::ScalarType buffer_dtype = at::ScalarType::Undefined;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules
@@ -241,12 +247,12 @@ class ModuleTrainer {
 
   int64_t completed_steps() const { return step_; }
   int64_t stop_step() const { return options_.stop_at > 0 ? options_.stop_at : options_.steps; }
-  int data_parallel_size() const { return dp_size_; }
+  int data_parallel_size() const { return par_.dp_size; }
   int64_t accumulation() const { return accum_; }
   torch::optim::Optimizer& optimizer() { return *opt_; }
   // The engine (one of the two is set).
-  parallel::DistributedDataParallel* ddp() { return ddp_.get(); }
-  parallel::fsdp::ShardedDataParallel* sharded() { return sharded_.get(); }
+  parallel::DistributedDataParallel* ddp() { return par_.ddp.get(); }
+  parallel::fsdp::ShardedDataParallel* sharded() { return par_.sharded.get(); }
   // Every parameter, whole, in named_parameters() order (collective).
   std::vector<at::Tensor> full_parameters();
 
@@ -264,17 +270,9 @@ class ModuleTrainer {
   comm::World& world_;
   ModuleLoss loss_;
   ModuleTrainerOptions options_;
-  std::unique_ptr<comm::Mesh> mesh_;  // HybridShard over dp_replicate, or dp x tp
-  // Outlives the engines (destroyed after them): the planned submodules run split while it lives.
-  std::unique_ptr<parallel::tensor::TensorParallelModule> tp_;
-  parallel::tensor::GradNormParams tp_norm_;  // DDP over tp: the parameters the global norm reads
-  comm::Group* shard_ = nullptr;      // the engine's group (the world's, or the shard group)
-  comm::Group* replicate_ = nullptr;  // HybridShard
-  int dp_size_ = 1, dp_rank_ = 0;
+  ParallelModule par_;  // the recipe's engine over the module, its mesh and groups
   int64_t accum_ = 1;
   at::Device device_{at::kCPU};  // host: a module without parameters; else its parameters' device
-  std::unique_ptr<parallel::DistributedDataParallel> ddp_;
-  std::unique_ptr<parallel::fsdp::ShardedDataParallel> sharded_;
   std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: an optimizer without state, or no checkpoints

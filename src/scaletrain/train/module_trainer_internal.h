@@ -12,8 +12,6 @@
 
 namespace scaletrain::train::detail {
 
-bool is_sharded(ModuleStrategy s);                       // every strategy but DDP
-parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's name for it
 ModuleStrategy strategy_of(DataParallelism d);           // the plan's strategy (NO_SHARD runs DDP)
 // std::invalid_argument "ModuleTrainerOptions.FIELD PROBLEM".
 [[noreturn]] void bad(const std::string& field, const std::string& problem);

@@ -45,14 +45,6 @@ constexpr StrategyRow kStrategies[] = {
 
 }  // namespace
 
-bool is_sharded(ModuleStrategy s) { return s != ModuleStrategy::DDP; }
-
-fsdp::Sharding sharding_of(ModuleStrategy s) {
-  for (const auto& row : kStrategies)
-    if (row.strategy == s) return row.sharding;
-  return fsdp::Sharding::FullShard;
-}
-
 ModuleStrategy strategy_of(DataParallelism d) {
   for (const auto& row : kStrategies)
     if (row.config == d) return row.strategy;
@@ -92,7 +84,8 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
     s << "\nlora.r=" << o.lora->r << "\nlora.alpha=" << o.lora->alpha << "\nlora.rslora=" << o.lora->rslora
       << "\nlora.dropout=" << o.lora->dropout << "\nlora.targets=" << list(o.lora->target_modules)
       << "\nlora.gaussian_init=" << o.lora->gaussian_init << "\nlora.seed=" << o.lora->seed;
-  s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\ntp=" << o.tp;
+  s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\ntp=" << o.tp
+    << "\nparam_dtype=" << c10::toString(o.param_dtype) << "\nbuffer_dtype=" << c10::toString(o.buffer_dtype);
   for (const auto& [pattern, style] : o.tensor_plan)
     s << "\ntensor_plan " << pattern << "=" << parallel::tensor::style_name(style);
   s << "\n";
@@ -104,8 +97,6 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
 }  // namespace detail
 
 using detail::bad;
-using detail::is_sharded;
-using detail::sharding_of;
 using detail::strategy_of;
 
 namespace {
@@ -162,6 +153,14 @@ void validate_outputs(const ModuleTrainerOptions& o) {
 
 }  // namespace
 
+bool is_sharded(ModuleStrategy s) { return s != ModuleStrategy::DDP; }
+
+fsdp::Sharding sharding_of(ModuleStrategy s) {
+  for (const auto& row : detail::kStrategies)
+    if (row.strategy == s) return row.sharding;
+  return fsdp::Sharding::FullShard;
+}
+
 std::string to_string(ModuleStrategy s) { return s == ModuleStrategy::DDP ? "ddp" : fsdp::to_string(sharding_of(s)); }
 
 void validate(const ModuleTrainerOptions& o) {
@@ -174,14 +173,19 @@ void validate(const ModuleTrainerOptions& o) {
         "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" + std::to_string(o.micro_batch));
   if (o.tp < 1) bad("tp", "must be at least 1, got " + std::to_string(o.tp));
   if (o.tp == 1 && !o.tensor_plan.empty()) bad("tensor_plan", "is given but tp is 1");
-  if (o.tp > 1 && o.strategy == ModuleStrategy::HybridShard)
-    bad("tp", "with HybridShard is not supported by the module trainer yet (use FullShard over dp)");
   if (o.tp > 1 && (o.shard_group != nullptr || o.replicate_group != nullptr))
     bad("tp", "builds its own dp x tp mesh: give no shard_group or replicate_group");
   if (o.autocast != at::kFloat && o.autocast != at::kBFloat16)
     bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off) or kBFloat16") +
                         (o.autocast == at::kHalf ? " (fp16 needs loss scaling, which the module trainer does not run)"
                                                  : ""));
+  for (const auto& [field, t] : {std::pair{"param_dtype", o.param_dtype}, std::pair{"buffer_dtype", o.buffer_dtype}})
+    if (t != at::ScalarType::Undefined && t != at::kFloat && t != at::kBFloat16)
+      bad(field, c10::toString(t) + std::string(" is not Undefined (the module's own), kFloat or kBFloat16") +
+                     (t == at::kHalf ? " (fp16 storage needs loss scaling, which the module trainer does not run)" : ""));
+  if (o.param_dtype == at::kBFloat16 && !is_sharded(o.strategy))
+    bad("param_dtype", "kBFloat16 needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); "
+                       "DDP would step the bf16 parameters themselves");
   if (!is_sharded(o.strategy) && units_given(o.units))
     bad("units", "are for the sharded strategies: DDP gathers nothing");
   validate_groups(o);
@@ -216,7 +220,7 @@ const std::set<std::string>& mapped_keys() {
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
         {"parallel.zero", "offload_optimizer offload_param offload_dir"},
         {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
-        {"precision", "mode"},
+        {"precision", "mode param_dtype buffer_dtype reduce_dtype"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
     std::set<std::string> out;
@@ -239,8 +243,6 @@ std::string unread_reason(const std::string& key) {
   if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
   if (key == "finetune.double_quant") return "it is QLoRA's, which quantizes the CLI families' linear layers";
   if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
-  if (key == "precision.param_dtype" || key == "precision.buffer_dtype" || key == "precision.reduce_dtype")
-    return "the module keeps its own dtypes (precision.mode bf16 autocasts its operators)";
   if (starts(key, "precision.fp8")) return "FP8 linears are the CLI families' layers";
   if (starts(key, "precision.")) return "loss scaling is for fp16, which the module trainer does not run";
   if (key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
@@ -277,6 +279,13 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
     return "it is read only when offload_param is nvme";
   if (key == "precision.mode" && c.precision.mode != "bf16")
     return "fp16 needs loss scaling, which the module trainer does not run (bf16 autocasts)";
+  if (starts(key, "precision.") && key != "precision.mode" && config_value(c, key) == "fp16")
+    return "fp16 needs loss scaling, which the module trainer does not run (use bf16)";
+  if (key == "precision.param_dtype" && runs_ddp(d))
+    return "bf16 storage needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp)";
+  if (key == "precision.reduce_dtype" && runs_ddp(d)) return "DDP reduces in the gradients' dtype";
+  if (key == "precision.buffer_dtype" && c.precision.param_dtype == "fp32")
+    return "buffers follow precision.param_dtype, which is fp32";
   if (starts(key, "finetune.") && key != "finetune.method" && c.finetune.method == "full")
     return "finetune.method is full (set lora)";
   if (key == "finetune.method" && c.finetune.method == "qlora")
@@ -365,6 +374,17 @@ void map_offload(const Config& c, ModuleTrainerOptions& o) {
   };
 }
 
+// precision.*: bf16 autocast, and the storage and reduction dtypes.
+void map_precision(const precision::PrecisionOptions& p, ModuleTrainerOptions& o) {
+  if (p.mode == "bf16") o.autocast = at::kBFloat16;
+  auto dtype = [](const std::string& name) {
+    return name == "bf16" ? at::kBFloat16 : name == "fp32" ? at::kFloat : at::ScalarType::Undefined;
+  };
+  if (p.param_dtype == "bf16") o.param_dtype = at::kBFloat16;
+  if (!p.buffer_dtype.empty() && o.param_dtype != at::ScalarType::Undefined) o.buffer_dtype = dtype(p.buffer_dtype);
+  if (!p.reduce_dtype.empty()) o.sharded.reduce_dtype = dtype(p.reduce_dtype);
+}
+
 }  // namespace
 
 optim::ScheduleOptions schedule_options(const TrainOptions& t) {
@@ -387,7 +407,7 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   map_parallel(c, o);
   map_offload(c, o);
   map_lora(c, o);
-  if (c.precision.mode == "bf16") o.autocast = at::kBFloat16;
+  map_precision(c.precision, o);
   o.tp = c.parallel.tp;  // the plan of the module's names comes with the module (tensor_plan)
   const TrainOptions& t = c.train;
   o.steps = t.steps;

@@ -1,15 +1,9 @@
-// The trainer's pipeline strategy (parallel.pp > 1): the model cut into stages
-// (parallel/pipeline), with tensor parallelism inside each stage and DDP or
-// a sharded engine (ZeRO-1/2/3, FSDP) per chunk over the stage's
-// data-parallel group. The order of the recipe matters:
-//   1. build the whole model from the seed on every rank (every stage cuts
-//      the same initialized weights; the blocks it does not keep are freed);
-//   2. context parallelism sets every layer's attention to the split one,
-//      and tensor parallelism splits the weights of the whole model;
-//   3. the pipeline cuts it into chunks and keeps this stage's;
-//   4. data parallelism wraps each chunk over dp x cp (and broadcasts dp
-//      rank 0's weights): the cp ranks of a stage hold the same chunk and
-//      parts of every sequence (Note [Context-parallel groups]).
+// The trainer's pipeline strategy (parallel.pp > 1): the model, whole and
+// split by tensor parallelism, cut into stages (parallel/pipeline), with DDP
+// or a sharded engine (ZeRO-1/2/3, FSDP) per chunk over the stage's dp x cp
+// group: the cp ranks of a stage hold the same chunk and parts of every
+// sequence (Note [Context-parallel groups]). Steps 5 and 6 of Note [Recipe
+// order] (train/recipe.cpp).
 #include <sstream>
 
 #include "scaletrain/optim/adamw.h"
@@ -26,9 +20,8 @@ namespace pl = parallel::pipeline;
 
 class PipelineStrategy final : public DataParallel {
  public:
-  PipelineStrategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan)
-      : model_(std::move(model)), mesh_(mesh) {
-    if (run_plan.dims.tp > 1) plan_ = parallel::tensor::parallelize_tensor(*model_, mesh.tp(), run_plan.engines.tensor);
+  PipelineStrategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh, const Plan& run_plan, TensorPlan tp)
+      : model_(std::move(model)), mesh_(mesh), plan_(std::move(tp)) {
     pipe_ = std::make_unique<pl::Pipeline>(model_, mesh.pp(), &mesh.dp_cp(), run_plan.engines.pipeline,
                                            world.group().get());
 
@@ -184,17 +177,9 @@ class PipelineStrategy final : public DataParallel {
 
 }  // namespace
 
-Parallelized parallelize_pipeline(const Plan& plan, comm::World& world, comm::Mesh& mesh) {
-  Parallelized out;
-  torch::manual_seed(plan.engines.start.seed);
-  out.model = whole_model(plan.engines.start, plan.model, plan.policy.param, plan.device);
-  apply_context_parallel(*out.model, mesh, plan);
-  try {
-    out.dp = std::make_unique<PipelineStrategy>(out.model, world, mesh, plan);
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
-  }
-  return out;
+std::unique_ptr<DataParallel> pipeline_strategy(models::ModelPtr model, comm::World& world, comm::Mesh& mesh,
+                                                const Plan& run, TensorPlan plan) {
+  return std::make_unique<PipelineStrategy>(std::move(model), world, mesh, run, std::move(plan));
 }
 
 }  // namespace scaletrain::train

@@ -26,7 +26,7 @@
 #include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/train/plan.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/recipe.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 

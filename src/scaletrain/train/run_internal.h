@@ -23,7 +23,7 @@
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/train/config.h"
 #include "scaletrain/train/plan.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/recipe.h"
 
 namespace scaletrain::train::detail {
 

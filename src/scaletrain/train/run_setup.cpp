@@ -28,7 +28,7 @@
 #include "scaletrain/train/device.h"
 #include "scaletrain/train/module_trainer.h"
 #include "scaletrain/train/plan.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/recipe.h"
 
 namespace scaletrain::train::detail {
 namespace {

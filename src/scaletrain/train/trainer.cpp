@@ -41,7 +41,7 @@
 #include "scaletrain/train/memory_layout.h"
 #include "scaletrain/train/plan.h"
 #include "scaletrain/train/run_internal.h"
-#include "scaletrain/train/strategy.h"
+#include "scaletrain/train/recipe.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
 

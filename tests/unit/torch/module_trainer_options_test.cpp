@@ -101,6 +101,12 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.autocast, at::kBFloat16);
   ASSERT_TRUE(o.lora.has_value());
   EXPECT_EQ(o.lora->target_modules, (std::vector<std::string>{"q", "v"}));
+  // bf16 storage with fp32 buffers, reduced in fp32, under a sharded strategy.
+  o = module_trainer_options(with({"parallel.strategy=zero2", "precision.param_dtype=bf16",
+                                   "precision.buffer_dtype=fp32", "precision.reduce_dtype=fp32"}));
+  EXPECT_EQ(o.param_dtype, at::kBFloat16);
+  EXPECT_EQ(o.buffer_dtype, at::kFloat);
+  EXPECT_EQ(o.sharded.reduce_dtype, at::kFloat);
 }
 
 TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
@@ -112,7 +118,9 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
       {"parallel.ep=2", "parallel.ep"},
       {"finetune.method=qlora", "finetune.method"},
       {"finetune.r=4", "finetune.r"},  // method full
-      {"precision.param_dtype=bf16", "precision.param_dtype"},
+      {"precision.param_dtype=bf16", "precision.param_dtype"},   // strategy ddp: no masters
+      {"precision.reduce_dtype=fp32", "precision.reduce_dtype"},  // strategy ddp
+      {"precision.buffer_dtype=bf16", "precision.buffer_dtype"},  // param_dtype fp32
       {"precision.fp8=true", "precision.fp8"},
       {"parallel.zero.offload_param=cpu", "parallel.zero"},  // strategy ddp
       {"train.device=cpu", "train.device"},
@@ -130,6 +138,9 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
   EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.bucket_cap_mb=10"}).find("parallel.bucket_cap_mb"),
             std::string::npos);
   EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.zero.reduce_bucket_mb=10"}).find("parallel.zero"),
+            std::string::npos);
+  // fp16 storage (no loss scaling here), named under any strategy.
+  EXPECT_NE(refusal({"parallel.strategy=zero3", "precision.param_dtype=fp16"}).find("fp16 needs loss scaling"),
             std::string::npos);
   // Every such key at once.
   const std::string all = refusal({"model.preset=gpt2", "data.path=x", "parallel.cp=2"});

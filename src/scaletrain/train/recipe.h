@@ -1,0 +1,98 @@
+#pragma once
+// The parallelize recipe: one order in which every layout is applied, for
+// our families (from a run's Plan) and for any torch::nn::Module (from a
+// ModuleRecipe); Note [Recipe order] in recipe.cpp says why that order.
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+
+#include "scaletrain/comm/mesh.h"
+#include "scaletrain/comm/world.h"
+#include "scaletrain/models/causal_lm.h"
+#include "scaletrain/parallel/ddp/ddp.h"
+#include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/parallel/fsdp/module_units.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/train/data_parallel.h"
+#include "scaletrain/train/plan.h"
+
+namespace scaletrain::train {
+
+// A family's model and its strategy as the plan resolved them (its
+// EnginePlan: train/engine_plan.h). The model is built deferred when the
+// strategy initializes it shard by shard, whole and loaded first with
+// model.init_from. Throws UsageError, one line, for combinations this build
+// cannot run.
+struct Parallelized {
+  models::ModelPtr model;
+  std::unique_ptr<DataParallel> dp;
+};
+Parallelized parallelize(const Plan& plan, comm::World& world, comm::Mesh& mesh);
+
+// The data-parallel engine of a user's module: DDP, or the sharded engine
+// with one of its strategies (parallel/fsdp/fsdp.h has the table of what
+// each shards).
+enum class ModuleStrategy { DDP, Zero1, Zero2, Zero3, FullShard, ShardGradOp, HybridShard };
+std::string to_string(ModuleStrategy s);  // "ddp", "zero2", "fsdp FULL_SHARD", ...
+bool is_sharded(ModuleStrategy s);        // every strategy but DDP
+parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's name for a sharded one
+
+// What the recipe applies to a user's module, in its order: tensor
+// parallelism by a plan of submodule names, the storage dtypes, then the
+// data-parallel engine.
+struct ModuleRecipe {
+  // tp > 1: the world becomes a dp x tp mesh (tp innermost); the planned
+  // submodules are split over tp (parallel/tensor/parallelize_module.h) and
+  // the engine runs over dp (HybridShard: dp_replicate x dp_shard x tp).
+  // tp > 1 needs a plan.
+  int tp = 1;
+  parallel::tensor::ModulePlan tensor_plan;
+  // Mixed precision, after tensor parallelism and before the engine: the
+  // module's floating parameters are stored in param_dtype (kBFloat16; or
+  // kFloat / Undefined: as they are) and its floating buffers in
+  // buffer_dtype (Undefined: param_dtype). bf16 storage needs fp32 master
+  // weights for the optimizer, which the sharded strategies keep
+  // (sharded.master_dtype, fp32 unless set): DDP refuses it.
+  at::ScalarType param_dtype = at::ScalarType::Undefined;
+  at::ScalarType buffer_dtype = at::ScalarType::Undefined;
+  ModuleStrategy strategy = ModuleStrategy::DDP;
+  // Sharded strategies: the submodules gathered and freed as one
+  // (module_units.h); empty: the whole module is the root unit. Not for DDP.
+  parallel::fsdp::ModuleUnits units;
+  // The engines' own knobs; `sharded.sharding` is set from `strategy`.
+  parallel::DDPOptions ddp;
+  parallel::fsdp::ShardedOptions sharded;
+  // HybridShard: the shard and replicate groups (not with tp), or both null
+  // and dp_replicate >= 2 for a mesh over the world. Other strategies run
+  // over the world's group (or the mesh's dp under tp).
+  comm::Group* shard_group = nullptr;
+  comm::Group* replicate_group = nullptr;
+  int dp_replicate = 1;
+};
+
+// What the recipe built over a user's module. Members are destroyed in
+// reverse order: the engines first, then the tensor-parallel hooks and the
+// mesh whose groups they use.
+struct ParallelModule {
+  std::unique_ptr<comm::Mesh> mesh;  // dp x tp, or HybridShard's over dp_replicate; null: the world's group
+  // The planned submodules run split while it lives.
+  std::unique_ptr<parallel::tensor::TensorParallelModule> tp;
+  parallel::tensor::GradNormParams tp_norm;  // DDP over tp: the parameters the global norm reads
+  comm::Group* shard = nullptr;              // the engine's group
+  comm::Group* replicate = nullptr;          // HybridShard's replicas, else null
+  int dp_size = 1, dp_rank = 0;              // data-parallel ranks (shard x replicate) and this one
+  std::unique_ptr<parallel::DistributedDataParallel> ddp;  // one of the two is set
+  std::unique_ptr<parallel::fsdp::ShardedDataParallel> sharded;
+  // What an optimizer must be built over: the engine's flat shards, or the
+  // module's trainable parameters.
+  std::vector<at::Tensor> trainable() const;
+};
+
+// Applies `recipe` to `module` (collective over `world`). Throws
+// std::invalid_argument naming the ModuleRecipe field for a recipe the world
+// cannot run, UsageError (from the engines) for a module they refuse.
+ParallelModule parallelize(std::shared_ptr<torch::nn::Module> module, comm::World& world, const ModuleRecipe& recipe);
+
+}  // namespace scaletrain::train
