@@ -20,8 +20,8 @@
 #include "scaletrain/observe/memory.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/zero/zero.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/model_config.h"
 
 namespace st = scaletrain;
 
@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
   const bool whole = argc > 2 && std::strcmp(argv[2], "--whole") == 0;
   try {
     auto world = st::comm::World::init(st::comm::world_info_from_env(), {});
-    st::train::ModelOptions mo;
+    st::config::ModelOptions mo;
     mo.init_from = dir;
     const st::models::ModelConfig config = st::train::resolve_model_config(mo);
     const double rss_before = st::observe::rss_peak_mb();

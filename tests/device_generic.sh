@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device path is generic (Note [One device per rank], train/device.h):
+# The device path is generic (Note [One device per rank], train/plan/device.h):
 # host memory is named in src/ only on lines that say why with a
 # "// host:" comment (offloaded state, checkpoint bytes, CPU autocast, ...).
 # Any other kCPU, DeviceType::CPU or .cpu() would pin a GPU run to the CPU.

@@ -6,8 +6,8 @@
 
 #include "commands.h"
 #include "scaletrain/hub/hf_gpt2.h"
-#include "scaletrain/checkpoint/hub.h"
-#include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/hub/hub_read.h"
+#include "scaletrain/hub/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/checkpoint/torch_file.h"
@@ -113,7 +113,7 @@ int consolidate(const std::string& arg, const std::string& out) {
 int export_dir(const std::string& arg, const std::string& out, const std::string& max_shard_size,
                const std::string& dtype) {
   hub::HubExportOptions o;
-  o.max_shard_bytes = checkpoint::parse_shard_size(max_shard_size);  // a bad size before anything is read
+  o.max_shard_bytes = hub::parse_shard_size(max_shard_size);  // a bad size before anything is read
   o.dtype = dtype;
   const std::string dir = resolve(arg);
   const hub::HubExportResult r = hub::export_hub(dir, out, o);
@@ -132,14 +132,14 @@ int convert_dir(const std::string& in, const std::string& out, int64_t max_shard
     throw UsageError(in + " already holds safetensors weights");
   if (fs::exists(out) && !(fs::is_directory(out) && fs::is_empty(out)))
     throw UsageError("-o " + out + ": exists and is not an empty directory");
-  const checkpoint::HubWeights w(in);
-  std::vector<checkpoint::HubTensor> tensors;
+  const hub::HubWeights w(in);
+  std::vector<hub::HubTensor> tensors;
   for (const std::string& name : w.names()) {
     const checkpoint::TensorView& v = w.view(name);
     tensors.push_back({name, v.dtype, v.shape, [&w, name] { return checkpoint::tensor_from_view(w.view(name), w.source()); }});
   }
   fs::create_directories(out);
-  const std::vector<std::string> files = checkpoint::write_hub_weights(out, tensors, max_shard_bytes);
+  const std::vector<std::string> files = hub::write_hub_weights(out, tensors, max_shard_bytes);
   int copied = 0;
   for (const auto& e : fs::directory_iterator(in)) {
     const std::string name = e.path().filename().string();
@@ -155,7 +155,7 @@ int convert_dir(const std::string& in, const std::string& out, int64_t max_shard
 // A torch.save file (a state dict, or one under `key`) as one safetensors file.
 int convert(const std::string& in, const std::string& out, const std::string& key, const std::string& size,
             bool sized) {
-  const int64_t max_shard_bytes = checkpoint::parse_shard_size(size);
+  const int64_t max_shard_bytes = hub::parse_shard_size(size);
   if (sized && !fs::is_directory(in))
     throw UsageError("--max-shard-size cuts a directory's shards; " + in + " converts to one file");
   if (fs::is_directory(in)) {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::cli {
@@ -51,8 +51,8 @@ void check(const Question& q) {
       throw UsageError(std::string("--") + q.flag + ": '" + q.value + "' is not a positive integer");
     return;
   }
-  train::Config c;
-  train::apply_override(c, std::string(q.key) + "=" + q.value);
+  config::Config c;
+  config::apply_override(c, std::string(q.key) + "=" + q.value);
 }
 
 // YAML double-quoted scalar: paths and prompts may hold ':' or '#'.
@@ -66,7 +66,7 @@ std::string quoted(const std::string& s) {
 }
 
 // `scaletrain config keys`: every key the config reader accepts, from the key
-// table itself (train::config_key_table), with its type and default. --tsv is
+// table itself (config::config_key_table), with its type and default. --tsv is
 // for scripts/gen-config-doc.py, which writes docs/config.md from it.
 CLI::App* add_config_keys(CLI::App& config_cmd, Runner& run) {
   auto* cmd = config_cmd.add_subcommand(
@@ -75,7 +75,7 @@ CLI::App* add_config_keys(CLI::App& config_cmd, Runner& run) {
   cmd->add_flag("--tsv", *tsv, "tab-separated: key, type, default, choices (joined by ' | ')");
   cmd->callback([&run, tsv] {
     run = [tsv] {
-      const auto rows = train::config_key_table();
+      const auto rows = config::config_key_table();
       auto shown = [](const std::string& v) { return v.empty() ? std::string("\"\"") : v; };
       size_t width = 0;
       for (const auto& r : rows) width = std::max(width, r.key.size());

@@ -6,7 +6,7 @@
 
 #include "commands.h"
 #include "scaletrain/observe/metrics.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/module_library.h"
 #include "scaletrain/train/trainer.h"
 
@@ -39,7 +39,7 @@ void add_train(CLI::App& app, Runner& run) {
     run = [config, deepspeed, overrides] {
       auto cfg = train::load_config(*config, overrides);
       if (!deepspeed->empty())
-        train::apply_deepspeed_config(cfg, *deepspeed, train::deepspeed_data_parallel_size(cfg));
+        train::apply_deepspeed_config(cfg, *deepspeed, config::deepspeed_data_parallel_size(cfg));
       if (cfg.model.library.empty())
         train::run_training(cfg);
       else

@@ -30,5 +30,7 @@
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tp_comm.h"
 #include "scaletrain/train/checkpoint_layout.h"
+#include "scaletrain/train/module_checkpointing.h"
 #include "scaletrain/train/module_task.h"
 #include "scaletrain/train/module_trainer.h"
+#include "scaletrain/train/recipe.h"

@@ -480,13 +480,13 @@ TEST(ModuleTrainer, LoraTrainsTheAdaptersOfAUserModule) {
   bad.lora->target_modules = {"q", "k_proj"};
   expect_error<UsageError>([&] { ModuleTrainer t(make_adapted(), world(), adam, adapted_mse, bad); },
                            "target_modules entry 'k_proj' matches no LoraLinear", "a target matching nothing");
-  train::Config c;
+  config::Config c;
   for (const char* kv : {"finetune.method=lora", "finetune.r=4", "finetune.alpha=8", "finetune.target_modules=q, v"})
-    train::apply_override(c, kv);
+    config::apply_override(c, kv);
   const ModuleTrainerOptions yaml = train::module_trainer_options(c);
   ASSERT_TRUE(yaml.lora.has_value());
   EXPECT_EQ(yaml.lora->target_modules, (std::vector<std::string>{"q", "v"}));
-  train::apply_override(c, "finetune.method=qlora");
+  config::apply_override(c, "finetune.method=qlora");
   expect_error<UsageError>([&] { train::module_trainer_options(c); }, "QLoRA quantizes the CLI families'", "qlora");
 }
 
@@ -643,6 +643,82 @@ TEST(ModuleTrainer, Bf16StorageStepsFp32MastersAsOneProcessWould) {
   expect_error([&] { train::validate(ddp); }, "fp16 storage needs loss scaling", "fp16 storage");
 }
 
+// A stack of residual blocks whose forward marks each block as one that may
+// recompute (train::checkpointed); `runs` counts the blocks' forwards.
+struct CkptBlockImpl : torch::nn::Module {
+  CkptBlockImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    ++runs;
+    return x + torch::tanh(fc(x));
+  }
+  torch::nn::Linear fc;
+  int64_t runs = 0;
+};
+TORCH_MODULE(CkptBlock);
+struct CkptNetImpl : torch::nn::Module {
+  CkptNetImpl() : in(register_module("in", torch::nn::Linear(10, 8))), out(register_module("out", torch::nn::Linear(8, 5))) {
+    for (int i = 0; i < 4; ++i) blocks.push_back(register_module("block" + std::to_string(i), CkptBlock()));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = in(x);
+    for (auto& b : blocks) h = train::checkpointed(*b, [&b](const at::Tensor& t) { return b->forward(t); }, h);
+    return out(h);
+  }
+  int64_t runs() const {
+    int64_t n = 0;
+    for (const auto& b : blocks) n += b->runs;
+    return n;
+  }
+  torch::nn::Linear in, out;
+  std::vector<CkptBlock> blocks;
+};
+TORCH_MODULE(CkptNet);
+
+// Activation checkpointing of a user's module by policy: the same curve as
+// one process without it, with the selected blocks run twice per micro-batch.
+TEST(ModuleTrainer, ActivationCheckpointingByPolicyFollowsOneProcess) {
+  auto make = [] {
+    torch::manual_seed(5);
+    auto m = CkptNet();
+    m->to(at::kDouble);
+    return m;
+  };
+  auto loss = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+    return torch::mse_loss(dynamic_cast<CkptNetImpl&>(m).forward(x), y);
+  };
+  auto ref = make();
+  const std::vector<double> ref_losses = run_alone(ref.ptr(), loss, options(ModuleStrategy::DDP, 4)).losses;
+  const int64_t micro_batches = 4 * 2;  // 4 steps x 2 micro-batches per rank
+  struct Case {
+    ModuleStrategy strategy;
+    train::CheckpointPolicy policy;
+    int64_t recomputed;  // blocks recomputed per micro-batch
+  };
+  train::CheckpointPolicy every_other;
+  every_other.blocks.types = {"CkptBlockImpl"};
+  every_other.every = 2;
+  train::CheckpointPolicy by_name;
+  by_name.blocks.names = {"block1", "block2", "block3"};
+  for (const Case& c : {Case{ModuleStrategy::DDP, {}, 4}, Case{ModuleStrategy::DDP, every_other, 2},
+                        Case{ModuleStrategy::FullShard, every_other, 2}, Case{ModuleStrategy::Zero3, by_name, 3}}) {
+    const std::string name = train::to_string(c.strategy) + ", " + std::to_string(c.recomputed) + " blocks recomputed";
+    ModuleTrainerOptions o = options(c.strategy, 4);
+    o.units.names.clear();
+    if (c.strategy != ModuleStrategy::DDP) o.units.types = {"CkptBlockImpl"};
+    o.activation_checkpointing = c.policy;
+    auto m = make();
+    ModuleTrainer t(m.ptr(), world(), adam, loss, o);
+    expect_losses(t.fit(dataset()).losses, ref_losses, 0, name);
+    EXPECT_LE(relative_diff(t.full_parameters(), ref->parameters(), /*per_tensor=*/true), 1e-10) << name;
+    EXPECT_EQ(m->runs(), micro_batches * (4 + c.recomputed)) << name;
+  }
+  ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
+  o.activation_checkpointing = every_other;
+  o.activation_checkpointing->blocks.types = {"NoSuchImpl"};
+  expect_error([&] { ModuleTrainer t(make().ptr(), world(), adam, loss, o); }, "activation checkpointing: ",
+               "a class no submodule has");
+}
+
 // A residual MLP of the user's: the pair fc1 (colwise) -> fc2 (rowwise)
 // splits over tp, the rest is replicated.
 struct TpNetImpl : torch::nn::Module {
@@ -732,12 +808,12 @@ TEST(ModuleTrainer, TensorParallelByPlanMatchesOneProcess) {
 // at the trainer before it runs.
 void expect_yaml_run(const std::vector<std::string>& keys, ModuleStrategy want,
                      const std::function<void(ModuleTrainer&)>& inspect) {
-  train::Config c;
+  config::Config c;
   for (const char* kv : {"train.steps=4", "train.global_batch=24", "train.warmup_steps=1", "train.weight_decay=0.05",
                          "train.grad_clip=0.3", "train.seed=11", "metrics.progress=false"})
-    train::apply_override(c, kv);
-  for (const std::string& kv : keys) train::apply_override(c, kv);
-  train::apply_override(c, "train.micro_batch=" + std::to_string(kGlobal / (2 * world().size())));
+    config::apply_override(c, kv);
+  for (const std::string& kv : keys) config::apply_override(c, kv);
+  config::apply_override(c, "train.micro_batch=" + std::to_string(kGlobal / (2 * world().size())));
   const ModuleTrainerOptions o = train::module_trainer_options(c);
   ASSERT_EQ(o.strategy, want);
   ModuleTrainer trainer(make_toy(), world(), nullptr, mse, o);
@@ -790,8 +866,8 @@ TEST(ModuleTrainer, YamlOffloadKeysOffloadShards) {
                   ModuleStrategy::Zero3, offloaded);
   expect_yaml_run({"parallel.strategy=fsdp", "parallel.fsdp.offload_params=true"}, ModuleStrategy::FullShard,
                   offloaded);
-  train::Config c;
-  for (const char* kv : {"parallel.strategy=zero2", "parallel.zero.offload_param=cpu"}) train::apply_override(c, kv);
+  config::Config c;
+  for (const char* kv : {"parallel.strategy=zero2", "parallel.zero.offload_param=cpu"}) config::apply_override(c, kv);
   expect_error<UsageError>([&] { train::module_trainer_options(c); },
                            "parallel.zero.offload_param=cpu would have no effect: stages 1 and 2", "offload_param zero2");
 }

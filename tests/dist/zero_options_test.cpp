@@ -18,7 +18,7 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/comm/mesh.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/engines.h"
 
 namespace scaletrain::test {
@@ -278,12 +278,12 @@ TEST(ZeroOptions, Stage3MaxLiveParametersBoundsTheGatheredElements) {
   EXPECT_GT(peak[1], 0);
 }
 
-// The trainer's keys reach the engine (train/engine_plan.cpp, then sharded_setup).
+// The trainer's keys reach the engine (train/plan/engine_plan.cpp, then sharded_setup).
 TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   static comm::Mesh mesh(world(), comm::MeshDims{});
   train::Plan plan;  // fp32, nothing deferred; the engine is the plan's, the keys the config's
-  plan.data_parallel = train::DataParallelism::kZero2;
-  train::Config c;
+  plan.data_parallel = config::DataParallelism::kZero2;
+  config::Config c;
   c.parallel.zero.reduce_bucket_mb = 2;
   c.parallel.zero.allgather_bucket_mb = 0.5;
   c.parallel.first_bucket_mb = 0.25;
@@ -295,7 +295,7 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   EXPECT_EQ(o.allgather_bucket_numel, 1 << 17);
   EXPECT_EQ(o.wrap.first_bucket_numel, 1 << 16);
   EXPECT_EQ(o.wrap.last_bucket_numel, 0);
-  plan.data_parallel = train::DataParallelism::kZero3;
+  plan.data_parallel = config::DataParallelism::kZero3;
   c.parallel.zero.prefetch_bucket_mb = 3;
   c.parallel.zero.max_live_parameters = 12345;
   plan.engines = train::plan_engines(c, plan);

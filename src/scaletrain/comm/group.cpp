@@ -231,7 +231,7 @@ Work Group::staged(const std::vector<at::Tensor>& tensors, const std::vector<boo
     else if (gloo())
       moved.push_back(t.to(at::Device(at::DeviceType::CPU)));  // host: Gloo's side
     else
-      moved.push_back(t.to(at::Device(at::DeviceType::CUDA)));  // the current device (train/device.h use_device)
+      moved.push_back(t.to(at::Device(at::DeviceType::CUDA)));  // the current device (train/plan/device.h use_device)
   }
   Work w = run(moved);
   std::vector<std::pair<at::Tensor, at::Tensor>> back;

@@ -6,7 +6,7 @@
 // This folder is torch-free (it is built into scaletrain_core, which has no
 // libtorch on its include path): the readers know a model only through its
 // model.* keys, and what they need of the model itself comes in as a
-// ModelWidth (train/config.h passes the width train/model_config.h resolves).
+// ModelWidth (train/plan/config.h passes the width train/plan/model_config.h resolves).
 #include <cstdint>
 #include <functional>
 #include <string>

@@ -1,7 +1,7 @@
 #pragma once
 // The engine behind the data-parallel dimension as one typed value, resolved
 // once from parallel.strategy and parallel.fsdp.sharding_strategy: the typed
-// plan (train/plan.h) holds it, and code downstream of the plan switches on
+// plan (train/plan/plan.h) holds it, and code downstream of the plan switches on
 // it; no one compares the strings again.
 #include <string>
 

@@ -47,7 +47,7 @@
 //   reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 x hidden^2,
 //   stage3_param_persistence_threshold = 10 x hidden (hidden = model width,
 //   asked of the reader's ModelWidth only when one of these is "auto":
-//   train/config.h's readers resolve the model for it);
+//   train/plan/config.h's readers resolve the model for it);
 //   batch sizes from train.global_batch / micro_batch; gradient_clipping from
 //   train.grad_clip; lr, betas, eps, weight_decay from train.*; the
 //   scheduler's warmup_max_lr = train.lr, warmup_min_lr = 0,
@@ -322,7 +322,7 @@ void map_zero(const Reader& r, const json& root, Config& c, double element_bytes
     if (n) field = *n * element_bytes / mib;
   };
   // Each size acts in the stages that read it (Note [Settings that apply] in
-  // train/plan.h); in the others it is accepted with a notice, so a file
+  // train/plan/plan.h); in the others it is accepted with a notice, so a file
   // written for several stages still runs.
   const std::string& strategy = c.parallel.strategy;
   const bool stage12 = strategy == "zero1" || strategy == "zero2", stage3 = strategy == "zero3";

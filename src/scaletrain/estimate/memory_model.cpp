@@ -186,7 +186,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
   if (l.world_size % (l.tp * l.pp * l.cp) != 0)
     fail("world size " + std::to_string(l.world_size) + " is not divisible by tp*pp*cp = " +
          std::to_string(l.tp * l.pp * l.cp));
-  // Context parallelism, as the trainer takes it (train/plan.cpp).
+  // Context parallelism, as the trainer takes it (train/plan/plan.cpp).
   if (l.cp > 1) {
     const std::string cp = "cp=" + std::to_string(l.cp);
     if (s.shapeless()) fail(cp + " needs the model's shapes (give a preset or config.json)");
@@ -209,7 +209,7 @@ void validate_layout(const ModelSpec& s, const Layout& l) {
       fail("pp=" + std::to_string(l.pp) + " exceeds num_layers=" + std::to_string(s.num_layers));
   }
   if (l.sequence_parallel && l.tp < 2) fail("sequence parallelism needs tp > 1");
-  // Expert parallelism, as the trainer takes it (train/plan.cpp).
+  // Expert parallelism, as the trainer takes it (train/plan/plan.cpp).
   if (l.ep < 1) fail("ep must be >= 1");
   if (l.ep > 1) {
     const int64_t dp = l.world_size / (l.tp * l.pp * l.cp);

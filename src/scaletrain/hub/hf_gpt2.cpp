@@ -10,7 +10,7 @@
 #include <set>
 #include <vector>
 
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/util/error.h"
@@ -21,7 +21,7 @@ namespace scaletrain::hub {
 
 using checkpoint::Dtype;
 using checkpoint::dtype_name;
-using checkpoint::HubWeights;
+using hub::HubWeights;
 using checkpoint::save_safetensors;
 using checkpoint::tensor_from_view;
 using checkpoint::TensorView;

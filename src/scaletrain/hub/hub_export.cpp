@@ -64,7 +64,7 @@ HubExportResult write_export(const std::string& dir, const checkpoint::Index& x,
 
   // The parameters, names and shapes only: no bytes (Note [Hub export]).
   const models::ModelPtr model = models::make_model(config, /*materialize=*/false);
-  std::vector<checkpoint::HubTensor> tensors;
+  std::vector<hub::HubTensor> tensors;
   std::set<std::string> params;
   Dtype written = to;
   for (const auto& item : model->named_parameters()) {
@@ -99,7 +99,7 @@ HubExportResult write_export(const std::string& dir, const checkpoint::Index& x,
       throw UsageError("checkpoint " + dir + " holds " + key + ", which the model its index records has not");
 
   HubExportResult r;
-  r.files = checkpoint::write_hub_weights(tmp.string(), tensors, o.max_shard_bytes);
+  r.files = hub::write_hub_weights(tmp.string(), tensors, o.max_shard_bytes);
   r.tensors = static_cast<int64_t>(tensors.size());
   for (const auto& t : tensors) r.total_bytes += t.nbytes();
   r.dtype = checkpoint::dtype_name(written);

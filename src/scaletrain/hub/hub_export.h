@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/hub/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/models/causal_lm.h"
 
@@ -30,7 +30,7 @@ namespace scaletrain::hub {
 
 struct HubExportOptions {
   // Largest tensor bytes per shard (Note [Hub shards] in checkpoint/hub_write.h).
-  int64_t max_shard_bytes = checkpoint::kDefaultMaxShardBytes;
+  int64_t max_shard_bytes = hub::kDefaultMaxShardBytes;
   // "" = the dtype the checkpoint stores its parameters in; "fp32", "bf16", "fp16".
   std::string dtype;
 };

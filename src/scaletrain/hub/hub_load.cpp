@@ -13,7 +13,7 @@ bool not_a_parameter(const std::string& name) { return util::ends_with(name, "ro
 
 }  // namespace
 
-void check_hub_weights(const models::CausalLM& model, const checkpoint::HubWeights& hub) {
+void check_hub_weights(const models::CausalLM& model, const hub::HubWeights& hub) {
   const std::string src = "model.init_from " + hub.source();
   std::set<std::string> ours;
   for (const auto& item : model.named_parameters()) {
@@ -33,14 +33,14 @@ void check_hub_weights(const models::CausalLM& model, const checkpoint::HubWeigh
 }
 
 void load_hub_weights(models::CausalLM& model, const std::string& path) {
-  const checkpoint::HubWeights hub(path);
+  const hub::HubWeights hub(path);
   check_hub_weights(model, hub);
   torch::NoGradGuard no_grad;
   for (auto& item : model.named_parameters()) item.value().copy_(hub.read(item.key(), item.value().scalar_type()));
 }
 
 interfaces::InitFn hub_init(const models::CausalLM& model, const std::string& path) {
-  auto hub = std::make_shared<checkpoint::HubWeights>(path);
+  auto hub = std::make_shared<hub::HubWeights>(path);
   check_hub_weights(model, *hub);
   return [hub](const std::string& name, at::Tensor& out) {
     torch::NoGradGuard no_grad;
@@ -49,7 +49,7 @@ interfaces::InitFn hub_init(const models::CausalLM& model, const std::string& pa
 }
 
 SliceInitFn hub_slice_init(const models::CausalLM& model, const std::string& path) {
-  auto hub = std::make_shared<checkpoint::HubWeights>(path);
+  auto hub = std::make_shared<hub::HubWeights>(path);
   check_hub_weights(model, *hub);
   return [hub](const std::string& name, int64_t begin, int64_t count, at::Tensor& out) {
     hub->read_range(name, begin, count, out);

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/models/causal_lm.h"
 
 namespace scaletrain::hub {
@@ -15,7 +15,7 @@ namespace scaletrain::hub {
 // Checks the file against the model before anything is written: every
 // parameter present with its shape, nothing else but entries that are not
 // parameters (rotary_emb.inv_freq). Throws UsageError naming the tensor.
-void check_hub_weights(const models::CausalLM& model, const checkpoint::HubWeights& hub);
+void check_hub_weights(const models::CausalLM& model, const hub::HubWeights& hub);
 
 // Loads every parameter, converted to its dtype, in place.
 void load_hub_weights(models::CausalLM& model, const std::string& path);

@@ -7,8 +7,8 @@
 #include <set>
 #include <sstream>
 
-#include "scaletrain/checkpoint/hub.h"
-#include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/hub/hub_read.h"
+#include "scaletrain/hub/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/checkpoint/tensor_io.h"
@@ -215,7 +215,7 @@ Adapter read_adapter(const std::string& dir, const std::string& family) {
   // regular expression in PEFT's config; it is not needed).
   std::set<std::string> leaves;
   try {
-    checkpoint::HubWeights w(weights.string());
+    hub::HubWeights w(weights.string());
     for (const std::string& name : w.names()) {
       const std::string ours = our_tensor_name(family, name);
       if (ours.empty())
@@ -302,7 +302,7 @@ int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_di
   if (!fs::is_directory(base_dir)) throw UsageError("lora merge: base " + base_dir + " is not a Hub directory");
   const models::ModelConfig config = models::read_hf_config(base_dir);
   const Adapter a = read_adapter(adapter_dir, config.family);
-  auto hub = std::make_shared<checkpoint::HubWeights>(base_dir);
+  auto hub = std::make_shared<hub::HubWeights>(base_dir);
   const bool gpt2 = config.family == "gpt2";
   const double scaling = a.settings.scaling();
 
@@ -326,7 +326,7 @@ int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_di
     deltas[w] = {A, B};
   }
 
-  std::vector<checkpoint::HubTensor> tensors;
+  std::vector<hub::HubTensor> tensors;
   for (const std::string& name : hub->names()) {
     const checkpoint::TensorView& v = hub->view(name);
     checkpoint::Dtype out = v.dtype;
@@ -347,7 +347,7 @@ int64_t merge_adapter(const std::string& base_dir, const std::string& adapter_di
     tensors.push_back({name, out, v.shape, read});
   }
   write_directory(out_dir, "lora merge", [&](const std::string& tmp) {
-    checkpoint::write_hub_weights(tmp, tensors, checkpoint::kDefaultMaxShardBytes);
+    hub::write_hub_weights(tmp, tensors, hub::kDefaultMaxShardBytes);
     // The base's config and tokenizer files, as they are.
     for (const char* f : {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                           "special_tokens_map.json", "vocab.json", "merges.txt"}) {

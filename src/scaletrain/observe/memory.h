@@ -2,7 +2,7 @@
 // The memory estimator's per-rank prediction for a run next to what the
 // ranks really hold, logged by the trainer after setup and at the end of a
 // run (a line on stdout and a {"record": "memory"} line in metrics.path).
-// The layout the estimator predicts for comes from train/memory_layout.h.
+// The layout the estimator predicts for comes from train/plan/memory_layout.h.
 //
 // Note [What is measured]
 // -----------------------

@@ -15,7 +15,7 @@ namespace scaletrain::train {
 namespace {
 
 // One dataset of the run, checked against data.loss_on.
-std::unique_ptr<data::TokenDataset> open_one(const Config& cfg, const std::string& path,
+std::unique_ptr<data::TokenDataset> open_one(const config::Config& cfg, const std::string& path,
                                              const data::DatasetOptions& o) {
   const std::string& on = cfg.data.loss_on;
   const data::RecordKind need = on == "completion" ? data::RecordKind::PromptCompletion : data::RecordKind::Messages;
@@ -37,7 +37,7 @@ std::unique_ptr<data::TokenDataset> open_one(const Config& cfg, const std::strin
 
 }  // namespace
 
-std::unique_ptr<data::SampleSource> open_dataset(const Config& cfg, const Plan& plan) {
+std::unique_ptr<data::SampleSource> open_dataset(const config::Config& cfg, const Plan& plan) {
   data::DatasetOptions o;
   o.block_size = plan.model.block_size;
   o.use_mask = cfg.data.loss_on != "all";
@@ -89,7 +89,7 @@ double context_weight(const at::Tensor& targets, int64_t global_targets, int dp,
   return static_cast<double>(mine) * dp * cp / static_cast<double>(global_targets);
 }
 
-std::string sample_prompt_text(const Config& cfg) {
+std::string sample_prompt_text(const config::Config& cfg) {
   const std::string prompt = cfg.train.sample_prompt.empty() ? "\n" : cfg.train.sample_prompt;
   if (!cfg.train.sample_chat) return prompt;
   namespace fs = std::filesystem;

@@ -34,8 +34,8 @@
 #include "scaletrain/data/dataset.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/models/attention.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/plan.h"
 
 namespace scaletrain::train {
 
@@ -43,7 +43,7 @@ namespace scaletrain::train {
 // data.loss_on and data.packing ask (Note [Loss targets]). A loss on
 // completions or assistant turns needs files of that record kind: UsageError
 // naming the file and what it holds otherwise.
-std::unique_ptr<data::SampleSource> open_dataset(const Config& config, const Plan& plan);
+std::unique_ptr<data::SampleSource> open_dataset(const config::Config& config, const Plan& plan);
 
 // The weight of each of this rank's `accum` micro-batches in step `step`
 // (Note [Masked loss]). UsageError if no token of the global batch is a target.
@@ -64,6 +64,6 @@ double context_weight(const at::Tensor& targets, int64_t global_targets, int dp,
 // The text the end-of-run sample starts from: train.sample_prompt, or with
 // train.sample_chat that prompt as a user message rendered with the chat
 // template beside data.tokenizer (UsageError when there is none).
-std::string sample_prompt_text(const Config& config);
+std::string sample_prompt_text(const config::Config& config);
 
 }  // namespace scaletrain::train

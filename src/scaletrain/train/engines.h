@@ -14,7 +14,7 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/data_parallel.h"
 

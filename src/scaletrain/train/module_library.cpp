@@ -50,8 +50,8 @@ void check_task(const ModuleTask& task, const std::string& path) {
 
 // What the module route reads itself, taken out of the config the trainer
 // options are read from, and the world's options from it.
-comm::WorldOptions take_world_options(Config& c) {
-  static const Config defaults;
+comm::WorldOptions take_world_options(config::Config& c) {
+  static const config::Config defaults;
   comm::WorldOptions wo;
   wo.backend = comm::parse_backend(c.parallel.backend);
   wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.parallel.timeout_s * 1000));
@@ -65,8 +65,8 @@ comm::WorldOptions take_world_options(Config& c) {
 }
 
 // With the library's own optimizer, AdamW's settings would be ignored.
-void refuse_adamw_keys(const Config& c) {
-  static const Config defaults;
+void refuse_adamw_keys(const config::Config& c) {
+  static const config::Config defaults;
   std::vector<std::string> problems;
   for (const char* key : {"train.beta1", "train.beta2", "train.eps", "train.weight_decay"})
     if (config::config_value(c, key) != config::config_value(defaults, key))
@@ -77,8 +77,8 @@ void refuse_adamw_keys(const Config& c) {
 
 }  // namespace
 
-void run_module_library(const Config& config) {
-  Config c = config;
+void run_module_library(const config::Config& config) {
+  config::Config c = config;
   const std::string path = c.model.library, args = c.model.library_args;
   const ModuleTaskFunction fn = load_task_function(path);
   const comm::WorldOptions wo = take_world_options(c);

@@ -1,7 +1,7 @@
 #pragma once
 // `scaletrain train` with model.library set: a user's module from a shared
 // library (module_task.h) trained by the module trainer.
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::train {
 
@@ -11,6 +11,6 @@ namespace scaletrain::train {
 // keys. A library that cannot be loaded, exports no task function or fills
 // the task incompletely, and any key the trainer cannot use, is a UsageError
 // naming it, before any step.
-void run_module_library(const Config& config);
+void run_module_library(const config::Config& config);
 
 }  // namespace scaletrain::train

@@ -29,7 +29,7 @@
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/module_trainer_internal.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -169,6 +169,7 @@ void ModuleTrainer::build_engine() {
   ModuleRecipe r;
   r.tp = o.tp;
   r.tensor_plan = o.tensor_plan;
+  r.checkpointing = o.activation_checkpointing;
   r.param_dtype = o.param_dtype;
   r.buffer_dtype = o.buffer_dtype;
   r.strategy = o.strategy;

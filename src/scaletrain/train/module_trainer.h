@@ -53,7 +53,7 @@
 #include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/recipe.h"
 #include "scaletrain/train/torch_optimizer_state.h"
 
@@ -141,6 +141,10 @@ struct ModuleTrainerOptions {
   // (YAML precision.reduce_dtype; unset: the gradients' dtype, summed in
   // fp32 by Gloo). Undefined: the module's own dtypes. Not with DDP.
   at::ScalarType param_dtype = at::ScalarType::Undefined;
+  // Activation checkpointing (ModuleRecipe::checkpointing; YAML
+  // model.activation_checkpointing: full selects every submodule that calls
+  // train::checkpointed()); unset: none.
+  std::optional<CheckpointPolicy> activation_checkpointing;
   at::ScalarType buffer_dtype = at::ScalarType::Undefined;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
@@ -172,11 +176,11 @@ void validate(const ModuleTrainerOptions& options);
 // away from its default (model.*, data.*, finetune.*, precision.*, tp / pp /
 // cp / ep > 1, ...) would be ignored, so it is refused: one UsageError names
 // every such key.
-ModuleTrainerOptions module_trainer_options(const Config& config);
+ModuleTrainerOptions module_trainer_options(const config::Config& config);
 
 // The learning-rate schedule the train section describes (warmup_*,
 // lr_schedule, min_lr_ratio over train.steps), for the CLI and the above.
-optim::ScheduleOptions schedule_options(const TrainOptions& train);
+optim::ScheduleOptions schedule_options(const config::TrainOptions& train);
 
 // Samples for the trainer: input and target tensors indexed along dim 0, or
 // any source of `size` samples that stacks the ones asked for.

@@ -8,11 +8,11 @@
 
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/train/module_trainer.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 
 namespace scaletrain::train::detail {
 
-ModuleStrategy strategy_of(DataParallelism d);           // the plan's strategy (NO_SHARD runs DDP)
+ModuleStrategy strategy_of(config::DataParallelism d);           // the plan's strategy (NO_SHARD runs DDP)
 // std::invalid_argument "ModuleTrainerOptions.FIELD PROBLEM".
 [[noreturn]] void bad(const std::string& field, const std::string& problem);
 // What must be the same on every rank (Note [Same on every rank] in

@@ -15,9 +15,9 @@
 
 #include "scaletrain/config/config_values.h"
 #include "scaletrain/optim/file_backed.h"
-#include "scaletrain/train/device.h"
+#include "scaletrain/train/plan/device.h"
 #include "scaletrain/train/module_trainer_internal.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -31,21 +31,21 @@ namespace {
 // Each strategy, the config's name for it and the sharded engine's (DDP's is unused).
 struct StrategyRow {
   ModuleStrategy strategy;
-  DataParallelism config;
+  config::DataParallelism config;
   fsdp::Sharding sharding;
 };
 constexpr StrategyRow kStrategies[] = {
-    {ModuleStrategy::DDP, DataParallelism::kDdp, fsdp::Sharding::FullShard},
-    {ModuleStrategy::Zero1, DataParallelism::kZero1, fsdp::Sharding::Zero1},
-    {ModuleStrategy::Zero2, DataParallelism::kZero2, fsdp::Sharding::Zero2},
-    {ModuleStrategy::Zero3, DataParallelism::kZero3, fsdp::Sharding::Zero3},
-    {ModuleStrategy::FullShard, DataParallelism::kFullShard, fsdp::Sharding::FullShard},
-    {ModuleStrategy::ShardGradOp, DataParallelism::kShardGradOp, fsdp::Sharding::ShardGradOp},
-    {ModuleStrategy::HybridShard, DataParallelism::kHybridShard, fsdp::Sharding::HybridShard}};
+    {ModuleStrategy::DDP, config::DataParallelism::kDdp, fsdp::Sharding::FullShard},
+    {ModuleStrategy::Zero1, config::DataParallelism::kZero1, fsdp::Sharding::Zero1},
+    {ModuleStrategy::Zero2, config::DataParallelism::kZero2, fsdp::Sharding::Zero2},
+    {ModuleStrategy::Zero3, config::DataParallelism::kZero3, fsdp::Sharding::Zero3},
+    {ModuleStrategy::FullShard, config::DataParallelism::kFullShard, fsdp::Sharding::FullShard},
+    {ModuleStrategy::ShardGradOp, config::DataParallelism::kShardGradOp, fsdp::Sharding::ShardGradOp},
+    {ModuleStrategy::HybridShard, config::DataParallelism::kHybridShard, fsdp::Sharding::HybridShard}};
 
 }  // namespace
 
-ModuleStrategy strategy_of(DataParallelism d) {
+ModuleStrategy strategy_of(config::DataParallelism d) {
   for (const auto& row : kStrategies)
     if (row.config == d) return row.strategy;
   return ModuleStrategy::DDP;  // fsdp NO_SHARD runs DDP
@@ -86,6 +86,10 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
       << "\nlora.gaussian_init=" << o.lora->gaussian_init << "\nlora.seed=" << o.lora->seed;
   s << "\nadapter_from=" << o.adapter_from << "\nautocast=" << c10::toString(o.autocast) << "\ntp=" << o.tp
     << "\nparam_dtype=" << c10::toString(o.param_dtype) << "\nbuffer_dtype=" << c10::toString(o.buffer_dtype);
+  if (const auto& ac = o.activation_checkpointing)
+    s << "\ncheckpointing.types=" << list(ac->blocks.types) << "\ncheckpointing.names=" << list(ac->blocks.names)
+      << "\ncheckpointing.min_num_params=" << ac->blocks.min_num_params << "\ncheckpointing.every=" << ac->every
+      << "\ncheckpointing.preserve_rng=" << ac->options.preserve_rng;
   for (const auto& [pattern, style] : o.tensor_plan)
     s << "\ntensor_plan " << pattern << "=" << parallel::tensor::style_name(style);
   s << "\n";
@@ -221,6 +225,7 @@ const std::set<std::string>& mapped_keys() {
         {"parallel.zero", "offload_optimizer offload_param offload_dir"},
         {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
         {"precision", "mode param_dtype buffer_dtype reduce_dtype"},
+        {"model", "activation_checkpointing"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
     std::set<std::string> out;
@@ -255,10 +260,10 @@ std::string unread_reason(const std::string& key) {
 }
 
 // A mapped key set where it does not apply; "" when it applies.
-std::string inapplicable(const Config& c, const std::string& key, DataParallelism d) {
+std::string inapplicable(const config::Config& c, const std::string& key, config::DataParallelism d) {
   const bool fsdp_keys = uses_fsdp_keys(d);
   if (starts(key, "parallel.fsdp.") && !fsdp_keys) return "parallel.fsdp applies to parallel.strategy=fsdp";
-  if (starts(key, "parallel.fsdp.") && key != "parallel.fsdp.sharding_strategy" && d == DataParallelism::kNoShard)
+  if (starts(key, "parallel.fsdp.") && key != "parallel.fsdp.sharding_strategy" && d == config::DataParallelism::kNoShard)
     return "sharding_strategy NO_SHARD runs DDP";
   if (key == "parallel.fsdp.transformer_layer_cls" && c.parallel.fsdp.auto_wrap_policy != "transformer")
     return "it is read by auto_wrap_policy transformer";
@@ -268,9 +273,9 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
        key == "parallel.first_bucket_mb" || key == "parallel.last_bucket_mb") &&
       !runs_ddp(d))
     return "DDP reads it; strategy " + to_string(d) + " does not";
-  const bool zero = d == DataParallelism::kZero1 || d == DataParallelism::kZero2 || d == DataParallelism::kZero3;
+  const bool zero = d == config::DataParallelism::kZero1 || d == config::DataParallelism::kZero2 || d == config::DataParallelism::kZero3;
   if (starts(key, "parallel.zero.") && !zero) return "parallel.zero applies to parallel.strategy=zero1, zero2, zero3";
-  if (key == "parallel.zero.offload_param" && d != DataParallelism::kZero3)
+  if (key == "parallel.zero.offload_param" && d != config::DataParallelism::kZero3)
     return "stages 1 and 2 keep whole parameters on every rank; parameter offload is stage 3's";
   if (key == "parallel.zero.offload_optimizer" && c.parallel.zero.offload_optimizer == "nvme")
     return "the module trainer's optimizer (torch::optim) keeps its states in memory: offload_optimizer cpu puts "
@@ -290,17 +295,17 @@ std::string inapplicable(const Config& c, const std::string& key, DataParallelis
     return "finetune.method is full (set lora)";
   if (key == "finetune.method" && c.finetune.method == "qlora")
     return "QLoRA quantizes the CLI families' linear layers; a user module's LoraLinear takes method lora";
-  if (key == "parallel.dp_replicate" && d != DataParallelism::kHybridShard)
+  if (key == "parallel.dp_replicate" && d != config::DataParallelism::kHybridShard)
     return "it is read by fsdp HYBRID_SHARD only";
   if ((key == "checkpoint.every" || key == "checkpoint.keep" || key == "checkpoint.async") && c.checkpoint.dir.empty())
     return "checkpoint.dir is not set";
   return "";
 }
 
-void refuse_unread_keys(const Config& c, DataParallelism d) {
-  static const Config defaults;
+void refuse_unread_keys(const config::Config& c, config::DataParallelism d) {
+  static const config::Config defaults;
   std::vector<std::string> problems;
-  for (const auto& key : config_keys()) {
+  for (const auto& key : config::config_keys()) {
     const std::string value = config_value(c, key);
     if (value == config_value(defaults, key)) continue;
     if (starts(key, "train.sample_") && c.train.sample_tokens == 0) continue;  // no sample: what the trainer does
@@ -311,8 +316,8 @@ void refuse_unread_keys(const Config& c, DataParallelism d) {
 }
 
 // parallel.*: the strategy, its units and the engines' knobs.
-void map_parallel(const Config& c, ModuleTrainerOptions& o) {
-  const ParallelOptions& p = c.parallel;
+void map_parallel(const config::Config& c, ModuleTrainerOptions& o) {
+  const config::ParallelOptions& p = c.parallel;
   o.strategy = strategy_of(data_parallelism(p));
   if (o.strategy == ModuleStrategy::HybridShard) o.dp_replicate = p.dp_replicate;
   o.ddp.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
@@ -320,7 +325,7 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
   o.ddp.last_bucket_cap_bytes = static_cast<int64_t>(p.last_bucket_mb * (1 << 20));
   o.ddp.find_unused_parameters = p.find_unused_parameters;
   if (!is_sharded(o.strategy)) return;
-  const FsdpOptions& f = p.fsdp;
+  const config::FsdpOptions& f = p.fsdp;
   if (f.auto_wrap_policy == "transformer") {
     std::stringstream names(f.transformer_layer_cls);
     for (std::string name; std::getline(names, name, ',');) {
@@ -344,8 +349,8 @@ void map_parallel(const Config& c, ModuleTrainerOptions& o) {
 // cpu or nvme (stage 3), and parallel.fsdp.offload_params, the parameter
 // shards too (nvme: file-backed under offload_dir, read ahead per unit).
 // finetune.*: LoRA on the module's LoraLinear layers (models/lora_linear.h).
-void map_lora(const Config& c, ModuleTrainerOptions& o) {
-  const FinetuneOptions& f = c.finetune;
+void map_lora(const config::Config& c, ModuleTrainerOptions& o) {
+  const config::FinetuneOptions& f = c.finetune;
   if (f.method != "lora") return;
   const models::LoraOptions l = finetune_lora(c);
   if (l.target_modules.empty())
@@ -355,8 +360,8 @@ void map_lora(const Config& c, ModuleTrainerOptions& o) {
   o.adapter_from = f.adapter_from;
 }
 
-void map_offload(const Config& c, ModuleTrainerOptions& o) {
-  const ZeroOptions& z = c.parallel.zero;
+void map_offload(const config::Config& c, ModuleTrainerOptions& o) {
+  const config::ZeroOptions& z = c.parallel.zero;
   const bool zero = o.strategy == ModuleStrategy::Zero1 || o.strategy == ModuleStrategy::Zero2 ||
                     o.strategy == ModuleStrategy::Zero3;
   const std::string params = zero ? z.offload_param : (c.parallel.fsdp.offload_params ? "cpu" : "none");
@@ -387,7 +392,7 @@ void map_precision(const precision::PrecisionOptions& p, ModuleTrainerOptions& o
 
 }  // namespace
 
-optim::ScheduleOptions schedule_options(const TrainOptions& t) {
+optim::ScheduleOptions schedule_options(const config::TrainOptions& t) {
   optim::ScheduleOptions s;
   s.warmup_steps = t.warmup_steps;
   s.total_steps = t.steps;
@@ -400,7 +405,7 @@ optim::ScheduleOptions schedule_options(const TrainOptions& t) {
   return s;
 }
 
-ModuleTrainerOptions module_trainer_options(const Config& c) {
+ModuleTrainerOptions module_trainer_options(const config::Config& c) {
   validate_config(c);
   refuse_unread_keys(c, data_parallelism(c.parallel));
   ModuleTrainerOptions o;
@@ -408,8 +413,9 @@ ModuleTrainerOptions module_trainer_options(const Config& c) {
   map_offload(c, o);
   map_lora(c, o);
   map_precision(c.precision, o);
+  if (c.model.activation_checkpointing == "full") o.activation_checkpointing = CheckpointPolicy{};
   o.tp = c.parallel.tp;  // the plan of the module's names comes with the module (tensor_plan)
-  const TrainOptions& t = c.train;
+  const config::TrainOptions& t = c.train;
   o.steps = t.steps;
   o.stop_at = t.stop_at;
   o.global_batch = t.global_batch;

@@ -27,8 +27,9 @@
 // splits each stage; cutting after the split is the same model, since the
 // split is per parameter and the cut per block.
 // A user's module follows the same order with the steps that apply to any
-// module: tensor parallelism by a plan of names, the storage dtypes (what
-// the families build in), then the data-parallel engine.
+// module: tensor parallelism by a plan of names, activation checkpointing
+// and the storage dtypes (what the families build in), then the
+// data-parallel engine.
 #include "scaletrain/train/recipe.h"
 
 #include "scaletrain/interfaces/deferred.h"
@@ -200,6 +201,7 @@ ParallelModule parallelize(std::shared_ptr<torch::nn::Module> module, comm::Worl
         std::to_string(world.size()));
   out.dp_size = out.shard->size() * (out.replicate ? out.replicate->size() : 1);
   out.dp_rank = (out.replicate ? out.replicate->rank() * out.shard->size() : 0) + out.shard->rank();
+  if (r.checkpointing) apply_activation_checkpointing(*module, *r.checkpointing);
   fsdp::ShardedOptions so = r.sharded;
   apply_storage_dtypes(*module, r, so);
   if (!is_sharded(r.strategy)) {

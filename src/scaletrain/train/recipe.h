@@ -16,12 +16,13 @@
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/data_parallel.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/module_checkpointing.h"
+#include "scaletrain/train/plan/plan.h"
 
 namespace scaletrain::train {
 
 // A family's model and its strategy as the plan resolved them (its
-// EnginePlan: train/engine_plan.h). The model is built deferred when the
+// EnginePlan: train/plan/engine_plan.h). The model is built deferred when the
 // strategy initializes it shard by shard, whole and loaded first with
 // model.init_from. Throws UsageError, one line, for combinations this build
 // cannot run.
@@ -40,8 +41,8 @@ bool is_sharded(ModuleStrategy s);        // every strategy but DDP
 parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's name for a sharded one
 
 // What the recipe applies to a user's module, in its order: tensor
-// parallelism by a plan of submodule names, the storage dtypes, then the
-// data-parallel engine.
+// parallelism by a plan of submodule names, activation checkpointing, the
+// storage dtypes, then the data-parallel engine.
 struct ModuleRecipe {
   // tp > 1: the world becomes a dp x tp mesh (tp innermost); the planned
   // submodules are split over tp (parallel/tensor/parallelize_module.h) and
@@ -49,7 +50,11 @@ struct ModuleRecipe {
   // tp > 1 needs a plan.
   int tp = 1;
   parallel::tensor::ModulePlan tensor_plan;
-  // Mixed precision, after tensor parallelism and before the engine: the
+  // Activation checkpointing, after tensor parallelism: the submodules the
+  // policy selects recompute in backward where the module's forward calls
+  // checkpointed() (Note [Checkpointing a user's module]); unset: none.
+  std::optional<CheckpointPolicy> checkpointing;
+  // Mixed precision, after checkpointing and before the engine: the
   // module's floating parameters are stored in param_dtype (kBFloat16; or
   // kFloat / Undefined: as they are) and its floating buffers in
   // buffer_dtype (Undefined: param_dtype). bf16 storage needs fp32 master

@@ -25,7 +25,7 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/recipe.h"
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/trace.h"
@@ -55,7 +55,7 @@ namespace {
 // checkpoint of checkpoint.dir whatever checkpoint.resume says: the first
 // attempt's progress is there, and starting over would redo it (or, with a
 // fixed path, go back to it).
-std::string resume_path(const CheckpointingOptions& c, bool lead) {
+std::string resume_path(const config::CheckpointingOptions& c, bool lead) {
   if (const int restart = restart_count(); restart > 0) {
     if (c.dir.empty() || checkpoint::complete_checkpoints(c.dir).empty()) {
       if (lead && (c.resume == "auto" || c.resume == "never"))
@@ -67,7 +67,7 @@ std::string resume_path(const CheckpointingOptions& c, bool lead) {
             "scaletrain: restart %d of the group: resuming from the newest intact checkpoint in %s "
             "(checkpoint.resume=%s is for a first start)\n",
             restart, c.dir.c_str(), c.resume.c_str());
-      CheckpointingOptions newest = c;
+      config::CheckpointingOptions newest = c;
       newest.resume = "auto";
       return resume_path(newest, lead);
     }
@@ -183,7 +183,7 @@ void check_resumable(const checkpoint::Index& x, const std::string& from, const 
 // pure functions of it), AdamW's step count, the loss scaler and the RNG.
 // Returns the step to start from.
 int64_t resume(Run& r) {
-  const Config& cfg = r.cfg;
+  const config::Config& cfg = r.cfg;
   const std::string from = resume_path(cfg.checkpoint, r.lead);
   if (!cfg.checkpoint.dir.empty() || !from.empty()) {  // only runs that checkpoint need a layout
     r.layout = r.dp().checkpoint_layout();

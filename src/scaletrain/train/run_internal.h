@@ -21,8 +21,8 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/recipe.h"
 
 namespace scaletrain::train::detail {
@@ -31,7 +31,7 @@ namespace scaletrain::train::detail {
 // run_training is a short function and the loop reads as a recipe
 // (Note [Training step] in trainer.cpp).
 struct Run {
-  const Config& cfg;
+  const config::Config& cfg;
   const Plan& plan;
   data::SampleSource& dataset;
   comm::MeshDims dims;

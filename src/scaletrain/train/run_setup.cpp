@@ -25,9 +25,9 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
-#include "scaletrain/train/device.h"
+#include "scaletrain/train/plan/device.h"
 #include "scaletrain/train/module_trainer.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/recipe.h"
 
 namespace scaletrain::train::detail {
@@ -45,7 +45,7 @@ precision::Fp8LinearOptions fp8_linear_options(const precision::PrecisionOptions
 
 // ", fp8 linears (hybrid, delayed scaling over 1024 steps, margin 0), O1;
 // gradients travel as FP8 E5M2" or "".
-std::string fp8_description(const Config& c, const Plan& plan) {
+std::string fp8_description(const config::Config& c, const Plan& plan) {
   const auto& p = c.precision;
   std::string out;
   if (p.fp8)
@@ -79,7 +79,7 @@ void set_threads() {
 
 // Joins the job and builds the mesh, the model, its strategy and the optimizer.
 void setup(Run& r, const comm::WorldInfo& info) {
-  const Config& cfg = r.cfg;
+  const config::Config& cfg = r.cfg;
   set_threads();
   // Note [One device per rank]: the device is current before anything is
   // allocated or NCCL starts, and the backend follows the device unless forced.
@@ -146,7 +146,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
 
 void print_start(Run& r, const comm::WorldInfo& info) {
   if (!r.lead) return;
-  const Config& cfg = r.cfg;
+  const config::Config& cfg = r.cfg;
   std::printf(
       "scaletrain: %s, %lld parameters, world %d (%s), mesh %s, %s%s\n", cfg.model.preset.c_str(),
       static_cast<long long>(r.model().num_parameters()), r.world->size(), info.source.c_str(),

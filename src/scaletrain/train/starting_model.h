@@ -13,7 +13,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/lora.h"
 #include "scaletrain/parallel/fsdp/flat_param.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 
 namespace scaletrain::train {
 

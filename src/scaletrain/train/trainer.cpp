@@ -37,9 +37,9 @@
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/batches.h"
-#include "scaletrain/train/device.h"
-#include "scaletrain/train/memory_layout.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/device.h"
+#include "scaletrain/train/plan/memory_layout.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/run_internal.h"
 #include "scaletrain/train/recipe.h"
 #include "scaletrain/util/error.h"
@@ -316,7 +316,7 @@ struct UnsplitAttention {
 // each samples the same prompt with the same seed, so all route and draw
 // alike), rank 0 prints.
 void print_sample(Run& r, data::Tokenizer& tok, const std::string& prompt_text) {
-  const Config& cfg = r.cfg;
+  const config::Config& cfg = r.cfg;
   r.dp().with_full_parameters([&] {
     if (r.mesh->coord().dp(r.dims) >= r.mesh->ep_size() || r.mesh->coord().pp != 0 || r.mesh->coord().cp != 0)
       return;
@@ -356,7 +356,7 @@ void start_measuring(Run& r) {
 // After a step: its metrics written (by the lead rank), and a checkpoint
 // saved when one is due.
 void write_and_save(Run& r, const observe::StepMetrics& m, int64_t stop) {
-  const Config& cfg = r.cfg;
+  const config::Config& cfg = r.cfg;
   if (r.lead) r.sink->write(m, m.step % cfg.metrics.log_every == 0 || m.step == cfg.train.steps);
   const bool save_due =
       cfg.checkpoint.every > 0 ? m.step % cfg.checkpoint.every == 0 || m.step == stop : m.step == stop;
@@ -393,7 +393,7 @@ void finish_steps(Run& r, observe::StepTracer& tracer, int64_t steps, std::vecto
 
 // A restarted attempt adds to the metrics of the attempts before it, after
 // a record that says which attempt this is, where it went on from and why.
-std::unique_ptr<observe::MetricsSink> open_metrics(const Config& cfg, bool lead, int64_t start) {
+std::unique_ptr<observe::MetricsSink> open_metrics(const config::Config& cfg, bool lead, int64_t start) {
   const int attempt = detail::restart_count();
   auto sink = std::make_unique<observe::MetricsSink>(lead ? cfg.metrics.path : "", cfg.train.steps,
                                                      cfg.metrics.progress && lead, /*append=*/attempt > 0);
@@ -408,7 +408,7 @@ std::unique_ptr<observe::MetricsSink> open_metrics(const Config& cfg, bool lead,
   return sink;
 }
 
-TrainResult run_training(const Config& cfg) {
+TrainResult run_training(const config::Config& cfg) {
   // Everything that can be rejected without peers is checked first (one
   // plan, every problem at once), so bad input fails fast and identically on
   // every rank.

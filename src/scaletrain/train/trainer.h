@@ -3,7 +3,7 @@
 // strategy, and runs the configured number of optimizer steps.
 #include <vector>
 
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::train {
 
@@ -14,6 +14,6 @@ struct TrainResult {
 
 // Runs `config` in this process (alone, or as one rank of a launched job).
 // Bad input throws UsageError before any step runs.
-TrainResult run_training(const Config& config);
+TrainResult run_training(const config::Config& config);
 
 }  // namespace scaletrain::train

@@ -402,7 +402,7 @@ TEST(EstimateModel, GatedRmsNormBlock) {
 }
 
 // scaletrain's GPT of bench/RESULTS.md section 7 as the trainer describes it
-// to the estimator (train/memory_layout.cpp): 8 layers x 512, 8 heads, 256
+// to the estimator (train/plan/memory_layout.cpp): 8 layers x 512, 8 heads, 256
 // tokens, a byte vocabulary, tied head; fp32, dropout 0, micro-batch 4, Gloo.
 est::ModelSpec bench_gpt() {
   est::ModelSpec s = cat::estimator_structure("gpt2");

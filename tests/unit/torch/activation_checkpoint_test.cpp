@@ -13,7 +13,7 @@
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/observe/memory.h"
 #include "scaletrain/precision/policy.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
@@ -156,12 +156,12 @@ TEST(ActivationCheckpointing, KeepsLessForBackward) {
 }
 
 TEST(ActivationCheckpointing, ConfigKey) {
-  train::Config cfg;
+  config::Config cfg;
   EXPECT_EQ(cfg.model.activation_checkpointing, "none");
-  train::apply_override(cfg, "--model.activation_checkpointing=full");
+  config::apply_override(cfg, "--model.activation_checkpointing=full");
   EXPECT_EQ(cfg.model.activation_checkpointing, "full");
   try {
-    train::apply_override(cfg, "--model.activation_checkpointing=selective");
+    config::apply_override(cfg, "--model.activation_checkpointing=selective");
     FAIL() << "accepted an unknown value";
   } catch (const UsageError& e) {
     const std::string msg = e.what();

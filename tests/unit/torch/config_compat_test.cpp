@@ -10,14 +10,14 @@
 
 #include "cli_util.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
-using train::Config;
+using config::Config;
 using test::usage_error;
 
 fs::path write(const std::string& name, const std::string& text) {
@@ -67,7 +67,7 @@ TEST(ConfigCompat, Defaults) {
   EXPECT_EQ(c.precision.hysteresis, 2);
   EXPECT_EQ(c.precision.min_loss_scale, 1);
   EXPECT_FALSE(c.precision.scale_bf16);
-  EXPECT_NO_THROW(train::validate_config(c));
+  EXPECT_NO_THROW(config::validate_config(c));
 }
 
 TEST(ConfigCompat, EveryNewKeyOverrides) {
@@ -110,7 +110,7 @@ TEST(ConfigCompat, EveryNewKeyOverrides) {
                         "--train.lr_schedule=linear",
                         "--train.warmup_type=log",
                         "--train.warmup_start_ratio=0.1"})
-    train::apply_override(c, o);
+    config::apply_override(c, o);
   EXPECT_EQ(c.parallel.strategy, "zero3");
   const auto& f = c.parallel.fsdp;
   EXPECT_EQ(f.sharding_strategy, "HYBRID_SHARD");
@@ -152,7 +152,7 @@ TEST(ConfigCompat, EveryNewKeyOverrides) {
   EXPECT_EQ(c.train.lr_schedule, "linear");
   EXPECT_EQ(c.train.warmup_type, "log");
   EXPECT_EQ(c.train.warmup_start_ratio, 0.1);
-  EXPECT_NO_THROW(train::validate_config(c));
+  EXPECT_NO_THROW(config::validate_config(c));
 }
 
 TEST(ConfigCompat, NestedYamlSections) {
@@ -179,12 +179,12 @@ TEST(ConfigCompat, NestedYamlSections) {
              "parallel.fsdp.min_num_params must be a single value");
   EXPECT_HAS(usage_error([&] {
                Config c2;
-               train::apply_override(c2, "--parallel.zero.nope=1");
+               config::apply_override(c2, "--parallel.zero.nope=1");
              }),
              "unknown config key 'parallel.zero.nope'");
   EXPECT_HAS(usage_error([&] {
                Config c2;
-               train::apply_override(c2, "--parallel.fsdp.min_num_params=1.5");
+               config::apply_override(c2, "--parallel.fsdp.min_num_params=1.5");
              }),
              "parallel.fsdp.min_num_params: '1.5' is not an integer");
 }
@@ -213,7 +213,7 @@ TEST(ConfigCompat, EveryEnumRejectsBadValues) {
                           "precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype",
                           "train.lr_schedule", "train.warmup_type", "parallel.comm_dtype", "parallel.backend"}) {
     Config c;
-    auto m = usage_error([&] { train::apply_override(c, std::string(key) + "=bogus"); });
+    auto m = usage_error([&] { config::apply_override(c, std::string(key) + "=bogus"); });
     EXPECT_HAS(m, std::string(key) + " must be one of");
     EXPECT_HAS(m, "'bogus'");
   }
@@ -223,14 +223,14 @@ TEST(ConfigCompat, EveryEnumRejectsBadValues) {
   // Values set in code are checked too.
   Config c;
   c.precision.mode = "fp8";
-  EXPECT_HAS(usage_error([&] { train::validate_config(c); }), "precision.mode must be one of fp32 | bf16 | fp16");
+  EXPECT_HAS(usage_error([&] { config::validate_config(c); }), "precision.mode must be one of fp32 | bf16 | fp16");
 }
 
 TEST(ConfigCompat, RangeChecks) {
   auto check = [](const std::string& o, const std::string& needle) {
     Config c;
-    train::apply_override(c, o);
-    EXPECT_HAS(usage_error([&] { train::validate_config(c); }), needle);
+    config::apply_override(c, o);
+    EXPECT_HAS(usage_error([&] { config::validate_config(c); }), needle);
   };
   check("parallel.zero.offload_optimizer=nvme", "offload_dir must be set");
   check("parallel.zero.reduce_bucket_mb=0", "must be positive");
@@ -251,16 +251,16 @@ TEST(ConfigCompat, RangeChecks) {
   check("train.sample_tokens=-1", "train.sample_tokens must be >= 0");
   // Every problem at once, in one line.
   Config c;
-  train::apply_override(c, "train.beta1=2");
-  train::apply_override(c, "train.grad_clip=-1");
-  const std::string both = usage_error([&] { train::validate_config(c); });
+  config::apply_override(c, "train.beta1=2");
+  config::apply_override(c, "train.grad_clip=-1");
+  const std::string both = usage_error([&] { config::validate_config(c); });
   EXPECT_HAS(both, "train.beta1");
   EXPECT_HAS(both, "train.grad_clip");
   Config fine;
-  train::apply_override(fine, "train.beta2=0");
-  train::apply_override(fine, "train.grad_clip=0");
-  train::apply_override(fine, "train.min_lr_ratio=1");
-  EXPECT_NO_THROW(train::validate_config(fine));
+  config::apply_override(fine, "train.beta2=0");
+  config::apply_override(fine, "train.grad_clip=0");
+  config::apply_override(fine, "train.min_lr_ratio=1");
+  EXPECT_NO_THROW(config::validate_config(fine));
 }
 
 // What `accelerate config` writes for FSDP2: fsdp_version and

@@ -13,8 +13,8 @@
 #include "cli_util.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/hub/hf_gpt2.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/model_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
@@ -23,7 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using test::scratch;
 using test::usage_error;
-using train::Config;
+using config::Config;
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 #define EXPECT_LACKS(haystack, needle) EXPECT_EQ((haystack).find(needle), std::string::npos) << (haystack)
@@ -430,7 +430,7 @@ TEST(InitFrom, DimensionsFromTheFileAndItsConfigJson) {
                           "/tests/unit/torch/hf_gpt2_random.py " + dir.string() + " 3 4 48 40 300";
   ASSERT_EQ(std::system(gen.c_str()), 0) << gen;
   const std::string file = (dir / "model.safetensors").string();
-  train::ModelOptions m;
+  config::ModelOptions m;
   m.init_from = file;
   const models::GPTConfig c = train::resolve_model_config(m);
   EXPECT_EQ(c.n_layer, 3);
@@ -492,7 +492,7 @@ TEST(InitFrom, ConfigJsonSettingsWeCannotHonourAreRefused) {
     j["layer_norm_epsilon"] = 1e-6;
     std::ofstream(dir / "config.json") << j.dump();
   }
-  train::ModelOptions m;
+  config::ModelOptions m;
   m.init_from = (dir / "model.safetensors").string();
   EXPECT_HAS(usage_error([&] { train::resolve_model_config(m); }), "layer_norm_epsilon=1e-06 is not supported");
   fs::remove(dir / "config.json");  // no config.json: the head count must come from somewhere

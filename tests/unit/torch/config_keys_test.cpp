@@ -14,7 +14,7 @@
 
 #include "cli_util.h"
 #include "scaletrain/data/text_pipeline.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::test {
 namespace {
@@ -457,7 +457,7 @@ TEST_P(ConfigKey, ChangesWhatItSaysOrIsRefused) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, ConfigKey, ::testing::ValuesIn(train::config_keys()),
+INSTANTIATE_TEST_SUITE_P(All, ConfigKey, ::testing::ValuesIn(config::config_keys()),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            std::replace(n.begin(), n.end(), '.', '_');
@@ -466,7 +466,7 @@ INSTANTIATE_TEST_SUITE_P(All, ConfigKey, ::testing::ValuesIn(train::config_keys(
 
 TEST(KeyTable, EveryKeyHasACheck) {
   std::set<std::string> keys;
-  for (const auto& k : train::config_keys()) {
+  for (const auto& k : config::config_keys()) {
     keys.insert(k);
     EXPECT_TRUE(table().count(k)) << k << ": a key without a check in tests/unit/torch/config_keys_test.cpp";
   }

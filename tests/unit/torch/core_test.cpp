@@ -17,7 +17,7 @@
 #include "scaletrain/comm/world.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/optim/adamw.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/error.h"
 
@@ -314,14 +314,14 @@ TEST(ClipGradNorm, ScalesToMaxNorm) {
 }
 
 TEST(Config, OverridesAndErrors) {
-  train::Config c;
-  train::apply_override(c, "--train.steps=7");
-  train::apply_override(c, "parallel.comm_dtype=bf16");
+  config::Config c;
+  config::apply_override(c, "--train.steps=7");
+  config::apply_override(c, "parallel.comm_dtype=bf16");
   EXPECT_EQ(c.train.steps, 7);
   EXPECT_EQ(c.parallel.comm_dtype, "bf16");
-  EXPECT_THROW(train::apply_override(c, "--train.steps"), UsageError);
-  EXPECT_THROW(train::apply_override(c, "--nosection.x=1"), UsageError);
-  EXPECT_THROW(train::apply_override(c, "--metrics.progress=maybe"), UsageError);
+  EXPECT_THROW(config::apply_override(c, "--train.steps"), UsageError);
+  EXPECT_THROW(config::apply_override(c, "--nosection.x=1"), UsageError);
+  EXPECT_THROW(config::apply_override(c, "--metrics.progress=maybe"), UsageError);
 }
 
 // Note [Broken pipes]: joining a world ignores SIGPIPE, so a write to a peer

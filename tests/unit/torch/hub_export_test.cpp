@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hub.h"
-#include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/hub/hub_read.h"
+#include "scaletrain/hub/hub_write.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/sharded.h"
 #include "scaletrain/hub/hf_gpt2.h"
@@ -21,7 +21,7 @@
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/gpt.h"
 #include "scaletrain/models/hf_config.h"
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/model_config.h"
 
 namespace scaletrain::test {
 namespace {
@@ -124,19 +124,19 @@ double our_loss(models::CausalLM& model, const at::Tensor& ids) {
 }
 
 TEST(HubExport, ShardSizesParseAsHuggingFaceReadsThem) {
-  EXPECT_EQ(checkpoint::parse_shard_size("5GB"), 5000000000);
-  EXPECT_EQ(checkpoint::parse_shard_size("500MB"), 500000000);
-  EXPECT_EQ(checkpoint::parse_shard_size("60000"), 60000);
-  EXPECT_EQ(checkpoint::parse_shard_size("2GiB"), 2147483648);
-  EXPECT_EQ(checkpoint::parse_shard_size("1.5kb"), 1500);
+  EXPECT_EQ(hub::parse_shard_size("5GB"), 5000000000);
+  EXPECT_EQ(hub::parse_shard_size("500MB"), 500000000);
+  EXPECT_EQ(hub::parse_shard_size("60000"), 60000);
+  EXPECT_EQ(hub::parse_shard_size("2GiB"), 2147483648);
+  EXPECT_EQ(hub::parse_shard_size("1.5kb"), 1500);
   for (const char* bad : {"", "5XB", "0", "-3", "GB", "1.2.3MB"})
-    EXPECT_NE(usage_error([&] { checkpoint::parse_shard_size(bad); }).find("--max-shard-size"), std::string::npos)
+    EXPECT_NE(usage_error([&] { hub::parse_shard_size(bad); }).find("--max-shard-size"), std::string::npos)
         << bad;
   // A tensor larger than the limit gets a shard of its own, listed when it
   // is met (as huggingface_hub appends it, before the shard being filled);
   // the others fill shards in order up to the limit.
-  auto t = [](int64_t n) { return checkpoint::HubTensor{"t", checkpoint::Dtype::U8, {n}, nullptr}; };
-  const auto shards = checkpoint::plan_hub_shards({t(40), t(50), t(200), t(20), t(60), t(100)}, 100);
+  auto t = [](int64_t n) { return hub::HubTensor{"t", checkpoint::Dtype::U8, {n}, nullptr}; };
+  const auto shards = hub::plan_hub_shards({t(40), t(50), t(200), t(20), t(60), t(100)}, 100);
   const std::vector<std::vector<std::size_t>> want{{2}, {0, 1}, {3, 4}, {5}};
   EXPECT_EQ(shards, want);
 }
@@ -162,7 +162,7 @@ TEST(HubExport, LlamaZero3CheckpointExportsShardsThatLoadBackExactly) {
   const auto cj = read_json(out / "config.json");
   EXPECT_EQ(cj.at("model_type"), "llama");
   EXPECT_EQ(cj.at("torch_dtype"), "float32");
-  train::ModelOptions mo;
+  config::ModelOptions mo;
   mo.init_from = out.string();
   const models::ModelConfig c = train::resolve_model_config(mo);
   EXPECT_EQ(c.n_layer, 2);
@@ -191,7 +191,7 @@ TEST(HubExport, LlamaZero3CheckpointExportsShardsThatLoadBackExactly) {
   EXPECT_TRUE(fs::exists(bf / "model.safetensors"));
   EXPECT_FALSE(fs::exists(bf / "model.safetensors.index.json"));
   EXPECT_EQ(read_json(bf / "config.json").at("torch_dtype"), "bfloat16");
-  const checkpoint::HubWeights hub(bf.string());
+  const hub::HubWeights hub(bf.string());
   for (const auto& name : hub.names()) {
     EXPECT_EQ(hub.view(name).dtype, checkpoint::Dtype::BF16) << name;
     EXPECT_TRUE(hub.read(name, at::kBFloat16).equal(checkpoint_tensor(ckpt, x, "model/" + name).to(at::kBFloat16)))
@@ -219,13 +219,13 @@ TEST(HubExport, Gpt2TensorParallelCheckpointExportsTheHuggingFaceLayout) {
   EXPECT_EQ(cj.at("n_positions"), 32);
   EXPECT_EQ(cj.at("activation_function"), "gelu_new");
   EXPECT_EQ(cj.at("tie_word_embeddings"), true);
-  const checkpoint::HubWeights hub(out.string());
+  const hub::HubWeights hub(out.string());
   EXPECT_TRUE(hub.has("transformer.h.0.attn.c_attn.weight"));
   EXPECT_EQ(hub.view("transformer.h.0.attn.c_attn.weight").shape, (std::vector<int64_t>{32, 96}));  // [in, out]
   EXPECT_FALSE(hub.has("lm_head.weight"));
 
   // model.init_from=OUT_DIR: the config the trainer resolves, and the weights it loads.
-  train::ModelOptions mo;
+  config::ModelOptions mo;
   mo.init_from = out.string();
   const models::ModelConfig c = train::resolve_model_config(mo);
   EXPECT_EQ(c.family, "gpt2");
@@ -244,7 +244,7 @@ TEST(HubExport, Gpt2TensorParallelCheckpointExportsTheHuggingFaceLayout) {
   // consolidate shares the mapping: its one file holds the same tensors.
   const fs::path one = scratch() / "exp_gpt2_one.safetensors";
   ASSERT_EQ(run("checkpoint consolidate " + ckpt.string() + " -o " + one.string()).code, 0);
-  const checkpoint::HubWeights single(one.string());
+  const hub::HubWeights single(one.string());
   EXPECT_EQ(single.names(), hub.names());
   for (const auto& name : hub.names())
     EXPECT_TRUE(single.read(name, at::kFloat).equal(hub.read(name, at::kFloat))) << name;

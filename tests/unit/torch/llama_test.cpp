@@ -12,14 +12,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/estimate/model_spec.h"
 #include "scaletrain/hub/hub_load.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/models/llama.h"
 #include "scaletrain/models/spec_catalog.h"
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/model_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
@@ -210,7 +210,7 @@ TEST(Llama, TensorParallelDegreesThatCannotSplitAreNamed) {
 // (parameter counts as published); the run's keys may only repeat its
 // dimensions; what this build cannot honour is one line.
 // The one-line UsageError of resolving `m` ("(accepted)" when none).
-std::string config_error(const train::ModelOptions& m) {
+std::string config_error(const config::ModelOptions& m) {
   try {
     train::resolve_model_config(m);
   } catch (const UsageError& e) {
@@ -222,13 +222,13 @@ std::string config_error(const train::ModelOptions& m) {
 
 TEST(Llama, ModelConfigKeyReadsPublishedConfigs) {
   const fs::path hub = fs::path(SCALETRAIN_SOURCE_DIR) / "tests/fixtures/hub_configs";
-  auto count = [](const train::ModelOptions& m) {
+  auto count = [](const config::ModelOptions& m) {
     const auto model = models::make_model(train::resolve_model_config(m), /*materialize=*/false);
     int64_t n = 0;
     for (const auto& p : model->parameters()) n += p.numel();
     return n;
   };
-  train::ModelOptions m;
+  config::ModelOptions m;
   m.config = (hub / "smollm2-135m").string();  // a directory holding config.json
   EXPECT_EQ(count(m), 134515008);
   m.config = (hub / "gpt2/config.json").string();
@@ -356,7 +356,7 @@ TEST(LlamaHub, SliceReadsEqualTheWholeTensor) {
   const models::ModelConfig c = hub_config(dir);
   auto model = models::make_model(c, /*materialize=*/false);
   const auto fill = hub::hub_slice_init(*model, dir.string());
-  const checkpoint::HubWeights hub(dir.string());
+  const hub::HubWeights hub(dir.string());
   int checked = 0;
   for (const auto& name : {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight"}) {
     const at::Tensor whole = hub.read(name, at::kFloat).reshape({-1});
@@ -397,7 +397,7 @@ TEST(LlamaHub, ReadsGiveTheirMappedPagesBack) {
   for (int i = 0; i < 8; ++i) tensors.emplace_back("w" + std::to_string(i), torch::randn({1024, 2048}));  // 8 MiB each
   checkpoint::save_safetensors(file.string(), tensors);
   {
-    const checkpoint::HubWeights hub(file.string());
+    const hub::HubWeights hub(file.string());
     const int64_t before = rss_file_bytes();
     for (const auto& [name, t] : tensors) {
       EXPECT_TRUE(at::equal(hub.read(name, at::kFloat), t)) << name;

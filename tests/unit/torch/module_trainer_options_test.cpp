@@ -12,15 +12,15 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/module_trainer.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
 namespace {
 
-Config with(const std::vector<std::string>& overrides) {
-  Config c;
+config::Config with(const std::vector<std::string>& overrides) {
+  config::Config c;
   for (const auto& o : overrides) apply_override(c, o);
   return c;
 }
@@ -107,6 +107,12 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.param_dtype, at::kBFloat16);
   EXPECT_EQ(o.buffer_dtype, at::kFloat);
   EXPECT_EQ(o.sharded.reduce_dtype, at::kFloat);
+  // Activation checkpointing of every submodule that calls train::checkpointed.
+  o = module_trainer_options(with({"model.activation_checkpointing=full"}));
+  ASSERT_TRUE(o.activation_checkpointing.has_value());
+  EXPECT_TRUE(o.activation_checkpointing->blocks.types.empty());
+  EXPECT_EQ(o.activation_checkpointing->every, 1);
+  EXPECT_FALSE(module_trainer_options(with({})).activation_checkpointing.has_value());
 }
 
 TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {

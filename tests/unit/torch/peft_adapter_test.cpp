@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/hub/hf_gpt2.h"
@@ -181,7 +181,7 @@ TEST(PeftAdapter, CheckpointHoldsAdaptersOnlyAndExportsPeftLayout) {
   const auto& b = w.at("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight");
   EXPECT_EQ(b.shape, (std::vector<int64_t>{32, 4}));
   // B trained away from its zero start.
-  checkpoint::HubWeights hw((f.adapter / "adapter_model.safetensors").string());
+  hub::HubWeights hw((f.adapter / "adapter_model.safetensors").string());
   EXPECT_GT(
       hw.read("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight", at::kFloat).abs().max().item<double>(), 0);
 }
@@ -308,12 +308,12 @@ TEST(PeftAdapter, TensorAndPipelineParallelTrainTheSameAdapters) {
   const auto& one = losses.at("one");
   ASSERT_EQ(one.size(), 4u);
   EXPECT_LT(one.back(), one.front()) << "LoRA did not learn";
-  checkpoint::HubWeights ref(adapters.at("one").string());
+  hub::HubWeights ref(adapters.at("one").string());
   for (const std::string name : {"tp2", "tp2_sp", "pp2"}) {
     const auto& got = losses.at(name);
     ASSERT_EQ(got.size(), one.size()) << name;
     for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(got[i], one[i], 2e-5 * one[i]) << name << " step " << i + 1;
-    checkpoint::HubWeights w(adapters.at(name).string());
+    hub::HubWeights w(adapters.at(name).string());
     ASSERT_EQ(w.names(), ref.names()) << name;
     for (const auto& t : ref.names()) {
       const at::Tensor a = w.read(t, at::kFloat), b = ref.read(t, at::kFloat);
@@ -353,7 +353,7 @@ TEST(PeftAdapter, ReferenceAdaptersMergeAsTheReferenceMerges) {
     const auto r = run("lora merge " + c.base.string() + " " + adapter.string() + " -o " + ours.string());
     ASSERT_EQ(r.code, 0) << r.err;
     // Tensor by tensor: the same merged weights (both sum in fp64, store fp32).
-    checkpoint::HubWeights a(ours.string()), b(theirs.string());
+    hub::HubWeights a(ours.string()), b(theirs.string());
     ASSERT_EQ(a.names(), b.names()) << tag;
     for (const auto& name : a.names())
       EXPECT_TRUE(torch::equal(a.read(name, at::kFloat), b.read(name, at::kFloat))) << tag << " " << name;

@@ -1,19 +1,19 @@
-// The validated plan (train/plan.h): every problem at once, settings that
+// The validated plan (train/plan/plan.h): every problem at once, settings that
 // would have no effect refused, and the dtypes and flags the run will use.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
 namespace {
 
-Config base(const std::vector<std::string>& overrides = {}) {
-  Config c;
+config::Config base(const std::vector<std::string>& overrides = {}) {
+  config::Config c;
   c.data.path = "tokens.tok";  // not opened by the plan
   c.model.n_layer = 2;
   c.train.global_batch = 8;
@@ -50,28 +50,28 @@ TEST(Plan, AcceptsTheDefaultsAndLaysOutTheBatch) {
 // The strings of the parallel and precision sections become the plan's
 // enums once; the engines are chosen from these.
 TEST(Plan, ResolvesTheStrategyIntoOneEnum) {
-  const std::vector<std::pair<std::vector<std::string>, DataParallelism>> cases{
-      {{"parallel.strategy=ddp"}, DataParallelism::kDdp},
-      {{"parallel.strategy=zero1"}, DataParallelism::kZero1},
-      {{"parallel.strategy=zero2"}, DataParallelism::kZero2},
-      {{"parallel.strategy=zero3"}, DataParallelism::kZero3},
-      {{"parallel.strategy=fsdp"}, DataParallelism::kFullShard},
-      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"}, DataParallelism::kShardGradOp},
-      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=NO_SHARD"}, DataParallelism::kNoShard},
+  const std::vector<std::pair<std::vector<std::string>, config::DataParallelism>> cases{
+      {{"parallel.strategy=ddp"}, config::DataParallelism::kDdp},
+      {{"parallel.strategy=zero1"}, config::DataParallelism::kZero1},
+      {{"parallel.strategy=zero2"}, config::DataParallelism::kZero2},
+      {{"parallel.strategy=zero3"}, config::DataParallelism::kZero3},
+      {{"parallel.strategy=fsdp"}, config::DataParallelism::kFullShard},
+      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=SHARD_GRAD_OP"}, config::DataParallelism::kShardGradOp},
+      {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=NO_SHARD"}, config::DataParallelism::kNoShard},
       {{"parallel.strategy=fsdp", "parallel.fsdp.sharding_strategy=HYBRID_SHARD", "parallel.dp_replicate=2"},
-       DataParallelism::kHybridShard},
+       config::DataParallelism::kHybridShard},
   };
   for (const auto& [overrides, want] : cases) {
     const Plan p = make_plan(base(overrides), 4);
     EXPECT_EQ(p.data_parallel, want) << overrides[0] << " -> " << to_string(p.data_parallel);
   }
-  EXPECT_TRUE(runs_ddp(DataParallelism::kNoShard));
-  EXPECT_FALSE(runs_ddp(DataParallelism::kZero1));
-  EXPECT_TRUE(shards_params(DataParallelism::kHybridShard));
-  EXPECT_FALSE(shards_params(DataParallelism::kShardGradOp));
-  EXPECT_EQ(zero_stage(DataParallelism::kZero2), 2);
-  EXPECT_EQ(zero_stage(DataParallelism::kFullShard), 0);
-  EXPECT_EQ(to_string(DataParallelism::kShardGradOp), "fsdp SHARD_GRAD_OP");
+  EXPECT_TRUE(runs_ddp(config::DataParallelism::kNoShard));
+  EXPECT_FALSE(runs_ddp(config::DataParallelism::kZero1));
+  EXPECT_TRUE(shards_params(config::DataParallelism::kHybridShard));
+  EXPECT_FALSE(shards_params(config::DataParallelism::kShardGradOp));
+  EXPECT_EQ(zero_stage(config::DataParallelism::kZero2), 2);
+  EXPECT_EQ(zero_stage(config::DataParallelism::kFullShard), 0);
+  EXPECT_EQ(to_string(config::DataParallelism::kShardGradOp), "fsdp SHARD_GRAD_OP");
 
   const Plan o3 = make_plan(base({"parallel.strategy=zero3", "precision.fp8=true", "precision.fp8_opt_level=O3",
                                   "parallel.zero.offload_optimizer=cpu"}),
@@ -84,7 +84,7 @@ TEST(Plan, ResolvesTheStrategyIntoOneEnum) {
   EXPECT_EQ(make_plan(base(), 2).fp8_level, Fp8OptLevel::kNone);
   // A name the config reader refuses first (overrides, YAML) is refused
   // here too when a program fills the Config itself.
-  Config bad = base();
+  config::Config bad = base();
   bad.parallel.strategy = "zero4";
   try {
     make_plan(bad, 2);
@@ -226,7 +226,7 @@ TEST(Plan, FullStateDictIsRefusedWithAsyncSaves) {
 }
 
 TEST(Plan, ConfigValuesMustBeFiniteAndAllProblemsAreListed) {
-  Config c;
+  config::Config c;
   for (const char* bad : {"train.lr=nan", "train.lr=inf", "train.grad_clip=-inf", "parallel.timeout_s=NaN"})
     EXPECT_THROW(apply_override(c, bad), UsageError) << bad;
   c.train.steps = 0;

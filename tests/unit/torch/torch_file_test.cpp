@@ -12,7 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/checkpoint/tensor_io.h"
 #include "scaletrain/checkpoint/torch_file.h"
 #include "scaletrain/hub/hf_gpt2.h"
@@ -187,7 +187,7 @@ TEST(TorchFile, HubDirectoryOfBinFilesLoadsLikeItsSafetensors) {
   for (const auto& [out, shards] : {std::pair<std::string, int>{"bin", 1}, {"bins", 3}}) {
     cmd = reference("hubbin " + (d / "st").string() + " " + (d / out).string() + " --shards " + std::to_string(shards));
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    const HubWeights st((d / "st").string()), bin((d / out).string());
+    const hub::HubWeights st((d / "st").string()), bin((d / out).string());
     ASSERT_EQ(st.names(), bin.names());
     for (const std::string& name : st.names())
       expect_bitwise(name, bin.read(name, torch::kFloat), st.read(name, torch::kFloat));
@@ -206,7 +206,7 @@ TEST(TorchFile, HubDirectoryOfBinFilesLoadsLikeItsSafetensors) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(fs::exists(d / "conv" / "model.safetensors.index.json"));
   EXPECT_TRUE(fs::exists(d / "conv" / "config.json"));
-  const HubWeights st((d / "st").string()), conv((d / "conv").string());
+  const hub::HubWeights st((d / "st").string()), conv((d / "conv").string());
   ASSERT_EQ(st.names(), conv.names());
   for (const std::string& name : st.names())
     expect_bitwise(name, conv.read(name, torch::kFloat), st.read(name, torch::kFloat));

@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "cli_util.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::test {
 namespace {

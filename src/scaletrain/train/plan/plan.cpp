@@ -1,5 +1,5 @@
 #include "scaletrain/data/mixture.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 
 #include <unistd.h>
 
@@ -11,7 +11,7 @@
 #include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/pipeline/schedule.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/model_config.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -39,92 +39,92 @@ class Problems {
   std::vector<std::string> list_;
 };
 
-DataParallelism dp_of(const Config& c) { return data_parallelism(c.parallel); }
-bool is_zero(const Config& c) { return zero_stage(dp_of(c)) > 0; }
+config::DataParallelism dp_of(const config::Config& c) { return data_parallelism(c.parallel); }
+bool is_zero(const config::Config& c) { return zero_stage(dp_of(c)) > 0; }
 
 // Note [Settings that apply]: a key that the run would not read, set to a
 // value other than its default, is refused with the reason. Each rule names
 // keys (a trailing '.' matches a whole section) and says when they apply.
 struct ApplyRule {
   std::vector<std::string> keys;
-  std::function<bool(const Config&)> applies;
-  std::function<std::string(const Config&)> reason;
+  std::function<bool(const config::Config&)> applies;
+  std::function<std::string(const config::Config&)> reason;
 };
 
 const std::vector<ApplyRule>& apply_rules() {
   static const std::vector<ApplyRule> rules = {
       {{"parallel.fsdp."},
-       [](const Config& c) { return uses_fsdp_keys(dp_of(c)); },
-       [](const Config& c) { return "parallel.fsdp applies to parallel.strategy=fsdp, not " + c.parallel.strategy; }},
+       [](const config::Config& c) { return uses_fsdp_keys(dp_of(c)); },
+       [](const config::Config& c) { return "parallel.fsdp applies to parallel.strategy=fsdp, not " + c.parallel.strategy; }},
       {{"parallel.fsdp.auto_wrap_policy", "parallel.fsdp.backward_prefetch", "parallel.fsdp.forward_prefetch",
         "parallel.fsdp.limit_all_gathers", "parallel.fsdp.sync_module_states",
         "parallel.fsdp.cpu_ram_efficient_loading", "parallel.fsdp.transformer_layer_cls",
         "parallel.fsdp.min_num_params"},
-       [](const Config& c) { return dp_of(c) != DataParallelism::kNoShard; },
-       [](const Config&) { return std::string("sharding_strategy NO_SHARD runs DDP, which has no units to gather"); }},
+       [](const config::Config& c) { return dp_of(c) != config::DataParallelism::kNoShard; },
+       [](const config::Config&) { return std::string("sharding_strategy NO_SHARD runs DDP, which has no units to gather"); }},
       {{"parallel.fsdp.transformer_layer_cls"},
-       [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "transformer"; },
-       [](const Config& c) {
+       [](const config::Config& c) { return c.parallel.fsdp.auto_wrap_policy == "transformer"; },
+       [](const config::Config& c) {
          return "it is read by auto_wrap_policy transformer, not " + c.parallel.fsdp.auto_wrap_policy;
        }},
       {{"parallel.fsdp.min_num_params"},
-       [](const Config& c) { return c.parallel.fsdp.auto_wrap_policy == "size"; },
-       [](const Config& c) { return "it is read by auto_wrap_policy size, not " + c.parallel.fsdp.auto_wrap_policy; }},
+       [](const config::Config& c) { return c.parallel.fsdp.auto_wrap_policy == "size"; },
+       [](const config::Config& c) { return "it is read by auto_wrap_policy size, not " + c.parallel.fsdp.auto_wrap_policy; }},
       {{"finetune."},
-       [](const Config& c) { return c.finetune.method != "full"; },
-       [](const Config&) { return std::string("finetune.method=full trains every parameter, without adapters"); }},
+       [](const config::Config& c) { return c.finetune.method != "full"; },
+       [](const config::Config&) { return std::string("finetune.method=full trains every parameter, without adapters"); }},
       {{"finetune.double_quant"},
-       [](const Config& c) { return c.finetune.method == "qlora"; },
-       [](const Config& c) { return "it is read by finetune.method qlora, not " + c.finetune.method; }},
+       [](const config::Config& c) { return c.finetune.method == "qlora"; },
+       [](const config::Config& c) { return "it is read by finetune.method qlora, not " + c.finetune.method; }},
       {{"parallel.zero."},
-       [](const Config& c) { return is_zero(c); },
-       [](const Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
+       [](const config::Config& c) { return is_zero(c); },
+       [](const config::Config& c) { return "parallel.zero applies to strategies zero1-zero3, not " + c.parallel.strategy; }},
       {{"parallel.zero.reduce_bucket_mb", "parallel.zero.allgather_bucket_mb"},
-       [](const Config& c) { return dp_of(c) != DataParallelism::kZero3; },
-       [](const Config&) {
+       [](const config::Config& c) { return dp_of(c) != config::DataParallelism::kZero3; },
+       [](const config::Config&) {
          return std::string("stage 3 gathers and reduces one transformer block at a time (stages 1-2 read it)");
        }},
       {{"parallel.zero.prefetch_bucket_mb", "parallel.zero.max_live_parameters", "parallel.zero.offload_param"},
-       [](const Config& c) { return dp_of(c) == DataParallelism::kZero3; },
-       [](const Config& c) {
+       [](const config::Config& c) { return dp_of(c) == config::DataParallelism::kZero3; },
+       [](const config::Config& c) {
          return "it concerns sharded parameters, which only zero3 has (strategy is " + c.parallel.strategy + ")";
        }},
       {{"parallel.zero.offload_dir"},
-       [](const Config& c) {
+       [](const config::Config& c) {
          return c.parallel.zero.offload_optimizer == "nvme" || c.parallel.zero.offload_param == "nvme";
        },
-       [](const Config&) { return std::string("it is read only when offloading to nvme"); }},
+       [](const config::Config&) { return std::string("it is read only when offloading to nvme"); }},
       {{"parallel.bucket_cap_mb", "parallel.find_unused_parameters"},
-       [](const Config& c) { return runs_ddp(dp_of(c)); },
-       [](const Config& c) { return "DDP reads it; strategy " + c.parallel.strategy + " does not"; }},
+       [](const config::Config& c) { return runs_ddp(dp_of(c)); },
+       [](const config::Config& c) { return "DDP reads it; strategy " + c.parallel.strategy + " does not"; }},
       // ZeRO-1/2 cut their backward buckets with DDP's first and last caps.
       {{"parallel.first_bucket_mb", "parallel.last_bucket_mb"},
-       [](const Config& c) {
-         const DataParallelism d = dp_of(c);
-         return runs_ddp(d) || d == DataParallelism::kZero1 || d == DataParallelism::kZero2;
+       [](const config::Config& c) {
+         const config::DataParallelism d = dp_of(c);
+         return runs_ddp(d) || d == config::DataParallelism::kZero1 || d == config::DataParallelism::kZero2;
        },
-       [](const Config& c) { return "DDP and ZeRO-1/2 read it; strategy " + c.parallel.strategy + " does not"; }},
+       [](const config::Config& c) { return "DDP and ZeRO-1/2 read it; strategy " + c.parallel.strategy + " does not"; }},
       {{"parallel.schedule", "parallel.microbatches", "parallel.virtual_stages", "parallel.pp_balance"},
-       [](const Config& c) { return c.parallel.pp > 1; },
-       [](const Config&) { return std::string("pipelines read it (parallel.pp > 1)"); }},
+       [](const config::Config& c) { return c.parallel.pp > 1; },
+       [](const config::Config&) { return std::string("pipelines read it (parallel.pp > 1)"); }},
       {{"parallel.cp_mode"},
-       [](const Config& c) { return c.parallel.cp > 1; },
-       [](const Config&) { return std::string("it applies with context parallelism (parallel.cp > 1)"); }},
+       [](const config::Config& c) { return c.parallel.cp > 1; },
+       [](const config::Config&) { return std::string("it applies with context parallelism (parallel.cp > 1)"); }},
       {{"parallel.sequence_parallel"},
-       [](const Config& c) { return c.parallel.tp > 1; },
-       [](const Config&) { return std::string("it applies with tensor parallelism (parallel.tp > 1)"); }},
+       [](const config::Config& c) { return c.parallel.tp > 1; },
+       [](const config::Config&) { return std::string("it applies with tensor parallelism (parallel.tp > 1)"); }},
       {{"checkpoint.every", "checkpoint.keep", "checkpoint.async"},
-       [](const Config& c) { return !c.checkpoint.dir.empty(); },
-       [](const Config&) { return std::string("checkpoint.dir is not set"); }},
+       [](const config::Config& c) { return !c.checkpoint.dir.empty(); },
+       [](const config::Config&) { return std::string("checkpoint.dir is not set"); }},
       {{"precision.buffer_dtype"},
-       [](const Config&) { return false; },
-       [](const Config&) { return std::string("the model has no buffers (every tensor it keeps is a parameter)"); }},
+       [](const config::Config&) { return false; },
+       [](const config::Config&) { return std::string("the model has no buffers (every tensor it keeps is a parameter)"); }},
       {{"data.position_reset", "data.document_separator"},
-       [](const Config& c) { return c.data.pack == "documents"; },
-       [](const Config&) { return std::string("it is read with data.pack=documents"); }},
+       [](const config::Config& c) { return c.data.pack == "documents"; },
+       [](const config::Config&) { return std::string("it is read with data.pack=documents"); }},
       {{"train.sample_prompt", "train.sample_chat"},
-       [](const Config& c) { return c.train.sample_tokens > 0; },
-       [](const Config&) { return std::string("train.sample_tokens is 0 (no sample)"); }},
+       [](const config::Config& c) { return c.train.sample_tokens > 0; },
+       [](const config::Config&) { return std::string("train.sample_tokens is 0 (no sample)"); }},
   };
   return rules;
 }
@@ -134,9 +134,9 @@ bool matches(const std::string& rule_key, const std::string& key) {
 }
 
 // Keys set away from their defaults that the run would not read.
-void check_settings_apply(const Config& c, const precision::PrecisionPolicy* policy, Problems& problems) {
-  static const Config defaults;
-  for (const auto& key : config_keys()) {
+void check_settings_apply(const config::Config& c, const precision::PrecisionPolicy* policy, Problems& problems) {
+  static const config::Config defaults;
+  for (const auto& key : config::config_keys()) {
     const std::string value = config_value(c, key);
     if (value == config_value(defaults, key)) continue;
     for (const auto& rule : apply_rules()) {
@@ -167,7 +167,7 @@ void check_settings_apply(const Config& c, const precision::PrecisionPolicy* pol
 
 // FP8 (Note [FP8 linears] in precision/fp8.h): what it can be combined with,
 // and which of its keys would act.
-void check_fp8(const Config& c, Problems& problems) {
+void check_fp8(const config::Config& c, Problems& problems) {
   const auto& p = c.precision;
   const precision::PrecisionOptions defaults;
   if (!p.fp8) {
@@ -185,8 +185,8 @@ void check_fp8(const Config& c, Problems& problems) {
     problems.add("precision.fp8_opt_level=" + p.fp8_opt_level + " needs precision.fp8=true (every level has FP8 linears)");
   // O3 gathers FP8 weights and keeps fp16 masters in the shards (Note [FP8
   // weight gathers] in parallel/fsdp): it needs parameters that are sharded.
-  const DataParallelism d = dp_of(c);
-  if (p.fp8_opt_level == "O3" && !shards_params(d) && d != DataParallelism::kShardGradOp)
+  const config::DataParallelism d = dp_of(c);
+  if (p.fp8_opt_level == "O3" && !shards_params(d) && d != config::DataParallelism::kShardGradOp)
     problems.add("precision.fp8_opt_level=O3 gathers FP8 weights and shards fp16 master weights: it needs "
                  "parallel.strategy=zero3 or fsdp with a sharding_strategy other than NO_SHARD (it is " +
                  to_string(d) + "; O2 works with every strategy)");
@@ -207,7 +207,7 @@ void check_fp8(const Config& c, Problems& problems) {
 }
 
 // Expert parallelism (parallel/expert): what it needs and what it composes with.
-void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
+void check_expert_parallel(const config::Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
   const auto& p = c.parallel;
   if (p.ep < 1) return problems.add("parallel.ep must be at least 1, got " + std::to_string(p.ep));
   if (p.ep == 1) return;
@@ -221,7 +221,7 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
     problems.add(ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks");
   // Note [Experts in the sharded engine] (parallel/fsdp): experts shard over
   // their expert-data group, which a second data-parallel dimension would split.
-  if (dp_of(c) == DataParallelism::kHybridShard)
+  if (dp_of(c) == config::DataParallelism::kHybridShard)
     problems.add(ep + " with parallel.fsdp.sharding_strategy=HYBRID_SHARD is not available: experts are sharded "
                  "over all the ranks that hold them (use FULL_SHARD or SHARD_GRAD_OP)");
   if (p.pp > 1) problems.add(ep + " with parallel.pp > 1 is not available yet");
@@ -229,7 +229,7 @@ void check_expert_parallel(const Config& c, const models::ModelConfig& m, int dp
 }
 
 // Context parallelism (parallel/context): what it splits and what it composes with.
-void check_context_parallel(const Config& c, const models::ModelConfig& m, Problems& problems) {
+void check_context_parallel(const config::Config& c, const models::ModelConfig& m, Problems& problems) {
   const auto& p = c.parallel;
   if (p.cp < 1) return problems.add("parallel.cp must be at least 1, got " + std::to_string(p.cp));
   if (p.cp == 1) return;
@@ -248,7 +248,7 @@ void check_context_parallel(const Config& c, const models::ModelConfig& m, Probl
 }
 
 // What this build can fine-tune with adapters.
-void check_finetune(const Config& c, Problems& problems) {
+void check_finetune(const config::Config& c, Problems& problems) {
   // NF4 blocks run along the flattened weight: a row-parallel split would
   // cut them, and a rank's part of the double-quantized absmax would need
   // the whole weight's statistics. LoRA itself splits (models/lora.h).
@@ -258,17 +258,17 @@ void check_finetune(const Config& c, Problems& problems) {
 }
 
 // What this build can run of the parallel section (no peers needed).
-void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<std::string>& notices) {
+void check_strategy(const config::Config& c, bool cuda, Problems& problems, std::vector<std::string>& notices) {
   const auto& p = c.parallel;
   const auto& z = p.zero;
-  const DataParallelism d = dp_of(c);
+  const config::DataParallelism d = dp_of(c);
   const bool zero = is_zero(c);
   const bool fsdp_offload = uses_fsdp_keys(d) && p.fsdp.offload_params;
   // Note [Offloaded shards] (parallel/fsdp/flat_param.h): on a CPU device the
   // host is the device's own memory; the same code runs, its copies are
   // host-to-host, and only the nvme file backing changes where bytes live.
   if (zero && z.offload_param != "none") {
-    if (d != DataParallelism::kZero3)
+    if (d != config::DataParallelism::kZero3)
       problems.add("parallel.zero.offload_param=" + z.offload_param + " needs parallel.strategy=zero3 (stages 1 and " +
                    "2 keep whole parameters on every rank, got " + p.strategy + ")");
     else if (z.offload_optimizer == "none")
@@ -296,9 +296,9 @@ void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<
   else if (z.offload_pin_memory)
     problems.add("parallel.zero.offload_pin_memory=true would have no effect: offloaded state is always "
                  "page-locked on a GPU run");
-  if (d == DataParallelism::kHybridShard && p.dp_replicate < 2)
+  if (d == config::DataParallelism::kHybridShard && p.dp_replicate < 2)
     problems.add("HYBRID_SHARD needs parallel.dp_replicate >= 2 (nodes) and dp_shard the ranks per node");
-  if (d != DataParallelism::kHybridShard && p.dp_replicate != 1 && d != DataParallelism::kDdp)
+  if (d != config::DataParallelism::kHybridShard && p.dp_replicate != 1 && d != config::DataParallelism::kDdp)
     problems.add("parallel.dp_replicate=" + std::to_string(p.dp_replicate) +
                  " needs strategy ddp or fsdp with HYBRID_SHARD (" + p.strategy +
                  " shards over the whole data-parallel group)");
@@ -315,13 +315,13 @@ void check_strategy(const Config& c, bool cuda, Problems& problems, std::vector<
 }
 
 // Pipeline keys, and the schedule's shape.
-void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
+void check_pipeline(const config::Config& c, const models::ModelConfig& m, int dp, Problems& problems) {
   const auto& p = c.parallel;
   if (p.pp < 1) return problems.add("parallel.pp must be at least 1, got " + std::to_string(p.pp));
   if (p.pp == 1) return;
   if (c.train.sample_tokens > 0)
     problems.add("sampling a pipeline-parallel model is not available; set train.sample_tokens=0");
-  if (p.tp > 1 && dp_of(c) != DataParallelism::kDdp)
+  if (p.tp > 1 && dp_of(c) != config::DataParallelism::kDdp)
     problems.add("parallel.tp=" + std::to_string(p.tp) + " with parallel.pp composes with strategy ddp only (got '" +
                  p.strategy + "')");
   if (p.microbatches < 0) problems.add("parallel.microbatches must be positive");
@@ -334,7 +334,7 @@ void check_pipeline(const Config& c, const models::ModelConfig& m, int dp, Probl
 }
 
 // precision.fp8_opt_level and the offload keys as the plan's enums.
-void resolve_precision_choices(const Config& c, Plan& plan) {
+void resolve_precision_choices(const config::Config& c, Plan& plan) {
   const std::string& level = c.precision.fp8_opt_level;
   plan.fp8_level = level == "O1"   ? Fp8OptLevel::kO1
                    : level == "O2" ? Fp8OptLevel::kO2
@@ -349,7 +349,7 @@ void resolve_precision_choices(const Config& c, Plan& plan) {
     throw UsageError(key + " '" + v + "' is not one of none, cpu, nvme");
   };
   const auto& z = c.parallel.zero;
-  const DataParallelism d = plan.data_parallel;
+  const config::DataParallelism d = plan.data_parallel;
   if (zero_stage(d) > 0) {
     plan.offload_params = offload("parallel.zero.offload_param", z.offload_param);
     plan.offload_optimizer = offload("parallel.zero.offload_optimizer", z.offload_optimizer);
@@ -360,7 +360,7 @@ void resolve_precision_choices(const Config& c, Plan& plan) {
 
 }  // namespace
 
-Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvironment& env) {
+Plan make_plan(const config::Config& c, int world_size, int local_rank, const DeviceEnvironment& env) {
   Plan plan;
   Problems problems;
   const auto& p = c.parallel;
@@ -372,7 +372,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
                      "CLI's families only");
   // The checks below read these; a name validate_config would refuse stops here.
   if (!problems.check([&] { plan.data_parallel = data_parallelism(p); })) problems.raise();
-  const DataParallelism d = plan.data_parallel;
+  const config::DataParallelism d = plan.data_parallel;
   problems.check([&] { resolve_precision_choices(c, plan); });
   problems.check([&] { plan.device = resolve_device(c.train.device, local_rank, env); });
   plan.cuda = plan.device.is_cuda();
@@ -389,7 +389,7 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
   if (policy_ok && plan.policy.param != at::kFloat && runs_ddp(d))
     problems.add("precision.param_dtype=" + precision::dtype_name(plan.policy.param) +
                  " needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); " +
-                 (d == DataParallelism::kDdp ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
+                 (d == config::DataParallelism::kDdp ? "ddp" : "fsdp NO_SHARD (which is DDP)") + " has none");
   if (policy_ok && plan.policy.reduce == at::kHalf && !plan.cuda)
     problems.add("precision.reduce_dtype=fp16 needs CUDA (Gloo sums 16-bit payloads only as bf16 here)");
   if (c.data.path.empty() && c.data.mixture.empty())
@@ -426,13 +426,13 @@ Plan make_plan(const Config& c, int world_size, int local_rank, const DeviceEnvi
 
   // Memory-efficient initialization: zero3 always, fsdp when asked. The cases
   // it does not cover build the whole model first, and say so.
-  const bool wants_deferred = d == DataParallelism::kZero3 || (uses_fsdp_keys(d) && p.fsdp.cpu_ram_efficient_loading);
+  const bool wants_deferred = d == config::DataParallelism::kZero3 || (uses_fsdp_keys(d) && p.fsdp.cpu_ram_efficient_loading);
   if (wants_deferred) {
     std::string why;
     if (p.pp > 1) why = "pipeline stages are cut from a whole model";
     plan.deferred_init = why.empty();
     if (!why.empty())
-      plan.notices.push_back(std::string(d == DataParallelism::kZero3 ? "zero3's deferred initialization"
+      plan.notices.push_back(std::string(d == config::DataParallelism::kZero3 ? "zero3's deferred initialization"
                                                                : "parallel.fsdp.cpu_ram_efficient_loading") +
                              " does not apply to this run (" + why +
                              "): every rank builds the whole model once, then keeps its shard");

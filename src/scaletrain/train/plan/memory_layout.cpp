@@ -1,5 +1,5 @@
-// The estimator's layout of a run (train/memory_layout.h).
-#include "scaletrain/train/memory_layout.h"
+// The estimator's layout of a run (train/plan/memory_layout.h).
+#include "scaletrain/train/plan/memory_layout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,15 +13,15 @@ namespace {
 constexpr double kMiB = 1048576.0;
 
 // The data-parallel sharding, its buckets and how far it gathers ahead.
-void set_sharding(estimate::Layout& l, const Config& c, const Plan& plan, int dp_shard) {
+void set_sharding(estimate::Layout& l, const config::Config& c, const Plan& plan, int dp_shard) {
   using estimate::Sharding;
   const auto& p = c.parallel;
   const models::ModelConfig& m = plan.model;
-  const DataParallelism d = plan.data_parallel;
+  const config::DataParallelism d = plan.data_parallel;
   l.bucket_bytes = static_cast<int64_t>(p.bucket_cap_mb * kMiB);
   if (zero_stage(d) > 0) {
-    l.sharding = d == DataParallelism::kZero1   ? Sharding::kZero1
-                 : d == DataParallelism::kZero2 ? Sharding::kZero2
+    l.sharding = d == config::DataParallelism::kZero1   ? Sharding::kZero1
+                 : d == config::DataParallelism::kZero2 ? Sharding::kZero2
                                                 : Sharding::kZero3;
     l.bucket_bytes = static_cast<int64_t>(p.zero.reduce_bucket_mb * kMiB);
     l.prefetch_units = p.zero.prefetch_bucket_mb > 0 ? 1 : 0;
@@ -41,9 +41,9 @@ void set_sharding(estimate::Layout& l, const Config& c, const Plan& plan, int dp
     }
   } else if (uses_fsdp_keys(d)) {
     l.fsdp_names = true;
-    l.sharding = d == DataParallelism::kFullShard     ? Sharding::kZero3
-                 : d == DataParallelism::kShardGradOp ? Sharding::kZero2
-                 : d == DataParallelism::kHybridShard ? Sharding::kHybrid
+    l.sharding = d == config::DataParallelism::kFullShard     ? Sharding::kZero3
+                 : d == config::DataParallelism::kShardGradOp ? Sharding::kZero2
+                 : d == config::DataParallelism::kHybridShard ? Sharding::kHybrid
                                                       : Sharding::kNone;
     if (l.sharding == Sharding::kHybrid) l.gpus_per_node = static_cast<int64_t>(dp_shard) * p.tp;
     l.prefetch_units = p.fsdp.backward_prefetch != "NONE" || p.fsdp.forward_prefetch ? 1 : 0;
@@ -51,7 +51,7 @@ void set_sharding(estimate::Layout& l, const Config& c, const Plan& plan, int dp
 }
 
 // The adapters' size per layer and whether the MLPs carry any.
-void set_lora(estimate::Layout& l, const Config& c, const Plan& plan, const models::LoraOptions& lora) {
+void set_lora(estimate::Layout& l, const config::Config& c, const Plan& plan, const models::LoraOptions& lora) {
   const auto& p = c.parallel;
   const models::ModelConfig& m = plan.model;
   l.lora_rank = lora.r;
@@ -76,7 +76,7 @@ void set_lora(estimate::Layout& l, const Config& c, const Plan& plan, const mode
 
 }  // namespace
 
-estimate::Layout run_layout(const Config& c, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
+estimate::Layout run_layout(const config::Config& c, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
                             bool gloo) {
   const auto& p = c.parallel;
   const models::ModelConfig& m = plan.model;

@@ -2,7 +2,7 @@
 // The model a run trains: model.* keys over a preset, or the dimensions of
 // the model.init_from file.
 #include "scaletrain/models/causal_lm.h"
-#include "scaletrain/train/config.h"
+#include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::train {
 
@@ -14,6 +14,6 @@ namespace scaletrain::train {
 // (its first rows are used), not longer. Without config.json, n_head comes
 // from model.n_head, else from the preset when the preset's width matches
 // the file's.
-models::ModelConfig resolve_model_config(const ModelOptions& m);
+models::ModelConfig resolve_model_config(const config::ModelOptions& m);
 
 }  // namespace scaletrain::train

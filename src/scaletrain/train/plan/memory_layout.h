@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "scaletrain/estimate/memory_model.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/plan.h"
 
 namespace scaletrain::train {
 
@@ -18,7 +18,7 @@ namespace scaletrain::train {
 // `dp_shard` is the size of the sharding group (HYBRID_SHARD's per-node size);
 // `microbatches` per step and rank (accumulation, or a pipeline's);
 // `gloo`: the collectives run on Gloo.
-estimate::Layout run_layout(const Config& config, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
+estimate::Layout run_layout(const config::Config& config, const Plan& plan, int world_size, int dp_shard, int64_t microbatches,
                             bool gloo);
 
 }  // namespace scaletrain::train

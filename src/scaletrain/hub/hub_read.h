@@ -30,8 +30,10 @@
 #include "scaletrain/checkpoint/safetensors.h"
 
 namespace scaletrain::checkpoint {
-
 class TorchFile;
+}  // namespace scaletrain::checkpoint
+
+namespace scaletrain::hub {
 
 class HubWeights {
  public:
@@ -49,7 +51,7 @@ class HubWeights {
   std::vector<std::string> names() const;
   bool has(const std::string& name) const { return where_.count(name) > 0; }
   // Throws UsageError naming the tensor when it is absent.
-  const TensorView& view(const std::string& name) const;
+  const checkpoint::TensorView& view(const std::string& name) const;
   // A copy of the tensor in `dtype` (F32, F16, BF16 and F64 files).
   at::Tensor read(const std::string& name, at::ScalarType dtype) const;
   // Elements [begin, begin + count) of the flattened tensor, converted into
@@ -58,18 +60,18 @@ class HubWeights {
   void read_range(const std::string& name, int64_t begin, int64_t count, at::Tensor& out) const;
 
  private:
-  const TensorView& weight(const std::string& name) const;  // view(), floating point or UsageError
+  const checkpoint::TensorView& weight(const std::string& name) const;  // view(), floating point or UsageError
   void release(const unsigned char* p, std::size_t n) const;  // SafetensorsFile::release in whichever file holds it
   // Adds the state dict of a PyTorch file (a shard when `weight_map` is not
   // empty) to where_.
   void add_torch_file(const std::string& path, const std::map<std::string, std::string>& weight_map);
 
   std::string source_;
-  std::vector<std::unique_ptr<SafetensorsFile>> files_;
-  std::vector<std::unique_ptr<TorchFile>> torch_files_;
-  std::deque<TensorView> torch_views_;  // stable addresses for where_
+  std::vector<std::unique_ptr<checkpoint::SafetensorsFile>> files_;
+  std::vector<std::unique_ptr<checkpoint::TorchFile>> torch_files_;
+  std::deque<checkpoint::TensorView> torch_views_;  // stable addresses for where_
   std::vector<at::Tensor> strided_copies_;  // the bytes of views of strided tensors
-  std::map<std::string, const TensorView*> where_;
+  std::map<std::string, const checkpoint::TensorView*> where_;
 };
 
 // The config.json of a Hub directory (or of the directory holding a
@@ -77,4 +79,4 @@ class HubWeights {
 // is not JSON.
 std::optional<nlohmann::json> read_hub_config(const std::string& path);
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

@@ -55,7 +55,7 @@ struct EnginePlan {
 // none are): the families' recipe and the module trainer read them alike.
 models::LoraOptions finetune_lora(const config::Config& c);
 
-struct Plan;  // train/plan.h, which holds an EnginePlan
+struct Plan;  // train/plan/plan.h, which holds an EnginePlan
 
 // The engine sections of `config` as the engines' options, for a plan whose
 // checks passed (make_plan calls it last; engine_plan.cpp).

@@ -1,7 +1,7 @@
-#include "scaletrain/train/model_config.h"
+#include "scaletrain/train/plan/model_config.h"
 
 #include "scaletrain/hub/hf_gpt2.h"
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 #include "scaletrain/models/hf_config.h"
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
@@ -17,8 +17,8 @@ void agree(const char* key, int64_t given, int64_t from_file, const std::string&
 }
 
 // The keys that choose how to train rather than what the model is.
-void with_training_keys(models::ModelConfig& c, const ModelOptions& m) {
-  const ModelOptions defaults;
+void with_training_keys(models::ModelConfig& c, const config::ModelOptions& m) {
+  const config::ModelOptions defaults;
   c.attention = m.attention;
   c.fused = m.fused;
   if (m.router_aux_loss_coef != defaults.router_aux_loss_coef) c.router_aux_loss_coef = m.router_aux_loss_coef;
@@ -29,7 +29,7 @@ void with_training_keys(models::ModelConfig& c, const ModelOptions& m) {
 
 // A config.json's model with the run's keys on top: the dimensions may only
 // repeat the file's, block_size may shorten the sequence.
-models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, const std::string& what) {
+models::ModelConfig with_keys(models::ModelConfig f, const config::ModelOptions& m, const std::string& what) {
   agree("n_layer", m.n_layer, f.n_layer, what);
   agree("n_head", m.n_head, f.n_head, what);
   agree("n_kv_head", m.n_kv_head, f.kv_heads(), what);
@@ -50,7 +50,7 @@ models::ModelConfig with_keys(models::ModelConfig f, const ModelOptions& m, cons
 
 }  // namespace
 
-models::ModelConfig resolve_model_config(const ModelOptions& m) {
+models::ModelConfig resolve_model_config(const config::ModelOptions& m) {
   if (!m.config.empty()) {
     if (!m.init_from.empty())
       throw UsageError("model.config and model.init_from both describe the model: give one (init_from reads the "
@@ -74,7 +74,7 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
     return c;
   }
   // A Hub directory of the llama family: its config.json says everything.
-  if (const auto hub = checkpoint::read_hub_config(m.init_from);
+  if (const auto hub = hub::read_hub_config(m.init_from);
       hub && hub->value("model_type", std::string()) != "gpt2") {
     return with_keys(models::config_from_hf(*hub, m.init_from + "/config.json"), m, "model.init_from " + m.init_from);
   }
@@ -119,13 +119,13 @@ models::ModelConfig resolve_model_config(const ModelOptions& m) {
 
 namespace scaletrain::train {
 
-int64_t model_width(const ModelOptions& m) { return resolve_model_config(m).n_embd; }
+int64_t model_width(const config::ModelOptions& m) { return resolve_model_config(m).n_embd; }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+config::Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   return config::load_config(path, overrides, model_width);
 }
 
-void apply_deepspeed_config(Config& c, const std::string& path, int data_parallel_size) {
+void apply_deepspeed_config(config::Config& c, const std::string& path, int data_parallel_size) {
   config::apply_deepspeed_config(c, path, data_parallel_size, model_width);
 }
 

@@ -1,4 +1,4 @@
-#include "scaletrain/train/device.h"
+#include "scaletrain/train/plan/device.h"
 
 #include <torch/cuda.h>
 

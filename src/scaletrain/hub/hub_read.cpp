@@ -1,4 +1,4 @@
-#include "scaletrain/checkpoint/hub.h"
+#include "scaletrain/hub/hub_read.h"
 
 #include <filesystem>
 #include <fstream>
@@ -9,8 +9,19 @@
 #include "scaletrain/util/error.h"
 #include "scaletrain/util/json.h"
 
-namespace scaletrain::checkpoint {
+namespace scaletrain::hub {
 namespace fs = std::filesystem;
+using checkpoint::Dtype;
+using checkpoint::SafetensorsFile;
+using checkpoint::TensorView;
+using checkpoint::TorchFile;
+using checkpoint::dtype_name;
+using checkpoint::dtype_size;
+using checkpoint::kind_name;
+using checkpoint::PyKind;
+using checkpoint::SafetensorsError;
+using checkpoint::TensorRecord;
+using checkpoint::torch_file_fail;
 
 namespace {
 
@@ -108,7 +119,7 @@ void HubWeights::add_torch_file(const std::string& path, const std::map<std::str
   torch_files_.push_back(std::make_unique<TorchFile>(path));
   const TorchFile& f = *torch_files_.back();
   const std::string file = fs::path(path).filename().string();
-  const PyObject& root = f.root();
+  const checkpoint::PyObject& root = f.root();
   if (root.kind != PyKind::Dict) torch_file_fail(path, std::string("holds a ") + kind_name(root.kind) + ", not a state dict");
   for (const auto& [k, v] : root.entries) {
     if (k->kind != PyKind::Str || v->kind != PyKind::Tensor)
@@ -194,4 +205,4 @@ std::optional<nlohmann::json> read_hub_config(const std::string& path) {
   return parse_file(cfg);
 }
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

@@ -1,6 +1,6 @@
 // The config's engine sections resolved into the engines' own options
-// (train/engine_plan.h), once per run, inside make_plan.
-#include "scaletrain/train/engine_plan.h"
+// (train/plan/engine_plan.h), once per run, inside make_plan.
+#include "scaletrain/train/plan/engine_plan.h"
 
 #include <algorithm>
 #include <sstream>
@@ -10,7 +10,7 @@
 #include "scaletrain/optim/file_backed.h"
 #include "scaletrain/parallel/zero/zero.h"
 #include "scaletrain/precision/fp8.h"
-#include "scaletrain/train/plan.h"
+#include "scaletrain/train/plan/plan.h"
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
@@ -18,7 +18,7 @@ namespace scaletrain::train {
 namespace fsdp = parallel::fsdp;
 
 models::LoraOptions finetune_lora(const config::Config& c) {
-  const FinetuneOptions& f = c.finetune;
+  const config::FinetuneOptions& f = c.finetune;
   models::LoraOptions o;
   o.r = f.r;
   o.alpha = f.alpha;
@@ -43,10 +43,10 @@ int64_t mib_to_numel(double mib, at::ScalarType dtype) {
 
 // An adapter to start from decides its rank, scaling and layers; the config
 // may leave them out, or agree.
-void take_adapter_settings(const Config& c, const models::ModelConfig& m, models::LoraOptions& o) {
-  const FinetuneOptions& f = c.finetune;
+void take_adapter_settings(const config::Config& c, const models::ModelConfig& m, models::LoraOptions& o) {
+  const config::FinetuneOptions& f = c.finetune;
   const hub::Adapter a = hub::read_adapter(f.adapter_from, m.family);
-  const Config defaults;
+  const config::Config defaults;
   const std::string from = " (finetune.adapter_from " + f.adapter_from + ")";
   auto agree = [&](const std::string& key, bool same, const std::string& theirs) {
     if (!same && config_value(c, key) != config_value(defaults, key))
@@ -67,7 +67,7 @@ void take_adapter_settings(const Config& c, const models::ModelConfig& m, models
 }
 
 // finetune.method lora or qlora: the adapters to add (models/lora.h); none for full.
-std::optional<models::LoraOptions> lora_options(const Config& c, const models::ModelConfig& m) {
+std::optional<models::LoraOptions> lora_options(const config::Config& c, const models::ModelConfig& m) {
   if (c.finetune.method == "full") return std::nullopt;
   models::LoraOptions o = finetune_lora(c);
   if (o.target_modules.empty()) o.target_modules = models::default_lora_targets(m.family);
@@ -75,7 +75,7 @@ std::optional<models::LoraOptions> lora_options(const Config& c, const models::M
   return o;
 }
 
-StartingPlan starting_plan(const Config& c, const Plan& plan) {
+StartingPlan starting_plan(const config::Config& c, const Plan& plan) {
   StartingPlan s;
   s.seed = c.train.seed;
   s.init_from = c.model.init_from;
@@ -90,7 +90,7 @@ StartingPlan starting_plan(const Config& c, const Plan& plan) {
 
 // The FP8 format gradients travel in under parallel.comm_dtype=fp8 or a
 // precision.fp8_opt_level (Note [FP8 on the wire]); none otherwise.
-std::optional<precision::Fp8Format> fp8_wire_format(const Config& c) {
+std::optional<precision::Fp8Format> fp8_wire_format(const config::Config& c) {
   const auto& p = c.precision;
   if (p.fp8_opt_level.empty() && c.parallel.comm_dtype != "fp8") return std::nullopt;
   return precision::fp8_format(p.fp8_format == "e4m3" ? precision::Fp8Mix::E4M3 : precision::Fp8Mix::Hybrid,
@@ -100,7 +100,7 @@ std::optional<precision::Fp8Format> fp8_wire_format(const Config& c) {
 // DDP's options: bucket caps, unused parameters, and the dtype gradients
 // travel in (bf16 when parallel.comm_dtype or precision.reduce_dtype says
 // so; DDP sums in fp32 either way), or FP8.
-parallel::DDPOptions ddp_options(const Config& c, const Plan& plan) {
+parallel::DDPOptions ddp_options(const config::Config& c, const Plan& plan) {
   const auto& p = c.parallel;
   parallel::DDPOptions o;
   o.gradient_as_bucket_view = true;  // our optimizers zero in place; no copies
@@ -118,7 +118,7 @@ parallel::DDPOptions ddp_options(const Config& c, const Plan& plan) {
 // engine keeps shards off the device. Shards of parameter offload to nvme are
 // file-backed mappings under offload_dir (read ahead per unit); every other
 // offloaded shard, and every gradient, is host memory, page-locked on a GPU.
-void set_offload(const Config& c, const Plan& plan, fsdp::ShardedOptions& o) {
+void set_offload(const config::Config& c, const Plan& plan, fsdp::ShardedOptions& o) {
   const bool params = plan.offload_params != Offload::kNone;
   if (!params && plan.offload_optimizer == Offload::kNone) return;
   const bool files = plan.offload_params == Offload::kNvme;
@@ -133,7 +133,7 @@ void set_offload(const Config& c, const Plan& plan, fsdp::ShardedOptions& o) {
 }
 
 // DeepSpeed's stages: the zero section's buckets and bounds.
-fsdp::ShardedOptions zero_options(const Config& c, const Plan& plan) {
+fsdp::ShardedOptions zero_options(const config::Config& c, const Plan& plan) {
   const auto& p = c.parallel;
   const at::ScalarType param_dtype = plan.policy.param;
   parallel::zero::ZeroOptions z;
@@ -149,11 +149,11 @@ fsdp::ShardedOptions zero_options(const Config& c, const Plan& plan) {
 }
 
 // FSDP's sharding strategies: the fsdp section's wrap policy and prefetching.
-fsdp::ShardedOptions fsdp_options(const Config& c, const Plan& plan) {
+fsdp::ShardedOptions fsdp_options(const config::Config& c, const Plan& plan) {
   const auto& f = c.parallel.fsdp;
   fsdp::ShardedOptions o;
-  o.sharding = plan.data_parallel == DataParallelism::kFullShard     ? fsdp::Sharding::FullShard
-               : plan.data_parallel == DataParallelism::kShardGradOp ? fsdp::Sharding::ShardGradOp
+  o.sharding = plan.data_parallel == config::DataParallelism::kFullShard     ? fsdp::Sharding::FullShard
+               : plan.data_parallel == config::DataParallelism::kShardGradOp ? fsdp::Sharding::ShardGradOp
                                                                      : fsdp::Sharding::HybridShard;
   o.wrap.policy = fsdp::parse_wrap_policy(f.auto_wrap_policy);
   o.wrap.layer_cls = f.transformer_layer_cls;
@@ -165,7 +165,7 @@ fsdp::ShardedOptions fsdp_options(const Config& c, const Plan& plan) {
   return o;
 }
 
-ShardedPlan sharded_plan(const Config& c, const Plan& plan) {
+ShardedPlan sharded_plan(const config::Config& c, const Plan& plan) {
   ShardedPlan out;
   out.label = to_string(plan.data_parallel);
   const bool fsdp_keys = uses_fsdp_keys(plan.data_parallel);
@@ -188,7 +188,7 @@ ShardedPlan sharded_plan(const Config& c, const Plan& plan) {
   return out;
 }
 
-parallel::pipeline::PipelineOptions pipeline_options(const Config& c, const Plan& plan) {
+parallel::pipeline::PipelineOptions pipeline_options(const config::Config& c, const Plan& plan) {
   const auto& p = c.parallel;
   parallel::pipeline::PipelineOptions po;
   po.schedule = parallel::pipeline::parse_schedule(p.schedule);
@@ -205,7 +205,7 @@ parallel::pipeline::PipelineOptions pipeline_options(const Config& c, const Plan
 
 }  // namespace
 
-EnginePlan plan_engines(const Config& c, const Plan& plan) {
+EnginePlan plan_engines(const config::Config& c, const Plan& plan) {
   EnginePlan e;
   e.start = starting_plan(c, plan);
   e.ddp = ddp_options(c, plan);

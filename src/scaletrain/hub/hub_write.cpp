@@ -1,4 +1,4 @@
-#include "scaletrain/checkpoint/hub_write.h"
+#include "scaletrain/hub/hub_write.h"
 
 #include <nlohmann/json.hpp>
 
@@ -12,8 +12,13 @@
 #include "scaletrain/checkpoint/index.h"
 #include "scaletrain/util/error.h"
 
-namespace scaletrain::checkpoint {
+namespace scaletrain::hub {
 namespace fs = std::filesystem;
+using checkpoint::dtype_size;
+using checkpoint::SafetensorsError;
+using checkpoint::TensorRef;
+using checkpoint::write_file_durably;
+using checkpoint::write_safetensors_streamed;
 
 int64_t parse_shard_size(const std::string& text) {
   auto bad = [&](const std::string& why) -> int64_t {
@@ -116,4 +121,4 @@ std::vector<std::string> write_hub_weights(const std::string& dir, const std::ve
   return files;
 }
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

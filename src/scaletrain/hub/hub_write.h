@@ -22,7 +22,7 @@
 
 #include "scaletrain/checkpoint/safetensors.h"
 
-namespace scaletrain::checkpoint {
+namespace scaletrain::hub {
 
 // Hugging Face's default max_shard_size ("5GB").
 constexpr int64_t kDefaultMaxShardBytes = 5'000'000'000;
@@ -39,7 +39,7 @@ int64_t parse_shard_size(const std::string& text);
 // call).
 struct HubTensor {
   std::string name;
-  Dtype dtype = Dtype::F32;
+  checkpoint::Dtype dtype = checkpoint::Dtype::F32;
   std::vector<int64_t> shape;
   std::function<at::Tensor()> read;
   int64_t nbytes() const;
@@ -55,4 +55,4 @@ std::vector<std::vector<std::size_t>> plan_hub_shards(const std::vector<HubTenso
 std::vector<std::string> write_hub_weights(const std::string& dir, const std::vector<HubTensor>& tensors,
                                            int64_t max_shard_bytes);
 
-}  // namespace scaletrain::checkpoint
+}  // namespace scaletrain::hub

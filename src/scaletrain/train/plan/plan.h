@@ -22,9 +22,9 @@
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/models/causal_lm.h"
 #include "scaletrain/precision/policy.h"
-#include "scaletrain/train/config.h"
-#include "scaletrain/train/device.h"
-#include "scaletrain/train/engine_plan.h"
+#include "scaletrain/train/plan/config.h"
+#include "scaletrain/train/plan/device.h"
+#include "scaletrain/train/plan/engine_plan.h"
 
 namespace scaletrain::train {
 
@@ -46,17 +46,17 @@ struct Plan {
   int64_t accum = 0;                   // micro-batches per step on each data-parallel rank
   bool deferred_init = false;          // parameters are initialized shard by shard (zero3, cpu_ram_efficient_loading)
   bool full_state_dict = false;        // checkpoints are consolidated by rank 0 (FULL_STATE_DICT)
-  DataParallelism data_parallel = DataParallelism::kDdp;
+  config::DataParallelism data_parallel = config::DataParallelism::kDdp;
   Fp8OptLevel fp8_level = Fp8OptLevel::kNone;
   Offload offload_params = Offload::kNone;     // sharded parameters (zero3, fsdp)
   Offload offload_optimizer = Offload::kNone;  // the fp32 shards and Adam moments (zero1-3)
   std::vector<std::string> notices;    // lines rank 0 prints once at start ("scaletrain: note: ...")
-  EnginePlan engines;                  // what parallelize() builds (train/engine_plan.h)
+  EnginePlan engines;                  // what parallelize() builds (train/plan/engine_plan.h)
 };
 
 // Validates `config` for `world_size` ranks, the device resolved for the rank
 // with `local_rank`; throws UsageError listing every problem (Note [One plan]).
-Plan make_plan(const Config& config, int world_size, int local_rank = 0,
+Plan make_plan(const config::Config& config, int world_size, int local_rank = 0,
                const DeviceEnvironment& env = DeviceEnvironment::probe());
 
 }  // namespace scaletrain::train
