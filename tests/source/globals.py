@@ -47,6 +47,10 @@ REGISTRY = {
     # Note [Nested fully_shard]: a module's fully_shard finds the live engines over its submodules.
     ("parallel/fsdp/fully_shard.cpp", "g_live_mu"): "guards the live fully_shard engines by module",
     ("parallel/fsdp/fully_shard.cpp", "m"): "the live fully_shard engines by module (any caller may compose them)",
+    # Note [Checkpointing a user's module]: a C++ module has no hooks and no room for a policy's mark, so
+    # checkpointed(block, ...) finds its selection by the block's address (a weak reference guards reuse).
+    ("train/module_checkpointing.cpp", "g_selected_mu"): "guards the blocks that policies selected",
+    ("train/module_checkpointing.cpp", "selected"): "the blocks that policies selected, by module",
     ("parallel/fsdp/gather_on_use.cpp", "r"): "the live engines whose parameters gather on use",
     ("parallel/fsdp/gather_on_use.cpp", "t_quiet"): "per thread: our own operators are not looked at",
     ("parallel/fsdp/gather_on_use.cpp", "g_watch"): "the process-wide callback that names reads of a live engine's "

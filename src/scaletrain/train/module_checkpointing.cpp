@@ -16,10 +16,10 @@ struct Selected {
   std::weak_ptr<const torch::nn::Module> module;
   models::CheckpointOptions options;
 };
-std::mutex registry_mutex;
+std::mutex g_selected_mu;
 std::map<const torch::nn::Module*, Selected>& registry() {
-  static std::map<const torch::nn::Module*, Selected> r;
-  return r;
+  static std::map<const torch::nn::Module*, Selected> selected;
+  return selected;
 }
 
 const Selected* find(const torch::nn::Module& block, std::lock_guard<std::mutex>&) {
@@ -58,7 +58,7 @@ std::vector<std::string> apply_activation_checkpointing(torch::nn::Module& modul
   std::map<std::string, std::shared_ptr<torch::nn::Module>> by_name;
   for (const auto& item : module.named_modules("", /*include_self=*/true)) by_name[item.key()] = item.value();
   std::vector<std::string> picked;
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::lock_guard<std::mutex> lock(g_selected_mu);
   auto select = [&](const std::string& name) {
     const std::shared_ptr<torch::nn::Module>& m = by_name.at(name);
     registry()[m.get()] = Selected{m, policy.options};
@@ -82,7 +82,7 @@ at::Tensor checkpointed(torch::nn::Module& block, const std::function<at::Tensor
                         const at::Tensor& x) {
   models::CheckpointOptions options;
   {
-    std::lock_guard<std::mutex> lock(registry_mutex);
+    std::lock_guard<std::mutex> lock(g_selected_mu);
     const Selected* s = find(block, lock);
     if (s == nullptr) return body(x);
     options = s->options;
@@ -94,7 +94,7 @@ at::Tensor checkpointed(torch::nn::Module& block, const std::function<at::Tensor
 }
 
 bool is_checkpointed(const torch::nn::Module& block) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::lock_guard<std::mutex> lock(g_selected_mu);
   return find(block, lock) != nullptr;
 }
 

@@ -166,20 +166,7 @@ void ModuleTrainer::save_adapter(const std::string& dir) {
 void ModuleTrainer::build_engine() {
   if (!module_->parameters().empty()) device_ = module_->parameters().front().device();
   const ModuleTrainerOptions& o = options_;
-  ModuleRecipe r;
-  r.tp = o.tp;
-  r.tensor_plan = o.tensor_plan;
-  r.checkpointing = o.activation_checkpointing;
-  r.param_dtype = o.param_dtype;
-  r.buffer_dtype = o.buffer_dtype;
-  r.strategy = o.strategy;
-  r.units = o.units;
-  r.ddp = o.ddp;
-  r.sharded = o.sharded;
-  r.shard_group = o.shard_group;
-  r.replicate_group = o.replicate_group;
-  r.dp_replicate = o.dp_replicate;
-  par_ = parallelize(module_, world_, r);
+  par_ = parallelize(module_, world_, static_cast<const ModuleRecipe&>(o));
   const int dp = par_.dp_size;
   if (o.global_batch % (o.micro_batch * dp) != 0)
     bad("global_batch", "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" +

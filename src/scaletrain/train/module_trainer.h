@@ -73,22 +73,12 @@ struct AdamWSettings {
   double weight_decay = 0.1;  // decoupled, on every element (flat shards hold matrices and vectors alike)
 };
 
-struct ModuleTrainerOptions {
-  ModuleStrategy strategy = ModuleStrategy::DDP;
-  // Sharded strategies: the submodules gathered and freed as one
-  // (module_units.h); empty: the whole module is the root unit. Not for DDP.
-  parallel::fsdp::ModuleUnits units;
-  // The engines' own knobs; `sharded.sharding` is set from `strategy`.
-  parallel::DDPOptions ddp;
-  parallel::fsdp::ShardedOptions sharded;
-  // HybridShard: the shard group (within a node) and the replicate group
-  // (across nodes), e.g. a comm::Mesh's dp_shard() and dp_replicate(); or
-  // leave both null and set dp_replicate >= 2, and the trainer builds that
-  // mesh over the world. Other strategies run over the world's group.
-  comm::Group* shard_group = nullptr;
-  comm::Group* replicate_group = nullptr;
-  int dp_replicate = 1;
-
+// The recipe's fields (train/recipe.h: strategy, units, the engines'
+// options, HybridShard's groups, tp and its plan, activation checkpointing,
+// the storage dtypes) and the loop's. With param_dtype set the trainer also
+// casts floating inputs to it before each forward, as FSDP's mixed
+// precision casts forward inputs.
+struct ModuleTrainerOptions : ModuleRecipe {
   int64_t steps = 100;        // optimizer steps of the run (the schedule spans them)
   int64_t stop_at = 0;        // stop after this step, as if preempted; 0 = steps
   int64_t global_batch = 32;  // samples per step over all data-parallel ranks
@@ -117,35 +107,11 @@ struct ModuleTrainerOptions {
   // a step directory or a root of them.
   std::string resume = "auto";
 
-  // Tensor parallelism by a plan over the module's submodule names
-  // (parallel/tensor/parallelize_module.h), applied before data
-  // parallelism: the world becomes a dp x tp mesh (tp innermost), tp ranks
-  // split the planned submodules and see the same micro-batches, the engine
-  // runs over dp; checkpoints hold the whole parameters' pieces, so any
-  // layout resumes them. tp > 1 needs a plan (a plan needs tp > 1); not with
-  // HybridShard yet.
-  int tp = 1;
-  parallel::tensor::ModulePlan tensor_plan;
-
   // Autocast (precision/policy.h) over each micro-batch's forward and loss:
   // kBFloat16 runs the autocast-eligible operators (matmuls, convolutions)
   // in bf16 on the module's device, its parameters and gradients staying in
   // their dtype; kFloat: off. fp16 (kHalf) needs loss scaling: refused.
   at::ScalarType autocast = at::kFloat;
-  // Storage (ModuleRecipe::param_dtype, YAML precision.param_dtype and
-  // buffer_dtype): kBFloat16 keeps the module's floating parameters (and
-  // buffers, unless buffer_dtype says otherwise) in bf16 and the sharded
-  // strategies' optimizer shards in fp32 (sharded.master_dtype); floating
-  // inputs are cast to it before each forward, as FSDP's mixed precision
-  // casts forward inputs. Gradients are reduced in sharded.reduce_dtype
-  // (YAML precision.reduce_dtype; unset: the gradients' dtype, summed in
-  // fp32 by Gloo). Undefined: the module's own dtypes. Not with DDP.
-  at::ScalarType param_dtype = at::ScalarType::Undefined;
-  // Activation checkpointing (ModuleRecipe::checkpointing; YAML
-  // model.activation_checkpointing: full selects every submodule that calls
-  // train::checkpointed()); unset: none.
-  std::optional<CheckpointPolicy> activation_checkpointing;
-  at::ScalarType buffer_dtype = at::ScalarType::Undefined;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules

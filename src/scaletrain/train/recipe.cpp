@@ -201,7 +201,7 @@ ParallelModule parallelize(std::shared_ptr<torch::nn::Module> module, comm::Worl
         std::to_string(world.size()));
   out.dp_size = out.shard->size() * (out.replicate ? out.replicate->size() : 1);
   out.dp_rank = (out.replicate ? out.replicate->rank() * out.shard->size() : 0) + out.shard->rank();
-  if (r.checkpointing) apply_activation_checkpointing(*module, *r.checkpointing);
+  if (r.activation_checkpointing) apply_activation_checkpointing(*module, *r.activation_checkpointing);
   fsdp::ShardedOptions so = r.sharded;
   apply_storage_dtypes(*module, r, so);
   if (!is_sharded(r.strategy)) {

@@ -44,22 +44,28 @@ parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's
 // parallelism by a plan of submodule names, activation checkpointing, the
 // storage dtypes, then the data-parallel engine.
 struct ModuleRecipe {
-  // tp > 1: the world becomes a dp x tp mesh (tp innermost); the planned
-  // submodules are split over tp (parallel/tensor/parallelize_module.h) and
-  // the engine runs over dp (HybridShard: dp_replicate x dp_shard x tp).
-  // tp > 1 needs a plan.
+  // Tensor parallelism by a plan over the module's submodule names
+  // (parallel/tensor/parallelize_module.h): tp > 1 makes the world a dp x
+  // tp mesh (tp innermost; HybridShard: dp_replicate x dp_shard x tp), tp
+  // ranks split the planned submodules and see the same micro-batches, the
+  // engine runs over dp; checkpoints hold the whole parameters' pieces, so
+  // any layout resumes them. tp > 1 needs a plan (a plan needs tp > 1).
   int tp = 1;
   parallel::tensor::ModulePlan tensor_plan;
   // Activation checkpointing, after tensor parallelism: the submodules the
   // policy selects recompute in backward where the module's forward calls
-  // checkpointed() (Note [Checkpointing a user's module]); unset: none.
-  std::optional<CheckpointPolicy> checkpointing;
-  // Mixed precision, after checkpointing and before the engine: the
-  // module's floating parameters are stored in param_dtype (kBFloat16; or
-  // kFloat / Undefined: as they are) and its floating buffers in
-  // buffer_dtype (Undefined: param_dtype). bf16 storage needs fp32 master
-  // weights for the optimizer, which the sharded strategies keep
-  // (sharded.master_dtype, fp32 unless set): DDP refuses it.
+  // checkpointed() (Note [Checkpointing a user's module]; YAML
+  // model.activation_checkpointing: full selects every such submodule);
+  // unset: none.
+  std::optional<CheckpointPolicy> activation_checkpointing;
+  // Storage, after checkpointing and before the engine (YAML
+  // precision.param_dtype and buffer_dtype): kBFloat16 keeps the module's
+  // floating parameters (and buffers, unless buffer_dtype says otherwise)
+  // in bf16 and the sharded strategies' optimizer shards in fp32
+  // (sharded.master_dtype, unless set); gradients are reduced in
+  // sharded.reduce_dtype (YAML precision.reduce_dtype; unset: the
+  // gradients' dtype, summed in fp32 by Gloo). kFloat or Undefined: the
+  // module's own dtypes. Not with DDP, which has no master weights.
   at::ScalarType param_dtype = at::ScalarType::Undefined;
   at::ScalarType buffer_dtype = at::ScalarType::Undefined;
   ModuleStrategy strategy = ModuleStrategy::DDP;
@@ -69,9 +75,11 @@ struct ModuleRecipe {
   // The engines' own knobs; `sharded.sharding` is set from `strategy`.
   parallel::DDPOptions ddp;
   parallel::fsdp::ShardedOptions sharded;
-  // HybridShard: the shard and replicate groups (not with tp), or both null
-  // and dp_replicate >= 2 for a mesh over the world. Other strategies run
-  // over the world's group (or the mesh's dp under tp).
+  // HybridShard: the shard group (within a node) and the replicate group
+  // (across nodes), e.g. a comm::Mesh's dp_shard() and dp_replicate() (not
+  // with tp); or both null and dp_replicate >= 2 for a mesh the recipe
+  // builds over the world. Other strategies run over the world's group (or
+  // the mesh's dp under tp).
   comm::Group* shard_group = nullptr;
   comm::Group* replicate_group = nullptr;
   int dp_replicate = 1;
