@@ -6,6 +6,8 @@
 #include "scaletrain/checkpoint/safetensors.h"
 #include "scaletrain/util/error.h"
 
+#include <utility>
+
 namespace scaletrain::train {
 namespace {
 
@@ -27,6 +29,23 @@ void with_training_keys(models::ModelConfig& c, const config::ModelOptions& m) {
   if (m.moe_drop_policy != defaults.moe_drop_policy) c.moe_drop_policy = m.moe_drop_policy;
 }
 
+// What every source of a model takes from the run's keys: block_size (only
+// shorter than `positions`, the source's table), dropout, the experts'
+// counts (only repeated) and the training keys; then the model's checks.
+models::ModelConfig with_run_keys(models::ModelConfig f, const config::ModelOptions& m, const std::string& what,
+                                  const std::string& positions) {
+  if (m.block_size > f.block_size)
+    throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than " + positions + " (" +
+                     std::to_string(f.block_size) + " positions)");
+  if (m.block_size) f.block_size = m.block_size;
+  f.dropout = m.dropout;
+  agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
+  agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
+  with_training_keys(f, m);
+  f.validate();
+  return f;
+}
+
 // A config.json's model with the run's keys on top: the dimensions may only
 // repeat the file's, block_size may shorten the sequence.
 models::ModelConfig with_keys(models::ModelConfig f, const config::ModelOptions& m, const std::string& what) {
@@ -36,16 +55,7 @@ models::ModelConfig with_keys(models::ModelConfig f, const config::ModelOptions&
   agree("intermediate_size", m.intermediate_size, f.mlp_width(), what);
   agree("n_embd", m.n_embd, f.n_embd, what);
   agree("vocab_size", m.vocab_size, f.vocab_size, what);
-  if (m.block_size > f.block_size)
-    throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than " + what +
-                     " allows (" + std::to_string(f.block_size) + " positions)");
-  if (m.block_size) f.block_size = m.block_size;
-  f.dropout = m.dropout;
-  agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
-  agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
-  with_training_keys(f, m);
-  f.validate();
-  return f;
+  return with_run_keys(std::move(f), m, what, what + " allows");
 }
 
 }  // namespace
@@ -103,16 +113,7 @@ models::ModelConfig resolve_model_config(const config::ModelOptions& m) {
     throw UsageError("model.init_from " + m.init_from +
                      ": the head count is not in the weights and there is no config.json beside them; set model.n_head");
   }
-  if (m.block_size > f.block_size)
-    throw UsageError("model.block_size=" + std::to_string(m.block_size) + " is longer than model.init_from " +
-                     m.init_from + "'s position table (" + std::to_string(f.block_size) + ")");
-  if (m.block_size) f.block_size = m.block_size;
-  f.dropout = m.dropout;
-  agree("num_local_experts", m.num_local_experts, f.num_local_experts, what);
-  agree("num_experts_per_tok", m.num_experts_per_tok, f.num_local_experts > 0 ? f.num_experts_per_tok : 0, what);
-  with_training_keys(f, m);
-  f.validate();
-  return f;
+  return with_run_keys(std::move(f), m, what, what + "'s position table");
 }
 
 }  // namespace scaletrain::train
