@@ -717,6 +717,11 @@ TEST(ModuleTrainer, ActivationCheckpointingByPolicyFollowsOneProcess) {
   o.activation_checkpointing->blocks.types = {"NoSuchImpl"};
   expect_error([&] { ModuleTrainer t(make().ptr(), world(), adam, loss, o); }, "activation checkpointing: ",
                "a class no submodule has");
+  // A module that never calls checkpointed(): the policy would change nothing, so the first step stops.
+  ModuleTrainerOptions plain = options(ModuleStrategy::DDP, 4);
+  plain.activation_checkpointing = train::CheckpointPolicy{};
+  expect_error<UsageError>([&] { ModuleTrainer(make_toy(), world(), adam, mse, plain).fit(dataset()); },
+               "no selected submodule called train::checkpointed", "a module that marks no block");
 }
 
 // A residual MLP of the user's: the pair fc1 (colwise) -> fc2 (rowwise)

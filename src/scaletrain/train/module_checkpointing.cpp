@@ -15,6 +15,7 @@ namespace {
 struct Selected {
   std::weak_ptr<const torch::nn::Module> module;
   models::CheckpointOptions options;
+  int64_t uses = 0;  // checkpointed() calls that recomputed it
 };
 std::mutex g_selected_mu;
 std::map<const torch::nn::Module*, Selected>& registry() {
@@ -22,7 +23,7 @@ std::map<const torch::nn::Module*, Selected>& registry() {
   return selected;
 }
 
-const Selected* find(const torch::nn::Module& block, std::lock_guard<std::mutex>&) {
+Selected* find(const torch::nn::Module& block, std::lock_guard<std::mutex>&) {
   auto it = registry().find(&block);
   if (it == registry().end()) return nullptr;
   if (it->second.module.lock().get() != &block) {
@@ -83,9 +84,10 @@ at::Tensor checkpointed(torch::nn::Module& block, const std::function<at::Tensor
   models::CheckpointOptions options;
   {
     std::lock_guard<std::mutex> lock(g_selected_mu);
-    const Selected* s = find(block, lock);
+    Selected* s = find(block, lock);
     if (s == nullptr) return body(x);
     options = s->options;
+    ++s->uses;
   }
   std::vector<at::Tensor> params;
   for (const auto& p : block.parameters())
@@ -96,6 +98,16 @@ at::Tensor checkpointed(torch::nn::Module& block, const std::function<at::Tensor
 bool is_checkpointed(const torch::nn::Module& block) {
   std::lock_guard<std::mutex> lock(g_selected_mu);
   return find(block, lock) != nullptr;
+}
+
+int64_t checkpointed_uses(const torch::nn::Module& module) {
+  std::vector<const torch::nn::Module*> all{&module};
+  for (const auto& m : module.modules(/*include_self=*/false)) all.push_back(m.get());
+  std::lock_guard<std::mutex> lock(g_selected_mu);
+  int64_t n = 0;
+  for (const torch::nn::Module* m : all)
+    if (const Selected* s = find(*m, lock)) n += s->uses;
+  return n;
 }
 
 }  // namespace scaletrain::train

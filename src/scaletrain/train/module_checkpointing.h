@@ -51,4 +51,9 @@ at::Tensor checkpointed(torch::nn::Module& block, const std::function<at::Tensor
 // Whether a policy selected `block` (for a module that reports it).
 bool is_checkpointed(const torch::nn::Module& block);
 
+// How many times selected submodules of `module` (or itself) were
+// recomputed through checkpointed(): 0 after a forward means the policy
+// changed nothing (the module never calls checkpointed() on them).
+int64_t checkpointed_uses(const torch::nn::Module& module);
+
 }  // namespace scaletrain::train

@@ -353,7 +353,13 @@ double ModuleTrainer::step(const ModuleData& data) {
   const int64_t share = options_.global_batch / par_.dp_size;
   std::vector<int64_t> global = sampler->global_batch(step_);
   const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
+  const int64_t uses_before = options_.activation_checkpointing ? checkpointed_uses(*module_) : 0;
   const double loss_sum = run_micro_batches(data, mine);
+  // A policy nothing used would be accepted and ignored: every rank runs the same module, so all stop here.
+  if (options_.activation_checkpointing && uses_before == 0 && checkpointed_uses(*module_) == 0)
+    throw UsageError(
+        "activation checkpointing is set but no selected submodule called train::checkpointed in the forward, so "
+        "nothing would recompute: mark the blocks in the module's forward (Note [Checkpointing a user's module])");
   // The global mean: every rank's micro-batches weigh the same.
   at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
   par_.shard->all_reduce(l, comm::ReduceOp::Avg).wait();
