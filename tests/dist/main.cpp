@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 
+#include "../unit/torch/seed_each_test.h"
 #include "dist_env.h"
 
 namespace scaletrain::test {
@@ -31,6 +32,9 @@ int main(int argc, char** argv) {
   o.debug_collectives = true;
   if (const char* t = std::getenv("SCALETRAIN_TEST_TIMEOUT_S")) o.timeout = std::chrono::seconds(std::atoi(t));
   scaletrain::test::world_ptr() = scaletrain::comm::World::init(o);
+  // Each test starts from a seed of its name and the rank (seed_each_test.h).
+  ::testing::UnitTest::GetInstance()->listeners().Append(
+      new scaletrain::test::SeedEachTest(static_cast<uint64_t>(scaletrain::test::world().rank()) + 1));
   // Only rank 0 prints the test log (SCALETRAIN_TEST_ALL_RANKS=1: every
   // rank); failures on any rank still fail the exit code.
   const char* all = std::getenv("SCALETRAIN_TEST_ALL_RANKS");
