@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dist_env.h"
+#include "module_trainer_case.h"
 #include "reference.h"
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/hub/peft_adapter.h"
@@ -31,118 +32,10 @@
 namespace scaletrain::test {
 namespace {
 
-namespace fs = std::filesystem;
-using train::ModuleStrategy;
-using train::ModuleTrainer;
-using train::ModuleTrainerOptions;
-
-constexpr int64_t kSamples = 40;  // the global batch of 24 straddles epochs
-constexpr int64_t kGlobal = 24;   // divisible by 2 micro-batches x 1..4 ranks
-constexpr double kLr = 1e-2;
-
-std::shared_ptr<torch::nn::Module> make_toy() {
-  torch::manual_seed(3);
-  auto m = Toy();
-  m->to(at::kDouble);
-  return m.ptr();
-}
-
-train::ModuleData dataset() {
-  auto g = at::detail::createCPUGenerator(77);
-  return train::ModuleData(at::randn({kSamples, 10}, g, at::kDouble), at::randn({kSamples, 5}, g, at::kDouble));
-}
-
-at::Tensor mse(torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
-  return torch::mse_loss(dynamic_cast<ToyImpl&>(m).forward(x), y);
-}
-
-std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> params) {
-  return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(kLr));
-}
-
-// Two micro-batches per rank and step, a warmup-then-cosine schedule, clipping below the norm.
-ModuleTrainerOptions options(ModuleStrategy s, int64_t steps) {
-  ModuleTrainerOptions o;
-  o.strategy = s;
-  if (s != ModuleStrategy::DDP) o.units.names = {"net1", "net2"};
-  if (s == ModuleStrategy::HybridShard) o.dp_replicate = 2;
-  o.steps = steps;
-  o.global_batch = kGlobal;
-  o.micro_batch = kGlobal / (2 * world().size());
-  o.seed = 11;
-  o.clip_grad_norm = 0.3;
-  optim::ScheduleOptions sched;
-  sched.warmup_steps = 2;
-  sched.total_steps = steps;
-  o.lr_schedule = sched;
-  o.peak_lr = kLr;
-  o.progress = false;
-  return o;
-}
-
-struct Reference {
-  std::vector<double> losses;
-  std::vector<at::Tensor> params;
-  std::vector<double> norms;
-};
-
-// One process: the sampler's global batch of each step, the whole batch's
-// mean loss, torch's clipping, the schedule written into Adam's lr.
-Reference run_alone(const std::shared_ptr<torch::nn::Module>& m, const train::ModuleLoss& loss,
-                    const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
-  std::unique_ptr<torch::optim::Optimizer> made = factory(m->parameters());
-  torch::optim::Optimizer& opt = *made;
-  data::SamplerOptions so;
-  so.seed = o.seed;
-  so.global_batch = o.global_batch;
-  data::DistributedSampler sampler(kSamples, so);
-  const train::ModuleData data = dataset();
-  Reference ref;
-  for (int64_t s = 0; s < o.steps; ++s) {
-    const train::ModuleBatch b = data.get(sampler.global_batch(s));
-    opt.zero_grad();
-    at::Tensor l = loss(*m, b.input, b.target);
-    l.backward();
-    ref.norms.push_back(torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm));
-    opt.param_groups()[0].options().set_lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
-    opt.step();
-    ref.losses.push_back(l.item<double>());
-  }
-  ref.params = m->parameters();
-  return ref;
-}
-
-Reference train_alone(const ModuleTrainerOptions& o, const train::OptimizerFactory& factory = adam) {
-  return run_alone(make_toy(), mse, o, factory);
-}
-
-void expect_losses(const std::vector<double>& got, const std::vector<double>& want, size_t first,
-                   const std::string& what) {
-  ASSERT_EQ(got.size() + first, want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_NEAR(got[i], want[first + i], 1e-10 * std::abs(want[first + i])) << what << " step " << first + i + 1;
-}
-
-std::vector<ModuleStrategy> strategies() {
-  std::vector<ModuleStrategy> all = {ModuleStrategy::DDP,   ModuleStrategy::Zero1,     ModuleStrategy::Zero2,
-                                     ModuleStrategy::Zero3, ModuleStrategy::FullShard, ModuleStrategy::ShardGradOp};
-  if (world().size() == 4) all.push_back(ModuleStrategy::HybridShard);
-  return all;
-}
-
-// The run's directory, the same on every rank, emptied by rank 0.
-fs::path fresh_dir(const std::string& name) {
-  const char* port = std::getenv("MASTER_PORT");
-  const fs::path d =
-      fs::temp_directory_path() /
-      ("scaletrain_module_trainer_" + std::string(port ? port : "0") + "_w" + std::to_string(world().size())) / name;
-  if (world().rank() == 0) fs::remove_all(d);
-  world().group()->barrier().wait();
-  return d;
-}
+using namespace trainer_case;
 
 TEST(ModuleTrainer, MatchesOneProcessUnderEveryStrategy) {
-  const Reference ref = train_alone(options(ModuleStrategy::DDP, 5));
+  const AloneRun ref = train_alone(options(ModuleStrategy::DDP, 5));
   EXPECT_GT(ref.norms.front(), 0.3) << "clipping must act for the test to mean anything";
   for (ModuleStrategy s : strategies()) {
     const std::string name = train::to_string(s);
@@ -167,7 +60,7 @@ TEST(ModuleTrainer, MatchesOneProcessUnderEveryStrategy) {
 // Saved at step 3 of 6 by one strategy, resumed by another with another
 // micro-batch size: the rest of the run is the uninterrupted run's.
 TEST(ModuleTrainer, ResumesUnderAnotherStrategy) {
-  const Reference ref = train_alone(options(ModuleStrategy::DDP, 6));
+  const AloneRun ref = train_alone(options(ModuleStrategy::DDP, 6));
   const std::vector<std::pair<ModuleStrategy, ModuleStrategy>> pairs = {
       {ModuleStrategy::DDP, ModuleStrategy::FullShard},
       {ModuleStrategy::FullShard, ModuleStrategy::DDP},
@@ -251,15 +144,6 @@ TEST(ModuleTrainer, ResumeRestoresBuffers) {
     EXPECT_TRUE(loaded[i].equal(rank0[i])) << "buffer " << i << " on rank " << world().rank();
 }
 
-template <class E = std::invalid_argument>
-void expect_error(const std::function<void()>& f, const std::string& part, const std::string& what) {
-  try {
-    f();
-    ADD_FAILURE() << what << ": no error";
-  } catch (const E& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
-  }
-}
 
 TEST(ModuleTrainer, BadOptionsNameTheField) {
   using Edit = std::function<void(ModuleTrainerOptions&)>;
@@ -343,7 +227,7 @@ TEST(ModuleTrainer, EveryTorchOptimizerResumesExactly) {
          return std::make_unique<AdamW>(p, AdamWOptions(kLr).amsgrad(true));
        }}};
   for (const auto& [what, factory] : optimizers) {
-    const Reference ref = train_alone(options(ModuleStrategy::DDP, 6), factory);
+    const AloneRun ref = train_alone(options(ModuleStrategy::DDP, 6), factory);
     for (auto [save_as, resume_as] : {std::pair{ModuleStrategy::DDP, ModuleStrategy::Zero3},
                                       std::pair{ModuleStrategy::Zero3, ModuleStrategy::DDP}}) {
       const std::string name = what + ", " + train::to_string(save_as) + " -> " + train::to_string(resume_as);
@@ -488,159 +372,6 @@ TEST(ModuleTrainer, LoraTrainsTheAdaptersOfAUserModule) {
   EXPECT_EQ(yaml.lora->target_modules, (std::vector<std::string>{"q", "v"}));
   config::apply_override(c, "finetune.method=qlora");
   expect_error<UsageError>([&] { train::module_trainer_options(c); }, "QLoRA quantizes the CLI families'", "qlora");
-}
-
-// precision.mode bf16: the trainer autocasts each micro-batch's forward and
-// loss. One process computing the same slices under autocast gets the same
-// bf16 roundings (same operators on the same values), and sums the slices'
-// fp32 gradients in another order than the all-reduce: 1e-5 relative, the
-// fp32 bound. The same run without autocast ends far from it.
-TEST(ModuleTrainer, Bf16AutocastMatchesOneProcessOnTheSameSlices) {
-  auto make32 = [] {
-    torch::manual_seed(3);
-    return Toy().ptr();
-  };
-  const train::ModuleData d64 = dataset();
-  const std::vector<int64_t> all = [] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }();
-  const train::ModuleBatch whole = d64.get(all);
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
-  const int64_t n = kGlobal / world().size();
-  auto run = [&](at::ScalarType autocast) {
-    ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
-    o.micro_batch = n;  // one slice per rank and step
-    o.autocast = autocast;
-    ModuleTrainer t(make32(), world(), adam, mse, o);
-    t.fit(data);
-    return t.full_parameters();
-  };
-  const std::vector<at::Tensor> got = run(at::kBFloat16), plain = run(at::kFloat);
-
-  auto m = make32();
-  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(kLr));
-  const ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
-  data::SamplerOptions so;
-  so.seed = o.seed;
-  so.global_batch = o.global_batch;
-  data::DistributedSampler sampler(kSamples, so);
-  precision::PrecisionPolicy bf16;
-  bf16.compute = at::kBFloat16;
-  for (int64_t s = 0; s < o.steps; ++s) {
-    const train::ModuleBatch b = data.get(sampler.global_batch(s));
-    opt.zero_grad();
-    for (int r = 0; r < world().size(); ++r) {
-      at::Tensor loss;
-      {
-        precision::AutocastGuard autocast(bf16, at::kCPU);
-        loss = mse(*m, b.input.narrow(0, r * n, n), b.target.narrow(0, r * n, n));
-      }
-      (loss / world().size()).backward();
-    }
-    torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm);
-    opt.param_groups()[0].options().set_lr(optim::lr_at(s, o.peak_lr, *o.lr_schedule));
-    opt.step();
-  }
-  const double diff = relative_diff(got, m->parameters(), /*per_tensor=*/true);
-  EXPECT_LE(diff, 1e-5) << "autocast bf16 against one process on the same slices";
-  EXPECT_GT(relative_diff(plain, m->parameters(), /*per_tensor=*/true), 100 * std::max(diff, 1e-7))
-      << "without autocast the run should end elsewhere";
-  ModuleTrainerOptions half = options(ModuleStrategy::DDP, 4);
-  half.autocast = at::kHalf;
-  expect_error([&] { train::validate(half); }, "fp16 needs loss scaling", "fp16 autocast");
-}
-
-// bf16 storage with fp32 masters (param_dtype) under the sharded strategies:
-// every rank's bf16 gradients summed in fp32 and averaged, clipped and stepped
-// on fp32 masters, the module's bf16 parameters their rounding; one process
-// computing the same slices the same way is the reference.
-TEST(ModuleTrainer, Bf16StorageStepsFp32MastersAsOneProcessWould) {
-  auto make32 = [] {
-    torch::manual_seed(3);
-    return Toy().ptr();
-  };
-  auto loss32 = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
-    return torch::mse_loss(dynamic_cast<ToyImpl&>(m).forward(x).to(at::kFloat), y);
-  };
-  const train::ModuleBatch whole = dataset().get([] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }());
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
-  const int64_t n = kGlobal / world().size();
-  // The run's master shards against the reference's masters by name:
-  // |shard - reference| / |reference| over this rank's pieces.
-  auto run = [&](ModuleStrategy s, at::ScalarType master, const std::map<std::string, at::Tensor>& want) {
-    ModuleTrainerOptions o = options(s, 4);
-    o.micro_batch = n;  // one slice per rank and step
-    o.param_dtype = at::kBFloat16;
-    o.sharded.master_dtype = master;
-    auto module = make32();
-    ModuleTrainer t(module, world(), adam, loss32, o);
-    EXPECT_EQ(t.optimizer().param_groups()[0].params()[0].scalar_type(),
-              master == at::ScalarType::Undefined ? at::kFloat : master);
-    t.fit(data);
-    for (const auto& p : module->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
-    double num = 0, den = 0;
-    for (const auto& v : t.sharded()->shard_views())
-      for (const auto& piece : v.pieces) {
-        const at::Tensor ref = want.at(piece.name).flatten().narrow(0, piece.param_offset, piece.numel);
-        const at::Tensor got = v.shard.narrow(0, piece.shard_offset, piece.numel).to(at::kFloat);
-        num += (got - ref).pow(2).sum().item<double>();
-        den += ref.pow(2).sum().item<double>();
-      }
-    return std::sqrt(num / den);
-  };
-  auto bf = make32();
-  bf->to(at::kBFloat16);
-  std::vector<at::Tensor> masters;
-  for (const auto& p : bf->parameters()) masters.push_back(p.detach().to(at::kFloat).requires_grad_());
-  torch::optim::Adam opt(masters, torch::optim::AdamOptions(kLr));
-  const ModuleTrainerOptions o = options(ModuleStrategy::FullShard, 4);
-  data::SamplerOptions so;
-  so.seed = o.seed;
-  so.global_batch = o.global_batch;
-  data::DistributedSampler sampler(kSamples, so);
-  for (int64_t step = 0; step < o.steps; ++step) {
-    const train::ModuleBatch b = data.get(sampler.global_batch(step));
-    std::vector<at::Tensor> sum;
-    for (const auto& p : masters) sum.push_back(at::zeros_like(p));
-    for (int r = 0; r < world().size(); ++r) {
-      bf->zero_grad();
-      loss32(*bf, b.input.narrow(0, r * n, n).to(at::kBFloat16), b.target.narrow(0, r * n, n)).backward();
-      auto params = bf->parameters();
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += params[i].grad().to(at::kFloat);
-    }
-    // Reduced in the gradients' dtype (no reduce_dtype): the fp32 sum's mean, rounded to bf16.
-    for (size_t i = 0; i < sum.size(); ++i)
-      masters[i].mutable_grad() = (sum[i] / world().size()).to(at::kBFloat16).to(at::kFloat);
-    torch::nn::utils::clip_grad_norm_(masters, o.clip_grad_norm);
-    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
-    opt.step();
-    torch::NoGradGuard no_grad;
-    auto params = bf->parameters();
-    for (size_t i = 0; i < masters.size(); ++i) params[i].copy_(masters[i]);
-  }
-  std::map<std::string, at::Tensor> want;
-  {
-    auto named = bf->named_parameters();
-    for (size_t i = 0; i < masters.size(); ++i) want[named[i].key()] = masters[i].detach();
-  }
-  for (ModuleStrategy s : {ModuleStrategy::Zero2, ModuleStrategy::FullShard}) {
-    const double diff = run(s, at::ScalarType::Undefined, want);
-    EXPECT_LE(diff, 1e-6) << train::to_string(s) << ": bf16 storage, fp32 masters, against one process";
-    if (s != ModuleStrategy::FullShard) continue;
-    const double bf16_masters = run(s, at::kBFloat16, want);
-    EXPECT_GT(bf16_masters, 100 * std::max(diff, 1e-8)) << "with bf16 masters the run should end elsewhere";
-  }
-  ModuleTrainerOptions ddp = options(ModuleStrategy::DDP, 4);
-  ddp.param_dtype = at::kBFloat16;
-  expect_error([&] { train::validate(ddp); }, "needs fp32 master weights", "bf16 storage under DDP");
-  ddp.param_dtype = at::kHalf;
-  expect_error([&] { train::validate(ddp); }, "fp16 storage needs loss scaling", "fp16 storage");
 }
 
 // A stack of residual blocks whose forward marks each block as one that may

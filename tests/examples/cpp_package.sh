@@ -89,4 +89,6 @@ refused() {  # EXPECTED-TEXT ARGS...: exit 2 and one line naming the problem
 refused "model.library: no file $work/none.so" --model.library="$work/none.so"
 refused "exports no scaletrain_module_task_v1" --model.library="$prefix/lib/libscaletrain_core.so"
 refused "model.preset=gpt2 would have no effect" --model.library="$lib" --model.preset=gpt2
+# fp16 is accepted from the keys, but this module computes on the CPU, which has no fp16 matmul.
+refused "needs the module on a CUDA device" --model.library="$lib" --precision.mode=fp16
 echo "module library: refusals named"

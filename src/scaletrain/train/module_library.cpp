@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -96,8 +98,14 @@ void run_module_library(const config::Config& config) {
     refuse_adamw_keys(c);
     options.adamw.reset();
   }
-  ModuleTrainer trainer(task.module, *world, task.optimizer, task.loss, options);
-  trainer.fit(*task.data);
+  // What only the module shows (its device for fp16, its names for the units) is the config's problem here.
+  std::unique_ptr<ModuleTrainer> trainer;
+  try {
+    trainer = std::make_unique<ModuleTrainer>(task.module, *world, task.optimizer, task.loss, options);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string(e.what()) + " (from the config's keys and " + path + "'s module)");
+  }
+  trainer->fit(*task.data);
 }
 
 }  // namespace scaletrain::train

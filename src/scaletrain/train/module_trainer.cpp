@@ -96,6 +96,7 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   world_.check_same_everywhere("module trainer's options and module", detail::settings_text(options_, *module_));
   build_engine();
   build_optimizer(std::move(optimizer));
+  if (options_.loss_scaling) scaler_ = std::make_unique<precision::LossScaler>(*options_.loss_scaling);
   start_checkpoints();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
     const auto parent = std::filesystem::path(options_.metrics_path).parent_path();
@@ -166,6 +167,9 @@ void ModuleTrainer::save_adapter(const std::string& dir) {
 void ModuleTrainer::build_engine() {
   if (!module_->parameters().empty()) device_ = module_->parameters().front().device();
   const ModuleTrainerOptions& o = options_;
+  if (o.autocast == at::kHalf && device_.type() != at::kCUDA)
+    bad("autocast", "kHalf needs the module on a CUDA device: libtorch has no fp16 matmul on the " +
+                        c10::DeviceTypeName(device_.type(), true) + " (use kBFloat16)");
   par_ = parallelize(module_, world_, static_cast<const ModuleRecipe&>(o));
   const int dp = par_.dp_size;
   if (o.global_batch % (o.micro_batch * dp) != 0)
@@ -220,6 +224,10 @@ void ModuleTrainer::start_checkpoints() {
   if (par_.sharded) par_.sharded->after_step();  // replicated strategies gather the loaded shards in the next forward
   checkpoint::set_cpu_rng_state(index.state.rng_cpu);
   step_ = last_saved_ = index.state.step;
+  opt_steps_ = index.state.optimizer_steps;
+  // A run that starts or stops scaling here keeps its own: a fresh scaler, or none.
+  if (scaler_ && !index.state.loss_scaler.empty())
+    scaler_->load_state(precision::LossScalerState::from_map(index.state.loss_scaler));
   if (world_.rank() == 0)
     std::printf("module_trainer: resumed from %s (step %lld, saved by %s on %d ranks)\n", from.c_str(),
                 static_cast<long long>(step_), index.strategy.c_str(), index.world_size);
@@ -254,7 +262,8 @@ void ModuleTrainer::save() {
   if (last_saved_ == step_) return;
   checkpoint::SaveState state;
   state.run.step = step_;
-  state.run.optimizer_steps = step_;
+  state.run.optimizer_steps = opt_steps_;
+  if (scaler_) state.run.loss_scaler = scaler_->state().to_map();
   state.run.rng_cpu = checkpoint::cpu_rng_state();
   ckpt_->save(layout(), opt_state_.get(), state);
   last_saved_ = step_;
@@ -298,23 +307,41 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
     if (!loss.defined() || loss.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
     loss = loss.reshape({}) / static_cast<double>(accum_);
+    const at::Tensor scaled = scaler_ ? loss * scaler_->scale() : loss;
     if (k + 1 == accum_) {
-      loss.backward();  // reduces the accumulated gradients
+      scaled.backward();  // reduces the accumulated gradients
     } else if (par_.ddp) {
       auto guard = par_.ddp->no_sync();
-      loss.backward();
+      scaled.backward();
     } else {
       auto guard = par_.sharded->no_sync();
-      loss.backward();
+      scaled.backward();
     }
     loss_sum += loss.item<double>();
   }
   return loss_sum;
 }
 
+// Loss scaling (Note [Module trainer step], 3): the optimizer's gradients
+// (the module's, or the shards') unscaled, and whether any rank's overflowed;
+// the scaler's state advances either way. False without loss scaling.
+bool ModuleTrainer::overflowed() {
+  if (!scaler_) return false;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : opt_params_)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  const bool overflow = scaler_->unscale_and_check(grads, {world_.group().get()});
+  scaler_->update(overflow);
+  return overflow;
+}
+
 // Clipping, the step's learning rate and the optimizer step (Note [Module
-// trainer step], 3); returns the learning rate.
-double ModuleTrainer::update(double* grad_norm) {
+// trainer step], 3), all but the learning rate skipped when `skip`; returns
+// the learning rate.
+double ModuleTrainer::update(double* grad_norm, bool skip) {
+  double lr = opt_->param_groups().front().options().get_lr();
+  if (options_.lr_schedule) lr = optim::lr_at(step_, options_.peak_lr, *options_.lr_schedule);
+  if (skip) return lr;
   const double clip = options_.clip_grad_norm;
   if (par_.sharded && par_.tp) {  // a split parameter's squares add over tp, a replicated one counts once
     const parallel::tensor::TensorParallelPlan& plan = par_.tp->plan();
@@ -327,12 +354,10 @@ double ModuleTrainer::update(double* grad_norm) {
   } else {
     *grad_norm = optim::clip_grad_norm(opt_params_, clip);
   }
-  double lr = opt_->param_groups().front().options().get_lr();
-  if (options_.lr_schedule) {
-    lr = optim::lr_at(step_, options_.peak_lr, *options_.lr_schedule);
+  if (options_.lr_schedule)
     for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
-  }
   opt_->step();
+  ++opt_steps_;
   if (par_.sharded) par_.sharded->after_step();
   return lr;
 }
@@ -354,6 +379,7 @@ double ModuleTrainer::step(const ModuleData& data) {
   std::vector<int64_t> global = sampler->global_batch(step_);
   const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
   const int64_t uses_before = options_.activation_checkpointing ? checkpointed_uses(*module_) : 0;
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
   const double loss_sum = run_micro_batches(data, mine);
   // A policy nothing used would be accepted and ignored: every rank runs the same module, so all stop here.
   if (options_.activation_checkpointing && uses_before == 0 && checkpointed_uses(*module_) == 0)
@@ -366,11 +392,11 @@ double ModuleTrainer::step(const ModuleData& data) {
   if (par_.replicate) par_.replicate->all_reduce(l, comm::ReduceOp::Avg).wait();
   const double loss = l.item<double>();
   double grad_norm = 0;
-  const double lr = update(&grad_norm);
+  const double lr = update(&grad_norm, overflowed());
   if (par_.tp) par_.tp->check();  // a collective that failed inside forward
   ++step_;
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  write_metrics(loss, lr, grad_norm, ms);
+  write_metrics(loss, lr, grad_norm, ms, scale);
   observers_->tracer->end_step(step_);
   const int64_t stop = stop_step();
   const bool due =
@@ -379,14 +405,17 @@ double ModuleTrainer::step(const ModuleData& data) {
   return loss;
 }
 
-void ModuleTrainer::write_metrics(double loss, double lr, double grad_norm, double ms) {
+void ModuleTrainer::write_metrics(double loss, double lr, double grad_norm, double ms, double scale) {
   if (world_.rank() != 0) return;
   const double samples_per_s = static_cast<double>(options_.global_batch) / std::max(ms, 1e-9) * 1000.0;
   if (observers_->metrics.is_open()) {
-    observers_->metrics << nlohmann::json{{"step", step_},          {"loss", loss},  {"lr", lr},
-                                          {"grad_norm", grad_norm}, {"step_ms", ms}, {"samples_per_s", samples_per_s}}
-                               .dump()
-                        << "\n";
+    nlohmann::json line{{"step", step_},          {"loss", loss},  {"lr", lr},
+                        {"grad_norm", grad_norm}, {"step_ms", ms}, {"samples_per_s", samples_per_s}};
+    if (scaler_) {  // the scale this step's losses were multiplied by, and the steps skipped so far
+      line["loss_scale"] = scale;
+      line["skipped_steps"] = scaler_->skipped_steps();
+    }
+    observers_->metrics << line.dump() << "\n";
     observers_->metrics.flush();
   }
   if (options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step())) {

@@ -16,10 +16,12 @@
 //      by accum and backpropagated; all but the last under the engine's
 //      no_sync, so gradients are reduced once per step and equal those of the
 //      whole global batch's mean loss on one process.
-//   3. The global gradient norm (clipped when clip_grad_norm > 0), the
-//      learning rate of the step written into every param group, the
-//      optimizer step; sharded strategies then after_step(). Gradients are
-//      zeroed by the engine before the next step.
+//   3. With loss scaling (the losses of 2 were multiplied by its scale),
+//      the gradients are unscaled and an inf or NaN on any rank skips the
+//      rest of this point on every rank. The global gradient norm (clipped
+//      when clip_grad_norm > 0), the learning rate of the step written into
+//      every param group, the optimizer step; sharded strategies then
+//      after_step(). Gradients are zeroed by the engine before the next step.
 //   4. The reported loss is the mean over the global batch (one all-reduce).
 // Every piece is public and composes by hand: DistributedDataParallel and
 // fully_shard, DistributedSampler, optim::lr_at, checkpoint::Checkpointer
@@ -53,6 +55,7 @@
 #include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/recipe.h"
 #include "scaletrain/train/torch_optimizer_state.h"
@@ -108,10 +111,19 @@ struct ModuleTrainerOptions : ModuleRecipe {
   std::string resume = "auto";
 
   // Autocast (precision/policy.h) over each micro-batch's forward and loss:
-  // kBFloat16 runs the autocast-eligible operators (matmuls, convolutions)
-  // in bf16 on the module's device, its parameters and gradients staying in
-  // their dtype; kFloat: off. fp16 (kHalf) needs loss scaling: refused.
+  // kBFloat16 (or kHalf) runs the autocast-eligible operators (matmuls,
+  // convolutions) in that dtype on the module's device, its parameters and
+  // gradients staying in their dtype; kFloat: off. kHalf needs loss_scaling
+  // and a CUDA module (libtorch 1.13 has no fp16 matmul on the CPU).
   at::ScalarType autocast = at::kFloat;
+  // Loss scaling (precision/loss_scaler.h: DeepSpeed's dynamic scaler, or a
+  // static scale), Note [Module trainer step] 2-3: each micro-batch's loss
+  // is multiplied by the scale before backward; the gradients are unscaled
+  // and checked for inf/NaN on every rank; a step that overflowed anywhere
+  // is skipped everywhere (parameters and optimizer state untouched, the
+  // schedule still advances) and the scale adapts. Checkpoints keep its
+  // state. Required by fp16 autocast; allowed with any other.
+  std::optional<precision::LossScalerOptions> loss_scaling;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules
@@ -219,6 +231,10 @@ class ModuleTrainer {
   int64_t stop_step() const { return options_.stop_at > 0 ? options_.stop_at : options_.steps; }
   int data_parallel_size() const { return par_.dp_size; }
   int64_t accumulation() const { return accum_; }
+  // The loss scaler (options.loss_scaling), null without one.
+  const precision::LossScaler* loss_scaler() const { return scaler_.get(); }
+  // Optimizer steps taken (completed_steps() less the steps loss scaling skipped).
+  int64_t optimizer_steps() const { return opt_steps_; }
   torch::optim::Optimizer& optimizer() { return *opt_; }
   // The engine (one of the two is set).
   parallel::DistributedDataParallel* ddp() { return par_.ddp.get(); }
@@ -233,8 +249,9 @@ class ModuleTrainer {
   void start_checkpoints();
   checkpoint::Layout layout() const;
   double run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine);
-  double update(double* grad_norm);
-  void write_metrics(double loss, double lr, double grad_norm, double ms);
+  bool overflowed();
+  double update(double* grad_norm, bool skip);
+  void write_metrics(double loss, double lr, double grad_norm, double ms, double scale);
 
   std::shared_ptr<torch::nn::Module> module_;
   comm::World& world_;
@@ -247,7 +264,9 @@ class ModuleTrainer {
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: an optimizer without state, or no checkpoints
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
+  std::unique_ptr<precision::LossScaler> scaler_;  // options.loss_scaling
   int64_t step_ = 0;
+  int64_t opt_steps_ = 0;
   int64_t last_saved_ = -1;
   struct Observers;  // metrics file, tracer (module_trainer.cpp)
   std::unique_ptr<Observers> observers_;

@@ -90,6 +90,11 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
     s << "\ncheckpointing.types=" << list(ac->blocks.types) << "\ncheckpointing.names=" << list(ac->blocks.names)
       << "\ncheckpointing.min_num_params=" << ac->blocks.min_num_params << "\ncheckpointing.every=" << ac->every
       << "\ncheckpointing.preserve_rng=" << ac->options.preserve_rng;
+  if (const auto& ls = o.loss_scaling)
+    s << "\nloss_scaling.static=" << ls->static_scale << "\nloss_scaling.initial=" << ls->initial_scale
+      << "\nloss_scaling.growth_interval=" << ls->growth_interval << "\nloss_scaling.hysteresis=" << ls->hysteresis
+      << "\nloss_scaling.min=" << ls->min_scale << "\nloss_scaling.factors=" << ls->growth_factor << ","
+      << ls->backoff_factor;
   for (const auto& [pattern, style] : o.tensor_plan)
     s << "\ntensor_plan " << pattern << "=" << parallel::tensor::style_name(style);
   s << "\n";
@@ -179,14 +184,19 @@ void validate(const ModuleTrainerOptions& o) {
   if (o.tp == 1 && !o.tensor_plan.empty()) bad("tensor_plan", "is given but tp is 1");
   if (o.tp > 1 && (o.shard_group != nullptr || o.replicate_group != nullptr))
     bad("tp", "builds its own dp x tp mesh: give no shard_group or replicate_group");
-  if (o.autocast != at::kFloat && o.autocast != at::kBFloat16)
-    bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off) or kBFloat16") +
-                        (o.autocast == at::kHalf ? " (fp16 needs loss scaling, which the module trainer does not run)"
-                                                 : ""));
+  if (o.autocast != at::kFloat && o.autocast != at::kBFloat16 && o.autocast != at::kHalf)
+    bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off), kBFloat16 or kHalf"));
+  if (o.autocast == at::kHalf && !o.loss_scaling)
+    bad("autocast", "kHalf needs loss_scaling: fp16 gradients underflow without it (set loss_scaling, or use kBFloat16)");
+  if (o.loss_scaling) try {
+      precision::LossScaler probe(*o.loss_scaling);
+    } catch (const UsageError& e) {
+      bad("loss_scaling", std::string("is unusable: ") + e.what());
+    }
   for (const auto& [field, t] : {std::pair{"param_dtype", o.param_dtype}, std::pair{"buffer_dtype", o.buffer_dtype}})
     if (t != at::ScalarType::Undefined && t != at::kFloat && t != at::kBFloat16)
       bad(field, c10::toString(t) + std::string(" is not Undefined (the module's own), kFloat or kBFloat16") +
-                     (t == at::kHalf ? " (fp16 storage needs loss scaling, which the module trainer does not run)" : ""));
+                     (t == at::kHalf ? " (fp16 storage is not run for user modules: fp16 autocast over fp32 parameters is)" : ""));
   if (o.param_dtype == at::kBFloat16 && !is_sharded(o.strategy))
     bad("param_dtype", "kBFloat16 needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp); "
                        "DDP would step the bf16 parameters themselves");
@@ -224,7 +234,9 @@ const std::set<std::string>& mapped_keys() {
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
         {"parallel.zero", "offload_optimizer offload_param offload_dir"},
         {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
-        {"precision", "mode param_dtype buffer_dtype reduce_dtype"},
+        {"precision",
+         "mode param_dtype buffer_dtype reduce_dtype loss_scale initial_scale_power loss_scale_window hysteresis "
+         "min_loss_scale scale_bf16"},
         {"model", "activation_checkpointing"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
@@ -249,7 +261,6 @@ std::string unread_reason(const std::string& key) {
   if (key == "finetune.double_quant") return "it is QLoRA's, which quantizes the CLI families' linear layers";
   if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
   if (starts(key, "precision.fp8")) return "FP8 linears are the CLI families' layers";
-  if (starts(key, "precision.")) return "loss scaling is for fp16, which the module trainer does not run";
   if (key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
     return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
   if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
@@ -282,10 +293,16 @@ std::string inapplicable(const config::Config& c, const std::string& key, config
            "the shards and their gradients in host memory, nvme is the CLI families' AdamW";
   if (key == "parallel.zero.offload_dir" && c.parallel.zero.offload_param != "nvme")
     return "it is read only when offload_param is nvme";
-  if (key == "precision.mode" && c.precision.mode != "bf16")
-    return "fp16 needs loss scaling, which the module trainer does not run (bf16 autocasts)";
+  const precision::PrecisionOptions& p = c.precision;
   if (starts(key, "precision.") && key != "precision.mode" && config_value(c, key) == "fp16")
-    return "fp16 needs loss scaling, which the module trainer does not run (use bf16)";
+    return "fp16 storage is not run for user modules (precision.mode fp16 autocasts over fp32 parameters)";
+  const bool bf16 = p.mode == "bf16" || p.param_dtype == "bf16";
+  if (key == "precision.scale_bf16" && !bf16) return "it scales the loss under bf16, and nothing here is bf16";
+  const bool scaling = p.mode == "fp16" || (p.scale_bf16 && bf16);
+  if (!scaling && (key == "precision.loss_scale" || key == "precision.initial_scale_power" ||
+                   key == "precision.loss_scale_window" || key == "precision.hysteresis" ||
+                   key == "precision.min_loss_scale"))
+    return "loss scaling is off (precision.mode fp16, or scale_bf16 with bf16, turns it on)";
   if (key == "precision.param_dtype" && runs_ddp(d))
     return "bf16 storage needs fp32 master weights, which the sharded strategies keep (zero1-3, fsdp)";
   if (key == "precision.reduce_dtype" && runs_ddp(d)) return "DDP reduces in the gradients' dtype";
@@ -382,6 +399,9 @@ void map_offload(const config::Config& c, ModuleTrainerOptions& o) {
 // precision.*: bf16 autocast, and the storage and reduction dtypes.
 void map_precision(const precision::PrecisionOptions& p, ModuleTrainerOptions& o) {
   if (p.mode == "bf16") o.autocast = at::kBFloat16;
+  if (p.mode == "fp16") o.autocast = at::kHalf;
+  if (p.mode == "fp16" || (p.scale_bf16 && (p.mode == "bf16" || p.param_dtype == "bf16")))
+    o.loss_scaling = precision::loss_scaler_options(p);
   auto dtype = [](const std::string& name) {
     return name == "bf16" ? at::kBFloat16 : name == "fp32" ? at::kFloat : at::ScalarType::Undefined;
   };

@@ -107,6 +107,23 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.param_dtype, at::kBFloat16);
   EXPECT_EQ(o.buffer_dtype, at::kFloat);
   EXPECT_EQ(o.sharded.reduce_dtype, at::kFloat);
+  // fp16 autocast with DeepSpeed's dynamic scaler from the loss-scale keys; bf16 scaled by scale_bf16.
+  o = module_trainer_options(with({"precision.mode=fp16", "precision.initial_scale_power=10",
+                                   "precision.loss_scale_window=50", "precision.hysteresis=3",
+                                   "precision.min_loss_scale=4"}));
+  EXPECT_EQ(o.autocast, at::kHalf);
+  ASSERT_TRUE(o.loss_scaling.has_value());
+  EXPECT_EQ(o.loss_scaling->static_scale, 0);
+  EXPECT_EQ(o.loss_scaling->initial_scale, 1024);
+  EXPECT_EQ(o.loss_scaling->growth_interval, 50);
+  EXPECT_EQ(o.loss_scaling->hysteresis, 3);
+  EXPECT_EQ(o.loss_scaling->min_scale, 4);
+  EXPECT_EQ(module_trainer_options(with({"precision.mode=fp16", "precision.loss_scale=128"})).loss_scaling->static_scale,
+            128);
+  o = module_trainer_options(with({"precision.mode=bf16", "precision.scale_bf16=true"}));
+  EXPECT_EQ(o.autocast, at::kBFloat16);
+  EXPECT_TRUE(o.loss_scaling.has_value());
+  EXPECT_FALSE(module_trainer_options(with({"precision.mode=bf16"})).loss_scaling.has_value());
   // Activation checkpointing of every submodule that calls train::checkpointed.
   o = module_trainer_options(with({"model.activation_checkpointing=full"}));
   ASSERT_TRUE(o.activation_checkpointing.has_value());
@@ -128,6 +145,8 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
       {"precision.reduce_dtype=fp32", "precision.reduce_dtype"},  // strategy ddp
       {"precision.buffer_dtype=bf16", "precision.buffer_dtype"},  // param_dtype fp32
       {"precision.fp8=true", "precision.fp8"},
+      {"precision.hysteresis=4", "precision.hysteresis"},  // no loss scaling (fp32)
+      {"precision.scale_bf16=true", "precision.scale_bf16"},  // nothing bf16
       {"parallel.zero.offload_param=cpu", "parallel.zero"},  // strategy ddp
       {"train.device=cpu", "train.device"},
       {"parallel.timeout_s=10", "parallel.timeout_s"},
@@ -145,8 +164,8 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
             std::string::npos);
   EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.zero.reduce_bucket_mb=10"}).find("parallel.zero"),
             std::string::npos);
-  // fp16 storage (no loss scaling here), named under any strategy.
-  EXPECT_NE(refusal({"parallel.strategy=zero3", "precision.param_dtype=fp16"}).find("fp16 needs loss scaling"),
+  // fp16 storage (fp16 autocasts over fp32 parameters here), named under any strategy.
+  EXPECT_NE(refusal({"parallel.strategy=zero3", "precision.param_dtype=fp16"}).find("fp16 storage is not run"),
             std::string::npos);
   // Every such key at once.
   const std::string all = refusal({"model.preset=gpt2", "data.path=x", "parallel.cp=2"});
@@ -186,6 +205,11 @@ TEST(ModuleTrainerOptions, TypedOptionsNameTheBadField) {
               o.lr_schedule = optim::ScheduleOptions{};
               o.peak_lr = 0;
             }).find("ModuleTrainerOptions.peak_lr"),
+            std::string::npos);
+  EXPECT_NE(field_of([](auto& o) {
+              o.loss_scaling = precision::LossScalerOptions{};
+              o.loss_scaling->hysteresis = 0;
+            }).find("ModuleTrainerOptions.loss_scaling is unusable"),
             std::string::npos);
 }
 
