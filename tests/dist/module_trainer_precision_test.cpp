@@ -17,6 +17,9 @@
 #include <vector>
 
 #include "module_trainer_case.h"
+#include "scaletrain/models/linear.h"
+#include "scaletrain/models/lora_linear.h"
+#include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
 
@@ -266,6 +269,117 @@ TEST(ModuleTrainer, LossScalingSkipsOverflowedStepsOnEveryRank) {
   EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << "resumed";
   check_metrics(second.metrics_path, 4, "resumed");
   EXPECT_EQ(t.loss_scaler()->scale(), 1024);
+}
+
+// Two LoraLinear layers: what FP8 reaches in a user's module.
+struct Fp8NetImpl : torch::nn::Module {
+  Fp8NetImpl() : fc1(register_module("fc1", models::LoraLinear(10, 16))), fc2(register_module("fc2", models::LoraLinear(16, 5))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  models::LoraLinear fc1, fc2;
+};
+TORCH_MODULE(Fp8Net);
+
+// FP8 (options.fp8, delayed scaling, hybrid formats) on a module's
+// LoraLinear layers, float32: one process running every rank's micro-batches
+// in turn with the loss multiplier of the whole step (1 / (ranks x
+// micro-batches): gradient casts are relative to it) and ending each step
+// with the amaxes of all of them is the reference. The scales every layer
+// casts with equal the reference's exactly, the parameters to the fp32
+// bound; the same run without FP8 ends far away; a run saved after step 2
+// resumes with the histories and ends where the uninterrupted one does.
+TEST(ModuleTrainer, Fp8OnLoraLinearLayersFollowsOneProcess) {
+  auto make = [] {
+    torch::manual_seed(9);
+    return Fp8Net().ptr();
+  };
+  auto loss = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+    return torch::mse_loss(dynamic_cast<Fp8NetImpl&>(m).forward(x), y);
+  };
+  const train::ModuleBatch whole = dataset().get([] {
+    std::vector<int64_t> v(kSamples);
+    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
+    return v;
+  }());
+  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const precision::Fp8LinearOptions f8{precision::Fp8Mix::Hybrid, true, 16, 0};
+  auto fp8_options = [&](ModuleStrategy s) {
+    ModuleTrainerOptions o = options(s, 6);
+    o.units.names = {"fc1", "fc2"};
+    if (s == ModuleStrategy::DDP) o.units = {};
+    o.fp8 = f8;
+    return o;
+  };
+  // The reference: the sampler's global batch, rank r's micro-batch k being slice (r, k).
+  auto ref_module = make();
+  const std::vector<precision::Fp8LinearPtr> ref_layers = models::use_fp8(*ref_module, f8);
+  ASSERT_EQ(ref_layers.size(), 2u);
+  torch::optim::Adam opt(ref_module->parameters(), torch::optim::AdamOptions(kLr));
+  const ModuleTrainerOptions o = fp8_options(ModuleStrategy::DDP);
+  data::SamplerOptions so;
+  so.seed = o.seed;
+  so.global_batch = o.global_batch;
+  data::DistributedSampler sampler(kSamples, so);
+  const int64_t W = world().size(), accum = 2, m = o.micro_batch;
+  std::vector<std::vector<double>> ref_scales;  // per step, after it: every layer's three scales
+  auto scales_of = [](const std::vector<precision::Fp8LinearPtr>& layers) {
+    std::vector<double> out;
+    for (const auto& l : layers)
+      for (auto which : {precision::Fp8Linear::Input, precision::Fp8Linear::Weight, precision::Fp8Linear::Grad})
+        out.push_back(l->scale(which));
+    return out;
+  };
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const train::ModuleBatch b = data.get(sampler.global_batch(step));
+    opt.zero_grad();
+    for (const auto& l : ref_layers) l->set_loss_multiplier(1.0 / static_cast<double>(W * accum));
+    for (int64_t k = 0; k < W * accum; ++k)
+      (loss(*ref_module, b.input.narrow(0, k * m, m), b.target.narrow(0, k * m, m)) / static_cast<double>(W * accum))
+          .backward();
+    precision::fp8_end_step(ref_layers, {});
+    torch::nn::utils::clip_grad_norm_(ref_module->parameters(), o.clip_grad_norm);
+    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
+    opt.step();
+    ref_scales.push_back(scales_of(ref_layers));
+  }
+  EXPECT_NE(ref_scales.front(), ref_scales.back()) << "the histories must move for the scales to mean anything";
+  for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::FullShard}) {
+    const std::string name = train::to_string(s);
+    ModuleTrainer t(make(), world(), adam, loss, fp8_options(s));
+    ASSERT_EQ(t.accumulation(), accum);
+    t.fit(data);
+    EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales.back()) << name << ": the scales every rank casts with";
+    const double diff = relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true);
+    EXPECT_LE(diff, 1e-5) << name;
+    if (s != ModuleStrategy::DDP) continue;
+    ModuleTrainerOptions plain = fp8_options(s);
+    plain.fp8.reset();
+    ModuleTrainer p(make(), world(), adam, loss, plain);
+    p.fit(data);
+    EXPECT_GT(relative_diff(p.full_parameters(), ref_module->parameters(), /*per_tensor=*/true),
+              100 * std::max(diff, 1e-7))
+        << "without FP8 the run should end elsewhere";
+  }
+  // Saved after step 2 by FULL_SHARD, resumed by DDP: the histories come back.
+  const fs::path dir = fresh_dir("fp8_resume");
+  ModuleTrainerOptions first = fp8_options(ModuleStrategy::FullShard);
+  first.stop_at = 2;
+  first.checkpoint_dir = dir.string();
+  ModuleTrainer(make(), world(), adam, loss, first).fit(data);
+  ModuleTrainerOptions second = fp8_options(ModuleStrategy::DDP);
+  second.checkpoint_dir = dir.string();
+  ModuleTrainer t(make(), world(), adam, loss, second);
+  ASSERT_EQ(t.completed_steps(), 2);
+  EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales[1]) << "resumed histories";
+  t.fit(data);
+  EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales.back()) << "resumed";
+  EXPECT_LE(relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true), 1e-5) << "resumed";
+  // Refused by name: a module with no LoraLinear, and FP8 under tensor parallelism.
+  ModuleTrainerOptions toy = options(ModuleStrategy::DDP, 4);
+  toy.fp8 = f8;
+  expect_error([&] { ModuleTrainer x(make_toy(), world(), adam, mse, toy); }, "no LoraLinear layer", "fp8 on Toy");
+  toy.tp = 2;
+  toy.tensor_plan = {{"net1", parallel::tensor::colwise}};
+  expect_error([&] { train::validate(toy); }, "ModuleTrainerOptions.fp8 is not run with tp > 1", "fp8 with tp");
 }
 
 }  // namespace

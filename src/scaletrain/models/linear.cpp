@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "scaletrain/interfaces/deferred.h"
+#include "scaletrain/models/lora_linear.h"
 
 namespace scaletrain::models {
 
@@ -44,6 +45,9 @@ std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const prec
       TORCH_CHECK(!l->quantized(), "scaletrain: an NF4 (QLoRA) layer cannot compute in FP8");
       l->fp8 = std::make_shared<precision::Fp8Linear>(o);
       out.push_back(l->fp8);
+    } else if (auto* u = m->as<LoraLinearImpl>()) {  // a user module's linears
+      u->fp8 = std::make_shared<precision::Fp8Linear>(o);
+      out.push_back(u->fp8);
     }
   return out;
 }

@@ -73,9 +73,10 @@ class LinearImpl : public torch::nn::Module {
 TORCH_MODULE(Linear);
 
 // Gives every models::Linear under `root` (the linears of the transformer
-// blocks: embeddings and heads are not models::Linear) FP8 state of its own;
-// returns them in module order, the same on every rank that built the same
-// model. A quantized (NF4) layer is refused.
+// blocks: embeddings and heads are not models::Linear) and every LoraLinear
+// (a user module's, models/lora_linear.h) FP8 state of its own; returns them
+// in module order, the same on every rank that built the same model. A
+// quantized (NF4) layer is refused.
 std::vector<precision::Fp8LinearPtr> use_fp8(torch::nn::Module& root, const precision::Fp8LinearOptions& o);
 // The names (relative to `root`) of the weights use_fp8 would cast: what
 // MS-AMP's O3 gathers as FP8 (Note [FP8 weight gathers] in parallel/fsdp).

@@ -43,7 +43,13 @@ void LoraLinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 at::Tensor LoraLinearImpl::forward(const at::Tensor& input) {
-  at::Tensor y = torch::nn::functional::linear(input, weight, bias);
+  at::Tensor y;
+  if (fp8) {  // the bias in the product's dtype, as torch::linear under autocast adds it
+    y = fp8->matmul(input, weight);
+    if (bias.defined()) y = y + bias.to(y.scalar_type());
+  } else {
+    y = torch::nn::functional::linear(input, weight, bias);
+  }
   if (!has_adapter()) return y;
   const at::Tensor x = dropout_ > 0 ? torch::dropout(input, dropout_, is_training()) : input;
   return y + scaling_ * torch::nn::functional::linear(torch::nn::functional::linear(x, lora_A->weight),

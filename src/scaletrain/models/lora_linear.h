@@ -10,7 +10,8 @@
 // declares LoraLinear where it may want adapters: the same options, the
 // same initialization and the same parameter names as torch::nn::Linear
 // (weight, bias), so it computes what Linear computes and loads Linear's
-// state dicts, until add_lora_adapters gives it an adapter (models/lora.h:
+// state dicts, until add_lora_adapters gives it an adapter (or models::use_fp8
+// FP8 state, models/linear.h) (models/lora.h:
 // y = W x + b + scaling * B A dropout(x), A [r, in] kaiming-uniform from a
 // generator seeded by (seed, parameter name), B [out, r] zero). The adapter
 // is two children, lora_A and lora_B, each holding `weight`, so parameter
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "scaletrain/models/lora.h"
+#include "scaletrain/precision/fp8.h"
 
 namespace scaletrain::models {
 
@@ -60,6 +62,9 @@ class LoraLinearImpl : public torch::nn::Cloneable<LoraLinearImpl> {
   torch::nn::LinearOptions options;
   at::Tensor weight, bias;
   LoraFactor lora_A{nullptr}, lora_B{nullptr};
+  // Set (models::use_fp8): x W^T is computed in emulated FP8 (Note [FP8
+  // linears] in precision/fp8.h), the bias and any adapter added outside.
+  precision::Fp8LinearPtr fp8;
 
  private:
   double scaling_ = 0, dropout_ = 0;

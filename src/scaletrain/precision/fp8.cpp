@@ -273,6 +273,15 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 
 }  // namespace
 
+Fp8LinearOptions fp8_linear_options(const PrecisionOptions& p) {
+  Fp8LinearOptions o;
+  o.mix = p.fp8_format == "e4m3" ? Fp8Mix::E4M3 : Fp8Mix::Hybrid;
+  o.delayed = p.fp8_recipe == "delayed";
+  o.history = p.fp8_amax_history;
+  o.margin = static_cast<int>(p.fp8_margin);
+  return o;
+}
+
 Fp8Linear::Fp8Linear(const Fp8LinearOptions& o)
     : o_(o),
       scaling_{DelayedScaling(fp8_format(o.mix, false), o.history, o.margin),

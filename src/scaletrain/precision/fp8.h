@@ -26,6 +26,7 @@
 
 #include "scaletrain/comm/group.h"
 #include "scaletrain/precision/fp8_format.h"
+#include "scaletrain/precision/options.h"
 
 namespace scaletrain::precision {
 
@@ -143,6 +144,9 @@ class Fp8Linear {
   double loss_multiplier_ = 1.0;
 };
 using Fp8LinearPtr = std::shared_ptr<Fp8Linear>;
+
+// From the config's precision section (fp8_format, fp8_recipe, fp8_amax_history, fp8_margin).
+Fp8LinearOptions fp8_linear_options(const PrecisionOptions& p);
 
 // Ends a step of every layer: their step amaxes reduced with MAX over
 // `groups` (null and single-rank groups skipped) in one all-reduce, then

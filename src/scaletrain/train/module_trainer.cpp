@@ -25,6 +25,7 @@
 #include "scaletrain/data/sampler.h"
 #include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/launch/launcher.h"
+#include "scaletrain/models/linear.h"
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/checkpoint_layout.h"
@@ -93,6 +94,12 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
     throw std::invalid_argument("ModuleTrainer: give an optimizer factory or ModuleTrainerOptions.adamw");
   launch::follow_launcher();
   if (options_.lora) add_adapters();
+  if (options_.fp8) {
+    fp8_ = models::use_fp8(*module_, *options_.fp8);
+    if (fp8_.empty())
+      bad("fp8", "is set, but the module has no LoraLinear layer to compute in FP8 (a torch::nn::Linear cannot "
+                 "be reached from outside: declare the layers as scaletrain::models::LoraLinear)");
+  }
   world_.check_same_everywhere("module trainer's options and module", detail::settings_text(options_, *module_));
   build_engine();
   build_optimizer(std::move(optimizer));
@@ -225,6 +232,11 @@ void ModuleTrainer::start_checkpoints() {
   checkpoint::set_cpu_rng_state(index.state.rng_cpu);
   step_ = last_saved_ = index.state.step;
   opt_steps_ = index.state.optimizer_steps;
+  if (!fp8_.empty() && options_.fp8->delayed && !index.state.fp8_scaling.empty()) try {
+      precision::fp8_restore_scaling(fp8_, index.state.fp8_scaling);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError("resume: the FP8 scaling state of " + from + " does not fit this module: " + e.what());
+    }
   // A run that starts or stops scaling here keeps its own: a fresh scaler, or none.
   if (scaler_ && !index.state.loss_scaler.empty())
     scaler_->load_state(precision::LossScalerState::from_map(index.state.loss_scaler));
@@ -264,6 +276,7 @@ void ModuleTrainer::save() {
   state.run.step = step_;
   state.run.optimizer_steps = opt_steps_;
   if (scaler_) state.run.loss_scaler = scaler_->state().to_map();
+  if (!fp8_.empty()) state.run.fp8_scaling = precision::fp8_scaling_state(fp8_, {world_.group().get()});
   state.run.rng_cpu = checkpoint::cpu_rng_state();
   ckpt_->save(layout(), opt_state_.get(), state);
   last_saved_ = step_;
@@ -292,6 +305,8 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
   const int64_t m = options_.micro_batch;
   precision::PrecisionPolicy policy;
   policy.compute = options_.autocast;
+  // Gradients cast to FP8 relative to what the loss was multiplied by (Note [FP8 linears]).
+  for (const auto& l : fp8_) l->set_loss_multiplier((scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(accum_));
   for (int64_t k = 0; k < accum_; ++k) {
     const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
     ModuleBatch b = data.get(idx);
@@ -386,6 +401,8 @@ double ModuleTrainer::step(const ModuleData& data) {
     throw UsageError(
         "activation checkpointing is set but no selected submodule called train::checkpointed in the forward, so "
         "nothing would recompute: mark the blocks in the module's forward (Note [Checkpointing a user's module])");
+  // The step's FP8 amaxes, agreed over the ranks that saw parts of this batch.
+  precision::fp8_end_step(fp8_, {par_.shard, par_.replicate});
   // The global mean: every rank's micro-batches weigh the same.
   at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
   par_.shard->all_reduce(l, comm::ReduceOp::Avg).wait();

@@ -55,6 +55,7 @@
 #include "scaletrain/parallel/fsdp/module_units.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
+#include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/recipe.h"
@@ -124,6 +125,12 @@ struct ModuleTrainerOptions : ModuleRecipe {
   // schedule still advances) and the scale adapts. Checkpoints keep its
   // state. Required by fp16 autocast; allowed with any other.
   std::optional<precision::LossScalerOptions> loss_scaling;
+  // FP8 (Note [FP8 linears] in precision/fp8.h): every LoraLinear of the
+  // module computes x W^T in emulated FP8 with these scales; the delayed
+  // recipe's amaxes are agreed over the data-parallel ranks once a step and
+  // its histories saved in checkpoints. Not with tp > 1 (the plan finds its
+  // layers by their torch::linear calls, which an FP8 layer does not make).
+  std::optional<precision::Fp8LinearOptions> fp8;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules
@@ -233,6 +240,8 @@ class ModuleTrainer {
   int64_t accumulation() const { return accum_; }
   // The loss scaler (options.loss_scaling), null without one.
   const precision::LossScaler* loss_scaler() const { return scaler_.get(); }
+  // The FP8 state of the module's LoraLinear layers (options.fp8), in module order.
+  const std::vector<precision::Fp8LinearPtr>& fp8_layers() const { return fp8_; }
   // Optimizer steps taken (completed_steps() less the steps loss scaling skipped).
   int64_t optimizer_steps() const { return opt_steps_; }
   torch::optim::Optimizer& optimizer() { return *opt_; }
@@ -265,6 +274,7 @@ class ModuleTrainer {
   std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: an optimizer without state, or no checkpoints
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
   std::unique_ptr<precision::LossScaler> scaler_;  // options.loss_scaling
+  std::vector<precision::Fp8LinearPtr> fp8_;       // options.fp8: the module's LoraLinear layers, in module order
   int64_t step_ = 0;
   int64_t opt_steps_ = 0;
   int64_t last_saved_ = -1;

@@ -95,6 +95,9 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
       << "\nloss_scaling.growth_interval=" << ls->growth_interval << "\nloss_scaling.hysteresis=" << ls->hysteresis
       << "\nloss_scaling.min=" << ls->min_scale << "\nloss_scaling.factors=" << ls->growth_factor << ","
       << ls->backoff_factor;
+  if (const auto& f = o.fp8)
+    s << "\nfp8.mix=" << static_cast<int>(f->mix) << "\nfp8.delayed=" << f->delayed << "\nfp8.history=" << f->history
+      << "\nfp8.margin=" << f->margin;
   for (const auto& [pattern, style] : o.tensor_plan)
     s << "\ntensor_plan " << pattern << "=" << parallel::tensor::style_name(style);
   s << "\n";
@@ -188,6 +191,12 @@ void validate(const ModuleTrainerOptions& o) {
     bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off), kBFloat16 or kHalf"));
   if (o.autocast == at::kHalf && !o.loss_scaling)
     bad("autocast", "kHalf needs loss_scaling: fp16 gradients underflow without it (set loss_scaling, or use kBFloat16)");
+  if (o.fp8 && o.tp > 1)
+    bad("fp8", "is not run with tp > 1: the tensor-parallel plan finds its layers by their torch::linear calls, "
+               "which an FP8 layer does not make");
+  if (o.fp8 && (o.fp8->history < 1 || o.fp8->margin < 0))
+    bad("fp8", "needs history >= 1 and margin >= 0, got " + std::to_string(o.fp8->history) + " and " +
+                   std::to_string(o.fp8->margin));
   if (o.loss_scaling) try {
       precision::LossScaler probe(*o.loss_scaling);
     } catch (const UsageError& e) {
@@ -236,7 +245,7 @@ const std::set<std::string>& mapped_keys() {
         {"finetune", "method r alpha rslora dropout target_modules init adapter_from"},
         {"precision",
          "mode param_dtype buffer_dtype reduce_dtype loss_scale initial_scale_power loss_scale_window hysteresis "
-         "min_loss_scale scale_bf16"},
+         "min_loss_scale scale_bf16 fp8 fp8_format fp8_recipe fp8_amax_history fp8_margin"},
         {"model", "activation_checkpointing"},
         {"metrics", "path log_every progress trace_steps trace_dir"},
         {"checkpoint", "dir every keep resume async"}};
@@ -260,7 +269,8 @@ std::string unread_reason(const std::string& key) {
   if (starts(key, "data.")) return "the trainer reads the ModuleData you give it";
   if (key == "finetune.double_quant") return "it is QLoRA's, which quantizes the CLI families' linear layers";
   if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
-  if (starts(key, "precision.fp8")) return "FP8 linears are the CLI families' layers";
+  if (key == "precision.fp8_opt_level")
+    return "MS-AMP's levels change the CLI families' AdamW and weight gathers; a user module's optimizer is its own";
   if (key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
     return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
   if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
@@ -296,6 +306,9 @@ std::string inapplicable(const config::Config& c, const std::string& key, config
   const precision::PrecisionOptions& p = c.precision;
   if (starts(key, "precision.") && key != "precision.mode" && config_value(c, key) == "fp16")
     return "fp16 storage is not run for user modules (precision.mode fp16 autocasts over fp32 parameters)";
+  if (key == "precision.fp8" && c.parallel.tp > 1)
+    return "the tensor-parallel plan finds its layers by their torch::linear calls, which an FP8 layer does not make";
+  if (starts(key, "precision.fp8_") && !p.fp8) return "precision.fp8 is off";
   const bool bf16 = p.mode == "bf16" || p.param_dtype == "bf16";
   if (key == "precision.scale_bf16" && !bf16) return "it scales the loss under bf16, and nothing here is bf16";
   const bool scaling = p.mode == "fp16" || (p.scale_bf16 && bf16);
@@ -400,6 +413,7 @@ void map_offload(const config::Config& c, ModuleTrainerOptions& o) {
 void map_precision(const precision::PrecisionOptions& p, ModuleTrainerOptions& o) {
   if (p.mode == "bf16") o.autocast = at::kBFloat16;
   if (p.mode == "fp16") o.autocast = at::kHalf;
+  if (p.fp8) o.fp8 = precision::fp8_linear_options(p);
   if (p.mode == "fp16" || (p.scale_bf16 && (p.mode == "bf16" || p.param_dtype == "bf16")))
     o.loss_scaling = precision::loss_scaler_options(p);
   auto dtype = [](const std::string& name) {

@@ -33,16 +33,6 @@
 namespace scaletrain::train::detail {
 namespace {
 
-// The precision section's FP8 settings (validated by make_plan).
-precision::Fp8LinearOptions fp8_linear_options(const precision::PrecisionOptions& p) {
-  precision::Fp8LinearOptions o;
-  o.mix = p.fp8_format == "e4m3" ? precision::Fp8Mix::E4M3 : precision::Fp8Mix::Hybrid;
-  o.delayed = p.fp8_recipe == "delayed";
-  o.history = p.fp8_amax_history;
-  o.margin = static_cast<int>(p.fp8_margin);
-  return o;
-}
-
 // ", fp8 linears (hybrid, delayed scaling over 1024 steps, margin 0), O1;
 // gradients travel as FP8 E5M2" or "".
 std::string fp8_description(const config::Config& c, const Plan& plan) {
@@ -114,7 +104,7 @@ void setup(Run& r, const comm::WorldInfo& info) {
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   r.setup_peak_mb = observe::peak_rss_mb() - r.rss_before_setup;
   r.model().set_activation_checkpointing(models::parse_activation_checkpointing(cfg.model.activation_checkpointing));
-  if (cfg.precision.fp8) r.fp8 = models::use_fp8(r.model(), fp8_linear_options(cfg.precision));
+  if (cfg.precision.fp8) r.fp8 = models::use_fp8(r.model(), precision::fp8_linear_options(cfg.precision));
 
   r.params = r.dp().optimizer_params();
   optim::AdamWOptions ao;

@@ -124,6 +124,16 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.autocast, at::kBFloat16);
   EXPECT_TRUE(o.loss_scaling.has_value());
   EXPECT_FALSE(module_trainer_options(with({"precision.mode=bf16"})).loss_scaling.has_value());
+  // FP8 on the module's LoraLinear layers, with the scaling keys; not with tensor parallelism.
+  o = module_trainer_options(with({"precision.fp8=true", "precision.fp8_format=e4m3", "precision.fp8_recipe=current",
+                                   "precision.fp8_amax_history=16", "precision.fp8_margin=1"}));
+  ASSERT_TRUE(o.fp8.has_value());
+  EXPECT_EQ(o.fp8->mix, precision::Fp8Mix::E4M3);
+  EXPECT_FALSE(o.fp8->delayed);
+  EXPECT_EQ(o.fp8->history, 16);
+  EXPECT_EQ(o.fp8->margin, 1);
+  EXPECT_NE(refusal({"precision.fp8=true", "parallel.tp=2"}).find("precision.fp8=true would have no effect"),
+            std::string::npos);
   // Activation checkpointing of every submodule that calls train::checkpointed.
   o = module_trainer_options(with({"model.activation_checkpointing=full"}));
   ASSERT_TRUE(o.activation_checkpointing.has_value());
@@ -144,7 +154,7 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
       {"precision.param_dtype=bf16", "precision.param_dtype"},   // strategy ddp: no masters
       {"precision.reduce_dtype=fp32", "precision.reduce_dtype"},  // strategy ddp
       {"precision.buffer_dtype=bf16", "precision.buffer_dtype"},  // param_dtype fp32
-      {"precision.fp8=true", "precision.fp8"},
+      {"precision.fp8_margin=1", "precision.fp8_margin"},  // precision.fp8 off
       {"precision.hysteresis=4", "precision.hysteresis"},  // no loss scaling (fp32)
       {"precision.scale_bf16=true", "precision.scale_bf16"},  // nothing bf16
       {"parallel.zero.offload_param=cpu", "parallel.zero"},  // strategy ddp
