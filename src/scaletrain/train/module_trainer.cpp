@@ -183,6 +183,7 @@ void ModuleTrainer::build_engine() {
     bad("global_batch", "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" +
                             std::to_string(o.micro_batch) + " x data-parallel size " + std::to_string(dp));
   accum_ = o.global_batch / (o.micro_batch * dp);
+  if (!par_.stages.empty()) build_pipeline();
 }
 
 void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
@@ -228,7 +229,10 @@ void ModuleTrainer::start_checkpoints() {
             o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}});
   if (from.empty()) return;
   const checkpoint::Index index = checkpoint::load_checkpoint(from, layout(), opt_state_.get());
-  if (par_.sharded) par_.sharded->after_step();  // replicated strategies gather the loaded shards in the next forward
+  // Replicated strategies gather the loaded shards in the next forward.
+  if (par_.sharded) par_.sharded->after_step();
+  for (const ModuleStage& st : par_.stages)
+    if (st.sharded) st.sharded->after_step();
   checkpoint::set_cpu_rng_state(index.state.rng_cpu);
   step_ = last_saved_ = index.state.step;
   opt_steps_ = index.state.optimizer_steps;
@@ -249,6 +253,7 @@ void ModuleTrainer::start_checkpoints() {
 // loads it), and the module's buffers (BatchNorm's running statistics): each
 // rank keeps its own, as in PyTorch; rank 0's are saved and every rank loads them.
 checkpoint::Layout ModuleTrainer::layout() const {
+  if (pipeline_) return pipeline_layout();
   checkpoint::Layout l =
       par_.sharded ? sharded_layout(*par_.sharded) : checkpoint::replicated_layout(*module_, par_.dp_rank == 0);
   // Tensor parallel: the split parameters' pieces in the whole parameters'
@@ -286,6 +291,7 @@ void ModuleTrainer::save() {
 }
 
 std::vector<at::Tensor> ModuleTrainer::full_parameters() {
+  if (pipeline_) return pipeline_full_parameters();
   std::vector<at::Tensor> out;
   if (par_.sharded) {
     out = par_.sharded->full_parameters();
@@ -300,11 +306,24 @@ std::vector<at::Tensor> ModuleTrainer::full_parameters() {
 
 // Forward and backward of this rank's micro-batches of the step (Note
 // [Module trainer step], 1-2); returns the sum of their losses / accum.
+// `forward` under the trainer's autocast (options.autocast).
+at::Tensor ModuleTrainer::in_precision(const std::function<at::Tensor()>& forward) {
+  if (options_.autocast == at::kFloat) return forward();
+  precision::PrecisionPolicy policy;
+  policy.compute = options_.autocast;
+  precision::AutocastGuard autocast(policy, device_.type());
+  return forward();
+}
+
+void ModuleTrainer::zero_grad() {
+  if (par_.ddp) par_.ddp->zero_grad();
+  if (par_.sharded) par_.sharded->zero_grad();
+  for (const ModuleStage& st : par_.stages) st.ddp ? st.ddp->zero_grad() : st.sharded->zero_grad();
+}
+
 double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine) {
   double loss_sum = 0;
   const int64_t m = options_.micro_batch;
-  precision::PrecisionPolicy policy;
-  policy.compute = options_.autocast;
   // Gradients cast to FP8 relative to what the loss was multiplied by (Note [FP8 linears]).
   for (const auto& l : fp8_) l->set_loss_multiplier((scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(accum_));
   for (int64_t k = 0; k < accum_; ++k) {
@@ -313,12 +332,7 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
     at::Tensor x = b.input.to(device_);
     const at::Tensor y = b.target.to(device_);
     if (options_.param_dtype != at::ScalarType::Undefined && x.is_floating_point()) x = x.to(options_.param_dtype);
-    at::Tensor loss;
-    {
-      std::optional<precision::AutocastGuard> autocast;
-      if (options_.autocast != at::kFloat) autocast.emplace(policy, device_.type());
-      loss = loss_(*module_, x, y);
-    }
+    at::Tensor loss = in_precision([&] { return loss_(*module_, x, y); });
     if (!loss.defined() || loss.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
     loss = loss.reshape({}) / static_cast<double>(accum_);
@@ -362,6 +376,8 @@ double ModuleTrainer::update(double* grad_norm, bool skip) {
     const parallel::tensor::TensorParallelPlan& plan = par_.tp->plan();
     *grad_norm = par_.sharded->clip_grad_norm(
         clip, fsdp::NormSplit{&par_.mesh->tp(), [&plan](const std::string& n) { return plan.layout(n).sharded(); }});
+  } else if (pipeline_) {
+    *grad_norm = pipeline_clip(clip);
   } else if (par_.sharded) {
     *grad_norm = par_.sharded->clip_grad_norm(clip);
   } else if (par_.tp) {
@@ -374,6 +390,8 @@ double ModuleTrainer::update(double* grad_norm, bool skip) {
   opt_->step();
   ++opt_steps_;
   if (par_.sharded) par_.sharded->after_step();
+  for (const ModuleStage& st : par_.stages)
+    if (st.sharded) st.sharded->after_step();
   return lr;
 }
 
@@ -388,14 +406,14 @@ double ModuleTrainer::step(const ModuleData& data) {
     sampler = std::make_unique<data::DistributedSampler>(data.size(), so);
   }
   observers_->tracer->begin_step(step_ + 1);
-  par_.ddp ? par_.ddp->zero_grad() : par_.sharded->zero_grad();
+  zero_grad();
   // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
   const int64_t share = options_.global_batch / par_.dp_size;
   std::vector<int64_t> global = sampler->global_batch(step_);
   const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
   const int64_t uses_before = options_.activation_checkpointing ? checkpointed_uses(*module_) : 0;
   const double scale = scaler_ ? scaler_->scale() : 1.0;
-  const double loss_sum = run_micro_batches(data, mine);
+  const double loss_sum = pipeline_ ? pipeline_step(data, mine) : run_micro_batches(data, mine);
   // A policy nothing used would be accepted and ignored: every rank runs the same module, so all stop here.
   if (options_.activation_checkpointing && uses_before == 0 && checkpointed_uses(*module_) == 0)
     throw UsageError(

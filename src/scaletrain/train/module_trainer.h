@@ -53,6 +53,7 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 #include "scaletrain/parallel/fsdp/fsdp.h"
 #include "scaletrain/parallel/fsdp/module_units.h"
+#include "scaletrain/parallel/pipeline/module_pipeline.h"
 #include "scaletrain/parallel/tensor/parallelize_module.h"
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/fp8.h"
@@ -131,6 +132,14 @@ struct ModuleTrainerOptions : ModuleRecipe {
   // its histories saved in checkpoints. Not with tp > 1 (the plan finds its
   // layers by their torch::linear calls, which an FP8 layer does not make).
   std::optional<precision::Fp8LinearOptions> fp8;
+  // Pipeline parallelism (the recipe's pp, virtual_stages and pp_balance):
+  // the schedule of each step (parallel/pipeline/schedule.h) over its
+  // global_batch / (micro_batch x dp) micro-batches. Under pp the loss
+  // function is called with the last chunk (a torch::nn::Sequential of the
+  // module's last children) and that chunk's input, so a loss written for
+  // the Sequential (dynamic_cast<torch::nn::SequentialImpl&>(m).forward(x))
+  // serves both. Not with LoRA or FP8.
+  parallel::pipeline::Schedule pp_schedule = parallel::pipeline::Schedule::OneFOneB;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
   // adapter on each of its LoraLinear layers that lora->target_modules
@@ -245,9 +254,11 @@ class ModuleTrainer {
   // Optimizer steps taken (completed_steps() less the steps loss scaling skipped).
   int64_t optimizer_steps() const { return opt_steps_; }
   torch::optim::Optimizer& optimizer() { return *opt_; }
-  // The engine (one of the two is set).
+  // The engine (one of the two is set; neither under pp: stages() then).
   parallel::DistributedDataParallel* ddp() { return par_.ddp.get(); }
   parallel::fsdp::ShardedDataParallel* sharded() { return par_.sharded.get(); }
+  // pp > 1: this rank's chunks and their engines.
+  const std::vector<ModuleStage>& stages() const { return par_.stages; }
   // Every parameter, whole, in named_parameters() order (collective).
   std::vector<at::Tensor> full_parameters();
 
@@ -259,6 +270,14 @@ class ModuleTrainer {
   checkpoint::Layout layout() const;
   double run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine);
   bool overflowed();
+  void zero_grad();
+  at::Tensor in_precision(const std::function<at::Tensor()>& forward);
+  // Pipeline parallelism (module_trainer_pipeline.cpp).
+  void build_pipeline();
+  double pipeline_step(const ModuleData& data, const std::vector<int64_t>& mine);
+  double pipeline_clip(double max_norm);
+  checkpoint::Layout pipeline_layout() const;
+  std::vector<at::Tensor> pipeline_full_parameters();
   double update(double* grad_norm, bool skip);
   void write_metrics(double loss, double lr, double grad_norm, double ms, double scale);
 
@@ -267,6 +286,7 @@ class ModuleTrainer {
   ModuleLoss loss_;
   ModuleTrainerOptions options_;
   ParallelModule par_;  // the recipe's engine over the module, its mesh and groups
+  std::unique_ptr<parallel::pipeline::ModulePipeline> pipeline_;  // pp > 1
   int64_t accum_ = 1;
   at::Device device_{at::kCPU};  // host: a module without parameters; else its parameters' device
   std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order

@@ -95,6 +95,8 @@ std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module
       << "\nloss_scaling.growth_interval=" << ls->growth_interval << "\nloss_scaling.hysteresis=" << ls->hysteresis
       << "\nloss_scaling.min=" << ls->min_scale << "\nloss_scaling.factors=" << ls->growth_factor << ","
       << ls->backoff_factor;
+  s << "\npp=" << o.pp << "\nvirtual_stages=" << o.virtual_stages << "\npp_balance=" << list(o.pp_balance)
+    << "\npp_schedule=" << parallel::pipeline::to_string(o.pp_schedule);
   if (const auto& f = o.fp8)
     s << "\nfp8.mix=" << static_cast<int>(f->mix) << "\nfp8.delayed=" << f->delayed << "\nfp8.history=" << f->history
       << "\nfp8.margin=" << f->margin;
@@ -163,6 +165,26 @@ void validate_outputs(const ModuleTrainerOptions& o) {
   if (!t.empty() && o.trace_dir.empty()) bad("trace_dir", "must be set with trace_steps");
 }
 
+// pp > 1 (the recipe's pipeline cut): what a pipeline of a user's module does not run.
+void validate_pipeline(const ModuleTrainerOptions& o) {
+  if (o.pp < 1) bad("pp", "must be at least 1, got " + std::to_string(o.pp));
+  if (o.virtual_stages < 1) bad("virtual_stages", "must be at least 1, got " + std::to_string(o.virtual_stages));
+  if (o.pp == 1) {
+    if (o.virtual_stages != 1) bad("virtual_stages", "is for pp > 1");
+    if (!o.pp_balance.empty()) bad("pp_balance", "is for pp > 1");
+    if (o.pp_schedule != parallel::pipeline::Schedule::OneFOneB) bad("pp_schedule", "is for pp > 1");
+    return;
+  }
+  const std::string why = " is not run under pipeline parallelism (pp > 1)";
+  if (o.tp > 1) bad("tp", "> 1" + why);
+  if (o.lora) bad("lora", why);
+  if (o.fp8) bad("fp8", why);
+  if (o.param_dtype != at::ScalarType::Undefined && o.param_dtype != at::kFloat) bad("param_dtype", why);
+  if (o.strategy == ModuleStrategy::HybridShard || o.shard_group || o.replicate_group)
+    bad("pp", "builds a pp x dp mesh of its own: not with HybridShard or given groups");
+  if (units_given(o.units)) bad("units", "are not given under pp: each pipeline chunk is one unit");
+}
+
 }  // namespace
 
 bool is_sharded(ModuleStrategy s) { return s != ModuleStrategy::DDP; }
@@ -191,6 +213,7 @@ void validate(const ModuleTrainerOptions& o) {
     bad("autocast", c10::toString(o.autocast) + std::string(" is not kFloat (off), kBFloat16 or kHalf"));
   if (o.autocast == at::kHalf && !o.loss_scaling)
     bad("autocast", "kHalf needs loss_scaling: fp16 gradients underflow without it (set loss_scaling, or use kBFloat16)");
+  validate_pipeline(o);
   if (o.fp8 && o.tp > 1)
     bad("fp8", "is not run with tp > 1: the tensor-parallel plan finds its layers by their torch::linear calls, "
                "which an FP8 layer does not make");
@@ -237,7 +260,9 @@ const std::set<std::string>& mapped_keys() {
         {"train",
          "steps stop_at global_batch micro_batch seed grad_clip lr warmup_steps min_lr_ratio lr_schedule warmup_type "
          "warmup_start_ratio beta1 beta2 eps weight_decay"},
-        {"parallel", "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters tp"},
+        {"parallel",
+         "strategy dp_replicate bucket_cap_mb first_bucket_mb last_bucket_mb find_unused_parameters tp pp schedule "
+         "virtual_stages pp_balance"},
         {"parallel.fsdp",
          "sharding_strategy auto_wrap_policy transformer_layer_cls min_num_params backward_prefetch forward_prefetch "
          "limit_all_gathers sync_module_states state_dict_type offload_params"},
@@ -271,8 +296,10 @@ std::string unread_reason(const std::string& key) {
   if (key == "finetune.bias") return "only none (biases stay frozen) is supported";
   if (key == "precision.fp8_opt_level")
     return "MS-AMP's levels change the CLI families' AdamW and weight gathers; a user module's optimizer is its own";
-  if (key == "parallel.pp" || key == "parallel.cp" || key == "parallel.ep")
-    return "the module trainer runs data parallelism only (compose parallelize_module or ModulePipeline by hand)";
+  if (key == "parallel.cp" || key == "parallel.ep")
+    return "context and expert parallelism need the module's attention and experts to be ours (the CLI families')";
+  if (key == "parallel.microbatches")
+    return "a pipeline of a user module runs global_batch / (micro_batch x dp) micro-batches a step";
   if (starts(key, "parallel.zero.")) return "the ZeRO engine's knobs are not read for user modules";
   if (key == "parallel.backend" || key == "parallel.timeout_s" || key == "parallel.debug_collectives")
     return "the world is the one you pass (comm::World::init reads its own options)";
@@ -306,6 +333,10 @@ std::string inapplicable(const config::Config& c, const std::string& key, config
   const precision::PrecisionOptions& p = c.precision;
   if (starts(key, "precision.") && key != "precision.mode" && config_value(c, key) == "fp16")
     return "fp16 storage is not run for user modules (precision.mode fp16 autocasts over fp32 parameters)";
+  if ((key == "parallel.schedule" || key == "parallel.virtual_stages") && c.parallel.pp == 1)
+    return "it is read with parallel.pp > 1";
+  if (key == "parallel.pp_balance")
+    return "a user module's chunks are cut by parameter count (ModuleRecipe::pp_balance takes children per chunk)";
   if (key == "precision.fp8" && c.parallel.tp > 1)
     return "the tensor-parallel plan finds its layers by their torch::linear calls, which an FP8 layer does not make";
   if (starts(key, "precision.fp8_") && !p.fp8) return "precision.fp8 is off";
@@ -349,6 +380,9 @@ void refuse_unread_keys(const config::Config& c, config::DataParallelism d) {
 void map_parallel(const config::Config& c, ModuleTrainerOptions& o) {
   const config::ParallelOptions& p = c.parallel;
   o.strategy = strategy_of(data_parallelism(p));
+  o.pp = p.pp;
+  o.virtual_stages = p.virtual_stages;
+  if (p.pp > 1) o.pp_schedule = parallel::pipeline::parse_schedule(p.schedule);
   if (o.strategy == ModuleStrategy::HybridShard) o.dp_replicate = p.dp_replicate;
   o.ddp.bucket_cap_bytes = static_cast<int64_t>(p.bucket_cap_mb * (1 << 20));
   o.ddp.first_bucket_cap_bytes = static_cast<int64_t>(p.first_bucket_mb * (1 << 20));

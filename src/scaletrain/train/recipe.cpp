@@ -29,12 +29,19 @@
 // A user's module follows the same order with the steps that apply to any
 // module: tensor parallelism by a plan of names, activation checkpointing
 // and the storage dtypes (what the families build in), then the
-// data-parallel engine.
+// data-parallel engine. Under a pipeline (a Sequential cut by children) the
+// cut comes first, as torchtitan's does, and each chunk gets its own engine:
+// the chunks share the module's children, so checkpointing applied to the
+// whole reaches them, and their parameters keep the module's names.
 #include "scaletrain/train/recipe.h"
+
+#include <algorithm>
+#include <limits>
 
 #include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/expert/expert_parallel.h"
+#include "scaletrain/parallel/pipeline/module_pipeline.h"
 #include "scaletrain/train/engines.h"
 #include "scaletrain/train/starting_model.h"
 #include "scaletrain/util/error.h"
@@ -150,7 +157,96 @@ void apply_storage_dtypes(torch::nn::Module& module, const ModuleRecipe& r, fsdp
   if (param == at::kBFloat16 && so.master_dtype == at::ScalarType::Undefined) so.master_dtype = at::kFloat;
 }
 
+// ModuleRecipe::pp > 1: the Sequential cut into chunks over a pp x dp mesh,
+// activation checkpointing on the whole, then an engine per chunk this rank runs.
+ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& module, comm::World& world,
+                                    const ModuleRecipe& r) {
+  auto bad = [&r](const std::string& what) {
+    throw std::invalid_argument("parallelize: pp=" + std::to_string(r.pp) + " " + what);
+  };
+  auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module);
+  if (!seq)
+    bad("cuts a torch::nn::Sequential into stages; this module is " + module->name() +
+        " (put its layers in a Sequential, or compose ModulePipeline by hand)");
+  if (r.virtual_stages < 1) bad("needs virtual_stages >= 1, got " + std::to_string(r.virtual_stages));
+  if (r.tp > 1) bad("with tp > 1 is not run for user modules");
+  if (r.strategy == ModuleStrategy::HybridShard || r.shard_group || r.replicate_group)
+    bad("runs over a pp x dp mesh of its own: not with HybridShard or given groups");
+  if (!r.units.names.empty() || !r.units.types.empty() || r.units.min_num_params > 0)
+    bad("makes each chunk one unit of the sharded engine: give no units");
+  if (r.param_dtype != at::ScalarType::Undefined && r.param_dtype != at::kFloat)
+    bad("is not run with bf16 storage (param_dtype)");
+  if (world.size() % r.pp != 0) bad("does not divide the world of " + std::to_string(world.size()) + " ranks");
+  ParallelModule out;
+  out.mesh = std::make_unique<comm::Mesh>(world, comm::MeshDims{r.pp, 1, -1, 1, 1});
+  out.pp = &out.mesh->pp();
+  out.shard = &out.mesh->dp();
+  out.dp_size = out.shard->size();
+  out.dp_rank = out.shard->rank();
+  out.chunks = r.pp * r.virtual_stages;
+  std::vector<int64_t> balance = r.pp_balance;
+  if (balance.empty()) {
+    std::vector<int64_t> sizes;
+    for (const auto& child : seq->children()) {
+      int64_t n = 0;
+      for (const auto& p : child->parameters()) n += p.numel();
+      sizes.push_back(n);
+    }
+    balance = balance_by_parameters(sizes, out.chunks);
+  }
+  if (static_cast<int>(balance.size()) != out.chunks)
+    bad("x virtual_stages=" + std::to_string(r.virtual_stages) + " makes " + std::to_string(out.chunks) +
+        " chunks, but pp_balance has " + std::to_string(balance.size()) + " entries");
+  if (r.activation_checkpointing) apply_activation_checkpointing(*module, *r.activation_checkpointing);
+  const std::vector<torch::nn::Sequential> pieces = parallel::pipeline::split(torch::nn::Sequential(seq), balance);
+  for (const auto& piece : pieces) {
+    out.chunk_children.emplace_back();
+    for (const auto& child : piece->named_children()) out.chunk_children.back().push_back(child.key());
+  }
+  for (int c = out.pp->rank(); c < out.chunks; c += r.pp) {
+    ModuleStage st;
+    st.chunk = c;
+    st.module = pieces[static_cast<size_t>(c)];
+    if (is_sharded(r.strategy)) {
+      fsdp::ShardedOptions so = r.sharded;
+      so.sharding = sharding_of(r.strategy);
+      st.sharded = fsdp::fully_shard(st.module.ptr(), world, *out.shard, {}, so);
+    } else {
+      st.ddp = std::make_shared<parallel::DistributedDataParallel>(st.module.ptr(), *out.shard, r.ddp);
+    }
+    out.stages.push_back(std::move(st));
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<int64_t> balance_by_parameters(const std::vector<int64_t>& sizes, int chunks) {
+  const int n = static_cast<int>(sizes.size());
+  if (chunks < 1 || n < chunks)
+    throw std::invalid_argument("pipeline balance: " + std::to_string(n) + " children cannot fill " +
+                                std::to_string(chunks) + " chunks");
+  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + sizes[static_cast<size_t>(i)];
+  // best[j][i]: the smallest largest sum of the first i children cut into j pieces; cut[j][i]: its last cut.
+  const int64_t none = std::numeric_limits<int64_t>::max();
+  std::vector<std::vector<int64_t>> best(chunks + 1, std::vector<int64_t>(n + 1, none));
+  std::vector<std::vector<int>> cut(chunks + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0;
+  for (int j = 1; j <= chunks; ++j)
+    for (int i = j; i <= n; ++i)
+      for (int c = j - 1; c < i; ++c) {
+        if (best[j - 1][c] == none) continue;
+        const int64_t v = std::max(best[j - 1][c], prefix[i] - prefix[c]);
+        if (v < best[j][i]) best[j][i] = v, cut[j][i] = c;
+      }
+  std::vector<int64_t> out(static_cast<size_t>(chunks));
+  for (int j = chunks, i = n; j > 0; --j) {
+    out[static_cast<size_t>(j) - 1] = i - cut[j][i];
+    i = cut[j][i];
+  }
+  return out;
+}
 
 Parallelized parallelize(const Plan& plan, comm::World& world, comm::Mesh& mesh) {
   std::optional<ShardedSetup> setup;
@@ -175,6 +271,9 @@ Parallelized parallelize(const Plan& plan, comm::World& world, comm::Mesh& mesh)
 ParallelModule parallelize(std::shared_ptr<torch::nn::Module> module, comm::World& world, const ModuleRecipe& r) {
   auto bad = [](const std::string& what) { throw std::invalid_argument("parallelize: " + what); };
   if (!module) bad("no module");
+  if (r.pp < 1) bad("pp must be at least 1, got " + std::to_string(r.pp));
+  if (r.pp > 1) return parallelize_pipeline(module, world, r);
+  if (r.virtual_stages != 1 || !r.pp_balance.empty()) bad("virtual_stages and pp_balance are for pp > 1");
   if (r.tp < 1) bad("tp must be at least 1, got " + std::to_string(r.tp));
   if (r.tp > 1 && r.tensor_plan.empty()) bad("tp=" + std::to_string(r.tp) + " needs a tensor_plan naming the submodules to split");
   if (r.tp == 1 && !r.tensor_plan.empty()) bad("a tensor_plan is given but tp is 1");
@@ -217,6 +316,14 @@ ParallelModule parallelize(std::shared_ptr<torch::nn::Module> module, comm::Worl
 std::vector<at::Tensor> ParallelModule::trainable() const {
   if (sharded) return sharded->shards();
   std::vector<at::Tensor> out;
+  for (const ModuleStage& st : stages) {
+    if (st.sharded) {
+      for (const auto& t : st.sharded->shards()) out.push_back(t);
+    } else {
+      for (const auto& p : st.module->parameters())
+        if (p.requires_grad()) out.push_back(p);
+    }
+  }
   if (ddp)
     for (const auto& p : ddp->module()->parameters())
       if (p.requires_grad()) out.push_back(p);

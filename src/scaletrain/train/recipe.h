@@ -40,10 +40,21 @@ std::string to_string(ModuleStrategy s);  // "ddp", "zero2", "fsdp FULL_SHARD", 
 bool is_sharded(ModuleStrategy s);        // every strategy but DDP
 parallel::fsdp::Sharding sharding_of(ModuleStrategy s);  // the sharded engine's name for a sharded one
 
-// What the recipe applies to a user's module, in its order: tensor
-// parallelism by a plan of submodule names, activation checkpointing, the
-// storage dtypes, then the data-parallel engine.
+// What the recipe applies to a user's module, in its order: the pipeline
+// cut, tensor parallelism by a plan of submodule names, activation
+// checkpointing, the storage dtypes, then the data-parallel engine(s).
 struct ModuleRecipe {
+  // Pipeline parallelism (parallel/pipeline/module_pipeline.h), first: the
+  // module must be a torch::nn::Sequential, cut into pp x virtual_stages
+  // chunks of consecutive children (pp_balance: children per chunk; empty:
+  // the cut whose largest chunk holds the fewest parameters). The world is a
+  // pp x dp mesh (pp outermost); rank s of the pp group keeps chunks s, s+pp,
+  // ..., each under its own engine over dp, and the others are never run
+  // there (they stay as the module was built). Not with tp, HybridShard,
+  // units or param_dtype.
+  int pp = 1;
+  int virtual_stages = 1;  // chunks per rank (the interleaved schedule's v)
+  std::vector<int64_t> pp_balance;
   // Tensor parallelism by a plan over the module's submodule names
   // (parallel/tensor/parallelize_module.h): tp > 1 makes the world a dp x
   // tp mesh (tp innermost; HybridShard: dp_replicate x dp_shard x tp), tp
@@ -85,11 +96,20 @@ struct ModuleRecipe {
   int dp_replicate = 1;
 };
 
+// One pipeline chunk this rank runs (ModuleRecipe::pp > 1): a Sequential of
+// the module's children (named as in the module) and its engine over dp.
+struct ModuleStage {
+  int chunk = 0;  // its place among the pp x virtual_stages chunks
+  torch::nn::Sequential module;
+  std::shared_ptr<parallel::DistributedDataParallel> ddp;  // one of the two is set
+  std::shared_ptr<parallel::fsdp::ShardedDataParallel> sharded;
+};
+
 // What the recipe built over a user's module. Members are destroyed in
 // reverse order: the engines first, then the tensor-parallel hooks and the
 // mesh whose groups they use.
 struct ParallelModule {
-  std::unique_ptr<comm::Mesh> mesh;  // dp x tp, or HybridShard's over dp_replicate; null: the world's group
+  std::unique_ptr<comm::Mesh> mesh;  // dp x tp, pp x dp, or HybridShard's over dp_replicate; null: the world's group
   // The planned submodules run split while it lives.
   std::unique_ptr<parallel::tensor::TensorParallelModule> tp;
   parallel::tensor::GradNormParams tp_norm;  // DDP over tp: the parameters the global norm reads
@@ -98,10 +118,22 @@ struct ParallelModule {
   int dp_size = 1, dp_rank = 0;              // data-parallel ranks (shard x replicate) and this one
   std::unique_ptr<parallel::DistributedDataParallel> ddp;  // one of the two is set
   std::unique_ptr<parallel::fsdp::ShardedDataParallel> sharded;
+  // pp > 1: this rank's chunks in order, each with its engine (then ddp and
+  // sharded above are null), and the pipeline group.
+  std::vector<ModuleStage> stages;
+  comm::Group* pp = nullptr;
+  int chunks = 1;                                      // pp x virtual_stages
+  std::vector<std::vector<std::string>> chunk_children;  // the module's children each chunk holds, by name
   // What an optimizer must be built over: the engine's flat shards, or the
-  // module's trainable parameters.
+  // module's trainable parameters (every chunk's, in order, under pp).
   std::vector<at::Tensor> trainable() const;
 };
+
+// The cut of `children` parameter counts into `chunks` consecutive non-empty
+// pieces whose largest sum is the smallest (the first such cut); returns
+// children per piece. Throws std::invalid_argument when there are fewer
+// children than chunks.
+std::vector<int64_t> balance_by_parameters(const std::vector<int64_t>& children, int chunks);
 
 // Applies `recipe` to `module` (collective over `world`). Throws
 // std::invalid_argument naming the ModuleRecipe field for a recipe the world

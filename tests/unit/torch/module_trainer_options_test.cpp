@@ -124,6 +124,11 @@ TEST(ModuleTrainerOptions, StrategiesAndUnitsHaveTheCliNames) {
   EXPECT_EQ(o.autocast, at::kBFloat16);
   EXPECT_TRUE(o.loss_scaling.has_value());
   EXPECT_FALSE(module_trainer_options(with({"precision.mode=bf16"})).loss_scaling.has_value());
+  // Pipeline stages of a Sequential, with the schedule and chunks per rank.
+  o = module_trainer_options(with({"parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"}));
+  EXPECT_EQ(o.pp, 2);
+  EXPECT_EQ(o.pp_schedule, parallel::pipeline::Schedule::Interleaved);
+  EXPECT_EQ(o.virtual_stages, 2);
   // FP8 on the module's LoraLinear layers, with the scaling keys; not with tensor parallelism.
   o = module_trainer_options(with({"precision.fp8=true", "precision.fp8_format=e4m3", "precision.fp8_recipe=current",
                                    "precision.fp8_amax_history=16", "precision.fp8_margin=1"}));
@@ -146,7 +151,7 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"model.preset=gpt2", "model.preset"},
       {"data.path=tokens.tok", "data.path"},
-      {"parallel.pp=2", "parallel.pp"},
+      {"parallel.virtual_stages=2", "parallel.virtual_stages"},  // pp 1
       {"parallel.cp=2", "parallel.cp"},
       {"parallel.ep=2", "parallel.ep"},
       {"finetune.method=qlora", "finetune.method"},
@@ -169,6 +174,11 @@ TEST(ModuleTrainerOptions, KeysThatDoNotApplyAreRefusedByName) {
     EXPECT_NE(why.find(key), std::string::npos) << assignment << ": " << why;
     EXPECT_NE(why.find("would have no effect"), std::string::npos) << assignment << ": " << why;
   }
+  // A pipeline's keys that a user module's pipeline does not read.
+  EXPECT_NE(refusal({"parallel.pp=2", "parallel.microbatches=8"}).find("parallel.microbatches=8 would have no effect"),
+            std::string::npos);
+  EXPECT_NE(refusal({"parallel.pp=2", "parallel.pp_balance=time"}).find("parallel.pp_balance=time would have no effect"),
+            std::string::npos);
   // Under a sharded strategy, DDP's keys and the ZeRO engine's knobs.
   EXPECT_NE(refusal({"parallel.strategy=zero2", "parallel.bucket_cap_mb=10"}).find("parallel.bucket_cap_mb"),
             std::string::npos);

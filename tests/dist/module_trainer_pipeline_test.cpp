@@ -1,0 +1,132 @@
+// The module trainer under pipeline parallelism (ModuleRecipe::pp): a
+// user's torch::nn::Sequential cut into chunks by the recipe, each with its
+// engine over dp, run by every schedule, against one process training the
+// whole module on the whole batch (float64, 1e-10): clipping over every
+// chunk, the schedule of learning rates, checkpoints that resume with and
+// without the pipeline, and what a pipeline of a user module refuses.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "module_trainer_case.h"
+
+namespace scaletrain::test {
+namespace {
+
+using namespace trainer_case;
+namespace pl = parallel::pipeline;
+
+// Seven children: four Linear layers with Tanh between them.
+std::shared_ptr<torch::nn::Module> make_seq() {
+  torch::manual_seed(21);
+  torch::nn::Sequential s(torch::nn::Linear(10, 12), torch::nn::Tanh(), torch::nn::Linear(12, 12), torch::nn::Tanh(),
+                          torch::nn::Linear(12, 12), torch::nn::Tanh(), torch::nn::Linear(12, 5));
+  s->to(at::kDouble);
+  return s.ptr();
+}
+
+// Written for the Sequential: one process calls it with the whole module, a
+// pipeline with its last chunk (Note [The last chunk runs in the loss]).
+at::Tensor seq_mse(torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+  return torch::mse_loss(dynamic_cast<torch::nn::SequentialImpl&>(m).forward(x), y);
+}
+
+struct Layout {
+  int pp;
+  ModuleStrategy strategy;
+  pl::Schedule schedule;
+  int virtual_stages;
+};
+
+std::string name_of(const Layout& l) {
+  return "pp " + std::to_string(l.pp) + " " + train::to_string(l.strategy) + " " + pl::to_string(l.schedule) +
+         (l.virtual_stages > 1 ? " v" + std::to_string(l.virtual_stages) : "");
+}
+
+ModuleTrainerOptions pipeline_options(const Layout& l, int64_t steps) {
+  ModuleTrainerOptions o = options(l.strategy, steps);
+  o.units = {};
+  o.pp = l.pp;
+  o.pp_schedule = l.schedule;
+  o.virtual_stages = l.virtual_stages;
+  return o;
+}
+
+std::vector<Layout> layouts() {
+  if (world().size() == 2)
+    return {{2, ModuleStrategy::DDP, pl::Schedule::GPipe, 1},
+            {2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1},
+            {2, ModuleStrategy::DDP, pl::Schedule::Interleaved, 2},
+            {2, ModuleStrategy::FullShard, pl::Schedule::OneFOneB, 1}};
+  return {{2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1},
+          {2, ModuleStrategy::Zero2, pl::Schedule::OneFOneB, 1},
+          {2, ModuleStrategy::FullShard, pl::Schedule::Interleaved, 2},
+          {4, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1}};
+}
+
+TEST(ModuleTrainer, PipelineOfASequentialMatchesOneProcess) {
+  const AloneRun ref = run_alone(make_seq(), seq_mse, options(ModuleStrategy::DDP, 5));
+  EXPECT_GT(ref.norms.front(), 0.3) << "clipping must act for the test to mean anything";
+  for (const Layout& l : layouts()) {
+    const std::string name = name_of(l);
+    ModuleTrainer t(make_seq(), world(), adam, seq_mse, pipeline_options(l, 5));
+    EXPECT_EQ(t.data_parallel_size(), world().size() / l.pp) << name;
+    EXPECT_EQ(t.stages().size(), static_cast<size_t>(l.virtual_stages)) << name;
+    const train::ModuleTrainResult r = t.fit(dataset());
+    expect_losses(r.losses, ref.losses, 0, name);
+    EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+  }
+}
+
+// Saved under one layout at step 3 of 6, resumed under another (a pipeline
+// into none, none into a pipeline): the rest is the uninterrupted run's.
+TEST(ModuleTrainer, PipelineCheckpointsResumeWithAndWithoutPipeline) {
+  const AloneRun ref = run_alone(make_seq(), seq_mse, options(ModuleStrategy::DDP, 6));
+  // Two chunks per rank: their optimizer states follow one another in the layout.
+  const Layout pp2{2, ModuleStrategy::FullShard, pl::Schedule::Interleaved, 2};
+  const Layout none{1, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1};
+  for (const auto& [save_as, resume_as] : {std::pair{pp2, none}, std::pair{none, pp2}}) {
+    const std::string name = name_of(save_as) + " -> " + name_of(resume_as);
+    const fs::path dir = fresh_dir("pipeline_resume");
+    ModuleTrainerOptions first = pipeline_options(save_as, 6);
+    first.stop_at = 3;
+    first.checkpoint_dir = dir.string();
+    ModuleTrainer(make_seq(), world(), adam, seq_mse, first).fit(dataset());
+    ModuleTrainerOptions second = pipeline_options(resume_as, 6);
+    second.checkpoint_dir = dir.string();
+    ModuleTrainer t(make_seq(), world(), adam, seq_mse, second);
+    ASSERT_EQ(t.completed_steps(), 3) << name;
+    const train::ModuleTrainResult r = t.fit(dataset());
+    expect_losses(r.losses, ref.losses, 3, name);
+    EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+  }
+}
+
+TEST(ModuleTrainer, PipelineRefusalsNameTheField) {
+  const Layout pp2{2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1};
+  ModuleTrainerOptions o = pipeline_options(pp2, 4);
+  expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "cuts a torch::nn::Sequential",
+               "a module that is not a Sequential");
+  o.lora = models::LoraOptions{};
+  expect_error([&] { train::validate(o); }, "ModuleTrainerOptions.lora", "LoRA under pp");
+  o = pipeline_options(pp2, 4);
+  o.pp_balance = {1, 1, 5};
+  expect_error([&] { ModuleTrainer t(make_seq(), world(), adam, seq_mse, o); }, "pp_balance has 3 entries",
+               "a balance of another chunk count");
+  o = pipeline_options(pp2, 4);
+  o.pp_schedule = pl::Schedule::GPipe;  // two chunks per rank: interleaved's alone
+  o.virtual_stages = 2;
+  expect_error([&] { ModuleTrainer t(make_seq(), world(), adam, seq_mse, o); }, "ModuleTrainerOptions.pp_schedule",
+               "GPipe with two chunks per rank");
+  ModuleTrainerOptions flat = options(ModuleStrategy::DDP, 4);
+  flat.pp_schedule = pl::Schedule::GPipe;
+  expect_error([&] { train::validate(flat); }, "ModuleTrainerOptions.pp_schedule is for pp > 1", "schedule, no pp");
+  EXPECT_EQ(train::balance_by_parameters({120, 0, 144, 0, 144, 0, 60}, 2), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(train::balance_by_parameters({5, 5, 5, 5}, 4), (std::vector<int64_t>{1, 1, 1, 1}));
+  EXPECT_THROW(train::balance_by_parameters({5, 5}, 3), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace scaletrain::test
