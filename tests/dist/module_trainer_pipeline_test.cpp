@@ -3,7 +3,8 @@
 // engine over dp, run by every schedule, against one process training the
 // whole module on the whole batch (float64, 1e-10): clipping over every
 // chunk, the schedule of learning rates, checkpoints that resume with and
-// without the pipeline, and what a pipeline of a user module refuses.
+// without the pipeline, LoRA adapters trained and saved through the stages,
+// and what a pipeline of a user module refuses.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +12,9 @@
 #include <vector>
 
 #include "module_trainer_case.h"
+#include "scaletrain/hub/peft_adapter.h"
+#include "scaletrain/models/lora.h"
+#include "scaletrain/models/lora_linear.h"
 
 namespace scaletrain::test {
 namespace {
@@ -104,13 +108,54 @@ TEST(ModuleTrainer, PipelineCheckpointsResumeWithAndWithoutPipeline) {
   }
 }
 
+// LoRA through a pipeline: adapters on the LoraLinear children "0" and "4"
+// of a Sequential, everything else frozen; the chunks' engines train only
+// the adapters, and save_adapter gathers them from every stage.
+TEST(ModuleTrainer, PipelineTrainsLoraAdaptersAsOneProcess) {
+  auto make = [] {
+    torch::manual_seed(23);
+    torch::nn::Sequential s(models::LoraLinear(10, 12), torch::nn::Tanh(), models::LoraLinear(12, 12),
+                            torch::nn::Tanh(), models::LoraLinear(12, 5));
+    s->to(at::kDouble);
+    return s.ptr();
+  };
+  models::LoraOptions lo;
+  lo.r = 2;
+  lo.alpha = 4;
+  lo.target_modules = {"0", "4"};
+  lo.seed = 3;
+  auto ref_module = make();
+  models::add_lora_adapters(*ref_module, lo);
+  const AloneRun ref = run_alone(ref_module, seq_mse, options(ModuleStrategy::DDP, 4));
+  std::vector<Layout> cases = {{2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1},
+                               {2, ModuleStrategy::FullShard, pl::Schedule::GPipe, 1}};
+  for (const Layout& l : cases) {
+    const std::string name = name_of(l);
+    ModuleTrainerOptions o = pipeline_options(l, 4);
+    o.lora = lo;
+    ModuleTrainer t(make(), world(), adam, seq_mse, o);
+    t.fit(dataset());
+    EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+    const fs::path dir = fresh_dir("pipeline_adapter");
+    t.save_adapter(dir.string());
+    const hub::Adapter a = hub::read_adapter(dir.string(), "module");
+    EXPECT_EQ(a.tensors.size(), 4u) << name;
+    for (const auto& item : ref_module->named_parameters())
+      if (models::is_adapter_parameter(item.key())) {
+        ASSERT_TRUE(a.tensors.count(item.key())) << name << ": " << item.key();
+        EXPECT_LE(relative_diff({a.tensors.at(item.key()).to(at::kDouble)}, {item.value()}, true), 1e-6)
+            << name << ": " << item.key() << " as saved (fp32)";
+      }
+  }
+}
+
 TEST(ModuleTrainer, PipelineRefusalsNameTheField) {
   const Layout pp2{2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1};
   ModuleTrainerOptions o = pipeline_options(pp2, 4);
   expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "cuts a torch::nn::Sequential",
                "a module that is not a Sequential");
-  o.lora = models::LoraOptions{};
-  expect_error([&] { train::validate(o); }, "ModuleTrainerOptions.lora", "LoRA under pp");
+  o.fp8 = precision::Fp8LinearOptions{};
+  expect_error([&] { train::validate(o); }, "ModuleTrainerOptions.fp8", "FP8 under pp");
   o = pipeline_options(pp2, 4);
   o.pp_balance = {1, 1, 5};
   expect_error([&] { ModuleTrainer t(make_seq(), world(), adam, seq_mse, o); }, "pp_balance has 3 entries",

@@ -306,15 +306,6 @@ std::vector<at::Tensor> ModuleTrainer::full_parameters() {
 
 // Forward and backward of this rank's micro-batches of the step (Note
 // [Module trainer step], 1-2); returns the sum of their losses / accum.
-// `forward` under the trainer's autocast (options.autocast).
-at::Tensor ModuleTrainer::in_precision(const std::function<at::Tensor()>& forward) {
-  if (options_.autocast == at::kFloat) return forward();
-  precision::PrecisionPolicy policy;
-  policy.compute = options_.autocast;
-  precision::AutocastGuard autocast(policy, device_.type());
-  return forward();
-}
-
 void ModuleTrainer::zero_grad() {
   if (par_.ddp) par_.ddp->zero_grad();
   if (par_.sharded) par_.sharded->zero_grad();
@@ -332,7 +323,7 @@ double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vecto
     at::Tensor x = b.input.to(device_);
     const at::Tensor y = b.target.to(device_);
     if (options_.param_dtype != at::ScalarType::Undefined && x.is_floating_point()) x = x.to(options_.param_dtype);
-    at::Tensor loss = in_precision([&] { return loss_(*module_, x, y); });
+    at::Tensor loss = detail::in_precision(options_.autocast, device_.type(), [&] { return loss_(*module_, x, y); });
     if (!loss.defined() || loss.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
     loss = loss.reshape({}) / static_cast<double>(accum_);

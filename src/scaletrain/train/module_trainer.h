@@ -138,7 +138,7 @@ struct ModuleTrainerOptions : ModuleRecipe {
   // function is called with the last chunk (a torch::nn::Sequential of the
   // module's last children) and that chunk's input, so a loss written for
   // the Sequential (dynamic_cast<torch::nn::SequentialImpl&>(m).forward(x))
-  // serves both. Not with LoRA or FP8.
+  // serves both. Not with FP8.
   parallel::pipeline::Schedule pp_schedule = parallel::pipeline::Schedule::OneFOneB;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an
@@ -271,7 +271,6 @@ class ModuleTrainer {
   double run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine);
   bool overflowed();
   void zero_grad();
-  at::Tensor in_precision(const std::function<at::Tensor()>& forward);
   // Pipeline parallelism (module_trainer_pipeline.cpp).
   void build_pipeline();
   double pipeline_step(const ModuleData& data, const std::vector<int64_t>& mine);

@@ -1,12 +1,14 @@
 #pragma once
 // Internal to the module trainer's files: what module_trainer_options.cpp
-// (the options' checks and YAML keys) and module_trainer.cpp (the loop)
-// share.
+// (the options' checks and YAML keys), module_trainer.cpp (the loop) and
+// module_trainer_pipeline.cpp (its pipeline) share.
+#include <functional>
 #include <string>
 
 #include <torch/nn/module.h>
 
 #include "scaletrain/parallel/fsdp/fsdp.h"
+#include "scaletrain/precision/policy.h"
 #include "scaletrain/train/module_trainer.h"
 #include "scaletrain/train/plan/plan.h"
 
@@ -20,5 +22,15 @@ ModuleStrategy strategy_of(config::DataParallelism d);           // the plan's s
 // parameters and buffers (names, shapes, dtypes), one "key=value" a line.
 // Rank 0's own outputs (metrics_path, progress, log_every) are left out.
 std::string settings_text(const ModuleTrainerOptions& o, const torch::nn::Module& module);
+
+// `forward` under autocast in `dtype` on `device` (kFloat: as it is). Inline:
+// both the loop and its pipeline run forwards with it.
+inline at::Tensor in_precision(at::ScalarType dtype, at::DeviceType device, const std::function<at::Tensor()>& forward) {
+  if (dtype == at::kFloat) return forward();
+  precision::PrecisionPolicy policy;
+  policy.compute = dtype;
+  precision::AutocastGuard autocast(policy, device);
+  return forward();
+}
 
 }  // namespace scaletrain::train::detail

@@ -33,7 +33,9 @@ void ModuleTrainer::build_pipeline() {
     if (st.chunk == par_.chunks - 1)
       sm.forward = [](const at::Tensor& x) { return x; };  // Note [The last chunk runs in the loss]
     else
-      sm.forward = [this, seq](const at::Tensor& x) mutable { return in_precision([&] { return seq->forward(x); }); };
+      sm.forward = [this, seq](const at::Tensor& x) mutable {
+        return detail::in_precision(options_.autocast, device_.type(), [&] { return seq->forward(x); });
+      };
     if (st.ddp)
       sm.runner = std::make_shared<pl::DdpStageRunner>(st.ddp);
     else
@@ -60,7 +62,7 @@ double ModuleTrainer::pipeline_step(const ModuleData& data, const std::vector<in
   const double scale = scaler_ ? scaler_->scale() : 1.0;
   torch::nn::Module* last = par_.stages.back().chunk == par_.chunks - 1 ? par_.stages.back().module.ptr().get() : nullptr;
   const pl::LossFn loss = [&](const at::Tensor& x, const at::Tensor& y) {
-    at::Tensor l = in_precision([&] { return loss_(*last, x, y); });
+    at::Tensor l = detail::in_precision(options_.autocast, device_.type(), [&] { return loss_(*last, x, y); });
     if (!l.defined() || l.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
     return l.reshape({}) * scale;
