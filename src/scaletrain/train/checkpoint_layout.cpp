@@ -1,5 +1,7 @@
 #include "scaletrain/train/checkpoint_layout.h"
 
+#include <algorithm>
+
 namespace scaletrain::train {
 
 checkpoint::Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine) {
@@ -28,6 +30,19 @@ checkpoint::Layout tensor_parallel_layout(checkpoint::Layout local, const parall
     slot.pieces = std::move(full);
   }
   return local;
+}
+
+void append_chunk_layout(checkpoint::Layout& out, checkpoint::Layout chunk, int* states) {
+  int n = 0;
+  for (auto& s : chunk.slots) {
+    if (s.optim_index >= 0) {
+      n = std::max(n, s.optim_index + 1);
+      s.optim_index += *states;
+    }
+    out.slots.push_back(std::move(s));
+  }
+  *states += n;
+  out.writer = chunk.writer;
 }
 
 }  // namespace scaletrain::train

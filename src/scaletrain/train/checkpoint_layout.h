@@ -19,4 +19,10 @@ checkpoint::Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& eng
 // checkpoint holds the single-process model's tensors and any layout loads it.
 checkpoint::Layout tensor_parallel_layout(checkpoint::Layout local, const parallel::tensor::TensorParallelPlan& plan);
 
+// Pipeline chunks: appends `chunk`'s slots to `out`, its optimizer states
+// numbered after the `*states` already there (which it advances), and takes
+// its writer flag; so one optimizer over every chunk's tensors in turn maps
+// onto the layout.
+void append_chunk_layout(checkpoint::Layout& out, checkpoint::Layout chunk, int* states);
+
 }  // namespace scaletrain::train

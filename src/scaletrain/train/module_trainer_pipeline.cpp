@@ -98,21 +98,12 @@ double ModuleTrainer::pipeline_clip(double max_norm) {
 // buffers saved by dp rank 0 of its pp rank.
 checkpoint::Layout ModuleTrainer::pipeline_layout() const {
   checkpoint::Layout out;
-  int offset = 0;
+  int states = 0;
   for (const ModuleStage& st : par_.stages) {
     checkpoint::Layout l = st.sharded ? sharded_layout(*st.sharded)
                                       : checkpoint::replicated_layout(*st.module, par_.dp_rank == 0);
-    int states = 0;
-    for (auto& slot : l.slots) {
-      if (slot.optim_index >= 0) {
-        states = std::max(states, slot.optim_index + 1);
-        slot.optim_index += offset;
-      }
-      out.slots.push_back(std::move(slot));
-    }
-    offset += states;
-    out.writer = l.writer;
     out.strategy = l.strategy;
+    append_chunk_layout(out, std::move(l), &states);
     for (const auto& item : st.module->named_buffers()) {
       const at::Tensor& b = item.value();
       if (!b.defined() || b.numel() == 0) continue;

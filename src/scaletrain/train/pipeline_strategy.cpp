@@ -137,16 +137,7 @@ class PipelineStrategy final : public DataParallel {
                    : checkpoint::replicated_layout(*pipe_->chunks()[j],
                                                    mesh_.coord().dp(mesh_.dims()) == 0 && mesh_.coord().cp == 0);
       if (plan_) l = tensor_parallel_layout(std::move(l), *plan_);  // full-model coordinates
-      int n = 0;
-      for (auto& s : l.slots) {
-        if (s.optim_index >= 0) {
-          n = std::max(n, s.optim_index + 1);
-          s.optim_index += offset;
-        }
-        out.slots.push_back(std::move(s));
-      }
-      offset += n;
-      out.writer = l.writer;
+      append_chunk_layout(out, std::move(l), &offset);
     }
     out.strategy = "pipeline " + label_;
     return out;
