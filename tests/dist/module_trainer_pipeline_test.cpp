@@ -15,6 +15,7 @@
 #include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/models/lora.h"
 #include "scaletrain/models/lora_linear.h"
+#include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
 namespace {
@@ -170,7 +171,7 @@ TEST(ModuleTrainer, PipelineRefusalsNameTheField) {
   expect_error([&] { train::validate(flat); }, "ModuleTrainerOptions.pp_schedule is for pp > 1", "schedule, no pp");
   EXPECT_EQ(train::balance_by_parameters({120, 0, 144, 0, 144, 0, 60}, 2), (std::vector<int64_t>{3, 4}));
   EXPECT_EQ(train::balance_by_parameters({5, 5, 5, 5}, 4), (std::vector<int64_t>{1, 1, 1, 1}));
-  EXPECT_THROW(train::balance_by_parameters({5, 5}, 3), std::invalid_argument);
+  EXPECT_THROW(train::balance_by_parameters({5, 5}, 3), UsageError);
 }
 
 }  // namespace

@@ -35,13 +35,11 @@
 // whole reaches them, and their parameters keep the module's names.
 #include "scaletrain/train/recipe.h"
 
-#include <algorithm>
-#include <limits>
-
 #include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/expert/expert_parallel.h"
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
+#include "scaletrain/parallel/pipeline/stage.h"
 #include "scaletrain/train/engines.h"
 #include "scaletrain/train/starting_model.h"
 #include "scaletrain/util/error.h"
@@ -222,29 +220,9 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
 }  // namespace
 
 std::vector<int64_t> balance_by_parameters(const std::vector<int64_t>& sizes, int chunks) {
-  const int n = static_cast<int>(sizes.size());
-  if (chunks < 1 || n < chunks)
-    throw std::invalid_argument("pipeline balance: " + std::to_string(n) + " children cannot fill " +
-                                std::to_string(chunks) + " chunks");
-  std::vector<int64_t> prefix(static_cast<size_t>(n) + 1, 0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + sizes[static_cast<size_t>(i)];
-  // best[j][i]: the smallest largest sum of the first i children cut into j pieces; cut[j][i]: its last cut.
-  const int64_t none = std::numeric_limits<int64_t>::max();
-  std::vector<std::vector<int64_t>> best(chunks + 1, std::vector<int64_t>(n + 1, none));
-  std::vector<std::vector<int>> cut(chunks + 1, std::vector<int>(n + 1, 0));
-  best[0][0] = 0;
-  for (int j = 1; j <= chunks; ++j)
-    for (int i = j; i <= n; ++i)
-      for (int c = j - 1; c < i; ++c) {
-        if (best[j - 1][c] == none) continue;
-        const int64_t v = std::max(best[j - 1][c], prefix[i] - prefix[c]);
-        if (v < best[j][i]) best[j][i] = v, cut[j][i] = c;
-      }
-  std::vector<int64_t> out(static_cast<size_t>(chunks));
-  for (int j = chunks, i = n; j > 0; --j) {
-    out[static_cast<size_t>(j) - 1] = i - cut[j][i];
-    i = cut[j][i];
-  }
+  const std::vector<double> costs(sizes.begin(), sizes.end());
+  std::vector<int64_t> out;
+  for (const auto& [begin, end] : parallel::pipeline::balance_blocks(costs, 0, 0, chunks)) out.push_back(end - begin);
   return out;
 }
 

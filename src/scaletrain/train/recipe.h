@@ -130,9 +130,9 @@ struct ParallelModule {
 };
 
 // The cut of `children` parameter counts into `chunks` consecutive non-empty
-// pieces whose largest sum is the smallest (the first such cut); returns
-// children per piece. Throws std::invalid_argument when there are fewer
-// children than chunks.
+// pieces whose largest sum is the smallest (the families' block balance,
+// parallel/pipeline/stage.h); returns children per piece. Throws UsageError
+// when there are fewer children than chunks.
 std::vector<int64_t> balance_by_parameters(const std::vector<int64_t>& children, int chunks);
 
 // Applies `recipe` to `module` (collective over `world`). Throws
