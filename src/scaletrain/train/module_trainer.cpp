@@ -315,8 +315,6 @@ void ModuleTrainer::zero_grad() {
 double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine) {
   double loss_sum = 0;
   const int64_t m = options_.micro_batch;
-  // Gradients cast to FP8 relative to what the loss was multiplied by (Note [FP8 linears]).
-  for (const auto& l : fp8_) l->set_loss_multiplier((scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(accum_));
   for (int64_t k = 0; k < accum_; ++k) {
     const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
     ModuleBatch b = data.get(idx);
@@ -404,6 +402,9 @@ double ModuleTrainer::step(const ModuleData& data) {
   const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
   const int64_t uses_before = options_.activation_checkpointing ? checkpointed_uses(*module_) : 0;
   const double scale = scaler_ ? scaler_->scale() : 1.0;
+  // Gradients cast to FP8 relative to what the loss was multiplied by (Note [FP8 linears]): the
+  // scale over the micro-batches (the pipeline divides each micro-batch's loss by their count too).
+  for (const auto& l : fp8_) l->set_loss_multiplier(scale / static_cast<double>(accum_));
   const double loss_sum = pipeline_ ? pipeline_step(data, mine) : run_micro_batches(data, mine);
   // A policy nothing used would be accepted and ignored: every rank runs the same module, so all stop here.
   if (options_.activation_checkpointing && uses_before == 0 && checkpointed_uses(*module_) == 0)

@@ -129,8 +129,10 @@ struct ModuleTrainerOptions : ModuleRecipe {
   // FP8 (Note [FP8 linears] in precision/fp8.h): every LoraLinear of the
   // module computes x W^T in emulated FP8 with these scales; the delayed
   // recipe's amaxes are agreed over the data-parallel ranks once a step and
-  // its histories saved in checkpoints. Not with tp > 1 (the plan finds its
-  // layers by their torch::linear calls, which an FP8 layer does not make).
+  // its histories saved in checkpoints (under pp, agreed over the job first:
+  // a rank keeps no history of the layers it does not run). Not with tp > 1
+  // (the plan finds its layers by their torch::linear calls, which an FP8
+  // layer does not make).
   std::optional<precision::Fp8LinearOptions> fp8;
   // Pipeline parallelism (the recipe's pp, virtual_stages and pp_balance):
   // the schedule of each step (parallel/pipeline/schedule.h) over its
@@ -138,7 +140,7 @@ struct ModuleTrainerOptions : ModuleRecipe {
   // function is called with the last chunk (a torch::nn::Sequential of the
   // module's last children) and that chunk's input, so a loss written for
   // the Sequential (dynamic_cast<torch::nn::SequentialImpl&>(m).forward(x))
-  // serves both. Not with FP8.
+  // serves both.
   parallel::pipeline::Schedule pp_schedule = parallel::pipeline::Schedule::OneFOneB;
 
   // LoRA (models/lora_linear.h): before the engine wraps the module, an

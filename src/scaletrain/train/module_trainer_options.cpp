@@ -177,7 +177,6 @@ void validate_pipeline(const ModuleTrainerOptions& o) {
   }
   const std::string why = " is not run under pipeline parallelism (pp > 1)";
   if (o.tp > 1) bad("tp", "> 1" + why);
-  if (o.fp8) bad("fp8", why);
   if (o.param_dtype != at::ScalarType::Undefined && o.param_dtype != at::kFloat) bad("param_dtype", why);
   if (o.strategy == ModuleStrategy::HybridShard || o.shard_group || o.replicate_group)
     bad("pp", "builds a pp x dp mesh of its own: not with HybridShard or given groups");
