@@ -18,6 +18,7 @@
 #include "dist_env.h"
 #include "reference.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/precision/fp8.h"
 #include "scaletrain/train/module_trainer.h"
 #include "user_modules.h"
 
@@ -42,6 +43,14 @@ inline std::shared_ptr<torch::nn::Module> make_toy() {
 inline train::ModuleData dataset() {
   auto g = at::detail::createCPUGenerator(77);
   return train::ModuleData(at::randn({kSamples, 10}, g, at::kDouble), at::randn({kSamples, 5}, g, at::kDouble));
+}
+
+// The same samples in float32.
+inline train::ModuleData dataset32() {
+  std::vector<int64_t> all(kSamples);
+  for (int64_t i = 0; i < kSamples; ++i) all[static_cast<size_t>(i)] = i;
+  const train::ModuleBatch whole = dataset().get(all);
+  return train::ModuleData(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
 }
 
 inline at::Tensor mse(torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
@@ -144,6 +153,48 @@ inline void expect_error(const std::function<void()>& f, const std::string& part
   } catch (const E& e) {
     EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << what << ": " << e.what();
   }
+}
+
+// FP8 runs (float32): the three scales (input, weight, gradient) of each
+// layer that `keep` marks (empty: every layer), in order.
+inline std::vector<double> fp8_scales(const std::vector<precision::Fp8LinearPtr>& layers,
+                                      const std::vector<bool>& keep = {}) {
+  std::vector<double> out;
+  for (size_t i = 0; i < layers.size(); ++i)
+    if (keep.empty() || keep[i])
+      for (auto which : {precision::Fp8Linear::Input, precision::Fp8Linear::Weight, precision::Fp8Linear::Grad})
+        out.push_back(layers[i]->scale(which));
+  return out;
+}
+
+// One process with FP8 `layers` in `m`: each step's global batch in its
+// global_batch / micro_batch slices in turn (every rank's micro-batches), the
+// loss multiplier of the whole step, the amaxes ended once, torch's clipping,
+// Adam with the schedule. Returns every layer's scales after each step.
+inline std::vector<std::vector<double>> fp8_alone(const std::shared_ptr<torch::nn::Module>& m,
+                                                  const std::vector<precision::Fp8LinearPtr>& layers,
+                                                  const train::ModuleLoss& loss, const train::ModuleData& data,
+                                                  const ModuleTrainerOptions& o) {
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(kLr));
+  data::SamplerOptions so;
+  so.seed = o.seed;
+  so.global_batch = o.global_batch;
+  data::DistributedSampler sampler(data.size(), so);
+  const int64_t slices = o.global_batch / o.micro_batch, n = o.micro_batch;
+  std::vector<std::vector<double>> scales;
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const train::ModuleBatch b = data.get(sampler.global_batch(step));
+    opt.zero_grad();
+    for (const auto& l : layers) l->set_loss_multiplier(1.0 / static_cast<double>(slices));
+    for (int64_t k = 0; k < slices; ++k)
+      (loss(*m, b.input.narrow(0, k * n, n), b.target.narrow(0, k * n, n)) / static_cast<double>(slices)).backward();
+    precision::fp8_end_step(layers, {});
+    torch::nn::utils::clip_grad_norm_(m->parameters(), o.clip_grad_norm);
+    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
+    opt.step();
+    scales.push_back(fp8_scales(layers));
+  }
+  return scales;
 }
 
 }  // namespace scaletrain::test::trainer_case

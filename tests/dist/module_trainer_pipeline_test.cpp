@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "module_trainer_case.h"
-#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/data/sampler.h"
+#include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/models/linear.h"
 #include "scaletrain/models/lora.h"
 #include "scaletrain/models/lora_linear.h"
@@ -163,48 +163,15 @@ TEST(ModuleTrainer, PipelineComputesLoraLinearLayersInFp8AsOneProcess) {
                             torch::nn::ReLU(), models::LoraLinear(16, 5));
     return s.ptr();
   };
-  const train::ModuleBatch whole = dataset().get([] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }());
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const train::ModuleData data = dataset32();
   const precision::Fp8LinearOptions f8{precision::Fp8Mix::Hybrid, true, 16, 0};
   const Layout l{2, world().size() == 2 ? ModuleStrategy::DDP : ModuleStrategy::FullShard, pl::Schedule::OneFOneB, 1};
   ModuleTrainerOptions o = pipeline_options(l, 5);
   o.fp8 = f8;
-  const int64_t dp = world().size() / l.pp, accum = o.global_batch / (o.micro_batch * dp), m = o.micro_batch;
   // One process: every rank's micro-batches in turn, the multiplier of the whole step.
   auto ref_module = make();
-  const std::vector<precision::Fp8LinearPtr> ref_layers = models::use_fp8(*ref_module, f8);
-  torch::optim::Adam opt(ref_module->parameters(), torch::optim::AdamOptions(kLr));
-  data::SamplerOptions so;
-  so.seed = o.seed;
-  so.global_batch = o.global_batch;
-  data::DistributedSampler sampler(kSamples, so);
-  std::vector<std::vector<double>> ref_scales;
-  auto scales_of = [](const std::vector<precision::Fp8LinearPtr>& layers, const std::vector<bool>& keep) {
-    std::vector<double> out;
-    for (size_t i = 0; i < layers.size(); ++i)
-      if (keep[i])
-        for (auto which : {precision::Fp8Linear::Input, precision::Fp8Linear::Weight, precision::Fp8Linear::Grad})
-          out.push_back(layers[i]->scale(which));
-    return out;
-  };
-  const std::vector<bool> all(ref_layers.size(), true);
-  for (int64_t step = 0; step < o.steps; ++step) {
-    const train::ModuleBatch b = data.get(sampler.global_batch(step));
-    opt.zero_grad();
-    for (const auto& layer : ref_layers) layer->set_loss_multiplier(1.0 / static_cast<double>(dp * accum));
-    for (int64_t k = 0; k < dp * accum; ++k)
-      (seq_mse(*ref_module, b.input.narrow(0, k * m, m), b.target.narrow(0, k * m, m)) / static_cast<double>(dp * accum))
-          .backward();
-    precision::fp8_end_step(ref_layers, {});
-    torch::nn::utils::clip_grad_norm_(ref_module->parameters(), o.clip_grad_norm);
-    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
-    opt.step();
-    ref_scales.push_back(scales_of(ref_layers, all));
-  }
+  const std::vector<std::vector<double>> ref_scales =
+      fp8_alone(ref_module, models::use_fp8(*ref_module, f8), seq_mse, data, o);
   // The layers this rank runs: children "0", "2", "4" in the chunks it holds.
   auto mine = [](const ModuleTrainer& t) {
     std::vector<bool> keep;
@@ -226,7 +193,7 @@ TEST(ModuleTrainer, PipelineComputesLoraLinearLayersInFp8AsOneProcess) {
     ModuleTrainer t(make(), world(), adam, seq_mse, o);
     t.fit(data);
     const std::vector<bool> keep = mine(t);
-    EXPECT_EQ(scales_of(t.fp8_layers(), keep), owned(ref_scales.back(), keep)) << name_of(l);
+    EXPECT_EQ(fp8_scales(t.fp8_layers(), keep), owned(ref_scales.back(), keep)) << name_of(l);
     EXPECT_LE(relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true), 1e-5) << name_of(l);
   }
   const fs::path dir = fresh_dir("pipeline_fp8");
@@ -238,9 +205,9 @@ TEST(ModuleTrainer, PipelineComputesLoraLinearLayersInFp8AsOneProcess) {
   second.checkpoint_dir = dir.string();
   ModuleTrainer t(make(), world(), adam, seq_mse, second);
   const std::vector<bool> keep = mine(t);
-  EXPECT_EQ(scales_of(t.fp8_layers(), keep), owned(ref_scales[1], keep)) << "resumed histories";
+  EXPECT_EQ(fp8_scales(t.fp8_layers(), keep), owned(ref_scales[1], keep)) << "resumed histories";
   t.fit(data);
-  EXPECT_EQ(scales_of(t.fp8_layers(), keep), owned(ref_scales.back(), keep)) << "resumed";
+  EXPECT_EQ(fp8_scales(t.fp8_layers(), keep), owned(ref_scales.back(), keep)) << "resumed";
   EXPECT_LE(relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true), 1e-5) << "resumed";
 }
 

@@ -38,14 +38,7 @@ TEST(ModuleTrainer, Bf16AutocastMatchesOneProcessOnTheSameSlices) {
     torch::manual_seed(3);
     return Toy().ptr();
   };
-  const train::ModuleData d64 = dataset();
-  const std::vector<int64_t> all = [] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }();
-  const train::ModuleBatch whole = d64.get(all);
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const train::ModuleData data = dataset32();
   const int64_t n = kGlobal / world().size();
   auto run = [&](at::ScalarType autocast) {
     ModuleTrainerOptions o = options(ModuleStrategy::DDP, 4);
@@ -106,12 +99,7 @@ TEST(ModuleTrainer, Bf16StorageStepsFp32MastersAsOneProcessWould) {
   auto loss32 = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
     return torch::mse_loss(dynamic_cast<ToyImpl&>(m).forward(x).to(at::kFloat), y);
   };
-  const train::ModuleBatch whole = dataset().get([] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }());
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const train::ModuleData data = dataset32();
   const int64_t n = kGlobal / world().size();
   // The run's master shards against the reference's masters by name:
   // |shard - reference| / |reference| over this rank's pieces.
@@ -273,7 +261,9 @@ TEST(ModuleTrainer, LossScalingSkipsOverflowedStepsOnEveryRank) {
 
 // Two LoraLinear layers: what FP8 reaches in a user's module.
 struct Fp8NetImpl : torch::nn::Module {
-  Fp8NetImpl() : fc1(register_module("fc1", models::LoraLinear(10, 16))), fc2(register_module("fc2", models::LoraLinear(16, 5))) {}
+  Fp8NetImpl()
+      : fc1(register_module("fc1", models::LoraLinear(10, 16))),
+        fc2(register_module("fc2", models::LoraLinear(16, 5))) {}
   at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(fc1(x))); }
   models::LoraLinear fc1, fc2;
 };
@@ -295,12 +285,7 @@ TEST(ModuleTrainer, Fp8OnLoraLinearLayersFollowsOneProcess) {
   auto loss = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
     return torch::mse_loss(dynamic_cast<Fp8NetImpl&>(m).forward(x), y);
   };
-  const train::ModuleBatch whole = dataset().get([] {
-    std::vector<int64_t> v(kSamples);
-    for (int64_t i = 0; i < kSamples; ++i) v[static_cast<size_t>(i)] = i;
-    return v;
-  }());
-  const train::ModuleData data(whole.input.to(at::kFloat), whole.target.to(at::kFloat));
+  const train::ModuleData data = dataset32();
   const precision::Fp8LinearOptions f8{precision::Fp8Mix::Hybrid, true, 16, 0};
   auto fp8_options = [&](ModuleStrategy s) {
     ModuleTrainerOptions o = options(s, 6);
@@ -313,41 +298,16 @@ TEST(ModuleTrainer, Fp8OnLoraLinearLayersFollowsOneProcess) {
   auto ref_module = make();
   const std::vector<precision::Fp8LinearPtr> ref_layers = models::use_fp8(*ref_module, f8);
   ASSERT_EQ(ref_layers.size(), 2u);
-  torch::optim::Adam opt(ref_module->parameters(), torch::optim::AdamOptions(kLr));
-  const ModuleTrainerOptions o = fp8_options(ModuleStrategy::DDP);
-  data::SamplerOptions so;
-  so.seed = o.seed;
-  so.global_batch = o.global_batch;
-  data::DistributedSampler sampler(kSamples, so);
-  const int64_t W = world().size(), accum = 2, m = o.micro_batch;
-  std::vector<std::vector<double>> ref_scales;  // per step, after it: every layer's three scales
-  auto scales_of = [](const std::vector<precision::Fp8LinearPtr>& layers) {
-    std::vector<double> out;
-    for (const auto& l : layers)
-      for (auto which : {precision::Fp8Linear::Input, precision::Fp8Linear::Weight, precision::Fp8Linear::Grad})
-        out.push_back(l->scale(which));
-    return out;
-  };
-  for (int64_t step = 0; step < o.steps; ++step) {
-    const train::ModuleBatch b = data.get(sampler.global_batch(step));
-    opt.zero_grad();
-    for (const auto& l : ref_layers) l->set_loss_multiplier(1.0 / static_cast<double>(W * accum));
-    for (int64_t k = 0; k < W * accum; ++k)
-      (loss(*ref_module, b.input.narrow(0, k * m, m), b.target.narrow(0, k * m, m)) / static_cast<double>(W * accum))
-          .backward();
-    precision::fp8_end_step(ref_layers, {});
-    torch::nn::utils::clip_grad_norm_(ref_module->parameters(), o.clip_grad_norm);
-    opt.param_groups()[0].options().set_lr(optim::lr_at(step, o.peak_lr, *o.lr_schedule));
-    opt.step();
-    ref_scales.push_back(scales_of(ref_layers));
-  }
+  const int64_t accum = 2;
+  const std::vector<std::vector<double>> ref_scales =
+      fp8_alone(ref_module, ref_layers, loss, data, fp8_options(ModuleStrategy::DDP));
   EXPECT_NE(ref_scales.front(), ref_scales.back()) << "the histories must move for the scales to mean anything";
   for (ModuleStrategy s : {ModuleStrategy::DDP, ModuleStrategy::FullShard}) {
     const std::string name = train::to_string(s);
     ModuleTrainer t(make(), world(), adam, loss, fp8_options(s));
     ASSERT_EQ(t.accumulation(), accum);
     t.fit(data);
-    EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales.back()) << name << ": the scales every rank casts with";
+    EXPECT_EQ(fp8_scales(t.fp8_layers()), ref_scales.back()) << name << ": the scales every rank casts with";
     const double diff = relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true);
     EXPECT_LE(diff, 1e-5) << name;
     if (s != ModuleStrategy::DDP) continue;
@@ -369,9 +329,9 @@ TEST(ModuleTrainer, Fp8OnLoraLinearLayersFollowsOneProcess) {
   second.checkpoint_dir = dir.string();
   ModuleTrainer t(make(), world(), adam, loss, second);
   ASSERT_EQ(t.completed_steps(), 2);
-  EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales[1]) << "resumed histories";
+  EXPECT_EQ(fp8_scales(t.fp8_layers()), ref_scales[1]) << "resumed histories";
   t.fit(data);
-  EXPECT_EQ(scales_of(t.fp8_layers()), ref_scales.back()) << "resumed";
+  EXPECT_EQ(fp8_scales(t.fp8_layers()), ref_scales.back()) << "resumed";
   EXPECT_LE(relative_diff(t.full_parameters(), ref_module->parameters(), /*per_tensor=*/true), 1e-5) << "resumed";
   // Refused by name: a module with no LoraLinear, and FP8 under tensor parallelism.
   ModuleTrainerOptions toy = options(ModuleStrategy::DDP, 4);
