@@ -40,14 +40,17 @@ LossScalerState LossScalerState::from_map(const std::map<std::string, double>& m
 }
 
 LossScaler::LossScaler(LossScalerOptions o) : options_(o) {
-  if (o.static_scale < 0) throw UsageError("loss scaler: static_scale must be 0 (dynamic) or positive");
+  // Written so that NaN fails every check (a comparison with NaN is false).
+  if (!(o.static_scale >= 0) || !std::isfinite(o.static_scale))
+    throw UsageError("loss scaler: static_scale must be 0 (dynamic) or a finite positive number");
   if (dynamic()) {
-    if (o.initial_scale <= 0 || o.min_scale <= 0 || o.initial_scale < o.min_scale)
-      throw UsageError("loss scaler: need 0 < min_scale <= initial_scale");
+    if (!(o.min_scale > 0) || !(o.initial_scale >= o.min_scale) || !std::isfinite(o.initial_scale))
+      throw UsageError("loss scaler: need 0 < min_scale <= initial_scale, both finite");
     if (o.growth_interval < 1 || o.hysteresis < 1)
       throw UsageError("loss scaler: growth_interval and hysteresis must be at least 1");
-    if (o.growth_factor <= 1 || o.backoff_factor <= 0 || o.backoff_factor >= 1)
-      throw UsageError("loss scaler: need growth_factor > 1 and 0 < backoff_factor < 1");
+    if (!(o.growth_factor > 1) || !std::isfinite(o.growth_factor) || !(o.backoff_factor > 0) ||
+        !(o.backoff_factor < 1))
+      throw UsageError("loss scaler: need a finite growth_factor > 1 and 0 < backoff_factor < 1");
   }
   scale_ = dynamic() ? o.initial_scale : o.static_scale;
   hysteresis_left_ = o.hysteresis;

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
+#include <cmath>
+
 #include <ATen/autocast_mode.h>
 
 #include <limits>
@@ -123,6 +127,24 @@ LossScalerOptions small(int64_t interval = 3, int hysteresis = 2) {
   o.hysteresis = hysteresis;
   o.min_scale = 1;
   return o;
+}
+
+// Typed options reach the scaler directly (ModuleTrainerOptions::loss_scaling): NaN, infinities
+// and negatives are refused by name, never turned into a scale.
+TEST(LossScaler, NonFiniteOrNegativeSettingsAreRefused) {
+  const double nan = std::nan(""), inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::function<void(LossScalerOptions&)>> edits = {
+      [&](auto& o) { o.static_scale = nan; },   [&](auto& o) { o.static_scale = inf; },
+      [&](auto& o) { o.static_scale = -1; },    [&](auto& o) { o.initial_scale = nan; },
+      [&](auto& o) { o.initial_scale = inf; },  [&](auto& o) { o.min_scale = nan; },
+      [&](auto& o) { o.growth_factor = nan; },  [&](auto& o) { o.backoff_factor = nan; },
+      [&](auto& o) { o.growth_factor = inf; }};
+  for (size_t i = 0; i < edits.size(); ++i) {
+    LossScalerOptions o;
+    edits[i](o);
+    EXPECT_THROW(LossScaler{o}, UsageError) << "edit " << i;
+  }
+  EXPECT_NO_THROW(LossScaler{LossScalerOptions{}});
 }
 
 TEST(LossScaler, GrowsAfterTheInterval) {
