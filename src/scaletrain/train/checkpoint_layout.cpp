@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "scaletrain/util/error.h"
+
 namespace scaletrain::train {
 
 checkpoint::Layout sharded_layout(const parallel::fsdp::ShardedDataParallel& engine) {
@@ -43,6 +45,18 @@ void append_chunk_layout(checkpoint::Layout& out, checkpoint::Layout chunk, int*
   }
   *states += n;
   out.writer = chunk.writer;
+}
+
+void append_buffers(checkpoint::Layout& l, const torch::nn::Module& module, bool saved) {
+  for (const auto& item : module.named_buffers()) {
+    const at::Tensor& b = item.value();
+    if (!b.defined() || b.numel() == 0) continue;
+    if (!b.is_contiguous())
+      throw UsageError("checkpoint: cannot save buffer '" + item.key() + "': it is not contiguous");
+    checkpoint::SlotPiece piece{item.key(), b.sizes().vec(), 0, 0, b.numel()};
+    piece.saved = saved;
+    l.slots.push_back({b, -1, {piece}});
+  }
 }
 
 }  // namespace scaletrain::train

@@ -25,4 +25,9 @@ checkpoint::Layout tensor_parallel_layout(checkpoint::Layout local, const parall
 // onto the layout.
 void append_chunk_layout(checkpoint::Layout& out, checkpoint::Layout chunk, int* states);
 
+// A user's module: appends its non-empty buffers (BatchNorm's running
+// statistics) to `l`, each whole, written where `saved` (every rank loads
+// them). Throws UsageError for a buffer that is not contiguous.
+void append_buffers(checkpoint::Layout& l, const torch::nn::Module& module, bool saved);
+
 }  // namespace scaletrain::train

@@ -16,7 +16,7 @@
 namespace scaletrain::train {
 
 // One step's micro-batches, as the trainer prepared them (Note [Training
-// step] in trainer.cpp).
+// step] in loop.cpp).
 struct StepWork {
   std::vector<at::Tensor> inputs, targets;  // micro-batch k: inputs[k], targets[k]
   // Micro-batch k's loss is multiplied by loss_scale * weights[k] before its

@@ -29,6 +29,8 @@
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/checkpoint_layout.h"
+#include "scaletrain/train/loop.h"
+#include "scaletrain/train/module_engine.h"
 #include "scaletrain/train/module_trainer_internal.h"
 #include "scaletrain/train/plan/plan.h"
 #include "scaletrain/util/error.h"
@@ -65,9 +67,11 @@ std::string resume_checkpoint(const std::string& dir, const std::string& resume)
   throw UsageError("resume=" + resume + " is not a complete checkpoint nor a directory holding one");
 }
 
-// What the loop keeps besides the engine: the sampler (rebuilt for a
-// dataset of another size), the metrics file and the tracer.
-struct ModuleTrainer::Observers {
+// What the loop keeps besides the engine: the step's parts (Note [Training
+// step]), the sampler (rebuilt for a dataset of another size), the metrics
+// file and the tracer.
+struct ModuleTrainer::LoopState {
+  StepParts parts;
   std::unique_ptr<data::DistributedSampler> sampler;
   std::ofstream metrics;
   std::unique_ptr<observe::StepTracer> tracer;
@@ -79,7 +83,7 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
       world_(world),
       loss_(std::move(loss)),
       options_(std::move(options)),
-      observers_(std::make_unique<Observers>()) {
+      loop_(std::make_unique<LoopState>()) {
   validate(options_);
   if (!module_) throw std::invalid_argument("ModuleTrainer: no module");
   if (!loss_) throw std::invalid_argument("ModuleTrainer: no loss function");
@@ -104,15 +108,16 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   build_engine();
   build_optimizer(std::move(optimizer));
   if (options_.loss_scaling) scaler_ = std::make_unique<precision::LossScaler>(*options_.loss_scaling);
+  connect_loop();
   start_checkpoints();
   if (world_.rank() == 0 && !options_.metrics_path.empty()) {
     const auto parent = std::filesystem::path(options_.metrics_path).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent);
     // A resumed run adds to the lines of the run it goes on from.
-    observers_->metrics.open(options_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
-    if (!observers_->metrics) bad("metrics_path", options_.metrics_path + " cannot be written");
+    loop_->metrics.open(options_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
+    if (!loop_->metrics) bad("metrics_path", options_.metrics_path + " cannot be written");
   }
-  observers_->tracer = std::make_unique<observe::StepTracer>(options_.trace_steps, options_.trace_dir, world_,
+  loop_->tracer = std::make_unique<observe::StepTracer>(options_.trace_steps, options_.trace_dir, world_,
                                                              "module trainer, " + to_string(options_.strategy));
 }
 
@@ -183,11 +188,34 @@ void ModuleTrainer::build_engine() {
     bad("global_batch", "=" + std::to_string(o.global_batch) + " is not divisible by micro_batch=" +
                             std::to_string(o.micro_batch) + " x data-parallel size " + std::to_string(dp));
   accum_ = o.global_batch / (o.micro_batch * dp);
-  if (!par_.stages.empty()) build_pipeline();
+  const ModuleEngineSetup setup{module_, &par_, &world_, &options_, loss_, accum_, device_};
+  engine_ = par_.stages.empty() ? module_engine(setup) : module_pipeline_engine(setup);
+}
+
+// What the step every run takes (Note [Training step]) needs of this trainer.
+void ModuleTrainer::connect_loop() {
+  StepParts& p = loop_->parts;
+  p.engine = engine_.get();
+  p.batch_groups = {par_.shard, par_.replicate};
+  p.scaler = scaler_.get();
+  p.fp8 = fp8_;
+  p.fp8_groups = {par_.shard, par_.replicate};
+  p.lr = [this](int64_t step) {
+    return options_.lr_schedule ? optim::lr_at(step, options_.peak_lr, *options_.lr_schedule)
+                                : opt_->param_groups().front().options().get_lr();
+  };
+  p.optimizer_step = [this](double lr) {
+    if (options_.lr_schedule)
+      for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
+    opt_->step();
+    ++opt_steps_;
+  };
+  p.grad_clip = options_.clip_grad_norm;
+  p.rank = world_.rank();
 }
 
 void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
-  opt_params_ = par_.trainable();
+  opt_params_ = engine_->optimizer_params();
   if (factory) {
     opt_ = factory(opt_params_);
     if (!opt_) throw std::invalid_argument("ModuleTrainer: the optimizer factory returned no optimizer");
@@ -228,11 +256,8 @@ void ModuleTrainer::start_checkpoints() {
         checkpoint::CheckpointOptions{
             o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}});
   if (from.empty()) return;
-  const checkpoint::Index index = checkpoint::load_checkpoint(from, layout(), opt_state_.get());
-  // Replicated strategies gather the loaded shards in the next forward.
-  if (par_.sharded) par_.sharded->after_step();
-  for (const ModuleStage& st : par_.stages)
-    if (st.sharded) st.sharded->after_step();
+  const checkpoint::Index index = checkpoint::load_checkpoint(from, engine_->checkpoint_layout(), opt_state_.get());
+  engine_->after_load();
   checkpoint::set_cpu_rng_state(index.state.rng_cpu);
   step_ = last_saved_ = index.state.step;
   opt_steps_ = index.state.optimizer_steps;
@@ -249,31 +274,6 @@ void ModuleTrainer::start_checkpoints() {
                 static_cast<long long>(step_), index.strategy.c_str(), index.world_size);
 }
 
-// What this rank holds, as pieces of the module's parameters (any layout
-// loads it), and the module's buffers (BatchNorm's running statistics): each
-// rank keeps its own, as in PyTorch; rank 0's are saved and every rank loads them.
-checkpoint::Layout ModuleTrainer::layout() const {
-  if (pipeline_) return pipeline_layout();
-  checkpoint::Layout l =
-      par_.sharded ? sharded_layout(*par_.sharded) : checkpoint::replicated_layout(*module_, par_.dp_rank == 0);
-  // Tensor parallel: the split parameters' pieces in the whole parameters'
-  // coordinates, the replicated ones saved by tp rank 0 (any layout loads them).
-  if (par_.tp) l = tensor_parallel_layout(std::move(l), par_.tp->plan());
-  for (const auto& item : module_->named_buffers()) {
-    const at::Tensor& b = item.value();
-    if (!b.defined() || b.numel() == 0) continue;
-    if (!b.is_contiguous()) bad("checkpoint_dir", "cannot save buffer '" + item.key() + "': it is not contiguous");
-    checkpoint::SlotPiece piece{item.key(), b.sizes().vec(), 0, 0, b.numel()};
-    piece.saved = world_.rank() == 0;
-    l.slots.push_back({b, -1, {piece}});
-  }
-  l.mesh = par_.replicate
-               ? "dp_replicate " + std::to_string(par_.replicate->size()) + " x dp_shard " + std::to_string(par_.shard->size())
-               : "dp " + std::to_string(par_.dp_size);
-  if (par_.tp) l.mesh += " x tp " + std::to_string(options_.tp);
-  return l;
-}
-
 void ModuleTrainer::save() {
   if (!ckpt_) bad("checkpoint_dir", "is not set: there is nowhere to save");
   if (last_saved_ == step_) return;
@@ -283,110 +283,48 @@ void ModuleTrainer::save() {
   if (scaler_) state.run.loss_scaler = scaler_->state().to_map();
   if (!fp8_.empty()) state.run.fp8_scaling = precision::fp8_scaling_state(fp8_, {world_.group().get()});
   state.run.rng_cpu = checkpoint::cpu_rng_state();
-  ckpt_->save(layout(), opt_state_.get(), state);
+  ckpt_->save(engine_->checkpoint_layout(), opt_state_.get(), state);
   last_saved_ = step_;
   if (world_.rank() == 0 && options_.progress)
     std::printf("module_trainer: checkpoint %s %s\n", options_.checkpoint_async ? "started" : "saved",
                 checkpoint::step_dir(options_.checkpoint_dir, step_).c_str());
 }
 
-std::vector<at::Tensor> ModuleTrainer::full_parameters() {
-  if (pipeline_) return pipeline_full_parameters();
-  std::vector<at::Tensor> out;
-  if (par_.sharded) {
-    out = par_.sharded->full_parameters();
-  } else {
-    for (const auto& p : module_->parameters()) out.push_back(p.detach().clone());
-  }
-  if (par_.tp)  // whole over dp; the pieces of split parameters joined over tp
-    for (size_t i = 0; i < out.size(); ++i)
-      out[i] = parallel::tensor::gather_parameter(out[i], par_.tp->plan().params.at(i), par_.mesh->tp());
-  return out;
-}
+std::vector<at::Tensor> ModuleTrainer::full_parameters() { return engine_->full_parameters(); }
 
-// Forward and backward of this rank's micro-batches of the step (Note
-// [Module trainer step], 1-2); returns the sum of their losses / accum.
-void ModuleTrainer::zero_grad() {
-  if (par_.ddp) par_.ddp->zero_grad();
-  if (par_.sharded) par_.sharded->zero_grad();
-  for (const ModuleStage& st : par_.stages) st.ddp ? st.ddp->zero_grad() : st.sharded->zero_grad();
-}
-
-double ModuleTrainer::run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine) {
-  double loss_sum = 0;
+// Step 1-2 of Note [Module trainer step]: this rank's micro-batches (the k-th
+// micro_batch samples of `mine`), each loss divided by their count and
+// multiplied by the loss scale.
+StepWork ModuleTrainer::step_work(const ModuleData& data, const std::vector<int64_t>& mine, double scale) {
+  StepWork work;
+  work.loss_scale = scale;
   const int64_t m = options_.micro_batch;
   for (int64_t k = 0; k < accum_; ++k) {
-    const std::vector<int64_t> idx(mine.begin() + k * m, mine.begin() + (k + 1) * m);
-    ModuleBatch b = data.get(idx);
+    ModuleBatch b = data.get(std::vector<int64_t>(mine.begin() + k * m, mine.begin() + (k + 1) * m));
     at::Tensor x = b.input.to(device_);
-    const at::Tensor y = b.target.to(device_);
     if (options_.param_dtype != at::ScalarType::Undefined && x.is_floating_point()) x = x.to(options_.param_dtype);
-    at::Tensor loss = detail::in_precision(options_.autocast, device_.type(), [&] { return loss_(*module_, x, y); });
+    work.inputs.push_back(x);
+    work.targets.push_back(b.target.to(device_));
+    work.weights.push_back(1.0 / static_cast<double>(accum_));
+  }
+  const at::ScalarType autocast = options_.autocast;
+  const at::DeviceType device = device_.type();
+  const int64_t accum = accum_;
+  work.forward = [this, inputs = work.inputs, targets = work.targets, autocast, device, accum, scale](int64_t k) {
+    const auto i = static_cast<size_t>(k);
+    at::Tensor loss = detail::in_precision(autocast, device, [&] { return loss_(*module_, inputs[i], targets[i]); });
     if (!loss.defined() || loss.numel() != 1)
       throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
-    loss = loss.reshape({}) / static_cast<double>(accum_);
-    const at::Tensor scaled = scaler_ ? loss * scaler_->scale() : loss;
-    if (k + 1 == accum_) {
-      scaled.backward();  // reduces the accumulated gradients
-    } else if (par_.ddp) {
-      auto guard = par_.ddp->no_sync();
-      scaled.backward();
-    } else {
-      auto guard = par_.sharded->no_sync();
-      scaled.backward();
-    }
-    loss_sum += loss.item<double>();
-  }
-  return loss_sum;
-}
-
-// Loss scaling (Note [Module trainer step], 3): the optimizer's gradients
-// (the module's, or the shards') unscaled, and whether any rank's overflowed;
-// the scaler's state advances either way. False without loss scaling.
-bool ModuleTrainer::overflowed() {
-  if (!scaler_) return false;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : opt_params_)
-    if (p.grad().defined()) grads.push_back(p.grad());
-  const bool overflow = scaler_->unscale_and_check(grads, {world_.group().get()});
-  scaler_->update(overflow);
-  return overflow;
-}
-
-// Clipping, the step's learning rate and the optimizer step (Note [Module
-// trainer step], 3), all but the learning rate skipped when `skip`; returns
-// the learning rate.
-double ModuleTrainer::update(double* grad_norm, bool skip) {
-  double lr = opt_->param_groups().front().options().get_lr();
-  if (options_.lr_schedule) lr = optim::lr_at(step_, options_.peak_lr, *options_.lr_schedule);
-  if (skip) return lr;
-  const double clip = options_.clip_grad_norm;
-  if (par_.sharded && par_.tp) {  // a split parameter's squares add over tp, a replicated one counts once
-    const parallel::tensor::TensorParallelPlan& plan = par_.tp->plan();
-    *grad_norm = par_.sharded->clip_grad_norm(
-        clip, fsdp::NormSplit{&par_.mesh->tp(), [&plan](const std::string& n) { return plan.layout(n).sharded(); }});
-  } else if (pipeline_) {
-    *grad_norm = pipeline_clip(clip);
-  } else if (par_.sharded) {
-    *grad_norm = par_.sharded->clip_grad_norm(clip);
-  } else if (par_.tp) {
-    *grad_norm = parallel::tensor::clip_grad_norm(par_.tp_norm, clip, par_.mesh->tp());
-  } else {
-    *grad_norm = optim::clip_grad_norm(opt_params_, clip);
-  }
-  if (options_.lr_schedule)
-    for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
-  opt_->step();
-  ++opt_steps_;
-  if (par_.sharded) par_.sharded->after_step();
-  for (const ModuleStage& st : par_.stages)
-    if (st.sharded) st.sharded->after_step();
-  return lr;
+    return loss.reshape({}) / static_cast<double>(accum) * scale;
+  };
+  work.autocast = [autocast, device](const std::function<at::Tensor()>& fn) {
+    return detail::in_precision(autocast, device, fn);
+  };
+  return work;
 }
 
 double ModuleTrainer::step(const ModuleData& data) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto& sampler = observers_->sampler;
+  auto& sampler = loop_->sampler;
   if (!sampler || sampler->num_samples() != data.size()) {
     data::SamplerOptions so;
     so.seed = options_.seed;
@@ -394,56 +332,34 @@ double ModuleTrainer::step(const ModuleData& data) {
     so.shuffle = options_.shuffle;
     sampler = std::make_unique<data::DistributedSampler>(data.size(), so);
   }
-  observers_->tracer->begin_step(step_ + 1);
-  zero_grad();
+  loop_->tracer->begin_step(step_ + 1);
+  engine_->zero_grad();  // what the caller's own passes left
   // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
   const int64_t share = options_.global_batch / par_.dp_size;
   std::vector<int64_t> global = sampler->global_batch(step_);
   const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
-  const int64_t uses_before = options_.activation_checkpointing ? checkpointed_uses(*module_) : 0;
-  const double scale = scaler_ ? scaler_->scale() : 1.0;
-  // Gradients cast to FP8 relative to what the loss was multiplied by (Note [FP8 linears]): the
-  // scale over the micro-batches (the pipeline divides each micro-batch's loss by their count too).
-  for (const auto& l : fp8_) l->set_loss_multiplier(scale / static_cast<double>(accum_));
-  const double loss_sum = pipeline_ ? pipeline_step(data, mine) : run_micro_batches(data, mine);
-  // A policy nothing used would be accepted and ignored: every rank runs the same module, so all stop here.
-  if (options_.activation_checkpointing && uses_before == 0 && checkpointed_uses(*module_) == 0)
-    throw UsageError(
-        "activation checkpointing is set but no selected submodule called train::checkpointed in the forward, so "
-        "nothing would recompute: mark the blocks in the module's forward (Note [Checkpointing a user's module])");
-  // The step's FP8 amaxes, agreed over the ranks that saw parts of this batch.
-  precision::fp8_end_step(fp8_, {par_.shard, par_.replicate});
-  // The global mean: every rank's micro-batches weigh the same.
-  at::Tensor l = torch::full({1}, loss_sum, torch::kDouble);
-  par_.shard->all_reduce(l, comm::ReduceOp::Avg).wait();
-  if (par_.replicate) par_.replicate->all_reduce(l, comm::ReduceOp::Avg).wait();
-  const double loss = l.item<double>();
-  double grad_norm = 0;
-  const double lr = update(&grad_norm, overflowed());
-  if (par_.tp) par_.tp->check();  // a collective that failed inside forward
+  const StepOutcome out =
+      run_step(loop_->parts, step_, [&](double scale) { return step_work(data, mine, scale); });
   ++step_;
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  write_metrics(loss, lr, grad_norm, ms, scale);
-  observers_->tracer->end_step(step_);
-  const int64_t stop = stop_step();
-  const bool due =
-      options_.checkpoint_every > 0 ? step_ % options_.checkpoint_every == 0 || step_ == stop : step_ == stop;
-  if (ckpt_ && due) save();
-  return loss;
+  const observe::StepMetrics& m = out.metrics;
+  write_metrics(m.loss, m.lr, m.grad_norm, m.step_ms, m.loss_scale);
+  loop_->tracer->end_step(step_);
+  if (ckpt_ && checkpoint_due(step_, options_.checkpoint_every, stop_step())) save();
+  return m.loss;
 }
 
 void ModuleTrainer::write_metrics(double loss, double lr, double grad_norm, double ms, double scale) {
   if (world_.rank() != 0) return;
   const double samples_per_s = static_cast<double>(options_.global_batch) / std::max(ms, 1e-9) * 1000.0;
-  if (observers_->metrics.is_open()) {
+  if (loop_->metrics.is_open()) {
     nlohmann::json line{{"step", step_},          {"loss", loss},  {"lr", lr},
                         {"grad_norm", grad_norm}, {"step_ms", ms}, {"samples_per_s", samples_per_s}};
     if (scaler_) {  // the scale this step's losses were multiplied by, and the steps skipped so far
       line["loss_scale"] = scale;
       line["skipped_steps"] = scaler_->skipped_steps();
     }
-    observers_->metrics << line.dump() << "\n";
-    observers_->metrics.flush();
+    loop_->metrics << line.dump() << "\n";
+    loop_->metrics.flush();
   }
   if (options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step())) {
     std::printf("module_trainer: step %lld/%lld | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms | %.0f samples/s\n",
@@ -459,7 +375,7 @@ ModuleTrainResult ModuleTrainer::fit(const ModuleData& data) {
   module_->train();
   while (step_ < stop_step()) result.losses.push_back(step(data));
   if (ckpt_) ckpt_->finish();  // commits an asynchronous save (collective)
-  observers_->tracer->finish();
+  loop_->tracer->finish();
   return result;
 }
 

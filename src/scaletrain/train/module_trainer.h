@@ -16,13 +16,14 @@
 //      by accum and backpropagated; all but the last under the engine's
 //      no_sync, so gradients are reduced once per step and equal those of the
 //      whole global batch's mean loss on one process.
-//   3. With loss scaling (the losses of 2 were multiplied by its scale),
-//      the gradients are unscaled and an inf or NaN on any rank skips the
-//      rest of this point on every rank. The global gradient norm (clipped
-//      when clip_grad_norm > 0), the learning rate of the step written into
-//      every param group, the optimizer step; sharded strategies then
-//      after_step(). Gradients are zeroed by the engine before the next step.
-//   4. The reported loss is the mean over the global batch (one all-reduce).
+//   3. The rest is the step every run takes (Note [Training step] in
+//      train/loop.cpp): with loss scaling the gradients are unscaled and an
+//      inf or NaN on any rank skips the update on every rank; the reported
+//      loss is the mean over the global batch (one all-reduce), and one that
+//      is not finite stops the run; the global gradient norm (clipped when
+//      clip_grad_norm > 0), the step's learning rate written into every
+//      param group, the optimizer step; sharded strategies then
+//      after_step(); the gradients are zeroed.
 // Every piece is public and composes by hand: DistributedDataParallel and
 // fully_shard, DistributedSampler, optim::lr_at, checkpoint::Checkpointer
 // with replicated_layout / sharded_layout and torch_optimizer_state
@@ -67,6 +68,8 @@ class Mesh;
 }  // namespace scaletrain::comm
 
 namespace scaletrain::train {
+
+class ModuleEngine;  // module_engine.h
 
 // torch::optim::AdamW's settings, for runs whose optimizer the trainer builds
 // (the YAML route: the CLI trains with AdamW).
@@ -269,17 +272,8 @@ class ModuleTrainer {
   void build_engine();
   void build_optimizer(OptimizerFactory factory);
   void start_checkpoints();
-  checkpoint::Layout layout() const;
-  double run_micro_batches(const ModuleData& data, const std::vector<int64_t>& mine);
-  bool overflowed();
-  void zero_grad();
-  // Pipeline parallelism (module_trainer_pipeline.cpp).
-  void build_pipeline();
-  double pipeline_step(const ModuleData& data, const std::vector<int64_t>& mine);
-  double pipeline_clip(double max_norm);
-  checkpoint::Layout pipeline_layout() const;
-  std::vector<at::Tensor> pipeline_full_parameters();
-  double update(double* grad_norm, bool skip);
+  void connect_loop();
+  StepWork step_work(const ModuleData& data, const std::vector<int64_t>& mine, double scale);
   void write_metrics(double loss, double lr, double grad_norm, double ms, double scale);
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -287,7 +281,7 @@ class ModuleTrainer {
   ModuleLoss loss_;
   ModuleTrainerOptions options_;
   ParallelModule par_;  // the recipe's engine over the module, its mesh and groups
-  std::unique_ptr<parallel::pipeline::ModulePipeline> pipeline_;  // pp > 1
+  std::unique_ptr<ModuleEngine> engine_;  // par_ behind DataParallel (module_engine.h)
   int64_t accum_ = 1;
   at::Device device_{at::kCPU};  // host: a module without parameters; else its parameters' device
   std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order
@@ -299,8 +293,8 @@ class ModuleTrainer {
   int64_t step_ = 0;
   int64_t opt_steps_ = 0;
   int64_t last_saved_ = -1;
-  struct Observers;  // metrics file, tracer (module_trainer.cpp)
-  std::unique_ptr<Observers> observers_;
+  struct LoopState;  // the step's parts, sampler, metrics file, tracer (module_trainer.cpp)
+  std::unique_ptr<LoopState> loop_;
 };
 
 // The trainer in one call: builds it and runs fit(data).

@@ -1,7 +1,7 @@
 #pragma once
 // Internal to the module trainer's files: what module_trainer_options.cpp
 // (the options' checks and YAML keys), module_trainer.cpp (the loop) and
-// module_trainer_pipeline.cpp (its pipeline) share.
+// module_engine_pipeline.cpp (its pipeline) share.
 #include <functional>
 #include <string>
 

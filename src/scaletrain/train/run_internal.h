@@ -21,6 +21,7 @@
 #include "scaletrain/optim/adamw.h"
 #include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
+#include "scaletrain/train/loop.h"
 #include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/plan/plan.h"
 #include "scaletrain/train/recipe.h"
@@ -29,7 +30,7 @@ namespace scaletrain::train::detail {
 
 // Everything a run holds between setup and the end, so each phase of
 // run_training is a short function and the loop reads as a recipe
-// (Note [Training step] in trainer.cpp).
+// (Note [Training step] in loop.cpp).
 struct Run {
   const config::Config& cfg;
   const Plan& plan;
@@ -53,6 +54,7 @@ struct Run {
   std::string finetune;       // checkpoint::ModelShape::finetune of this run ("" when every parameter trains)
   std::unique_ptr<checkpoint::Checkpointer> ckpt;
   std::unique_ptr<observe::MetricsSink> sink;
+  StepParts parts;  // what the step every run takes needs (train/loop.h)
   observe::MeasuredMemory mem;
   estimate::Layout mem_layout;
   double lifetime_rss_peak_mb = 0;

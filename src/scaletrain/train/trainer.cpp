@@ -37,6 +37,7 @@
 #include "scaletrain/precision/loss_scaler.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/batches.h"
+#include "scaletrain/train/loop.h"
 #include "scaletrain/train/plan/device.h"
 #include "scaletrain/train/plan/memory_layout.h"
 #include "scaletrain/train/plan/plan.h"
@@ -92,30 +93,6 @@ class CollectiveHeartbeat {
   std::thread thread_;
 };
 
-// Where a non-finite gradient first shows on this rank, for the error that
-// stops the run: the first parameter (in this rank's layout order) whose
-// gradient holds a NaN or an infinity, and the element (in the flattened
-// full parameter).
-std::string first_nonfinite_grad(Run& r) {
-  try {
-    const checkpoint::Layout l = r.dp().checkpoint_layout();
-    for (const auto& slot : l.slots) {
-      const at::Tensor g = slot.tensor.grad();
-      if (!g.defined()) continue;
-      const at::Tensor flat = g.reshape({-1});
-      for (const auto& p : slot.pieces) {
-        const at::Tensor bad = flat.narrow(0, p.local_offset, p.numel).isfinite().logical_not().nonzero();
-        if (bad.numel() > 0)
-          return "; on rank " + std::to_string(r.world->rank()) + " the first parameter with a non-finite gradient is " +
-                 p.name + " (element " + std::to_string(p.param_offset + bad[0][0].item<int64_t>()) + ")";
-      }
-    }
-    return "; every gradient on rank " + std::to_string(r.world->rank()) + " is finite";
-  } catch (const std::exception&) {
-    return "";
-  }
-}
-
 // The step's MoE statistics of every rank, summed over the job: each rank
 // recorded its own layers' forwards on its own micro-batches, so the sums
 // cover every layer and sequence once (any dp, ep or pp layout).
@@ -164,11 +141,13 @@ std::shared_ptr<const models::SequenceLayout> micro_layout(Run& r, int64_t step,
   return l;
 }
 
-// Forward and backward of every micro-batch of the step (the strategy
-// reduces gradients as it goes), micro-batch k weighted by weights[k]
-// (Note [Training step]). Returns the sum of their losses, unscaled.
-double run_micro_batches(Run& r, int64_t step, int dp_rank, const std::vector<double>& weights, int64_t global_targets,
-                         double loss_scale) {
+// The step's micro-batches (Note [Training step] in loop.cpp), micro-batch
+// k weighted by weights[k]: this data-parallel rank's samples, their
+// packed-document layouts, and under context parallelism this rank's part
+// of each sequence. The step runs through the model, which the lambdas
+// reach through `r` (they run before this step ends).
+StepWork step_work(Run& r, int64_t step, int dp_rank, const std::vector<double>& weights, int64_t global_targets,
+                   double loss_scale) {
   StepWork work;
   work.loss_scale = loss_scale;
   std::vector<std::shared_ptr<const models::SequenceLayout>> layouts;
@@ -185,105 +164,57 @@ double run_micro_batches(Run& r, int64_t step, int dp_rank, const std::vector<do
     work.weights.push_back(weight);
     layouts.push_back(lay);
   }
-  work.autocast = [&r](const std::function<at::Tensor()>& fn) {
-    precision::AutocastGuard autocast(r.plan.policy, r.plan.device.type());
+  Run* run = &r;
+  work.autocast = [run](const std::function<at::Tensor()>& fn) {
+    precision::AutocastGuard autocast(run->plan.policy, run->plan.device.type());
     return fn();
   };
   // What a forward leaves for its backward, counted from before the
   // strategy's forward (which may gather units it keeps until backward).
-  int64_t before_forward = 0;
-  work.prepare = [&](int64_t k) {
-    r.model().set_sequence_layout(layouts[static_cast<size_t>(k)]);
-    for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale * work.weights[static_cast<size_t>(k)]);
-    before_forward = observe::TensorBytes::current();
+  auto before_forward = std::make_shared<int64_t>(0);
+  work.prepare = [run, layouts, weights = work.weights, loss_scale, before_forward](int64_t k) {
+    run->model().set_sequence_layout(layouts[static_cast<size_t>(k)]);
+    for (auto& l : run->fp8) l->set_loss_multiplier(loss_scale * weights[static_cast<size_t>(k)]);
+    *before_forward = observe::TensorBytes::current();
   };
-  work.forward = [&](int64_t k) {
-    return work.autocast([&] {
-      at::Tensor loss = r.model().loss(work.inputs[static_cast<size_t>(k)], work.targets[static_cast<size_t>(k)]) *
-                        (loss_scale * work.weights[static_cast<size_t>(k)]);
-      r.mem.activations =
-          std::max(r.mem.activations, static_cast<double>(observe::TensorBytes::current() - before_forward));
+  work.forward = [run, inputs = work.inputs, targets = work.targets, weights = work.weights, loss_scale,
+                  autocast = work.autocast, before_forward](int64_t k) {
+    const auto i = static_cast<size_t>(k);
+    return autocast([&] {
+      at::Tensor loss = run->model().loss(inputs[i], targets[i]) * (loss_scale * weights[i]);
+      run->mem.activations =
+          std::max(run->mem.activations, static_cast<double>(observe::TensorBytes::current() - *before_forward));
       return loss;
     });
   };
-  return r.dp().step(work);
+  return work;
 }
 
-// After the micro-batches: the loss scaler's overflow check, the global mean
-// loss, and clipping and the optimizer step unless the step overflowed
-// (Note [Training step]); the gradients are zeroed. Returns the step's
-// metrics so far.
-observe::StepMetrics update_parameters(Run& r, int64_t step, double loss_sum) {
-  DataParallel& dp = r.dp();
-  bool skipped = false;
-  if (r.scaler) {
-    std::vector<at::Tensor> grads;
-    for (auto& p : r.params) grads.push_back(p.grad());
-    skipped = r.scaler->unscale_and_check(grads, dp.grad_groups());
-    r.scaler->update(skipped);
-  }
-  observe::StepMetrics m;
-  m.step = step + 1;
-  // The global mean loss (one scalar all-reduce), known before the update:
-  // a loss that is not finite stops the run with the parameters of the last
-  // good step (unless the loss scaler skipped this step: an fp16 overflow it handles).
-  auto l = torch::full({1}, loss_sum, torch::kDouble);
-  r.mesh->dp_cp().all_reduce(l, comm::ReduceOp::Avg).wait();  // Note [Context-parallel batches]
-  m.loss = l.item<double>();
-  if (!skipped && !std::isfinite(m.loss))
-    throw std::runtime_error("step " + std::to_string(m.step) + ": the loss is " + std::to_string(m.loss) +
-                             ", not finite; stopped before the optimizer step (the parameters are step " +
-                             std::to_string(step) + "'s; a lower train.lr or train.grad_clip may help)" +
-                             first_nonfinite_grad(r));
-  m.lr = optim::lr_at(step, r.cfg.train.lr, r.sched);
-  if (!skipped) {
-    trace::Span span("optimizer", "clip and optimizer step");
-    m.grad_norm = dp.clip_grad_norm(r.cfg.train.grad_clip);
-    if (!std::isfinite(m.grad_norm))
-      throw std::runtime_error("step " + std::to_string(m.step) + ": the gradient norm is " +
-                               std::to_string(m.grad_norm) + ", not finite (the loss was " + std::to_string(m.loss) +
-                               "); stopped before the optimizer step (the parameters are step " +
-                               std::to_string(step) + "'s)" + first_nonfinite_grad(r));
-    r.opt->step(m.lr);
-    dp.after_step();
-  }
-  dp.zero_grad();
-  return m;
-}
-
-// Note [Training step]: forward and backward of every micro-batch (the
-// strategy reduces gradients as it goes), the loss scaler's overflow check,
-// clipping and the optimizer step unless the step overflowed, the mean loss.
+// Note [Training step] (loop.cpp), with what our families add around it:
+// the micro-batches' weights (masked targets, context parallelism), the
+// sequence layout kept through each backward, the MoE losses' multiplier
+// and statistics, throughput, MFU and memory.
 observe::StepMetrics train_step(Run& r, int64_t step) {
-  const auto t0 = std::chrono::steady_clock::now();
   trace::Span step_span("step", "step", step + 1);
   const int64_t B = r.plan.micro_batch, T = r.plan.model.block_size, accum = r.plan.accum;
   const int dp_rank = r.mesh->coord().dp(r.dims);
-  DataParallel& dp = r.dp();
-  dp.reset_stats();
-  const double loss_scale = r.scaler ? r.scaler->scale() : 1.0;
   // The layout stays set through each micro-batch's backward (which may
   // recompute blocks) and is cleared when the step ends, however it ends.
   struct ClearLayout {
     models::CausalLM& model;
     ~ClearLayout() { model.set_sequence_layout(nullptr); }
   } clear_layout{r.model()};
-  int64_t global_targets = 0;
-  const std::vector<double> weights = micro_weights(r.dataset, *r.sampler, step, r.mesh->coord().dp(r.dims),
-                                                    r.dims.dp(), B, accum, r.cfg.data.loss_on, &global_targets);
-  for (auto& l : r.fp8) l->set_loss_multiplier(loss_scale / static_cast<double>(accum));
   // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
   const std::shared_ptr<models::MoeContext> moe = r.model().moe();
-  if (moe) {
-    moe->multiplier = loss_scale / static_cast<double>(accum);
-    moe->take();  // what forwards outside training steps recorded
-  }
-  const double loss_sum = run_micro_batches(r, step, dp_rank, weights, global_targets, loss_scale);
-  // The step's FP8 amaxes, agreed over the ranks that see parts of this
-  // batch or pieces of these layers (Note [FP8 linears]).
-  precision::fp8_end_step(r.fp8, {&r.mesh->dp_cp(), &r.mesh->tp()});
-  observe::StepMetrics m = update_parameters(r, step, loss_sum);
-  m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (moe) moe->take();  // what forwards outside training steps recorded
+  const StepOutcome out = run_step(r.parts, step, [&](double loss_scale) {
+    int64_t global_targets = 0;
+    const std::vector<double> weights = micro_weights(r.dataset, *r.sampler, step, dp_rank, r.dims.dp(), B, accum,
+                                                      r.cfg.data.loss_on, &global_targets);
+    if (moe) moe->multiplier = loss_scale / static_cast<double>(accum);
+    return step_work(r, step, dp_rank, weights, global_targets, loss_scale);
+  });
+  observe::StepMetrics m = out.metrics;
   m.tokens_per_s = static_cast<double>(r.cfg.train.global_batch * T) / (m.step_ms / 1000.0);
   m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, observe::peak_rss_mb());
@@ -291,11 +222,24 @@ observe::StepMetrics train_step(Run& r, int64_t step) {
     m.device_max_allocated_mb = dm.max_allocated_mb;
     m.device_max_reserved_mb = dm.max_reserved_mb;
   }
-  m.comm_wait_ms = dp.comm_wait_ms();
   if (moe) moe_metrics(*moe, *r.world->group(), m);
-  m.loss_scale = loss_scale;
-  m.skipped_steps = r.scaler ? r.scaler->skipped_steps() : 0;
   return m;
+}
+
+// What the step every run takes needs of this run (Note [Training step]).
+void connect_loop(Run& r) {
+  StepParts& p = r.parts;
+  p.engine = &r.dp();
+  p.batch_groups = {&r.mesh->dp_cp()};  // Note [Context-parallel batches]
+  p.scaler = r.scaler.get();
+  p.fp8 = r.fp8;
+  // The step's FP8 amaxes, agreed over the ranks that see parts of this
+  // batch or pieces of these layers (Note [FP8 linears]).
+  p.fp8_groups = {&r.mesh->dp_cp(), &r.mesh->tp()};
+  p.lr = [&r](int64_t step) { return optim::lr_at(step, r.cfg.train.lr, r.sched); };
+  p.optimizer_step = [&r](double lr) { r.opt->step(lr); };
+  p.grad_clip = r.cfg.train.grad_clip;
+  p.rank = r.world->rank();
 }
 
 // The model's local attention for a scope (Note [Split attention]).
@@ -358,9 +302,7 @@ void start_measuring(Run& r) {
 void write_and_save(Run& r, const observe::StepMetrics& m, int64_t stop) {
   const config::Config& cfg = r.cfg;
   if (r.lead) r.sink->write(m, m.step % cfg.metrics.log_every == 0 || m.step == cfg.train.steps);
-  const bool save_due =
-      cfg.checkpoint.every > 0 ? m.step % cfg.checkpoint.every == 0 || m.step == stop : m.step == stop;
-  if (r.ckpt && save_due) {
+  if (r.ckpt && checkpoint_due(m.step, cfg.checkpoint.every, stop)) {
     detail::save_checkpoint(r, m.step);
     launch::heartbeat();
   }
@@ -435,6 +377,7 @@ TrainResult run_training(const config::Config& cfg) {
   CollectiveHeartbeat collective_heartbeat;
   launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
   detail::setup(r, info);
+  connect_loop(r);
   launch::heartbeat();
   detail::print_start(r, info);
   const int64_t start = detail::resume(r);
