@@ -29,7 +29,11 @@ struct MetricsRecord {
   double loss = 0;          // training loss (required key; may be null)
   double lr = 0;            // learning rate (optional)
   double step_ms = 0;       // wall time of the step in ms (optional)
-  double tokens_per_s = 0;  // throughput over all ranks (required key; may be null)
+  // Throughput over all ranks: tokens/s (our families), or samples/s alone
+  // (a user's module through ModuleTrainer); one of the two keys is required
+  // (either may be null).
+  double tokens_per_s = 0;
+  double samples_per_s = 0;
   double mfu = 0;           // model FLOPs utilization, 0..1 (optional)
   double peak_rss_mb = 0;   // peak resident memory in MiB (optional)
   double comm_wait_ms = 0;  // time blocked on collectives in ms (optional)

@@ -61,7 +61,8 @@ MetricsRecord parse_record(const std::string& text, const std::string& path, int
   MetricsRecord r;
   r.step = step_it->is_number_integer() ? step_it->get<int64_t>() : static_cast<int64_t>(step_it->get<double>());
   r.loss = number_field(obj, "loss", true, path, line);
-  r.tokens_per_s = number_field(obj, "tokens_per_s", true, path, line);
+  r.samples_per_s = number_field(obj, "samples_per_s", false, path, line);
+  r.tokens_per_s = number_field(obj, "tokens_per_s", !obj.contains("samples_per_s"), path, line);
   r.lr = number_field(obj, "lr", false, path, line);
   r.step_ms = number_field(obj, "step_ms", false, path, line);
   r.mfu = number_field(obj, "mfu", false, path, line);
@@ -129,11 +130,14 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
   }
   Series loss, tput;
   size_t experts = 0;
+  // A run that counts no tokens (a user's module) is drawn in samples/s.
+  bool tokens = false;
+  for (const auto& [step, r] : by_step) tokens = tokens || !std::isnan(r->tokens_per_s);
   for (const auto& [step, r] : by_step) {
     loss.x.push_back(static_cast<double>(step));
     loss.y.push_back(r->loss);
     tput.x.push_back(static_cast<double>(step));
-    tput.y.push_back(r->tokens_per_s);
+    tput.y.push_back(tokens ? r->tokens_per_s : r->samples_per_s);
     experts = std::max(experts, r->moe_tokens_per_expert.size());
   }
   // MoE: each expert's share of the step's slots.
@@ -158,7 +162,7 @@ std::string render_svg(const std::vector<MetricsRecord>& records, const PlotOpti
   draw_panel(svg, {loss}, {"#1f77b4"}, "Loss", /*include_zero=*/false, 0, header, width, panel, kNaN, restarts);
   // Throughput starts at zero so a drop from 100k to 90k tokens/s looks like
   // the 10% it is, not like a collapse.
-  draw_panel(svg, {tput}, {"#d62728"}, "Throughput (tokens/s)", /*include_zero=*/true, 0, header + panel, width, panel,
+  draw_panel(svg, {tput}, {"#d62728"}, tokens ? "Throughput (tokens/s)" : "Throughput (samples/s)", /*include_zero=*/true, 0, header + panel, width, panel,
              kNaN, restarts);
   if (experts > 0)
     draw_panel(

@@ -50,8 +50,16 @@ TEST(ModuleTrainer, MatchesOneProcessUnderEveryStrategy) {
     if (world().rank() == 0) {  // one JSON line per step, with the step's global mean loss
       std::ifstream in(o.metrics_path);
       size_t lines = 0;
-      for (std::string line; std::getline(in, line); ++lines)
-        EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), r.losses.at(lines), 1e-14) << name;
+      for (std::string line; std::getline(in, line); ++lines) {
+        const nlohmann::json j = nlohmann::json::parse(line);
+        EXPECT_NEAR(j.at("loss").get<double>(), r.losses.at(lines), 1e-14) << name;
+        // The CLI's metrics (observe::MetricsSink), in samples: this module counts no tokens.
+        EXPECT_EQ(j.at("step").get<int64_t>(), static_cast<int64_t>(lines) + 1) << name;
+        EXPECT_GT(j.at("grad_norm").get<double>(), 0.3) << name;
+        for (const char* key : {"samples_per_s", "step_ms", "peak_rss_mb"})
+          EXPECT_GT(j.at(key).get<double>(), 0) << name << " " << key;
+        EXPECT_TRUE(j.contains("comm_wait_ms") && !j.contains("tokens_per_s") && !j.contains("mfu")) << name << line;
+      }
       EXPECT_EQ(lines, r.losses.size()) << name;
     }
   }

@@ -3,7 +3,7 @@
 // waits for its peers is alive even though it makes no progress, unlike a
 // peer that was stopped or is stuck computing: the trainer's heartbeat thread
 // beats for it while this is non-zero (launch::heartbeat(), Note [Heartbeats]
-// in train/trainer.cpp), so the launcher's watchdog kills the rank that
+// in train/loop.cpp), so the launcher's watchdog kills the rank that
 // really stopped, not the ones waiting for it.
 namespace scaletrain::comm {
 

@@ -41,13 +41,16 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
                         {"loss", m.loss},
                         {"lr", m.lr},
                         {"step_ms", m.step_ms},
-                        {"tokens_per_s", m.tokens_per_s},
-                        {"mfu", m.mfu},
+                        {"samples_per_s", m.samples_per_s},
                         {"peak_rss_mb", m.peak_rss_mb},
                         {"comm_wait_ms", m.comm_wait_ms},
                         {"grad_norm", m.grad_norm},
                         {"loss_scale", m.loss_scale},
                         {"skipped_steps", m.skipped_steps}};
+    if (m.tokens_per_s >= 0) {
+      j["tokens_per_s"] = m.tokens_per_s;
+      j["mfu"] = m.mfu;
+    }
     if (m.device_max_allocated_mb >= 0) {
       j["device_max_allocated_mb"] = m.device_max_allocated_mb;
       j["device_max_reserved_mb"] = m.device_max_reserved_mb;
@@ -62,7 +65,12 @@ void MetricsSink::write(const StepMetrics& m, bool log_line) {
     file_.flush();
   }
   if (bar_) std::printf("\r\033[K");
-  if (log_line) {
+  if (log_line && m.tokens_per_s < 0) {
+    std::printf("step %5lld | loss %.6f | lr %.3e | grad norm %.4f | %7.1f ms | %8.0f samples/s | rss %6.0f MB | comm "
+                "wait %6.1f ms\n",
+                static_cast<long long>(m.step), m.loss, m.lr, m.grad_norm, m.step_ms, m.samples_per_s, m.peak_rss_mb,
+                m.comm_wait_ms);
+  } else if (log_line) {
     std::printf(
         "step %5lld | loss %.4f | lr %.2e | %7.1f ms | %8.0f tok/s | mfu %5.1f%% | rss %6.0f MB | comm wait %6.1f ms\n",
         static_cast<long long>(m.step), m.loss, m.lr, m.step_ms, m.tokens_per_s, 100.0 * m.mfu, m.peak_rss_mb,

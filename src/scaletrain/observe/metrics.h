@@ -14,8 +14,12 @@ struct StepMetrics {
   double loss = 0;            // mean training loss over the global batch
   double lr = 0;              // learning rate used by this step
   double step_ms = 0;         // wall time of the step
-  double tokens_per_s = 0;    // global tokens per second
-  double mfu = 0;             // model FLOPs utilization per rank, 0..1
+  double samples_per_s = 0;   // global samples (sequences) per second
+  // Global tokens per second and model FLOPs utilization per rank (0..1);
+  // tokens_per_s < 0: the run counts no tokens (a user's module), and
+  // neither is written.
+  double tokens_per_s = 0;
+  double mfu = 0;
   double peak_rss_mb = 0;     // this process's peak resident set
   double comm_wait_ms = 0;    // time backward/step blocked on communication
   double grad_norm = 0;       // global gradient norm before clipping

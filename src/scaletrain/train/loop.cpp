@@ -25,9 +25,12 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
+#include "scaletrain/comm/activity.h"
+#include "scaletrain/launch/launcher.h"
 #include "scaletrain/util/trace.h"
 
 namespace scaletrain::train {
@@ -114,7 +117,32 @@ StepOutcome run_step(const StepParts& parts, int64_t step, const BuildStepWork& 
   m.comm_wait_ms = engine.comm_wait_ms();
   m.loss_scale = loss_scale;
   m.skipped_steps = parts.scaler ? parts.scaler->skipped_steps() : 0;
+  launch::heartbeat();  // Note [Heartbeats]
   return out;
+}
+
+// Note [Heartbeats]: under `scaletrain launch --heartbeat-timeout` the
+// trainer beats on progress: while it sets up, and after every step. A rank
+// blocked in a collective makes no progress either, but only because a peer
+// does not come; so while this process waits in a collective, a small thread
+// beats for it (comm::collectives_waiting()). A rank that was stopped (all its
+// threads) or is stuck computing goes silent, and the launcher kills that one.
+CollectiveHeartbeat::CollectiveHeartbeat() {
+  if (!std::getenv("SCALETRAIN_HEARTBEAT_FD")) return;
+  thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; }))
+      if (comm::collectives_waiting() > 0) launch::heartbeat();
+  });
+}
+
+CollectiveHeartbeat::~CollectiveHeartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
 }
 
 bool checkpoint_due(int64_t done, int64_t every, int64_t stop) {

@@ -5,8 +5,11 @@
 // their own way (token files with masks, packed documents and context
 // splits; a user's samples) and hand them, with the engine behind
 // DataParallel, to run_step.
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "scaletrain/comm/group.h"
@@ -49,10 +52,27 @@ struct StepOutcome {
 
 // Runs step `step` (0-based): the micro-batches through the engine, the
 // overflow check, the global loss, clipping and the optimizer step, then
-// zeroes the gradients. Collective. Throws std::runtime_error naming the
+// zeroes the gradients, and beats to the launcher. Collective. Throws std::runtime_error naming the
 // step (and the first parameter whose gradient is not finite) when the loss
 // or the gradient norm is not finite and the scaler did not skip the step.
 StepOutcome run_step(const StepParts& parts, int64_t step, const BuildStepWork& build);
+
+// Note [Heartbeats] (loop.cpp): while it lives, and the process runs under
+// `scaletrain launch`, a thread beats to the launcher whenever this process
+// waits in a collective; run_step beats after every step.
+class CollectiveHeartbeat {
+ public:
+  CollectiveHeartbeat();
+  ~CollectiveHeartbeat();
+  CollectiveHeartbeat(const CollectiveHeartbeat&) = delete;
+  CollectiveHeartbeat& operator=(const CollectiveHeartbeat&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 // Whether a checkpoint is due after `done` steps: every `every` steps
 // (0: only at the end) and at `stop`.

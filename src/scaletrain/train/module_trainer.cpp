@@ -26,6 +26,7 @@
 #include "scaletrain/hub/peft_adapter.h"
 #include "scaletrain/launch/launcher.h"
 #include "scaletrain/models/linear.h"
+#include "scaletrain/observe/metrics.h"
 #include "scaletrain/observe/tracing.h"
 #include "scaletrain/precision/policy.h"
 #include "scaletrain/train/checkpoint_layout.h"
@@ -71,9 +72,10 @@ std::string resume_checkpoint(const std::string& dir, const std::string& resume)
 // step]), the sampler (rebuilt for a dataset of another size), the metrics
 // file and the tracer.
 struct ModuleTrainer::LoopState {
+  CollectiveHeartbeat collective_heartbeat;  // Note [Heartbeats] (loop.cpp)
   StepParts parts;
   std::unique_ptr<data::DistributedSampler> sampler;
-  std::ofstream metrics;
+  std::unique_ptr<observe::MetricsSink> metrics;  // rank 0's
   std::unique_ptr<observe::StepTracer> tracer;
 };
 
@@ -110,15 +112,16 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   if (options_.loss_scaling) scaler_ = std::make_unique<precision::LossScaler>(*options_.loss_scaling);
   connect_loop();
   start_checkpoints();
-  if (world_.rank() == 0 && !options_.metrics_path.empty()) {
-    const auto parent = std::filesystem::path(options_.metrics_path).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent);
-    // A resumed run adds to the lines of the run it goes on from.
-    loop_->metrics.open(options_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
-    if (!loop_->metrics) bad("metrics_path", options_.metrics_path + " cannot be written");
-  }
+  if (world_.rank() == 0) try {
+      // A resumed run adds to the lines of the run it goes on from.
+      loop_->metrics = std::make_unique<observe::MetricsSink>(options_.metrics_path, options_.steps, options_.progress,
+                                                              /*append=*/step_ > 0);
+    } catch (const UsageError&) {
+      bad("metrics_path", options_.metrics_path + " cannot be written");
+    }
   loop_->tracer = std::make_unique<observe::StepTracer>(options_.trace_steps, options_.trace_dir, world_,
-                                                             "module trainer, " + to_string(options_.strategy));
+                                                        engine_->describe());
+  launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
 }
 
 ModuleTrainer::~ModuleTrainer() = default;
@@ -284,6 +287,7 @@ void ModuleTrainer::save() {
   if (!fp8_.empty()) state.run.fp8_scaling = precision::fp8_scaling_state(fp8_, {world_.group().get()});
   state.run.rng_cpu = checkpoint::cpu_rng_state();
   ckpt_->save(engine_->checkpoint_layout(), opt_state_.get(), state);
+  launch::heartbeat();
   last_saved_ = step_;
   if (world_.rank() == 0 && options_.progress)
     std::printf("module_trainer: checkpoint %s %s\n", options_.checkpoint_async ? "started" : "saved",
@@ -341,32 +345,16 @@ double ModuleTrainer::step(const ModuleData& data) {
   const StepOutcome out =
       run_step(loop_->parts, step_, [&](double scale) { return step_work(data, mine, scale); });
   ++step_;
-  const observe::StepMetrics& m = out.metrics;
-  write_metrics(m.loss, m.lr, m.grad_norm, m.step_ms, m.loss_scale);
+  observe::StepMetrics m = out.metrics;
+  if (loop_->metrics) {  // rank 0: the same lines as our families' runs, in samples instead of tokens
+    m.samples_per_s = static_cast<double>(options_.global_batch) / std::max(m.step_ms, 1e-9) * 1000.0;
+    m.tokens_per_s = -1;
+    m.peak_rss_mb = observe::peak_rss_mb();
+    loop_->metrics->write(m, options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step()));
+  }
   loop_->tracer->end_step(step_);
   if (ckpt_ && checkpoint_due(step_, options_.checkpoint_every, stop_step())) save();
   return m.loss;
-}
-
-void ModuleTrainer::write_metrics(double loss, double lr, double grad_norm, double ms, double scale) {
-  if (world_.rank() != 0) return;
-  const double samples_per_s = static_cast<double>(options_.global_batch) / std::max(ms, 1e-9) * 1000.0;
-  if (loop_->metrics.is_open()) {
-    nlohmann::json line{{"step", step_},          {"loss", loss},  {"lr", lr},
-                        {"grad_norm", grad_norm}, {"step_ms", ms}, {"samples_per_s", samples_per_s}};
-    if (scaler_) {  // the scale this step's losses were multiplied by, and the steps skipped so far
-      line["loss_scale"] = scale;
-      line["skipped_steps"] = scaler_->skipped_steps();
-    }
-    loop_->metrics << line.dump() << "\n";
-    loop_->metrics.flush();
-  }
-  if (options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step())) {
-    std::printf("module_trainer: step %lld/%lld | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms | %.0f samples/s\n",
-                static_cast<long long>(step_), static_cast<long long>(options_.steps), loss, lr, grad_norm, ms,
-                samples_per_s);
-    std::fflush(stdout);
-  }
 }
 
 ModuleTrainResult ModuleTrainer::fit(const ModuleData& data) {

@@ -153,7 +153,9 @@ struct ModuleTrainerOptions : ModuleRecipe {
   std::optional<models::LoraOptions> lora;
   std::string adapter_from;
 
-  std::string metrics_path;          // rank 0 appends one JSON line per step ("" = none)
+  // Rank 0 writes one JSON line per step ("" = none), as the CLI's runs
+  // do (observe::MetricsSink; samples_per_s where ours have tokens_per_s).
+  std::string metrics_path;
   int64_t log_every = 1;             // steps between progress lines
   bool progress = true;              // progress lines on rank 0's stdout
   std::vector<int64_t> trace_steps;  // {first, last} (1-based) traced by observe::StepTracer; empty: none
@@ -274,7 +276,6 @@ class ModuleTrainer {
   void start_checkpoints();
   void connect_loop();
   StepWork step_work(const ModuleData& data, const std::vector<int64_t>& mine, double scale);
-  void write_metrics(double loss, double lr, double grad_norm, double ms, double scale);
 
   std::shared_ptr<torch::nn::Module> module_;
   comm::World& world_;

@@ -1,8 +1,7 @@
 // The training loop (run_training): checks the input before any peer is
 // joined, builds the run (run_setup.cpp), resumes it (run_checkpoints.cpp),
-// then runs the steps, each one's metrics, and the end-of-run reports. Also
-// the step itself (Note [Training step]) and the heartbeat thread that beats
-// while a collective waits (Note [Heartbeats]).
+// then runs the steps (Note [Training step] in loop.cpp, with what our
+// families add around it), each one's metrics, and the end-of-run reports.
 #include "scaletrain/train/trainer.h"
 
 #include <torch/torch.h>
@@ -10,17 +9,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <stdexcept>
-#include <thread>
 #include <utility>
 
-#include "scaletrain/comm/activity.h"
 #include "scaletrain/comm/mesh.h"
 #include "scaletrain/comm/world.h"
 #include "scaletrain/data/dataset.h"
@@ -58,40 +53,6 @@ void report_memory_now(Run& r, const char* phase) {
   observe::report_memory(phase, models::estimator_spec(r.plan.model), r.mem_layout, r.mem, *r.world->group(), r.lead,
                          *r.sink);
 }
-
-// Note [Heartbeats]: under `scaletrain launch --heartbeat-timeout` the
-// trainer beats on progress: while it sets up, and after every step. A rank
-// blocked in a collective makes no progress either, but only because a peer
-// does not come; so while this process waits in a collective, a small thread
-// beats for it (comm::collectives_waiting()). A rank that was stopped (all its
-// threads) or is stuck computing goes silent, and the launcher kills that one.
-class CollectiveHeartbeat {
- public:
-  CollectiveHeartbeat() {
-    if (!std::getenv("SCALETRAIN_HEARTBEAT_FD")) return;
-    thread_ = std::thread([this] {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; }))
-        if (comm::collectives_waiting() > 0) launch::heartbeat();
-    });
-  }
-  ~CollectiveHeartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-  CollectiveHeartbeat(const CollectiveHeartbeat&) = delete;
-  CollectiveHeartbeat& operator=(const CollectiveHeartbeat&) = delete;
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;
-};
 
 // The step's MoE statistics of every rank, summed over the job: each rank
 // recorded its own layers' forwards on its own micro-batches, so the sums
@@ -215,7 +176,8 @@ observe::StepMetrics train_step(Run& r, int64_t step) {
     return step_work(r, step, dp_rank, weights, global_targets, loss_scale);
   });
   observe::StepMetrics m = out.metrics;
-  m.tokens_per_s = static_cast<double>(r.cfg.train.global_batch * T) / (m.step_ms / 1000.0);
+  m.samples_per_s = static_cast<double>(r.cfg.train.global_batch) / (m.step_ms / 1000.0);
+  m.tokens_per_s = m.samples_per_s * static_cast<double>(T);
   m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, observe::peak_rss_mb());
   if (const DeviceMemory dm = device_memory(r.plan.device); dm.available) {
@@ -407,7 +369,6 @@ TrainResult run_training(const config::Config& cfg) {
       bubbles.push_back(b->measured);
       expected_bubble = b->expected;
     }
-    launch::heartbeat();
     result.losses.push_back(m.loss);
     if (step > start) throughput.push_back(m.tokens_per_s);
     write_and_save(r, m, stop);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -444,6 +445,28 @@ TEST(PlotTest, WritesSvgWithTwoCurves) {
   EXPECT_NE(svg.find("run &lt;a&amp;b&gt;"), std::string::npos);  // escaped title
   EXPECT_NE(svg.find(">step<"), std::string::npos);
   EXPECT_NE(svg.find("k</text>"), std::string::npos);  // 120k-style tick labels
+}
+
+// A user's module's metrics (ModuleTrainer) count samples, not tokens: the
+// throughput panel draws samples/s; a line with neither key is refused.
+TEST(PlotTest, ARunWithoutTokensIsDrawnInSamples) {
+  TempDir dir;
+  const auto metrics = dir.file("m.jsonl");
+  std::ofstream out(metrics);
+  for (int s = 1; s <= 5; ++s)
+    out << "{\"step\":" << s << ",\"loss\":" << 2.0 / s << ",\"samples_per_s\":" << 300 + s << "}\n";
+  out.close();
+  const auto records = cli::read_metrics(metrics);
+  ASSERT_EQ(records.size(), 5u);
+  EXPECT_DOUBLE_EQ(records[2].samples_per_s, 303);
+  EXPECT_TRUE(std::isnan(records[2].tokens_per_s));
+  const auto svg_path = dir.file("curves.svg");
+  cli::plot_metrics(metrics, svg_path, cli::PlotOptions{});
+  const std::string svg = read_raw(svg_path);
+  EXPECT_NE(svg.find("Throughput (samples/s)"), std::string::npos);
+  EXPECT_EQ(svg.find("tokens/s"), std::string::npos);
+  write_raw(metrics, "{\"step\":1,\"loss\":2.0}\n");
+  expect_usage_error([&] { cli::read_metrics(metrics); }, {"line 1", "\"tokens_per_s\""});
 }
 
 TEST(PlotTest, NullLossIsAGapAndDuplicateStepsKeepTheLast) {
