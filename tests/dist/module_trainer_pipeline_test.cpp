@@ -86,6 +86,23 @@ TEST(ModuleTrainer, PipelineOfASequentialMatchesOneProcess) {
     expect_losses(r.losses, ref.losses, 0, name);
     EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
   }
+  // Units chosen on the whole module, each chunk's engine taking its own:
+  // the four Linear layers by type (two a chunk, beside each chunk's root
+  // unit), or the first and the last by name (one a chunk).
+  const Layout sharded{2, ModuleStrategy::FullShard, pl::Schedule::OneFOneB, 1};
+  for (bool by_type : {true, false}) {
+    ModuleTrainerOptions o = pipeline_options(sharded, 5);
+    if (by_type)
+      o.units.types = {"LinearImpl"};
+    else
+      o.units.names = {"0", "6"};
+    const std::string name = name_of(sharded) + (by_type ? ", a unit per Linear" : ", units 0 and 6");
+    ModuleTrainer t(make_seq(), world(), adam, seq_mse, o);
+    EXPECT_EQ(t.stages().front().sharded->num_units(), by_type ? 3 : 2) << name;
+    const train::ModuleTrainResult r = t.fit(dataset());
+    expect_losses(r.losses, ref.losses, 0, name);
+    EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10) << name;
+  }
 }
 
 // Saved under one layout at step 3 of 6, resumed under another (a pipeline

@@ -180,7 +180,6 @@ void validate_pipeline(const ModuleTrainerOptions& o) {
   if (o.param_dtype != at::ScalarType::Undefined && o.param_dtype != at::kFloat) bad("param_dtype", why);
   if (o.strategy == ModuleStrategy::HybridShard || o.shard_group || o.replicate_group)
     bad("pp", "builds a pp x dp mesh of its own: not with HybridShard or given groups");
-  if (units_given(o.units)) bad("units", "are not given under pp: each pipeline chunk is one unit");
 }
 
 }  // namespace

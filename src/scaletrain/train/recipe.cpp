@@ -35,6 +35,10 @@
 // whole reaches them, and their parameters keep the module's names.
 #include "scaletrain/train/recipe.h"
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "scaletrain/interfaces/deferred.h"
 #include "scaletrain/parallel/context/context_parallel.h"
 #include "scaletrain/parallel/expert/expert_parallel.h"
@@ -170,8 +174,6 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
   if (r.tp > 1) bad("with tp > 1 is not run for user modules");
   if (r.strategy == ModuleStrategy::HybridShard || r.shard_group || r.replicate_group)
     bad("runs over a pp x dp mesh of its own: not with HybridShard or given groups");
-  if (!r.units.names.empty() || !r.units.types.empty() || r.units.min_num_params > 0)
-    bad("makes each chunk one unit of the sharded engine: give no units");
   if (r.param_dtype != at::ScalarType::Undefined && r.param_dtype != at::kFloat)
     bad("is not run with bf16 storage (param_dtype)");
   if (world.size() % r.pp != 0) bad("does not divide the world of " + std::to_string(world.size()) + " ranks");
@@ -201,6 +203,11 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
     out.chunk_children.emplace_back();
     for (const auto& child : piece->named_children()) out.chunk_children.back().push_back(child.key());
   }
+  // Units are chosen on the whole module (the same ones as without a
+  // pipeline); each chunk's engine gets those among its children, by the
+  // same dotted names.
+  const bool units = !r.units.names.empty() || !r.units.types.empty() || r.units.min_num_params > 0;
+  const std::vector<std::string> unit_names = units ? fsdp::select_units(*module, r.units) : std::vector<std::string>{};
   for (int c = out.pp->rank(); c < out.chunks; c += r.pp) {
     ModuleStage st;
     st.chunk = c;
@@ -208,7 +215,12 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
     if (is_sharded(r.strategy)) {
       fsdp::ShardedOptions so = r.sharded;
       so.sharding = sharding_of(r.strategy);
-      st.sharded = fsdp::fully_shard(st.module.ptr(), world, *out.shard, {}, so);
+      fsdp::ModuleUnits mine;
+      const std::vector<std::string>& children = out.chunk_children[static_cast<size_t>(c)];
+      for (const auto& name : unit_names)
+        if (std::find(children.begin(), children.end(), name.substr(0, name.find('.'))) != children.end())
+          mine.names.push_back(name);
+      st.sharded = fsdp::fully_shard(st.module.ptr(), world, *out.shard, mine, so);
     } else {
       st.ddp = std::make_shared<parallel::DistributedDataParallel>(st.module.ptr(), *out.shard, r.ddp);
     }

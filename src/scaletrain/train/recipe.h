@@ -50,8 +50,9 @@ struct ModuleRecipe {
   // the cut whose largest chunk holds the fewest parameters). The world is a
   // pp x dp mesh (pp outermost); rank s of the pp group keeps chunks s, s+pp,
   // ..., each under its own engine over dp, and the others are never run
-  // there (they stay as the module was built). Not with tp, HybridShard,
-  // units or param_dtype.
+  // there (they stay as the module was built). Units of the sharded
+  // strategies are chosen on the whole module, and each chunk's engine
+  // takes those among its children. Not with tp, HybridShard or param_dtype.
   int pp = 1;
   int virtual_stages = 1;  // chunks per rank (the interleaved schedule's v)
   std::vector<int64_t> pp_balance;
