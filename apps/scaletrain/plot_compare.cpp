@@ -4,6 +4,7 @@
 #include "plot.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <sstream>
 
@@ -29,10 +30,15 @@ std::string render_comparison_svg(const std::vector<Run>& runs, const PlotOption
     double MetricsRecord::*field;
     bool include_zero;
   };
+  // Runs that count no tokens (users' modules) are compared in samples/s.
+  bool tokens = false;
+  for (const auto& run : runs)
+    for (const auto& r : run.records) tokens = tokens || (r.restart == 0 && !std::isnan(r.tokens_per_s));
   const std::vector<Quantity> quantities{
       {"Loss", &MetricsRecord::loss, false},
       {"Learning rate", &MetricsRecord::lr, true},
-      {"Throughput (tokens/s)", &MetricsRecord::tokens_per_s, true},
+      tokens ? Quantity{"Throughput (tokens/s)", &MetricsRecord::tokens_per_s, true}
+             : Quantity{"Throughput (samples/s)", &MetricsRecord::samples_per_s, true},
       {"MFU", &MetricsRecord::mfu, true},
       {"Peak RSS (MiB)", &MetricsRecord::peak_rss_mb, true},
       {"Gradient norm", &MetricsRecord::grad_norm, true},

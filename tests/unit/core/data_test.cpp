@@ -448,7 +448,8 @@ TEST(PlotTest, WritesSvgWithTwoCurves) {
 }
 
 // A user's module's metrics (ModuleTrainer) count samples, not tokens: the
-// throughput panel draws samples/s; a line with neither key is refused.
+// throughput panel draws samples/s, alone and compared; a line with neither
+// key is refused.
 TEST(PlotTest, ARunWithoutTokensIsDrawnInSamples) {
   TempDir dir;
   const auto metrics = dir.file("m.jsonl");
@@ -465,6 +466,11 @@ TEST(PlotTest, ARunWithoutTokensIsDrawnInSamples) {
   const std::string svg = read_raw(svg_path);
   EXPECT_NE(svg.find("Throughput (samples/s)"), std::string::npos);
   EXPECT_EQ(svg.find("tokens/s"), std::string::npos);
+  const auto compare_path = dir.file("compare.svg");
+  cli::plot_runs({metrics, metrics}, {"a", "b"}, compare_path);
+  const std::string compare = read_raw(compare_path);
+  EXPECT_NE(compare.find("Throughput (samples/s)"), std::string::npos);
+  EXPECT_EQ(compare.find("tokens/s"), std::string::npos);
   write_raw(metrics, "{\"step\":1,\"loss\":2.0}\n");
   expect_usage_error([&] { cli::read_metrics(metrics); }, {"line 1", "\"tokens_per_s\""});
 }
