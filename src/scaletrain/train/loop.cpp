@@ -23,6 +23,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -66,7 +67,7 @@ StepOutcome update_parameters(const StepParts& parts, int64_t step, double loss_
   StepOutcome out;
   if (parts.scaler) {
     std::vector<at::Tensor> grads;
-    for (auto& p : engine.optimizer_params()) grads.push_back(p.grad());
+    for (const auto& p : parts.params) grads.push_back(p.grad());
     out.skipped = parts.scaler->unscale_and_check(grads, engine.grad_groups());
     parts.scaler->update(out.skipped);
   }
@@ -114,6 +115,7 @@ StepOutcome run_step(const StepParts& parts, int64_t step, const BuildStepWork& 
   StepOutcome out = update_parameters(parts, step, loss_sum);
   observe::StepMetrics& m = out.metrics;
   m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  m.samples_per_s = static_cast<double>(parts.global_batch) / std::max(m.step_ms, 1e-9) * 1000.0;
   m.comm_wait_ms = engine.comm_wait_ms();
   m.loss_scale = loss_scale;
   m.skipped_steps = parts.scaler ? parts.scaler->skipped_steps() : 0;

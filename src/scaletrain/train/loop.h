@@ -23,6 +23,10 @@ namespace scaletrain::train {
 // What a step needs besides its micro-batches; set once for a run.
 struct StepParts {
   DataParallel* engine = nullptr;
+  // What the optimizer steps (the engine's optimizer_params(), taken once):
+  // their gradients are the ones loss scaling checks.
+  std::vector<at::Tensor> params;
+  int64_t global_batch = 0;  // samples per step over the job (samples_per_s)
   // The ranks that see other samples of the step (data and context
   // parallel groups, HSDP's shard then replicate group): the loss averages
   // over each in turn.
@@ -45,7 +49,8 @@ using BuildStepWork = std::function<StepWork(double loss_scale)>;
 
 struct StepOutcome {
   // step (1-based), loss (global mean), lr, grad_norm, loss_scale,
-  // skipped_steps, step_ms and comm_wait_ms; the rest is the caller's.
+  // skipped_steps, step_ms, samples_per_s and comm_wait_ms; the rest is the
+  // caller's.
   observe::StepMetrics metrics;
   bool skipped = false;  // the loss scaler found an overflow: no update
 };

@@ -199,6 +199,8 @@ void ModuleTrainer::build_engine() {
 void ModuleTrainer::connect_loop() {
   StepParts& p = loop_->parts;
   p.engine = engine_.get();
+  p.params = opt_params_;
+  p.global_batch = options_.global_batch;
   p.batch_groups = {par_.shard, par_.replicate};
   p.scaler = scaler_.get();
   p.fp8 = fp8_;
@@ -347,7 +349,6 @@ double ModuleTrainer::step(const ModuleData& data) {
   ++step_;
   observe::StepMetrics m = out.metrics;
   if (loop_->metrics) {  // rank 0: the same lines as our families' runs, in samples instead of tokens
-    m.samples_per_s = static_cast<double>(options_.global_batch) / std::max(m.step_ms, 1e-9) * 1000.0;
     m.tokens_per_s = -1;
     m.peak_rss_mb = observe::peak_rss_mb();
     loop_->metrics->write(m, options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step()));

@@ -176,7 +176,6 @@ observe::StepMetrics train_step(Run& r, int64_t step) {
     return step_work(r, step, dp_rank, weights, global_targets, loss_scale);
   });
   observe::StepMetrics m = out.metrics;
-  m.samples_per_s = static_cast<double>(r.cfg.train.global_batch) / (m.step_ms / 1000.0);
   m.tokens_per_s = m.samples_per_s * static_cast<double>(T);
   m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
   m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, observe::peak_rss_mb());
@@ -192,6 +191,8 @@ observe::StepMetrics train_step(Run& r, int64_t step) {
 void connect_loop(Run& r) {
   StepParts& p = r.parts;
   p.engine = &r.dp();
+  p.params = r.params;
+  p.global_batch = r.cfg.train.global_batch;
   p.batch_groups = {&r.mesh->dp_cp()};  // Note [Context-parallel batches]
   p.scaler = r.scaler.get();
   p.fp8 = r.fp8;
