@@ -1,13 +1,16 @@
-// The step every run takes (train/loop.h), through the module trainer: a
-// loss or gradient that is not finite stops the run before its update, and
-// the trainer beats to the launcher's watchdog as the CLI's runs do.
+// The loop every run takes (train/loop.h), through the module trainer: a
+// loss or gradient that is not finite stops the run before its update, the
+// trainer beats to the launcher's watchdog, and a restarted attempt goes on
+// from the newest checkpoint, as the CLI's runs do.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -91,6 +94,45 @@ TEST(ModuleTrainer, BeatsToTheLauncherAfterEveryStep) {
   ::close(saved);
   ::close(p[0]);
   ::close(p[1]);
+}
+
+// Note [Training loop] (train/training_loop.cpp): a restarted attempt
+// (SCALETRAIN_RESTART_COUNT > 0, as `scaletrain launch --max-restarts` sets
+// it) goes on from the newest intact checkpoint whatever `resume` says (here
+// never, a first start's setting), and adds to the metrics file after a
+// record of the attempt; the rest of the run is the uninterrupted one's.
+TEST(ModuleTrainer, ARestartedAttemptGoesOnFromTheNewestCheckpoint) {
+  const AloneRun ref = train_alone(options(ModuleStrategy::FullShard, 6));
+  const fs::path dir = fresh_dir("restart_attempt");
+  ModuleTrainerOptions first = options(ModuleStrategy::FullShard, 6);
+  first.stop_at = 3;
+  first.checkpoint_dir = (dir / "ckpt").string();
+  first.metrics_path = (dir / "metrics.jsonl").string();
+  ModuleTrainer(make_toy(), world(), adam, mse, first).fit(dataset());
+  ModuleTrainerOptions second = first;
+  second.stop_at = 0;
+  second.resume = "never";
+  ::setenv("SCALETRAIN_RESTART_COUNT", "1", 1);
+  ::setenv("SCALETRAIN_RESTART_REASON", "rank 1 exited with code 9", 1);
+  train::ModuleTrainResult r;
+  {
+    ModuleTrainer t(make_toy(), world(), adam, mse, second);
+    r = t.fit(dataset());
+    EXPECT_LE(relative_diff(t.full_parameters(), ref.params, /*per_tensor=*/true), 1e-10);
+  }
+  ::unsetenv("SCALETRAIN_RESTART_COUNT");
+  ::unsetenv("SCALETRAIN_RESTART_REASON");
+  EXPECT_EQ(r.start_step, 3);
+  expect_losses(r.losses, ref.losses, 3, "the restarted attempt");
+  if (world().rank() != 0) return;
+  std::ifstream in(dir / "metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 7u) << "three steps, the restart's record, three steps";
+  EXPECT_EQ(lines[3].value("record", ""), "restart");
+  EXPECT_EQ(lines[3].value("resumed_from_step", -1), 3);
+  EXPECT_EQ(lines[3].value("reason", ""), "rank 1 exited with code 9");
+  for (size_t i : {0, 1, 2, 4, 5, 6}) EXPECT_EQ(lines[i].value("step", -1), static_cast<int>(i < 3 ? i + 1 : i)) << i;
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // The module trainer under pipeline parallelism (ModuleRecipe::pp): a
 // user's torch::nn::Sequential cut into chunks by the recipe, each with its
 // engine over dp, run by every schedule, against one process training the
-// whole module on the whole batch (float64, 1e-10): clipping over every
-// chunk, the schedule of learning rates, checkpoints that resume with and
-// without the pipeline, LoRA adapters trained and saved through the stages,
-// and what a pipeline of a user module refuses.
+// whole module on the whole batch (float64, 1e-10), HybridShard and tensor
+// parallelism inside the stages included: clipping over every chunk, the
+// schedule of learning rates, checkpoints that resume with and without the
+// pipeline (and from stages split over tp), bf16 storage, LoRA adapters
+// trained and saved through the stages, and what a pipeline of a user
+// module refuses.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -46,11 +48,23 @@ struct Layout {
   ModuleStrategy strategy;
   pl::Schedule schedule;
   int virtual_stages;
+  int dp_replicate = 1;  // HybridShard's replicas inside each stage's dp
+  int tp = 1;            // tensor parallelism inside each stage (kSeqPlan)
 };
+
+// make_seq()'s Linear layers split over tp: a colwise layer's slice of the
+// features through Tanh into a rowwise one, so each chunk's output (the
+// cut falls after child 2) is whole.
+const parallel::tensor::ModulePlan kSeqPlan = {{"0", parallel::tensor::colwise},
+                                               {"2", parallel::tensor::rowwise},
+                                               {"4", parallel::tensor::colwise},
+                                               {"6", parallel::tensor::rowwise}};
 
 std::string name_of(const Layout& l) {
   return "pp " + std::to_string(l.pp) + " " + train::to_string(l.strategy) + " " + pl::to_string(l.schedule) +
-         (l.virtual_stages > 1 ? " v" + std::to_string(l.virtual_stages) : "");
+         (l.virtual_stages > 1 ? " v" + std::to_string(l.virtual_stages) : "") +
+         (l.dp_replicate > 1 ? " x " + std::to_string(l.dp_replicate) + " replicas" : "") +
+         (l.tp > 1 ? " x tp " + std::to_string(l.tp) : "");
 }
 
 ModuleTrainerOptions pipeline_options(const Layout& l, int64_t steps) {
@@ -59,6 +73,9 @@ ModuleTrainerOptions pipeline_options(const Layout& l, int64_t steps) {
   o.pp = l.pp;
   o.pp_schedule = l.schedule;
   o.virtual_stages = l.virtual_stages;
+  o.dp_replicate = l.dp_replicate;
+  o.tp = l.tp;
+  if (l.tp > 1) o.tensor_plan = kSeqPlan;
   return o;
 }
 
@@ -71,7 +88,10 @@ std::vector<Layout> layouts() {
   return {{2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1},
           {2, ModuleStrategy::Zero2, pl::Schedule::OneFOneB, 1},
           {2, ModuleStrategy::FullShard, pl::Schedule::Interleaved, 2},
-          {4, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1}};
+          {4, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1},
+          {2, ModuleStrategy::HybridShard, pl::Schedule::OneFOneB, 1, 2},
+          {2, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1, 1, 2},
+          {2, ModuleStrategy::FullShard, pl::Schedule::GPipe, 1, 1, 2}};
 }
 
 TEST(ModuleTrainer, PipelineOfASequentialMatchesOneProcess) {
@@ -80,7 +100,7 @@ TEST(ModuleTrainer, PipelineOfASequentialMatchesOneProcess) {
   for (const Layout& l : layouts()) {
     const std::string name = name_of(l);
     ModuleTrainer t(make_seq(), world(), adam, seq_mse, pipeline_options(l, 5));
-    EXPECT_EQ(t.data_parallel_size(), world().size() / l.pp) << name;
+    EXPECT_EQ(t.data_parallel_size(), world().size() / (l.pp * l.tp)) << name;
     EXPECT_EQ(t.stages().size(), static_cast<size_t>(l.virtual_stages)) << name;
     const train::ModuleTrainResult r = t.fit(dataset());
     expect_losses(r.losses, ref.losses, 0, name);
@@ -105,6 +125,39 @@ TEST(ModuleTrainer, PipelineOfASequentialMatchesOneProcess) {
   }
 }
 
+// bf16 storage with fp32 masters (param_dtype) through the stages: the
+// chunks' sharded engines keep fp32 masters of the module's bf16 parameters,
+// and the run follows the same storage without a pipeline on the same ranks
+// (the micro-batches' bf16 gradients add in another order, so within bf16's
+// rounding), far from the float64 run it rounds.
+TEST(ModuleTrainer, PipelineStoresBf16ParametersAsWithoutPipeline) {
+  const Layout pp2{2, ModuleStrategy::FullShard, pl::Schedule::OneFOneB, 1};
+  const Layout none{1, ModuleStrategy::FullShard, pl::Schedule::OneFOneB, 1};
+  // The bf16 output widened to the targets' dtype, as a bf16 model's loss is.
+  auto wide_mse = [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& y) {
+    return torch::mse_loss(dynamic_cast<torch::nn::SequentialImpl&>(m).forward(x).to(y.scalar_type()), y);
+  };
+  std::vector<std::vector<double>> losses;
+  std::vector<std::vector<at::Tensor>> params;
+  for (const Layout& l : {none, pp2}) {
+    ModuleTrainerOptions o = pipeline_options(l, 5);
+    o.param_dtype = at::kBFloat16;
+    auto module = make_seq();
+    ModuleTrainer t(module, world(), adam, wide_mse, o);
+    for (const auto& p : t.optimizer().param_groups()[0].params()) EXPECT_EQ(p.scalar_type(), at::kFloat) << name_of(l);
+    losses.push_back(t.fit(dataset()).losses);
+    params.push_back(t.full_parameters());
+    for (const auto& p : params.back()) EXPECT_EQ(p.scalar_type(), at::kBFloat16) << name_of(l);
+  }
+  ASSERT_EQ(losses[0].size(), losses[1].size());
+  for (size_t i = 0; i < losses[0].size(); ++i)
+    EXPECT_NEAR(losses[1][i], losses[0][i], 2e-2 * std::abs(losses[0][i])) << "step " << i + 1;
+  EXPECT_LE(relative_diff(params[1], params[0], /*per_tensor=*/false), 2e-2);
+  const AloneRun f64 = run_alone(make_seq(), seq_mse, options(ModuleStrategy::DDP, 5));
+  EXPECT_GT(std::abs(losses[1].back() - f64.losses.back()), 1e-6 * std::abs(f64.losses.back()))
+      << "the bf16 run must differ from the float64 one for the comparison to mean anything";
+}
+
 // Saved under one layout at step 3 of 6, resumed under another (a pipeline
 // into none, none into a pipeline): the rest is the uninterrupted run's.
 TEST(ModuleTrainer, PipelineCheckpointsResumeWithAndWithoutPipeline) {
@@ -112,7 +165,10 @@ TEST(ModuleTrainer, PipelineCheckpointsResumeWithAndWithoutPipeline) {
   // Two chunks per rank: their optimizer states follow one another in the layout.
   const Layout pp2{2, ModuleStrategy::FullShard, pl::Schedule::Interleaved, 2};
   const Layout none{1, ModuleStrategy::DDP, pl::Schedule::OneFOneB, 1};
-  for (const auto& [save_as, resume_as] : {std::pair{pp2, none}, std::pair{none, pp2}}) {
+  std::vector<std::pair<Layout, Layout>> cases = {{pp2, none}, {none, pp2}};
+  // Split over tp in the stages: the checkpoint holds the whole tensors.
+  if (world().size() == 4) cases.push_back({{2, ModuleStrategy::Zero2, pl::Schedule::OneFOneB, 1, 1, 2}, pp2});
+  for (const auto& [save_as, resume_as] : cases) {
     const std::string name = name_of(save_as) + " -> " + name_of(resume_as);
     const fs::path dir = fresh_dir("pipeline_resume");
     ModuleTrainerOptions first = pipeline_options(save_as, 6);
@@ -233,9 +289,15 @@ TEST(ModuleTrainer, PipelineRefusalsNameTheField) {
   ModuleTrainerOptions o = pipeline_options(pp2, 4);
   expect_error([&] { ModuleTrainer t(make_toy(), world(), adam, mse, o); }, "cuts a torch::nn::Sequential",
                "a module that is not a Sequential");
-  o.tp = 2;
+  o.tp = world().size();
   o.tensor_plan = {{"0", parallel::tensor::colwise}};
-  expect_error([&] { train::validate(o); }, "ModuleTrainerOptions.tp", "tp under pp");
+  expect_error([&] { ModuleTrainer t(make_seq(), world(), adam, seq_mse, o); },
+               "x tp=" + std::to_string(world().size()) + " does not divide the world", "pp x tp beyond the world");
+  o = pipeline_options(pp2, 4);
+  o.strategy = ModuleStrategy::HybridShard;
+  o.shard_group = o.replicate_group = world().group().get();
+  expect_error([&] { train::validate(o); }, "ModuleTrainerOptions.shard_group cannot be given with pp > 1",
+               "HybridShard's groups under pp");
   o = pipeline_options(pp2, 4);
   o.pp_balance = {1, 1, 5};
   expect_error([&] { ModuleTrainer t(make_seq(), world(), adam, seq_mse, o); }, "pp_balance has 3 entries",

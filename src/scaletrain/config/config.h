@@ -183,7 +183,7 @@ struct ParallelOptions {
 using precision::PrecisionOptions;
 
 struct MetricsOptions {
-  std::string path;       // JSON lines written by rank 0 ("" = none)
+  std::string path;       // JSON lines written by rank 0 ("" = none); a resumed run adds to the file
   double peak_flops = 0;  // per-rank peak FLOP/s for MFU; 0 = measure a GEMM at start
   int64_t log_every = 1;  // steps between log lines
   bool progress = true;   // progress bar when stdout is a terminal

@@ -18,6 +18,8 @@
 #include <utility>
 
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
+#include "scaletrain/parallel/tensor/parallelize_module.h"
+#include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/train/checkpoint_layout.h"
 #include "scaletrain/train/module_engine.h"
 #include "scaletrain/train/module_trainer_internal.h"
@@ -76,7 +78,9 @@ class PipelineModuleEngine final : public ModuleEngine {
         throw std::invalid_argument("ModuleTrainer: the loss function must return one value (the micro-batch's mean)");
       return l.reshape({}) * scale;
     };
-    return pipeline_->step(at::cat(work.inputs), at::cat(work.targets), loss) / scale;
+    const double sum = pipeline_->step(at::cat(work.inputs), at::cat(work.targets), loss) / scale;
+    if (par_.tp) par_.tp->check();  // a collective that failed inside forward
+    return sum;
   }
   std::vector<at::Tensor> optimizer_params() override { return par_.trainable(); }
   std::vector<int64_t> decay_numel() override {
@@ -118,7 +122,8 @@ class PipelineModuleEngine final : public ModuleEngine {
   }
   std::string describe() const override {
     return "module trainer, pp " + std::to_string(par_.pp->size()) + " (" + std::to_string(par_.chunks) +
-           " chunks), " + to_string(s_.options->strategy) + " per chunk";
+           " chunks), " + to_string(s_.options->strategy) + " per chunk" +
+           (par_.tp ? ", tensor parallel x" + std::to_string(s_.options->tp) : "");
   }
   checkpoint::Layout checkpoint_layout() const override;
   void after_load() override { after_step(); }
@@ -130,21 +135,45 @@ class PipelineModuleEngine final : public ModuleEngine {
   std::unique_ptr<pl::ModulePipeline> pipeline_;
 };
 
-// The global gradient norm over every chunk (DDP: each chunk's gradients
-// are whole on every dp rank, so the squares add over pp; sharded: each
-// rank's shards are its own, so they add over the world), clipped as torch
-// clips: every gradient times max_norm / (norm + 1e-6) when that is below 1.
+// The global gradient norm over every chunk, clipped as torch clips: every
+// gradient times max_norm / (norm + 1e-6) when that is below 1. Each rank's
+// squares are summed over the world, apart for the parameters tensor
+// parallelism splits (each tp rank holds its part) and the ones it
+// replicates (every tp rank holds the same), then divided by how many ranks
+// hold the same tensors: DDP's chunks are whole on every dp rank; sharded
+// chunks' shards are their own within the shard group, and HybridShard's
+// replicas hold the same ones.
 double PipelineModuleEngine::clip_grad_norm(double max_norm) {
-  at::Tensor sq = at::zeros({1}, at::kDouble);
-  std::vector<at::Tensor> grads;
-  for (const auto& p : par_.trainable())
-    if (p.grad().defined()) {
-      grads.push_back(p.grad());
-      sq += p.grad().to(at::kDouble).pow(2).sum();
+  std::vector<at::Tensor> grads, parts[2];  // parts: squares of split, of replicated parameters
+  at::TensorOptions opts = at::TensorOptions().dtype(at::kDouble);
+  auto add = [&](const std::string& name, const at::Tensor& g) {
+    opts = opts.device(g.device());
+    parts[par_.tp && par_.tp->plan().layout(name).sharded() ? 0 : 1].push_back(g.to(at::kDouble).pow(2).sum());
+  };
+  for (const ModuleStage& st : par_.stages) {
+    if (st.sharded) {
+      for (const auto& v : st.sharded->shard_views()) {
+        const at::Tensor g = v.shard.grad();
+        if (!v.trainable || !g.defined()) continue;
+        grads.push_back(g);
+        for (const auto& piece : v.pieces) add(piece.name, g.narrow(0, piece.shard_offset, piece.numel));
+      }
+      continue;
     }
+    for (const auto& p : st.module->named_parameters())
+      if (p.value().grad().defined()) {
+        grads.push_back(p.value().grad());
+        add(p.key(), p.value().grad());
+      }
+  }
+  auto total = [&](const std::vector<at::Tensor>& v) { return v.empty() ? at::zeros({}, opts) : at::stack(v).sum(); };
+  at::Tensor sq = at::stack({total(parts[0]), total(parts[1])});
+  s_.world->group()->all_reduce(sq, comm::ReduceOp::Sum).wait();
   const bool sharded = par_.stages.front().sharded != nullptr;
-  (sharded ? *s_.world->group() : *par_.pp).all_reduce(sq, comm::ReduceOp::Sum).wait();
-  const double norm = std::sqrt(sq.item<double>());
+  const double same = sharded ? (par_.replicate ? par_.replicate->size() : 1) : par_.dp_size;
+  const double tp = par_.tp ? par_.mesh->tp().size() : 1;
+  const at::Tensor host = sq.cpu();  // host: two scalars
+  const double norm = std::sqrt(host[0].item<double>() / same + host[1].item<double>() / (same * tp));
   if (max_norm > 0 && norm > max_norm) {
     const double coef = max_norm / (norm + 1e-6);
     torch::NoGradGuard no_grad;
@@ -162,11 +191,17 @@ checkpoint::Layout PipelineModuleEngine::checkpoint_layout() const {
   for (const ModuleStage& st : par_.stages) {
     checkpoint::Layout l = st.sharded ? sharded_layout(*st.sharded)
                                       : checkpoint::replicated_layout(*st.module, par_.dp_rank == 0);
+    // Tensor parallel: the split parameters' pieces in the whole parameters'
+    // coordinates, the replicated ones saved by tp rank 0.
+    if (par_.tp) l = tensor_parallel_layout(std::move(l), par_.tp->plan());
     out.strategy = l.strategy;
     append_chunk_layout(out, std::move(l), &states);
-    append_buffers(out, *st.module, par_.dp_rank == 0);
+    append_buffers(out, *st.module, par_.dp_rank == 0 && (!par_.tp || par_.mesh->tp().rank() == 0));
   }
-  out.mesh = "pp " + std::to_string(par_.pp->size()) + " x dp " + std::to_string(par_.dp_size);
+  out.mesh = "pp " + std::to_string(par_.pp->size()) + " x dp " +
+             (par_.replicate ? std::to_string(par_.replicate->size()) + " x " + std::to_string(par_.shard->size())
+                             : std::to_string(par_.dp_size)) +
+             (par_.tp ? " x tp " + std::to_string(par_.mesh->tp().size()) : "");
   return out;
 }
 
@@ -179,8 +214,12 @@ std::vector<at::Tensor> PipelineModuleEngine::full_parameters() {
     std::vector<at::Tensor> whole;
     if (st.sharded) whole = st.sharded->full_parameters();
     const auto named = st.module->named_parameters();
-    for (size_t i = 0; i < named.size(); ++i)
-      mine[named[i].key()] = st.sharded ? whole.at(i) : named[i].value().detach().clone();
+    for (size_t i = 0; i < named.size(); ++i) {
+      at::Tensor t = st.sharded ? whole.at(i) : named[i].value().detach().clone();
+      // whole over dp; a split parameter's pieces joined over tp
+      if (par_.tp) t = parallel::tensor::gather_parameter(t, par_.tp->plan().layout(named[i].key()), par_.mesh->tp());
+      mine[named[i].key()] = t;
+    }
   }
   // Which pp rank runs each child: chunk c runs on pp rank c % pp.
   for (int c = 0; c < par_.chunks; ++c)
@@ -189,8 +228,9 @@ std::vector<at::Tensor> PipelineModuleEngine::full_parameters() {
   for (const auto& item : s_.module->named_parameters()) {
     const std::string child = item.key().substr(0, item.key().find('.'));
     const int root = owner.at(child);
-    at::Tensor t = root == par_.pp->rank() ? mine.at(item.key()).contiguous()
-                                           : at::empty(item.value().sizes(), item.value().options());
+    const std::vector<int64_t> shape =
+        par_.tp ? par_.tp->plan().layout(item.key()).full_shape : item.value().sizes().vec();
+    at::Tensor t = root == par_.pp->rank() ? mine.at(item.key()).contiguous() : at::empty(shape, item.value().options());
     par_.pp->broadcast(t, root).wait();
     out.push_back(t);
   }

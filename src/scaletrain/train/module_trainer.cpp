@@ -43,40 +43,16 @@ namespace fsdp = parallel::fsdp;
 using detail::bad;
 
 std::string resume_checkpoint(const std::string& dir, const std::string& resume) {
-  if (resume == "never") return "";
-  if (resume == "auto") {
-    if (dir.empty()) return "";
-    const std::vector<std::string> all = checkpoint::complete_checkpoints(dir);
-    std::string newest_bad;
-    for (auto it = all.rbegin(); it != all.rend(); ++it) {
-      std::vector<std::string> problems;
-      try {
-        problems = checkpoint::verify_files(*it, checkpoint::read_index(*it));
-      } catch (const UsageError& e) {
-        problems = {e.what()};
-      }
-      if (problems.empty()) return *it;
-      if (newest_bad.empty()) newest_bad = *it + ": " + problems.front();
-    }
-    if (!all.empty())
-      throw UsageError("resume=auto: none of the " + std::to_string(all.size()) + " checkpoints in " + dir +
-                       " is intact (the newest: " + newest_bad + "); remove them, or set resume=never");
-    return "";
-  }
-  if (std::filesystem::exists(std::filesystem::path(resume) / "index.json")) return resume;
-  if (auto newest = checkpoint::newest_checkpoint(resume)) return *newest;
-  throw UsageError("resume=" + resume + " is not a complete checkpoint nor a directory holding one");
+  return find_resume(dir, resume, "resume", /*print=*/false);
 }
 
-// What the loop keeps besides the engine: the step's parts (Note [Training
-// step]), the sampler (rebuilt for a dataset of another size), the metrics
-// file and the tracer.
+// What the trainer keeps besides the engine: the training loop every run
+// takes (Note [Training loop]) and the sampler (rebuilt for a dataset of
+// another size).
 struct ModuleTrainer::LoopState {
   CollectiveHeartbeat collective_heartbeat;  // Note [Heartbeats] (loop.cpp)
-  StepParts parts;
+  std::unique_ptr<TrainingLoop> loop;
   std::unique_ptr<data::DistributedSampler> sampler;
-  std::unique_ptr<observe::MetricsSink> metrics;  // rank 0's
-  std::unique_ptr<observe::StepTracer> tracer;
 };
 
 ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::World& world, OptimizerFactory optimizer,
@@ -110,18 +86,9 @@ ModuleTrainer::ModuleTrainer(std::shared_ptr<torch::nn::Module> module, comm::Wo
   build_engine();
   build_optimizer(std::move(optimizer));
   if (options_.loss_scaling) scaler_ = std::make_unique<precision::LossScaler>(*options_.loss_scaling);
-  connect_loop();
-  start_checkpoints();
-  if (world_.rank() == 0) try {
-      // A resumed run adds to the lines of the run it goes on from.
-      loop_->metrics = std::make_unique<observe::MetricsSink>(options_.metrics_path, options_.steps, options_.progress,
-                                                              /*append=*/step_ > 0);
-    } catch (const UsageError&) {
-      bad("metrics_path", options_.metrics_path + " cannot be written");
-    }
-  loop_->tracer = std::make_unique<observe::StepTracer>(options_.trace_steps, options_.trace_dir, world_,
-                                                        engine_->describe());
   launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
+  loop_->loop = std::make_unique<TrainingLoop>(world_, step_parts(), loop_options());
+  loop_->loop->start([this] { return run_checkpoint(); });  // Note [Training loop]: resumes
 }
 
 ModuleTrainer::~ModuleTrainer() = default;
@@ -196,8 +163,8 @@ void ModuleTrainer::build_engine() {
 }
 
 // What the step every run takes (Note [Training step]) needs of this trainer.
-void ModuleTrainer::connect_loop() {
-  StepParts& p = loop_->parts;
+StepParts ModuleTrainer::step_parts() {
+  StepParts p;
   p.engine = engine_.get();
   p.params = opt_params_;
   p.global_batch = options_.global_batch;
@@ -213,10 +180,28 @@ void ModuleTrainer::connect_loop() {
     if (options_.lr_schedule)
       for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
     opt_->step();
-    ++opt_steps_;
   };
   p.grad_clip = options_.clip_grad_norm;
   p.rank = world_.rank();
+  return p;
+}
+
+// The loop's checkpoints, metrics and traces from the options.
+LoopOptions ModuleTrainer::loop_options() const {
+  const ModuleTrainerOptions& o = options_;
+  LoopOptions l;
+  l.who = "module_trainer";
+  l.steps = o.steps;
+  l.stop_at = o.stop_at;
+  l.checkpoint = {o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}};
+  l.checkpoint_every = o.checkpoint_every;
+  l.resume = o.resume;
+  l.metrics_path = o.metrics_path;
+  l.log_every = o.log_every;
+  l.lines = l.bar = o.progress;
+  l.trace_steps = o.trace_steps;
+  l.trace_dir = o.trace_dir;
+  return l;
 }
 
 void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
@@ -243,58 +228,27 @@ void ModuleTrainer::build_optimizer(OptimizerFactory factory) {
                                 "); the optimizer holds " + std::to_string(held.size()) + " others or more");
 }
 
-// Refuses an optimizer checkpoints cannot save before any step, then resumes
-// (Note [Module trainer step]: the step positions the sampler and schedule).
-void ModuleTrainer::start_checkpoints() {
-  const ModuleTrainerOptions& o = options_;
-  const std::string from = resume_checkpoint(o.checkpoint_dir, o.resume);
-  if (o.checkpoint_dir.empty() && from.empty()) return;
+// What checkpoints hold of the run: the engine's layout and the optimizer's
+// state, refused before any step for an optimizer whose state no layout can
+// split.
+RunCheckpoint ModuleTrainer::run_checkpoint() {
+  RunCheckpoint c;
+  c.layout = engine_->checkpoint_layout();
   try {
-    opt_state_ = torch_optimizer_state(*opt_, opt_params_);
+    c.optimizer = torch_optimizer_state(*opt_, opt_params_);
   } catch (const std::invalid_argument& e) {
-    bad(o.checkpoint_dir.empty() ? "resume" : "checkpoint_dir", "is set, but the " + std::string(e.what()));
+    bad(options_.checkpoint_dir.empty() ? "resume" : "checkpoint_dir", "is set, but the " + std::string(e.what()));
   }
-  if (!o.checkpoint_dir.empty()) checkpoint::check_shared_directory(*world_.group(), o.checkpoint_dir);
-  if (!o.checkpoint_dir.empty())
-    ckpt_ = std::make_unique<checkpoint::Checkpointer>(
-        *world_.group(),
-        checkpoint::CheckpointOptions{
-            o.checkpoint_dir, static_cast<int>(o.checkpoint_keep), o.checkpoint_async, o.full_state_dict, {}});
-  if (from.empty()) return;
-  const checkpoint::Index index = checkpoint::load_checkpoint(from, engine_->checkpoint_layout(), opt_state_.get());
-  engine_->after_load();
-  checkpoint::set_cpu_rng_state(index.state.rng_cpu);
-  step_ = last_saved_ = index.state.step;
-  opt_steps_ = index.state.optimizer_steps;
-  if (!fp8_.empty() && options_.fp8->delayed && !index.state.fp8_scaling.empty()) try {
-      precision::fp8_restore_scaling(fp8_, index.state.fp8_scaling);
-    } catch (const std::invalid_argument& e) {
-      throw UsageError("resume: the FP8 scaling state of " + from + " does not fit this module: " + e.what());
-    }
-  // A run that starts or stops scaling here keeps its own: a fresh scaler, or none.
-  if (scaler_ && !index.state.loss_scaler.empty())
-    scaler_->load_state(precision::LossScalerState::from_map(index.state.loss_scaler));
-  if (world_.rank() == 0)
-    std::printf("module_trainer: resumed from %s (step %lld, saved by %s on %d ranks)\n", from.c_str(),
-                static_cast<long long>(step_), index.strategy.c_str(), index.world_size);
+  return c;
 }
 
 void ModuleTrainer::save() {
-  if (!ckpt_) bad("checkpoint_dir", "is not set: there is nowhere to save");
-  if (last_saved_ == step_) return;
-  checkpoint::SaveState state;
-  state.run.step = step_;
-  state.run.optimizer_steps = opt_steps_;
-  if (scaler_) state.run.loss_scaler = scaler_->state().to_map();
-  if (!fp8_.empty()) state.run.fp8_scaling = precision::fp8_scaling_state(fp8_, {world_.group().get()});
-  state.run.rng_cpu = checkpoint::cpu_rng_state();
-  ckpt_->save(engine_->checkpoint_layout(), opt_state_.get(), state);
-  launch::heartbeat();
-  last_saved_ = step_;
-  if (world_.rank() == 0 && options_.progress)
-    std::printf("module_trainer: checkpoint %s %s\n", options_.checkpoint_async ? "started" : "saved",
-                checkpoint::step_dir(options_.checkpoint_dir, step_).c_str());
+  if (!loop_->loop->checkpoints()) bad("checkpoint_dir", "is not set: there is nowhere to save");
+  loop_->loop->save();
 }
+
+int64_t ModuleTrainer::completed_steps() const { return loop_->loop->completed_steps(); }
+int64_t ModuleTrainer::optimizer_steps() const { return loop_->loop->optimizer_steps(); }
 
 std::vector<at::Tensor> ModuleTrainer::full_parameters() { return engine_->full_parameters(); }
 
@@ -329,7 +283,8 @@ StepWork ModuleTrainer::step_work(const ModuleData& data, const std::vector<int6
   return work;
 }
 
-double ModuleTrainer::step(const ModuleData& data) {
+// Step 1 of Note [Module trainer step] and the step's metrics, for the loop.
+StepHooks ModuleTrainer::step_hooks(const ModuleData& data) {
   auto& sampler = loop_->sampler;
   if (!sampler || sampler->num_samples() != data.size()) {
     data::SamplerOptions so;
@@ -338,33 +293,30 @@ double ModuleTrainer::step(const ModuleData& data) {
     so.shuffle = options_.shuffle;
     sampler = std::make_unique<data::DistributedSampler>(data.size(), so);
   }
-  loop_->tracer->begin_step(step_ + 1);
-  engine_->zero_grad();  // what the caller's own passes left
-  // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
-  const int64_t share = options_.global_batch / par_.dp_size;
-  std::vector<int64_t> global = sampler->global_batch(step_);
-  const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share, global.begin() + (par_.dp_rank + 1) * share);
-  const StepOutcome out =
-      run_step(loop_->parts, step_, [&](double scale) { return step_work(data, mine, scale); });
-  ++step_;
-  observe::StepMetrics m = out.metrics;
-  if (loop_->metrics) {  // rank 0: the same lines as our families' runs, in samples instead of tokens
-    m.tokens_per_s = -1;
+  StepHooks h;
+  h.build = [this, &data](int64_t step, double scale) {
+    engine_->zero_grad();  // what the caller's own passes left
+    // This rank's G/D samples of the step, in order; micro-batch k is the k-th m of them.
+    const int64_t share = options_.global_batch / par_.dp_size;
+    const std::vector<int64_t> global = loop_->sampler->global_batch(step);
+    const std::vector<int64_t> mine(global.begin() + par_.dp_rank * share,
+                                    global.begin() + (par_.dp_rank + 1) * share);
+    return step_work(data, mine, scale);
+  };
+  h.finish = [](observe::StepMetrics& m) {
+    m.tokens_per_s = -1;  // the same lines as our families' runs, in samples instead of tokens
     m.peak_rss_mb = observe::peak_rss_mb();
-    loop_->metrics->write(m, options_.progress && (step_ % options_.log_every == 0 || step_ == stop_step()));
-  }
-  loop_->tracer->end_step(step_);
-  if (ckpt_ && checkpoint_due(step_, options_.checkpoint_every, stop_step())) save();
-  return m.loss;
+  };
+  return h;
 }
+
+double ModuleTrainer::step(const ModuleData& data) { return loop_->loop->step(step_hooks(data)).loss; }
 
 ModuleTrainResult ModuleTrainer::fit(const ModuleData& data) {
   ModuleTrainResult result;
-  result.start_step = step_;
+  result.start_step = completed_steps();
   module_->train();
-  while (step_ < stop_step()) result.losses.push_back(step(data));
-  if (ckpt_) ckpt_->finish();  // commits an asynchronous save (collective)
-  loop_->tracer->finish();
+  for (const auto& m : loop_->loop->run(step_hooks(data))) result.losses.push_back(m.loss);
   return result;
 }
 

@@ -59,6 +59,7 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 #include "scaletrain/precision/fp8.h"
 #include "scaletrain/precision/loss_scaler.h"
+#include "scaletrain/train/loop.h"
 #include "scaletrain/train/plan/config.h"
 #include "scaletrain/train/recipe.h"
 #include "scaletrain/train/torch_optimizer_state.h"
@@ -112,7 +113,9 @@ struct ModuleTrainerOptions : ModuleRecipe {
   bool checkpoint_async = false;
   bool full_state_dict = false;  // rank 0 writes whole tensors (FSDP's FULL_STATE_DICT)
   // auto: the newest intact checkpoint in checkpoint_dir, if any | never |
-  // a step directory or a root of them.
+  // a step directory or a root of them. A restarted attempt (`scaletrain
+  // launch --max-restarts`) goes on from the newest intact checkpoint in
+  // checkpoint_dir whatever this says (train::find_resume).
   std::string resume = "auto";
 
   // Autocast (precision/policy.h) over each micro-batch's forward and loss:
@@ -154,7 +157,8 @@ struct ModuleTrainerOptions : ModuleRecipe {
   std::string adapter_from;
 
   // Rank 0 writes one JSON line per step ("" = none), as the CLI's runs
-  // do (observe::MetricsSink; samples_per_s where ours have tokens_per_s).
+  // do (observe::MetricsSink; samples_per_s where ours have tokens_per_s);
+  // a resumed run or a restarted attempt adds to the file.
   std::string metrics_path;
   int64_t log_every = 1;             // steps between progress lines
   bool progress = true;              // progress lines on rank 0's stdout
@@ -250,7 +254,7 @@ class ModuleTrainer {
   // "base_model.model.<path>.lora_A.weight" (collective; rank 0 writes).
   void save_adapter(const std::string& dir);
 
-  int64_t completed_steps() const { return step_; }
+  int64_t completed_steps() const;
   int64_t stop_step() const { return options_.stop_at > 0 ? options_.stop_at : options_.steps; }
   int data_parallel_size() const { return par_.dp_size; }
   int64_t accumulation() const { return accum_; }
@@ -259,7 +263,7 @@ class ModuleTrainer {
   // The FP8 state of the module's LoraLinear layers (options.fp8), in module order.
   const std::vector<precision::Fp8LinearPtr>& fp8_layers() const { return fp8_; }
   // Optimizer steps taken (completed_steps() less the steps loss scaling skipped).
-  int64_t optimizer_steps() const { return opt_steps_; }
+  int64_t optimizer_steps() const;
   torch::optim::Optimizer& optimizer() { return *opt_; }
   // The engine (one of the two is set; neither under pp: stages() then).
   parallel::DistributedDataParallel* ddp() { return par_.ddp.get(); }
@@ -273,8 +277,10 @@ class ModuleTrainer {
   void add_adapters();
   void build_engine();
   void build_optimizer(OptimizerFactory factory);
-  void start_checkpoints();
-  void connect_loop();
+  StepParts step_parts();
+  LoopOptions loop_options() const;
+  RunCheckpoint run_checkpoint();
+  StepHooks step_hooks(const ModuleData& data);
   StepWork step_work(const ModuleData& data, const std::vector<int64_t>& mine, double scale);
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -287,14 +293,9 @@ class ModuleTrainer {
   at::Device device_{at::kCPU};  // host: a module without parameters; else its parameters' device
   std::vector<at::Tensor> opt_params_;  // what the optimizer was built over, in optimizer-state order
   std::unique_ptr<torch::optim::Optimizer> opt_;
-  std::unique_ptr<checkpoint::OptimizerState> opt_state_;  // null: an optimizer without state, or no checkpoints
-  std::unique_ptr<checkpoint::Checkpointer> ckpt_;
   std::unique_ptr<precision::LossScaler> scaler_;  // options.loss_scaling
   std::vector<precision::Fp8LinearPtr> fp8_;       // options.fp8: the module's LoraLinear layers, in module order
-  int64_t step_ = 0;
-  int64_t opt_steps_ = 0;
-  int64_t last_saved_ = -1;
-  struct LoopState;  // the step's parts, sampler, metrics file, tracer (module_trainer.cpp)
+  struct LoopState;  // the training loop and the sampler (module_trainer.cpp)
   std::unique_ptr<LoopState> loop_;
 };
 

@@ -165,7 +165,7 @@ void validate_outputs(const ModuleTrainerOptions& o) {
   if (!t.empty() && o.trace_dir.empty()) bad("trace_dir", "must be set with trace_steps");
 }
 
-// pp > 1 (the recipe's pipeline cut): what a pipeline of a user's module does not run.
+// pp > 1 (the recipe's pipeline cut): what a pipeline of a user's module does not take.
 void validate_pipeline(const ModuleTrainerOptions& o) {
   if (o.pp < 1) bad("pp", "must be at least 1, got " + std::to_string(o.pp));
   if (o.virtual_stages < 1) bad("virtual_stages", "must be at least 1, got " + std::to_string(o.virtual_stages));
@@ -175,11 +175,10 @@ void validate_pipeline(const ModuleTrainerOptions& o) {
     if (o.pp_schedule != parallel::pipeline::Schedule::OneFOneB) bad("pp_schedule", "is for pp > 1");
     return;
   }
-  const std::string why = " is not run under pipeline parallelism (pp > 1)";
-  if (o.tp > 1) bad("tp", "> 1" + why);
-  if (o.param_dtype != at::ScalarType::Undefined && o.param_dtype != at::kFloat) bad("param_dtype", why);
-  if (o.strategy == ModuleStrategy::HybridShard || o.shard_group || o.replicate_group)
-    bad("pp", "builds a pp x dp mesh of its own: not with HybridShard or given groups");
+  if (o.shard_group || o.replicate_group)
+    bad(o.shard_group ? "shard_group" : "replicate_group",
+        "cannot be given with pp > 1: the pipeline builds a pp x dp mesh of its own (HybridShard's "
+        "dp_replicate x dp_shard inside it)");
 }
 
 }  // namespace

@@ -159,8 +159,10 @@ void apply_storage_dtypes(torch::nn::Module& module, const ModuleRecipe& r, fsdp
   if (param == at::kBFloat16 && so.master_dtype == at::ScalarType::Undefined) so.master_dtype = at::kFloat;
 }
 
-// ModuleRecipe::pp > 1: the Sequential cut into chunks over a pp x dp mesh,
-// activation checkpointing on the whole, then an engine per chunk this rank runs.
+// ModuleRecipe::pp > 1: the Sequential cut into chunks over a pp x dp x tp
+// mesh (HybridShard: pp x dp_replicate x dp_shard x tp); tensor
+// parallelism, activation checkpointing and the storage dtypes on the
+// whole, then an engine per chunk this rank runs.
 ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& module, comm::World& world,
                                     const ModuleRecipe& r) {
   auto bad = [&r](const std::string& what) {
@@ -171,18 +173,23 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
     bad("cuts a torch::nn::Sequential into stages; this module is " + module->name() +
         " (put its layers in a Sequential, or compose ModulePipeline by hand)");
   if (r.virtual_stages < 1) bad("needs virtual_stages >= 1, got " + std::to_string(r.virtual_stages));
-  if (r.tp > 1) bad("with tp > 1 is not run for user modules");
-  if (r.strategy == ModuleStrategy::HybridShard || r.shard_group || r.replicate_group)
-    bad("runs over a pp x dp mesh of its own: not with HybridShard or given groups");
-  if (r.param_dtype != at::ScalarType::Undefined && r.param_dtype != at::kFloat)
-    bad("is not run with bf16 storage (param_dtype)");
-  if (world.size() % r.pp != 0) bad("does not divide the world of " + std::to_string(world.size()) + " ranks");
+  if (r.tp < 1) bad("needs tp >= 1, got " + std::to_string(r.tp));
+  if ((r.tp > 1) != !r.tensor_plan.empty())
+    bad(r.tp > 1 ? "x tp=" + std::to_string(r.tp) + " needs a tensor_plan naming the submodules to split"
+                 : "has a tensor_plan but tp is 1");
+  if (r.shard_group || r.replicate_group) bad("runs over a pp x dp mesh of its own: give no shard_group or replicate_group");
+  const bool hybrid = r.strategy == ModuleStrategy::HybridShard;
+  const int replicas = hybrid ? r.dp_replicate : 1;
+  if (world.size() % (r.pp * replicas * r.tp) != 0)
+    bad("x dp_replicate=" + std::to_string(replicas) + " x tp=" + std::to_string(r.tp) +
+        " does not divide the world of " + std::to_string(world.size()) + " ranks");
   ParallelModule out;
-  out.mesh = std::make_unique<comm::Mesh>(world, comm::MeshDims{r.pp, 1, -1, 1, 1});
+  out.mesh = std::make_unique<comm::Mesh>(world, comm::MeshDims{r.pp, replicas, -1, r.tp, 1});
   out.pp = &out.mesh->pp();
-  out.shard = &out.mesh->dp();
-  out.dp_size = out.shard->size();
-  out.dp_rank = out.shard->rank();
+  out.shard = hybrid ? &out.mesh->dp_shard() : &out.mesh->dp();
+  if (hybrid) out.replicate = &out.mesh->dp_replicate();
+  out.dp_size = out.shard->size() * replicas;
+  out.dp_rank = (out.replicate ? out.replicate->rank() * out.shard->size() : 0) + out.shard->rank();
   out.chunks = r.pp * r.virtual_stages;
   std::vector<int64_t> balance = r.pp_balance;
   if (balance.empty()) {
@@ -197,7 +204,13 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
   if (static_cast<int>(balance.size()) != out.chunks)
     bad("x virtual_stages=" + std::to_string(r.virtual_stages) + " makes " + std::to_string(out.chunks) +
         " chunks, but pp_balance has " + std::to_string(balance.size()) + " entries");
+  // The whole module split over tp (its chunks hold the same submodules), as
+  // without a pipeline: the observer finds the planned layers wherever they run.
+  if (r.tp > 1) out.tp = parallel::tensor::parallelize_module(module, out.mesh->tp(), r.tensor_plan);
   if (r.activation_checkpointing) apply_activation_checkpointing(*module, *r.activation_checkpointing);
+  fsdp::ShardedOptions so = r.sharded;
+  apply_storage_dtypes(*module, r, so);  // the whole module's tensors, so every chunk's
+  so.sharding = sharding_of(r.strategy);
   const std::vector<torch::nn::Sequential> pieces = parallel::pipeline::split(torch::nn::Sequential(seq), balance);
   for (const auto& piece : pieces) {
     out.chunk_children.emplace_back();
@@ -213,14 +226,12 @@ ParallelModule parallelize_pipeline(const std::shared_ptr<torch::nn::Module>& mo
     st.chunk = c;
     st.module = pieces[static_cast<size_t>(c)];
     if (is_sharded(r.strategy)) {
-      fsdp::ShardedOptions so = r.sharded;
-      so.sharding = sharding_of(r.strategy);
       fsdp::ModuleUnits mine;
       const std::vector<std::string>& children = out.chunk_children[static_cast<size_t>(c)];
       for (const auto& name : unit_names)
         if (std::find(children.begin(), children.end(), name.substr(0, name.find('.'))) != children.end())
           mine.names.push_back(name);
-      st.sharded = fsdp::fully_shard(st.module.ptr(), world, *out.shard, mine, so);
+      st.sharded = fsdp::fully_shard(st.module.ptr(), world, *out.shard, mine, so, out.replicate);
     } else {
       st.ddp = std::make_shared<parallel::DistributedDataParallel>(st.module.ptr(), *out.shard, r.ddp);
     }

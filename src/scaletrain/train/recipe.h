@@ -48,11 +48,13 @@ struct ModuleRecipe {
   // module must be a torch::nn::Sequential, cut into pp x virtual_stages
   // chunks of consecutive children (pp_balance: children per chunk; empty:
   // the cut whose largest chunk holds the fewest parameters). The world is a
-  // pp x dp mesh (pp outermost); rank s of the pp group keeps chunks s, s+pp,
-  // ..., each under its own engine over dp, and the others are never run
-  // there (they stay as the module was built). Units of the sharded
+  // pp x dp x tp mesh (pp outermost, tp innermost; HybridShard: pp x
+  // dp_replicate x dp_shard x tp);
+  // rank s of the pp group keeps chunks s, s+pp, ..., each under its own
+  // engine over dp, and the others are never run there (they stay as the
+  // module was built, in the storage dtypes). Units of the sharded
   // strategies are chosen on the whole module, and each chunk's engine
-  // takes those among its children. Not with tp, HybridShard or param_dtype.
+  // takes those among its children. Not with given groups.
   int pp = 1;
   int virtual_stages = 1;  // chunks per rank (the interleaved schedule's v)
   std::vector<int64_t> pp_balance;

@@ -2,7 +2,7 @@
 // Internal to train/: the state of one training run (Run) and the phases of
 // run_training (trainer.cpp) kept in other files: joining the job and
 // building the model and optimizer, and the start lines (run_setup.cpp);
-// resuming and saving checkpoints (run_checkpoints.cpp).
+// what the training loop saves of a run (run_checkpoints.cpp).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -50,11 +50,7 @@ struct Run {
   double peak_flops = 0;
   double flops_per_token = 0;  // of one training step, frozen weights' gradients left out (MFU)
   double setup_peak_mb = 0, rss_before_setup = 0, rss_file_before_setup = 0;
-  checkpoint::Layout layout;  // what this rank saves and loads
-  std::string finetune;       // checkpoint::ModelShape::finetune of this run ("" when every parameter trains)
-  std::unique_ptr<checkpoint::Checkpointer> ckpt;
-  std::unique_ptr<observe::MetricsSink> sink;
-  StepParts parts;  // what the step every run takes needs (train/loop.h)
+  std::unique_ptr<TrainingLoop> loop;  // train/loop.h
   observe::MeasuredMemory mem;
   estimate::Layout mem_layout;
   double lifetime_rss_peak_mb = 0;
@@ -71,10 +67,9 @@ void set_threads();
 void setup(Run& r, const comm::WorldInfo& info);
 void print_start(Run& r, const comm::WorldInfo& info);
 
-// run_checkpoints.cpp: the launcher's attempt number (0 on a first start);
-// resuming (returns the step to start from) and saving after step `done`.
-int restart_count();
-int64_t resume(Run& r);
-void save_checkpoint(Run& r, int64_t done);
+// run_checkpoints.cpp: the loop's options from the checkpoint.* and
+// metrics.* keys, and what its checkpoints hold of this run.
+LoopOptions loop_options(const Run& r);
+RunCheckpoint run_checkpoint(Run& r);
 
 }  // namespace scaletrain::train::detail

@@ -1,7 +1,8 @@
-// The training loop (run_training): checks the input before any peer is
-// joined, builds the run (run_setup.cpp), resumes it (run_checkpoints.cpp),
-// then runs the steps (Note [Training step] in loop.cpp, with what our
-// families add around it), each one's metrics, and the end-of-run reports.
+// Our families' runs (run_training): checks the input before any peer is
+// joined, builds the run (run_setup.cpp), then hands it to the training loop
+// every run takes (train/loop.h: Note [Training loop], Note [Training step])
+// with what our families add around each step (token batches, MoE
+// statistics, MFU, memory) and the end-of-run reports.
 #include "scaletrain/train/trainer.h"
 
 #include <torch/torch.h>
@@ -51,7 +52,7 @@ void report_memory_now(Run& r, const char* phase) {
   r.mem.states = static_cast<double>(r.dp().model_state_bytes() + r.opt_bytes);
   r.mem.tensors = static_cast<double>(observe::TensorBytes::current());
   observe::report_memory(phase, models::estimator_spec(r.plan.model), r.mem_layout, r.mem, *r.world->group(), r.lead,
-                         *r.sink);
+                         r.loop->metrics());
 }
 
 // The step's MoE statistics of every rank, summed over the job: each rank
@@ -155,41 +156,39 @@ StepWork step_work(Run& r, int64_t step, int dp_rank, const std::vector<double>&
 // the micro-batches' weights (masked targets, context parallelism), the
 // sequence layout kept through each backward, the MoE losses' multiplier
 // and statistics, throughput, MFU and memory.
-observe::StepMetrics train_step(Run& r, int64_t step) {
-  trace::Span step_span("step", "step", step + 1);
-  const int64_t B = r.plan.micro_batch, T = r.plan.model.block_size, accum = r.plan.accum;
-  const int dp_rank = r.mesh->coord().dp(r.dims);
-  // The layout stays set through each micro-batch's backward (which may
-  // recompute blocks) and is cleared when the step ends, however it ends.
-  struct ClearLayout {
-    models::CausalLM& model;
-    ~ClearLayout() { model.set_sequence_layout(nullptr); }
-  } clear_layout{r.model()};
-  // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
-  const std::shared_ptr<models::MoeContext> moe = r.model().moe();
-  if (moe) moe->take();  // what forwards outside training steps recorded
-  const StepOutcome out = run_step(r.parts, step, [&](double loss_scale) {
+StepHooks step_hooks(Run& r) {
+  StepHooks h;
+  h.build = [&r](int64_t step, double loss_scale) {
+    const int dp_rank = r.mesh->coord().dp(r.dims);
     int64_t global_targets = 0;
-    const std::vector<double> weights = micro_weights(r.dataset, *r.sampler, step, dp_rank, r.dims.dp(), B, accum,
-                                                      r.cfg.data.loss_on, &global_targets);
-    if (moe) moe->multiplier = loss_scale / static_cast<double>(accum);
+    const std::vector<double> weights = micro_weights(r.dataset, *r.sampler, step, dp_rank, r.dims.dp(),
+                                                      r.plan.micro_batch, r.plan.accum, r.cfg.data.loss_on,
+                                                      &global_targets);
+    // Note [Auxiliary losses] (models/moe.h): their gradient takes the main loss's multiplier.
+    if (const auto moe = r.model().moe()) {
+      moe->take();  // what forwards outside training steps recorded
+      moe->multiplier = loss_scale / static_cast<double>(r.plan.accum);
+    }
     return step_work(r, step, dp_rank, weights, global_targets, loss_scale);
-  });
-  observe::StepMetrics m = out.metrics;
-  m.tokens_per_s = m.samples_per_s * static_cast<double>(T);
-  m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
-  m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, observe::peak_rss_mb());
-  if (const DeviceMemory dm = device_memory(r.plan.device); dm.available) {
-    m.device_max_allocated_mb = dm.max_allocated_mb;
-    m.device_max_reserved_mb = dm.max_reserved_mb;
-  }
-  if (moe) moe_metrics(*moe, *r.world->group(), m);
-  return m;
+  };
+  h.finish = [&r](observe::StepMetrics& m) {
+    // The layout stayed set through each micro-batch's backward (which may recompute blocks).
+    r.model().set_sequence_layout(nullptr);
+    m.tokens_per_s = m.samples_per_s * static_cast<double>(r.plan.model.block_size);
+    m.mfu = m.tokens_per_s / r.world->size() * r.flops_per_token / r.peak_flops;
+    m.peak_rss_mb = std::max(r.lifetime_rss_peak_mb, observe::peak_rss_mb());
+    if (const DeviceMemory dm = device_memory(r.plan.device); dm.available) {
+      m.device_max_allocated_mb = dm.max_allocated_mb;
+      m.device_max_reserved_mb = dm.max_reserved_mb;
+    }
+    if (const auto moe = r.model().moe()) moe_metrics(*moe, *r.world->group(), m);
+  };
+  return h;
 }
 
 // What the step every run takes needs of this run (Note [Training step]).
-void connect_loop(Run& r) {
-  StepParts& p = r.parts;
+StepParts step_parts(Run& r) {
+  StepParts p;
   p.engine = &r.dp();
   p.params = r.params;
   p.global_batch = r.cfg.train.global_batch;
@@ -203,6 +202,7 @@ void connect_loop(Run& r) {
   p.optimizer_step = [&r](double lr) { r.opt->step(lr); };
   p.grad_clip = r.cfg.train.grad_clip;
   p.rank = r.world->rank();
+  return p;
 }
 
 // The model's local attention for a scope (Note [Split attention]).
@@ -260,26 +260,13 @@ void start_measuring(Run& r) {
   observe::TensorBytes::reset_peak();
 }
 
-// After a step: its metrics written (by the lead rank), and a checkpoint
-// saved when one is due.
-void write_and_save(Run& r, const observe::StepMetrics& m, int64_t stop) {
-  const config::Config& cfg = r.cfg;
-  if (r.lead) r.sink->write(m, m.step % cfg.metrics.log_every == 0 || m.step == cfg.train.steps);
-  if (r.ckpt && checkpoint_due(m.step, cfg.checkpoint.every, stop)) {
-    detail::save_checkpoint(r, m.step);
-    launch::heartbeat();
-  }
-}
-
-// The end of the steps (`steps` of them in this attempt): an asynchronous
-// save committed, the trace and the communication summary written, and
-// memory measured against predicted at the end.
-void finish_steps(Run& r, observe::StepTracer& tracer, int64_t steps, std::vector<double>& bubbles,
-                  const std::optional<double>& expected_bubble) {
-  if (r.ckpt) r.ckpt->finish();  // commits an asynchronous save (collective)
-  tracer.finish();
+// The end of the steps (`steps` of them in this attempt), after the loop's
+// finish: the communication summary written, and memory measured against
+// predicted at the end.
+void finish_steps(Run& r, int64_t steps) {
+  std::vector<double> bubbles = r.loop->bubbles();
   if (bubbles.size() > 1) bubbles.erase(bubbles.begin());  // the first step warms up
-  observe::report_comm_summary(*r.world, steps, bubbles, expected_bubble, r.lead, *r.sink);
+  observe::report_comm_summary(*r.world, steps, bubbles, r.loop->expected_bubble(), r.lead, r.loop->metrics());
 
   r.mem.tensor_peak = static_cast<double>(observe::TensorBytes::peak());
   r.mem.rss_peak_mb = observe::rss_peak_mb();
@@ -295,23 +282,6 @@ void finish_steps(Run& r, observe::StepTracer& tracer, int64_t steps, std::vecto
 }
 
 }  // namespace
-
-// A restarted attempt adds to the metrics of the attempts before it, after
-// a record that says which attempt this is, where it went on from and why.
-std::unique_ptr<observe::MetricsSink> open_metrics(const config::Config& cfg, bool lead, int64_t start) {
-  const int attempt = detail::restart_count();
-  auto sink = std::make_unique<observe::MetricsSink>(lead ? cfg.metrics.path : "", cfg.train.steps,
-                                                     cfg.metrics.progress && lead, /*append=*/attempt > 0);
-  if (attempt > 0) {
-    const char* reason = std::getenv("SCALETRAIN_RESTART_REASON");
-    sink->write_record(nlohmann::json{{"record", "restart"},
-                                      {"attempt", attempt},
-                                      {"resumed_from_step", start},
-                                      {"reason", reason ? reason : ""}}
-                           .dump());
-  }
-  return sink;
-}
 
 TrainResult run_training(const config::Config& cfg) {
   // Everything that can be rejected without peers is checked first (one
@@ -340,42 +310,22 @@ TrainResult run_training(const config::Config& cfg) {
   CollectiveHeartbeat collective_heartbeat;
   launch::heartbeat();  // the launcher's watchdog (--heartbeat-timeout) is armed from here
   detail::setup(r, info);
-  connect_loop(r);
+  r.loop = std::make_unique<TrainingLoop>(*r.world, step_parts(r), detail::loop_options(r));
   launch::heartbeat();
   detail::print_start(r, info);
-  const int64_t start = detail::resume(r);
-  launch::heartbeat();
-  const int64_t stop = cfg.train.stop_at > 0 ? cfg.train.stop_at : cfg.train.steps;
-  r.sink = open_metrics(cfg, r.lead, start);
+  r.loop->start([&r] { return detail::run_checkpoint(r); });  // Note [Training loop]: resumes
   start_measuring(r);
-
-  // Note [Tracing] (util/trace.h), Note [Communication profile] (comm/group.h).
-  observe::StepTracer tracer(cfg.metrics.trace_steps, cfg.metrics.trace_dir, *r.world, r.dp().describe());
-  if (tracer.active() && r.lead && start >= cfg.metrics.trace_steps[1])
-    std::printf("scaletrain: note: metrics.trace_steps %lld-%lld were done before the resumed step %lld: nothing to "
-                "trace\n",
-                static_cast<long long>(cfg.metrics.trace_steps[0]), static_cast<long long>(cfg.metrics.trace_steps[1]),
-                static_cast<long long>(start + 1));
-  comm::reset_comm_profile();
-  std::vector<double> bubbles;
-  std::optional<double> expected_bubble;
+  comm::reset_comm_profile();  // Note [Communication profile] (comm/group.h)
 
   TrainResult result;
-  std::vector<double> throughput;
   r.model().train();
-  for (int64_t step = start; step < stop; ++step) {
-    tracer.begin_step(step + 1);
-    const observe::StepMetrics m = train_step(r, step);
-    if (const auto b = r.dp().pipeline_bubble()) {
-      bubbles.push_back(b->measured);
-      expected_bubble = b->expected;
-    }
+  const std::vector<observe::StepMetrics> steps = r.loop->run(step_hooks(r));
+  finish_steps(r, static_cast<int64_t>(steps.size()));
+  std::vector<double> throughput;
+  for (const auto& m : steps) {
     result.losses.push_back(m.loss);
-    if (step > start) throughput.push_back(m.tokens_per_s);
-    write_and_save(r, m, stop);
-    tracer.end_step(m.step);
+    if (&m != &steps.front()) throughput.push_back(m.tokens_per_s);
   }
-  finish_steps(r, tracer, stop - start, bubbles, expected_bubble);
   if (!throughput.empty()) {
     std::sort(throughput.begin(), throughput.end());
     result.tokens_per_s = throughput[throughput.size() / 2];
