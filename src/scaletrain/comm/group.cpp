@@ -181,7 +181,7 @@ Work Group::start(const char* op, std::vector<compat::WorkPtr> ws, int64_t bytes
   const bool p2p = point_to_point(op);
   const uint64_t seq = p2p ? p2p_seq_++ : seq_++;
   if (!ws.empty() && comm_profile_enabled())  // Note [Communication profile]
-    w.profile_ = detail::launch_profile(moved_as ? moved_as : op, name_, size(), seq, bytes, gloo(), ws);
+    w.profile_ = detail::launch_profile(moved_as ? moved_as : op, name_, size(), seq, bytes, gloo() && !p2p, ws);
   w.label_ = label(op, seq);
   // NCCL's wait with a timeout polls on the host until the kernel is done
   // (no overlap); its watchdog enforces the group's timeout instead. Zero

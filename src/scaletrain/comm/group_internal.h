@@ -75,10 +75,11 @@ std::string first_line(const std::exception& e);
 
 // --- Communication profile (Note [Communication profile] in group.h; profile.cpp)
 
-// The record of a collective `ws` that has just been launched (`gloo`: its
-// futures report its completion).
+// The record of a collective `ws` that has just been launched (`futures`:
+// its works report their completion through futures, as Gloo's collectives
+// do and its send and recv do not).
 std::shared_ptr<CommProfile> launch_profile(const char* op, const std::string& group, int size, uint64_t seq,
-                                            int64_t bytes, bool gloo, const std::vector<compat::WorkPtr>& ws);
+                                            int64_t bytes, bool futures, const std::vector<compat::WorkPtr>& ws);
 
 // Counts a finished collective into the totals and the trace (profile.cpp).
 void count_collective(const CommProfile& p, int64_t wait_start, int64_t wait_end);

@@ -154,23 +154,27 @@ fs::path wordy_tokens() {
 }
 
 // bf16 autocast (fp32 weights), and bf16 weights with fp32 masters under
-// ZeRO-2, track fp32 training: the final loss of 200 steps of the tiny GPT
-// within 2% of the fp32 run's.
+// ZeRO-2, track fp32 training: the final loss of 120 steps of the tiny GPT
+// within 0.5% of the fp32 run's. Measured here: autocast 0.00%, bf16 weights
+// 0.04%, and bf16 weights stepped without fp32 masters 1.6% (a 2% band let
+// that pass). Width 64 and 120 steps: libtorch's CPU bf16 matmul is about
+// seven times slower than fp32's, and at width 128 and 200 steps the test
+// took 239 s of a full CTest run.
 TEST(TrainerStrategies, Bf16TrainingTracksFp32) {
   const std::string common =
-      "--model.block_size=32 --train.steps=200 --train.global_batch=8 --train.micro_batch=4 "
+      "--model.block_size=32 --train.steps=120 --train.global_batch=8 --train.micro_batch=4 "
       "--train.lr=3e-3 --train.warmup_steps=10 --train.sample_tokens=0 --data.path=" +
-      wordy_tokens().string() + " --model.n_layer=4 --model.n_embd=128 --model.n_head=4";
+      wordy_tokens().string() + " --model.n_layer=4 --model.n_embd=64 --model.n_head=4";
   const auto fp32 = train(2, "fp32", common);
-  ASSERT_EQ(fp32.size(), 200u);
+  ASSERT_EQ(fp32.size(), 120u);
   EXPECT_LT(fp32.back(), 0.8 * fp32.front()) << "did not learn";
   const auto bf16 = train(2, "bf16", common + " --precision.mode=bf16");
   const auto bf16w = train(2, "bf16w",
                            common +
                                " --parallel.strategy=zero2 --precision.mode=bf16 "
                                "--precision.param_dtype=bf16 --precision.reduce_dtype=fp32");
-  ASSERT_EQ(bf16.size(), 200u);
-  ASSERT_EQ(bf16w.size(), 200u);
+  ASSERT_EQ(bf16.size(), 120u);
+  ASSERT_EQ(bf16w.size(), 120u);
   // Average the last 10 steps: single-batch losses are noisy at this size.
   auto tail = [](const std::vector<double>& v) {
     double s = 0;
@@ -179,8 +183,8 @@ TEST(TrainerStrategies, Bf16TrainingTracksFp32) {
   };
   std::printf("[bf16] final loss fp32 %.4f, bf16 autocast %.4f, bf16 weights %.4f\n", tail(fp32), tail(bf16),
               tail(bf16w));
-  EXPECT_NEAR(tail(bf16), tail(fp32), 0.02 * tail(fp32));
-  EXPECT_NEAR(tail(bf16w), tail(fp32), 0.02 * tail(fp32));
+  EXPECT_NEAR(tail(bf16), tail(fp32), 0.005 * tail(fp32));
+  EXPECT_NEAR(tail(bf16w), tail(fp32), 0.005 * tail(fp32));
   EXPECT_NE(bf16, fp32) << "bf16 runs identical to fp32: autocast was not on";
 }
 
@@ -475,16 +479,20 @@ TEST(TrainerStrategies, MoeLoadBalancingLossEvensOutTheExperts) {
 }
 
 // A two-layer GPT on the King James Bible (Genesis to Ruth, bytes) for 100
-// steps (200 took 150 s here and once ran past CI's 300 s): FP8 linears under bf16 autocast (what Accelerate's
-// mixed_precision fp8 runs), alone, with FP8 gradients on the wire (O1) and with FP8/fp16 Adam moments too (O2, under
-// ZeRO-2), and with FP8 weight gathers and fp16 master shards too (O3, under ZeRO-3), end within 3% of the bf16 run's
-// loss.
+// steps of 32-token windows: FP8 linears under bf16 autocast (what
+// Accelerate's mixed_precision fp8 runs), alone, with FP8 gradients on the
+// wire (O1) and with FP8/fp16 Adam moments too (O2, under ZeRO-2), and with
+// FP8 weight gathers and fp16 master shards too (O3, under ZeRO-3), end
+// within 3% of the bf16 run's loss (here all within 0.8%). The size is what
+// CI can afford: 200 steps took 150 s and once ran past the 300 s timeout,
+// 64-token windows 113 s of a full CTest run (libtorch's CPU bf16 matmul is
+// slow), and at width 64 O3 ends 4% below bf16.
 TEST(TrainerStrategies, Fp8TrainingTracksBf16OnTheKingJamesBible) {
   const fs::path txt = scratch() / "kjv_gen_ruth.txt", tok = scratch() / "kjv_gen_ruth.tok";
   ASSERT_EQ(std::system(("bible 'gen1:1-ruth4:22' > " + txt.string()).c_str()), 0);
   ASSERT_EQ(run("prepare " + txt.string() + " -o " + tok.string()).code, 0);
   const std::string common =
-      "--model.block_size=64 --train.steps=100 --train.global_batch=8 --train.micro_batch=4 --train.lr=3e-3 "
+      "--model.block_size=32 --train.steps=100 --train.global_batch=8 --train.micro_batch=4 --train.lr=3e-3 "
       "--train.warmup_steps=10 --train.sample_tokens=0 --precision.mode=bf16 --data.path=" +
       tok.string() + " --model.n_layer=2 --model.n_embd=128 --model.n_head=4";
   const auto bf16 = train(2, "kjv_bf16", common);
