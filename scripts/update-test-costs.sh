@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Copies the test durations of the last full CTest run in build/ into
-# tests/ctest-costs.txt, which scripts/run-tests.sh gives a fresh clone's
-# CTest so that it starts the longest tests first (two cores: a long test
-# started last would run alone at the end). Only the durations are kept, not
-# the list of tests that failed.
+# Writes the test durations of the last CTest run in build/ (a full one:
+# scripts/run-tests.sh) into tests/ctest-costs.txt, which scripts/run-tests.sh
+# gives a fresh clone's CTest so that it starts the longest tests first (two
+# cores: a long test started last would run alone at the end). The durations
+# are each test's "time elapsed" in build/Testing/Temporary/LastTest.log, in
+# CTestCostData.txt's form (name, runs, seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-src=build/Testing/Temporary/CTestCostData.txt
-[ -f "$src" ] || { echo "update-test-costs.sh: no $src: run the tests first" >&2; exit 2; }
-sed '/^---$/,$d' "$src" | sort > tests/ctest-costs.txt
-echo "update-test-costs.sh: $(wc -l < tests/ctest-costs.txt) tests in tests/ctest-costs.txt"
+log=build/Testing/Temporary/LastTest.log
+[ -f "$log" ] || { echo "update-test-costs.sh: no $log: run the tests first" >&2; exit 2; }
+python3 - "$log" <<'PY' | sort > tests/ctest-costs.txt
+import re, sys
+for line in open(sys.argv[1], encoding="utf-8", errors="replace"):
+    m = re.match(r'^"(.+)" time elapsed: (\d+):(\d\d):(\d\d)$', line.strip())
+    if m:
+        h, mi, s = (int(x) for x in m.group(2, 3, 4))
+        print(m.group(1), 1, h * 3600 + mi * 60 + s)
+PY
+n=$(wc -l < tests/ctest-costs.txt)
+[ "$n" -gt 0 ] || { echo "update-test-costs.sh: no test durations in $log" >&2; exit 2; }
+echo "update-test-costs.sh: $n tests in tests/ctest-costs.txt"
