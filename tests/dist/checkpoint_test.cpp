@@ -24,7 +24,7 @@
 #include "scaletrain/parallel/zero/zero.h"
 
 namespace scaletrain::test {
-namespace {
+namespace checkpoint_test {
 
 namespace fs = std::filesystem;
 using parallel::fsdp::ShardedDataParallel;
@@ -188,5 +188,5 @@ TEST(CheckpointLoad, DdpIntoFullShard) { load("ddp", "FULL_SHARD"); }
 TEST(CheckpointLoad, HybridIntoShardGradOp) { load("hybrid", "SHARD_GRAD_OP"); }
 TEST(CheckpointLoad, HybridIntoOneProcess) { load("hybrid", "ddp"); }
 
-}  // namespace
+}  // namespace checkpoint_test
 }  // namespace scaletrain::test

@@ -6,7 +6,7 @@
 #include "dist_env.h"
 
 namespace scaletrain::test {
-namespace {
+namespace collectives_test {
 
 using comm::ReduceOp;
 
@@ -201,5 +201,5 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndSizes, Collectives,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
                                             ::testing::Values<int64_t>(1, 7, 1000, 4099)));
 
-}  // namespace
+}  // namespace collectives_test
 }  // namespace scaletrain::test

@@ -19,7 +19,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace context_parallel_test {
 
 namespace ctx = parallel::context;
 
@@ -188,5 +188,5 @@ TEST(ContextParallel, LlamaEqualsOneProcess) {
   check_model("llama", true);
 }
 
-}  // namespace
+}  // namespace context_parallel_test
 }  // namespace scaletrain::test

@@ -17,7 +17,7 @@
 #include "scaletrain/parallel/ddp/ddp.h"
 
 namespace scaletrain::test {
-namespace {
+namespace ddp_test {
 
 constexpr int64_t kGlobalBatch = 48;  // divisible by 1..4 ranks x 1, 2, 4 micro-batches
 constexpr int kSteps = 5;
@@ -506,5 +506,5 @@ TEST(Mesh, SubgroupsHaveTheRightMembers) {
   EXPECT_EQ(mesh.dp().size(), 4);
 }
 
-}  // namespace
+}  // namespace ddp_test
 }  // namespace scaletrain::test

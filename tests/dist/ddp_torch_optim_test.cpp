@@ -10,7 +10,7 @@
 #include "user_modules.h"
 
 namespace scaletrain::test {
-namespace {
+namespace ddp_torch_optim_test {
 
 using ToyModel = Toy;
 
@@ -103,5 +103,5 @@ TEST(DDPTorchOptim, BucketViewsZeroThroughEitherZeroGrad) {
   }
 }
 
-}  // namespace
+}  // namespace ddp_torch_optim_test
 }  // namespace scaletrain::test

@@ -12,7 +12,7 @@
 #include "dist_env.h"
 
 namespace scaletrain::test {
-namespace {
+namespace failure_test {
 
 void expect_named_error(const std::string& what, const char* op) {
   EXPECT_NE(what.find(op), std::string::npos) << what;
@@ -128,5 +128,5 @@ TEST(NoDebugFailure, MismatchedShapesAreNamedNotAborted) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
 }
 
-}  // namespace
+}  // namespace failure_test
 }  // namespace scaletrain::test

@@ -14,7 +14,7 @@
 #include "scaletrain/precision/fp8.h"
 
 namespace scaletrain::test {
-namespace {
+namespace fp8_test {
 
 TEST(Fp8Dist, AmaxIsReducedToTheLargestOverTheGroups) {
   const int r = world().rank(), n = world().size();
@@ -157,5 +157,5 @@ TEST(Fp8Dist, WeightGatherEqualsTheCodecReference) {
   for (size_t i = 0; i < values.size(); ++i) EXPECT_TRUE(at::equal(params[i].detach(), values[i])) << i;
 }
 
-}  // namespace
+}  // namespace fp8_test
 }  // namespace scaletrain::test

@@ -17,7 +17,7 @@
 #include "scaletrain/parallel/zero/zero.h"
 
 namespace scaletrain::test {
-namespace {
+namespace fsdp_test {
 
 using parallel::fsdp::BackwardPrefetch;
 using parallel::fsdp::ShardedDataParallel;
@@ -292,5 +292,5 @@ TEST(Sharded, ParametersAreFreedBetweenSteps) {
   EXPECT_EQ(engine.num_units(), 4);  // root + three blocks
 }
 
-}  // namespace
+}  // namespace fsdp_test
 }  // namespace scaletrain::test

@@ -15,7 +15,7 @@
 #include "user_modules.h"
 
 namespace scaletrain::test {
-namespace {
+namespace fully_shard_state_test {
 
 using parallel::fsdp::ModuleUnits;
 using parallel::fsdp::Sharding;
@@ -130,5 +130,5 @@ TEST(FullyShardState, ParametersOnTwoDevicesAreNamed) {
   }
 }
 
-}  // namespace
+}  // namespace fully_shard_state_test
 }  // namespace scaletrain::test

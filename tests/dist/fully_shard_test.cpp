@@ -23,7 +23,7 @@
 #include "user_modules.h"
 
 namespace scaletrain::test {
-namespace {
+namespace fully_shard_test {
 
 using parallel::fsdp::ModuleUnits;
 using parallel::fsdp::ShardedDataParallel;
@@ -700,5 +700,5 @@ TEST(FullyShard, Bf16WeightsWithFp32MastersMatchOneProcess) {
   }
 }
 
-}  // namespace
+}  // namespace fully_shard_test
 }  // namespace scaletrain::test

@@ -30,7 +30,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace llama_parity_test {
 
 using parallel::fsdp::Sharding;
 namespace tp = parallel::tensor;
@@ -296,5 +296,5 @@ TEST(LlamaPipeline, WithDataAndTensorParallel) {
   run_pipeline({pl::OneFOneB, 4, 1, 2, 2, 1, pp::Dp::Zero3}, true);
 }
 
-}  // namespace
+}  // namespace llama_parity_test
 }  // namespace scaletrain::test

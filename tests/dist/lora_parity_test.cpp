@@ -32,7 +32,7 @@
 #include "scaletrain/parallel/tensor/tensor_parallel.h"
 
 namespace scaletrain::test {
-namespace {
+namespace lora_parity_test {
 
 using parallel::fsdp::Sharding;
 
@@ -330,5 +330,5 @@ TEST(AdapterPipeline, WithDataTensorAndZero3) {
   for (const Run& r : runs) pp::run_case(factory(r.model), r.layout, 16, r.model.vocab, label(r.model) + " ");
 }
 
-}  // namespace
+}  // namespace lora_parity_test
 }  // namespace scaletrain::test

@@ -10,7 +10,7 @@
 #include "scaletrain/precision/loss_scaler.h"
 
 namespace scaletrain::test {
-namespace {
+namespace loss_scaler_test {
 
 precision::LossScalerOptions one_credit() {
   precision::LossScalerOptions o;
@@ -58,5 +58,5 @@ TEST(LossScalerDist, NaNAgreedAcrossTwoGroupsInTurn) {
   EXPECT_TRUE(scaler.unscale_and_check({g}, {&group, &group}));
 }
 
-}  // namespace
+}  // namespace loss_scaler_test
 }  // namespace scaletrain::test

@@ -21,7 +21,7 @@
 #include "scaletrain/precision/policy.h"
 
 namespace scaletrain::test {
-namespace {
+namespace mixed_precision_test {
 
 using parallel::fsdp::ShardedDataParallel;
 using parallel::fsdp::ShardedOptions;
@@ -377,5 +377,5 @@ TEST(MixedPrecision, MasterWeightsKeepLearningWherePureBf16Stalls) {
   EXPECT_LT(w.max().item<float>(), 0.97f) << "fp32 masters should have moved the weight by ~50 x 1e-3";
 }
 
-}  // namespace
+}  // namespace mixed_precision_test
 }  // namespace scaletrain::test

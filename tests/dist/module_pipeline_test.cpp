@@ -13,7 +13,7 @@
 #include "scaletrain/parallel/pipeline/module_pipeline.h"
 
 namespace scaletrain::test {
-namespace {
+namespace module_pipeline_test {
 
 namespace pl = parallel::pipeline;
 
@@ -238,5 +238,5 @@ TEST(ModulePipeline, MismatchedChunksAreNamed) {
   }
 }
 
-}  // namespace
+}  // namespace module_pipeline_test
 }  // namespace scaletrain::test

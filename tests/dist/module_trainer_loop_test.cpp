@@ -18,7 +18,7 @@
 #include "module_trainer_case.h"
 
 namespace scaletrain::test {
-namespace {
+namespace module_trainer_loop_test {
 
 using namespace trainer_case;
 
@@ -135,5 +135,5 @@ TEST(ModuleTrainer, ARestartedAttemptGoesOnFromTheNewestCheckpoint) {
   for (size_t i : {0, 1, 2, 4, 5, 6}) EXPECT_EQ(lines[i].value("step", -1), static_cast<int>(i < 3 ? i + 1 : i)) << i;
 }
 
-}  // namespace
+}  // namespace module_trainer_loop_test
 }  // namespace scaletrain::test

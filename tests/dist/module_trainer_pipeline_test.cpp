@@ -23,7 +23,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace module_trainer_pipeline_test {
 
 using namespace trainer_case;
 namespace pl = parallel::pipeline;
@@ -315,5 +315,5 @@ TEST(ModuleTrainer, PipelineRefusalsNameTheField) {
   EXPECT_THROW(train::balance_by_parameters({5, 5}, 3), UsageError);
 }
 
-}  // namespace
+}  // namespace module_trainer_pipeline_test
 }  // namespace scaletrain::test

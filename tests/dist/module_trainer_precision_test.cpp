@@ -24,7 +24,7 @@
 #include "scaletrain/precision/policy.h"
 
 namespace scaletrain::test {
-namespace {
+namespace module_trainer_precision_test {
 
 using namespace trainer_case;
 
@@ -342,5 +342,5 @@ TEST(ModuleTrainer, Fp8OnLoraLinearLayersFollowsOneProcess) {
   expect_error([&] { train::validate(toy); }, "ModuleTrainerOptions.fp8 is not run with tp > 1", "fp8 with tp");
 }
 
-}  // namespace
+}  // namespace module_trainer_precision_test
 }  // namespace scaletrain::test

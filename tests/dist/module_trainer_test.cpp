@@ -30,7 +30,7 @@
 #include "user_modules.h"
 
 namespace scaletrain::test {
-namespace {
+namespace module_trainer_test {
 
 using namespace trainer_case;
 
@@ -616,5 +616,5 @@ TEST(ModuleTrainer, YamlOffloadKeysOffloadShards) {
                            "parallel.zero.offload_param=cpu would have no effect: stages 1 and 2", "offload_param zero2");
 }
 
-}  // namespace
+}  // namespace module_trainer_test
 }  // namespace scaletrain::test

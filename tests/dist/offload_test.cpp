@@ -21,7 +21,7 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 
 namespace scaletrain::test {
-namespace {
+namespace offload_test {
 
 using parallel::fsdp::ShardedDataParallel;
 using parallel::fsdp::ShardedOptions;
@@ -139,5 +139,5 @@ TEST(Offload, FileBackedParameterShardsMatchTheReference) {
   EXPECT_EQ(::rmdir(dir.c_str()), 0) << dir << " is not empty";
 }
 
-}  // namespace
+}  // namespace offload_test
 }  // namespace scaletrain::test

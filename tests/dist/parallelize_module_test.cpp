@@ -23,7 +23,7 @@
 #include "user_modules.h"
 
 namespace scaletrain::test {
-namespace {
+namespace parallelize_module_test {
 
 using parallel::tensor::colwise;
 using parallel::tensor::colwise_from_sequence;
@@ -357,5 +357,5 @@ TEST(ParallelizeModule, AHeadCountTheSplitBreaksNamesTheLayer) {
   EXPECT_NE(err.find("n_head / " + std::to_string(world().size()) + " heads on each rank"), std::string::npos) << err;
 }
 
-}  // namespace
+}  // namespace parallelize_module_test
 }  // namespace scaletrain::test

@@ -26,7 +26,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace pipeline_test {
 
 namespace pl = parallel::pipeline;
 
@@ -118,5 +118,5 @@ TEST(Pipeline, TooFewMicroBatchesForInterleaved) {
   EXPECT_THROW(pl::Pipeline(gpt.ptr(), mesh.pp(), nullptr, po), UsageError);
 }
 
-}  // namespace
+}  // namespace pipeline_test
 }  // namespace scaletrain::test

@@ -15,7 +15,7 @@
 #include "scaletrain/rpc/rpc.h"
 
 namespace scaletrain::test {
-namespace {
+namespace rpc_test {
 
 using rpc::Args;
 using rpc::Value;
@@ -352,11 +352,11 @@ TEST(Rpc, ParameterServerTrainsAsOneProcess) {
       << "training did not move the parameters";
 }
 
-}  // namespace
+}  // namespace rpc_test
 }  // namespace scaletrain::test
 
 namespace scaletrain::test {
-namespace {
+namespace rpc_test {
 
 // A worker that dies (worker2 exits in a handler, with calls pending on it
 // from the two others): every pending call fails at once with an error
@@ -383,5 +383,5 @@ TEST(RpcFaults, AWorkerThatDiesFailsItsPendingCallsAndShutdownReturns) {
   EXPECT_EQ(rpc::rpc_sync(name_of(1 - world().rank()), "whoami", {}).str(), name_of(1 - world().rank()));
 }
 
-}  // namespace
+}  // namespace rpc_test
 }  // namespace scaletrain::test

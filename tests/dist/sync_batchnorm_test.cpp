@@ -15,7 +15,7 @@
 #include "scaletrain/parallel/fsdp/fsdp.h"
 
 namespace scaletrain::test {
-namespace {
+namespace sync_batchnorm_test {
 
 constexpr int64_t kBatch = 12;  // the whole batch; 2, 3 and 4 ranks divide it
 
@@ -184,5 +184,5 @@ TEST(SyncBatchNormDDP, PlainOrUnboundLayersAreNamed) {
   expect_named([&] { parallel::SyncBatchNorm(4)(torch::ones({4})); }, "at least 2 dimensions, got 1");
 }
 
-}  // namespace
+}  // namespace sync_batchnorm_test
 }  // namespace scaletrain::test

@@ -28,7 +28,7 @@
 #include "scaletrain/parallel/zero/zero.h"
 
 namespace scaletrain::test {
-namespace {
+namespace tensor_parallel_checkpoint_test {
 
 namespace fs = std::filesystem;
 namespace tp = parallel::tensor;
@@ -238,5 +238,5 @@ TEST(TpCheckpointLoad, IntoDpTimesTp) {
   load("tp_zero3", "FULL_SHARD", 2);
 }
 
-}  // namespace
+}  // namespace tensor_parallel_checkpoint_test
 }  // namespace scaletrain::test

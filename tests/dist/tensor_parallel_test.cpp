@@ -26,7 +26,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace tensor_parallel_test {
 
 namespace tp = parallel::tensor;
 
@@ -300,5 +300,5 @@ TEST(TensorParallelGPT, ImpossibleLayoutFailsWithOneLine) {
   }
 }
 
-}  // namespace
+}  // namespace tensor_parallel_test
 }  // namespace scaletrain::test

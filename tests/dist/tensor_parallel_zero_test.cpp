@@ -26,7 +26,7 @@
 #include "scaletrain/parallel/zero/zero.h"
 
 namespace scaletrain::test {
-namespace {
+namespace tensor_parallel_zero_test {
 
 namespace tp = parallel::tensor;
 using parallel::fsdp::ShardedDataParallel;
@@ -277,5 +277,5 @@ TEST(TpSampling, TextEqualsTheSingleProcessModel) {
   }
 }
 
-}  // namespace
+}  // namespace tensor_parallel_zero_test
 }  // namespace scaletrain::test

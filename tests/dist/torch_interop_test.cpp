@@ -20,7 +20,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace torch_interop_test {
 
 namespace fs = std::filesystem;
 using train::ModuleStrategy;
@@ -149,5 +149,5 @@ TEST(TorchInterop, AFileThatDoesNotFitIsNamed) {
   fs::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace torch_interop_test
 }  // namespace scaletrain::test

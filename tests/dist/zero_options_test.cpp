@@ -22,7 +22,7 @@
 #include "scaletrain/train/engines.h"
 
 namespace scaletrain::test {
-namespace {
+namespace zero_options_test {
 
 using parallel::fsdp::ShardedDataParallel;
 using parallel::fsdp::ShardedOptions;
@@ -305,5 +305,5 @@ TEST(ZeroOptions, ConfigKeysReachTheEngine) {
   EXPECT_FALSE(o.limit_all_gathers);  // the live bound replaces FSDP's two units
 }
 
-}  // namespace
+}  // namespace zero_options_test
 }  // namespace scaletrain::test

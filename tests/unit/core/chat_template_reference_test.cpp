@@ -40,7 +40,7 @@ using scaletrain::tmpl::RaisedError;
 using scaletrain::test::capture;
 using scaletrain::test::npm_dir;
 
-namespace {
+namespace chat_template_reference_test {
 
 const fs::path kSource = SCALETRAIN_SOURCE_DIR;
 const fs::path kTemplates = kSource / "tests" / "templates";
@@ -269,4 +269,4 @@ TEST(ChatTemplateReference, MistralRefusesRolesThatDoNotAlternate) {
   }
 }
 
-}  // namespace
+}  // namespace chat_template_reference_test

@@ -21,7 +21,7 @@ namespace fs = std::filesystem;
 using scaletrain::UsageError;
 using namespace scaletrain::config;
 
-namespace {
+namespace config_test {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -99,4 +99,4 @@ TEST_F(ConfigCore, SizesInElementsNeedNoWidth) {
   }
 }
 
-}  // namespace
+}  // namespace config_test

@@ -27,7 +27,7 @@ namespace fs = std::filesystem;
 using namespace scaletrain;
 using namespace scaletrain::data;
 
-namespace {
+namespace data_test {
 
 // A fresh directory per test, removed afterwards (RAII, like the code under test).
 class TempDir {
@@ -78,7 +78,6 @@ std::vector<uint16_t> iota_tokens(std::size_t n, uint32_t vocab) {
   return t;
 }
 
-}  // namespace
 
 // ---------------------------------------------------------------- tokenizer
 
@@ -284,7 +283,6 @@ TEST(DatasetTest, RejectsTokenOutsideVocabOnRead) {
 
 // ------------------------------------------------------------------ sampler
 
-namespace {
 
 // Everything ranks 0..D-1 train on in step s, rank by rank, micro-batch by
 // micro-batch: this must equal the global batch (Note [Sampler invariant]).
@@ -301,7 +299,6 @@ std::vector<int64_t> assembled(const DistributedSampler& s, int64_t step, int dp
   return out;
 }
 
-}  // namespace
 
 TEST(SamplerTest, GlobalOrderIndependentOfWorldAndMicroSize) {
   // 37 samples, G = 16: batches straddle epoch boundaries (37 is prime).
@@ -693,3 +690,4 @@ TEST(DatasetTest, DocumentSegmentsRefuseWhatTheyCannotRead) {
   o.packing = false;
   expect_usage_error([&] { TokenDataset(dir.file("docs.bin"), o); }, {"data.packing=true"});
 }
+}  // namespace data_test

@@ -20,7 +20,7 @@
 #include "scaletrain/launch/elastic.h"
 
 namespace scaletrain::launch {
-namespace {
+namespace elastic_test {
 
 using std::chrono::milliseconds;
 
@@ -212,5 +212,5 @@ TEST(ElasticRounds, AbortEndsTheJobEverywhere) {
   }
 }
 
-}  // namespace
+}  // namespace elastic_test
 }  // namespace scaletrain::launch

@@ -20,7 +20,7 @@
 namespace est = scaletrain::estimate;
 namespace cat = scaletrain::models;  // the families as the estimator sees them
 
-namespace {
+namespace estimate_test {
 
 std::string data_path(const std::string& file) {
   return std::string(SCALETRAIN_SOURCE_DIR) + "/tests/unit/core/estimate_data/" + file;
@@ -41,7 +41,6 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-}  // namespace
 
 // ---- parameter counts ---------------------------------------------------------
 
@@ -710,3 +709,4 @@ TEST(EstimateErrors, ImpossibleLayoutsNameTheDegrees) {
   EXPECT_TRUE(contains(usage_error([&] { est::run(r, cat::resolve_estimator_model(r.model)); }), "not divisible by nodes=5"));
   EXPECT_TRUE(contains(usage_error([] { est::parse_recompute("some"); }), "none, selective, full"));
 }
+}  // namespace estimate_test

@@ -16,7 +16,7 @@
 #include <vector>
 
 namespace scaletrain::precision {
-namespace {
+namespace fp8_format_test {
 
 constexpr Fp8Format E4M3 = Fp8Format::E4M3, E5M2 = Fp8Format::E5M2;
 
@@ -131,5 +131,5 @@ TEST(Fp8Format, EncodingEqualsTheReferenceSearch) {
     }
 }
 
-}  // namespace
+}  // namespace fp8_format_test
 }  // namespace scaletrain::precision

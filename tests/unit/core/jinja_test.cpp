@@ -27,7 +27,7 @@ using scaletrain::tmpl::RenderOptions;
 using scaletrain::tmpl::Template;
 using scaletrain::tmpl::TemplateOptions;
 
-namespace {
+namespace jinja_test {
 
 constexpr int64_t kNow = 1700000000;  // 2023-11-14 22:13:20 UTC, a Tuesday
 
@@ -546,4 +546,4 @@ TEST_F(ChatTemplateConfig, TemplateFile) {
             "  a\n  b\n");
 }
 
-}  // namespace
+}  // namespace jinja_test

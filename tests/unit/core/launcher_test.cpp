@@ -25,7 +25,7 @@
 namespace fs = std::filesystem;
 using scaletrain::launch::LaunchOptions;
 
-namespace {
+namespace launcher_test {
 
 using Clock = std::chrono::steady_clock;
 
@@ -140,7 +140,6 @@ struct Captured {
 
 std::vector<std::string> sh(const std::string& script) { return {"/bin/sh", "-c", script}; }
 
-}  // namespace
 
 TEST(Launch, AllRanksSucceedWithTorchrunEnvironment) {
   TempDir dir;
@@ -542,8 +541,10 @@ TEST(Launch, CommandIsFoundInPath) {
   EXPECT_NE(slurp(dir / "launcher.err").find("rank 0 exited with code 1"), std::string::npos);
 }
 
+}  // namespace launcher_test
+
 namespace scaletrain::launch {
-namespace {
+namespace launcher_test {
 
 // After a node is lost, the survivors' collectives fail first: the restart
 // reason names the lost node's rank (the workers' culprit), not the survivor.
@@ -560,5 +561,5 @@ TEST(Launch, RestartReasonNamesACulpritOfAnotherNode) {
             "then here: rank 2 exited with code 1");
 }
 
-}  // namespace
+}  // namespace launcher_test
 }  // namespace scaletrain::launch

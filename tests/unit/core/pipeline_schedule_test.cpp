@@ -11,7 +11,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::parallel::pipeline {
-namespace {
+namespace pipeline_schedule_test {
 
 using Kind = Action::Kind;
 
@@ -105,5 +105,5 @@ TEST(PipelineSchedule, ImpossibleShapesAreOneLineErrors) {
   EXPECT_EQ(parse_schedule("1f1b"), Schedule::OneFOneB);
 }
 
-}  // namespace
+}  // namespace pipeline_schedule_test
 }  // namespace scaletrain::parallel::pipeline

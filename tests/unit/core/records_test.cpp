@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 using namespace scaletrain;
 using namespace scaletrain::data;
 
-namespace {
+namespace records_test {
 
 fs::path temp_dir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -535,5 +535,4 @@ TEST(Mixture, FollowsTheWeightsDeterministically) {
   EXPECT_EQ(parts[0].weight, 0.25);
   fs::remove_all(dir);
 }
-
-}  // namespace
+}  // namespace records_test

@@ -18,7 +18,7 @@
 namespace fs = std::filesystem;
 using namespace scaletrain::checkpoint;
 
-namespace {
+namespace safetensors_test {
 
 // A fresh directory per test, removed afterwards.
 class TempDir {
@@ -380,4 +380,4 @@ TEST(SafetensorsWriter, EscapesNamesAndRoundTripsUnicode) {
   EXPECT_EQ(v.metadata().at("\xe2\x82\xac"), "\t");
 }
 
-}  // namespace
+}  // namespace safetensors_test

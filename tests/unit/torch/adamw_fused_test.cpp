@@ -14,7 +14,7 @@
 #include "scaletrain/kernels/adamw.h"
 #include "scaletrain/optim/adamw.h"
 
-namespace {
+namespace adamw_fused_test {
 
 using torch::Tensor;
 namespace k = scaletrain::kernels;
@@ -184,4 +184,4 @@ TEST(AdamWFused, OtherTensorsTakeTheAtenOps) {
   EXPECT_THROW(k::fused_adamw_step(p, z(), m, v, 25, s), std::invalid_argument);
 }
 
-}  // namespace
+}  // namespace adamw_fused_test

@@ -21,7 +21,7 @@ using namespace scaletrain;
 using namespace scaletrain::checkpoint;
 using namespace scaletrain::hub;
 
-namespace {
+namespace checkpoint_io_test {
 
 class TempDir {
  public:
@@ -287,4 +287,4 @@ TEST_F(HFGPT2Errors, IntegerTensor) {
   expect_import_error("tensor 'transformer.ln_f.bias' has dtype I64");
 }
 
-}  // namespace
+}  // namespace checkpoint_io_test

@@ -26,7 +26,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace checkpoint_sharded_test {
 
 using checkpoint::Index;
 
@@ -815,5 +815,5 @@ TEST(CheckpointConsolidate, ThenInitFromGivesTheSameParameters) {
   expect_usage_error(run("train " + config().string() + " --init-from " + (scratch() / "missing").string()), "missing");
 }
 
-}  // namespace
+}  // namespace checkpoint_sharded_test
 }  // namespace scaletrain::test

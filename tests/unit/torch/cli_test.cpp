@@ -22,7 +22,7 @@
 #include "cli_util.h"
 #include "scaletrain/launch/launcher.h"
 
-namespace {
+namespace cli_test {
 
 using namespace scaletrain::test;
 
@@ -356,4 +356,4 @@ TEST(Cli, TwoThreadsOverThePthreadsBlasGetANotice) {
   EXPECT_EQ(train("SCALETRAIN_THREADS=2").find(notice), std::string::npos) << "the pthreads build is selected";
 }
 
-}  // namespace
+}  // namespace cli_test

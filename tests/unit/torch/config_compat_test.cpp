@@ -14,7 +14,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
-namespace {
+namespace config_compat_test {
 
 namespace fs = std::filesystem;
 using config::Config;
@@ -619,5 +619,5 @@ TEST(ConfigCompatSchedule, ShapesAndDefaultUnchanged) {
   EXPECT_DOUBLE_EQ(optim::lr_at(3, 1.0, s), 1.0);
 }
 
-}  // namespace
+}  // namespace config_compat_test
 }  // namespace scaletrain

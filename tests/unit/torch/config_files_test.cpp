@@ -18,7 +18,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
-namespace {
+namespace config_files_test {
 
 namespace fs = std::filesystem;
 using test::scratch;
@@ -501,5 +501,5 @@ TEST(InitFrom, ConfigJsonSettingsWeCannotHonourAreRefused) {
   EXPECT_EQ(train::resolve_model_config(m).n_layer, 1);
 }
 
-}  // namespace
+}  // namespace config_files_test
 }  // namespace scaletrain

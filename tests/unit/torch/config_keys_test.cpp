@@ -17,7 +17,7 @@
 #include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::test {
-namespace {
+namespace config_keys_test {
 
 enum class What {
   Refused,  // the keyed run exits 2 with `detail` in its one-line error (launched: each rank's line)
@@ -473,5 +473,5 @@ TEST(KeyTable, EveryKeyHasACheck) {
   for (const auto& [k, c] : table()) EXPECT_TRUE(keys.count(k)) << k << " is in the table but not a key";
 }
 
-}  // namespace
+}  // namespace config_keys_test
 }  // namespace scaletrain::test

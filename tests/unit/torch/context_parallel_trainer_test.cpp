@@ -9,7 +9,7 @@
 #include "cli_util.h"
 
 namespace scaletrain::test {
-namespace {
+namespace context_parallel_trainer_test {
 
 std::vector<double> train_cp(int nproc, const std::string& name, const std::string& flags) {
   const fs::path metrics = scratch() / ("cp_" + name + ".jsonl");
@@ -135,5 +135,5 @@ TEST(ContextParallelTrainer, WhatCannotSplitIsAOneLineError) {
   refused("--parallel.cp=0", "parallel.cp must be at least 1");
 }
 
-}  // namespace
+}  // namespace context_parallel_trainer_test
 }  // namespace scaletrain::test

@@ -22,7 +22,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain {
-namespace {
+namespace core_test {
 
 comm::GetEnv fake(std::map<std::string, std::string> vars) {
   auto store = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
@@ -355,7 +355,7 @@ TEST(World, JoiningIgnoresBrokenPipesUnlessTheProgramChose) {
   ::sigaction(SIGPIPE, &before, nullptr);
 }
 
-}  // namespace
+}  // namespace core_test
 }  // namespace scaletrain
 
 // Optimizer-state offload: moment estimates in file-backed mappings give the

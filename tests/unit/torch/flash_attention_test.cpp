@@ -22,7 +22,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::kernels {
-namespace {
+namespace flash_attention_test {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -347,5 +347,5 @@ TEST(FlashAttention, BadInputsNameTheValues) {
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;  // one line
 }
 
-}  // namespace
+}  // namespace flash_attention_test
 }  // namespace scaletrain::kernels

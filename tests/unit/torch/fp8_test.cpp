@@ -14,7 +14,7 @@
 #include "scaletrain/precision/policy.h"
 
 namespace scaletrain::precision {
-namespace {
+namespace fp8_test {
 
 // Magnitudes from far below the smallest subnormal to beyond the largest value,
 // the specials, and every code's value and the midpoints between neighbours.
@@ -283,5 +283,5 @@ TEST(Fp8Scaling, RestoredStateGivesTheSameScales) {
   EXPECT_THROW(fp8_restore_scaling({one}, state), std::invalid_argument);
 }
 
-}  // namespace
+}  // namespace fp8_test
 }  // namespace scaletrain::precision

@@ -24,7 +24,7 @@
 #include "scaletrain/train/plan/model_config.h"
 
 namespace scaletrain::test {
-namespace {
+namespace hub_export_test {
 
 nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
@@ -345,5 +345,5 @@ TEST(HubExport, BadInputIsOneLineExitTwoAndWritesNothing) {
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
 }
 
-}  // namespace
+}  // namespace hub_export_test
 }  // namespace scaletrain::test

@@ -26,7 +26,7 @@
 #include "scaletrain/kernels/layer_norm_gelu.h"
 #include "scaletrain/util/error.h"
 
-namespace {
+namespace layer_norm_gelu_test {
 
 using torch::Tensor;
 namespace k = scaletrain::kernels;
@@ -297,4 +297,4 @@ TEST(LayerNormGelu, BadInputIsAUsageErrorNamingTheValues) {
   EXPECT_NE(msg.find("x must be a floating tensor, got Long"), std::string::npos) << msg;
 }
 
-}  // namespace
+}  // namespace layer_norm_gelu_test

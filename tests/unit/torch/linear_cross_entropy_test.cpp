@@ -21,7 +21,7 @@
 #include "scaletrain/kernels/linear_cross_entropy.h"
 #include "scaletrain/util/error.h"
 
-namespace {
+namespace linear_cross_entropy_test {
 
 using scaletrain::kernels::LinearCrossEntropyOptions;
 using torch::Tensor;
@@ -397,4 +397,4 @@ TEST(LinearCrossEntropy, BadInputNamesTheValues) {
   expect_message(message_of([&] { k::linear_cross_entropy(h, w, {}, t, split); }), {"sum_across"});
 }
 
-}  // namespace
+}  // namespace linear_cross_entropy_test

@@ -23,7 +23,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace llama_test {
 
 namespace fs = std::filesystem;
 
@@ -272,11 +272,11 @@ TEST(Llama, EnginesNameNoModelFamily) {
   }
 }
 
-}  // namespace
+}  // namespace llama_test
 }  // namespace scaletrain::test
 
 namespace scaletrain::test {
-namespace {
+namespace llama_test {
 
 std::string python(const std::string& args) {
   return std::string("/usr/bin/python3 ") + SCALETRAIN_SOURCE_DIR + "/tests/reference/" + args;
@@ -446,5 +446,5 @@ TEST(LlamaHub, BrokenDirectoriesAreOneLineErrorsNamingTheProblem) {
   EXPECT_EQ(load_error(inv, c), "(loaded)");
 }
 
-}  // namespace
+}  // namespace llama_test
 }  // namespace scaletrain::test

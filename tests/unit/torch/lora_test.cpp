@@ -18,7 +18,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace lora_test {
 
 models::ModelConfig config(const std::string& preset) {
   models::ModelConfig c = models::model_preset(preset);
@@ -340,5 +340,5 @@ TEST(Qlora, DeferredNf4ParametersGetTheEagerBytes) {
   EXPECT_EQ(nf4, 2 * 7 * 4);  // 7 linear layers per block, 2 blocks, 4 parameters each
 }
 
-}  // namespace
+}  // namespace lora_test
 }  // namespace scaletrain::test

@@ -18,7 +18,7 @@
 #include "scaletrain/data/sampler.h"
 
 namespace scaletrain::test {
-namespace {
+namespace masked_loss_test {
 
 nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
@@ -155,5 +155,5 @@ TEST(MaskedLoss, MismatchedFilesAreOneLineErrors) {
                      "data.path and data.mixture are both set");
 }
 
-}  // namespace
+}  // namespace masked_loss_test
 }  // namespace scaletrain::test

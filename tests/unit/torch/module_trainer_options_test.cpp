@@ -17,7 +17,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
-namespace {
+namespace module_trainer_options_test {
 
 config::Config with(const std::vector<std::string>& overrides) {
   config::Config c;
@@ -233,5 +233,5 @@ TEST(ModuleTrainerOptions, TypedOptionsNameTheBadField) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace module_trainer_options_test
 }  // namespace scaletrain::train

@@ -21,7 +21,7 @@
 #include "scaletrain/models/spec_catalog.h"
 
 namespace scaletrain::test {
-namespace {
+namespace moe_test {
 
 namespace fs = std::filesystem;
 
@@ -213,5 +213,5 @@ TEST(Moe, AuxiliaryLossGradientReachesTheRouter) {
   EXPECT_EQ(ctx->stats.forwards, 1);
 }
 
-}  // namespace
+}  // namespace moe_test
 }  // namespace scaletrain::test

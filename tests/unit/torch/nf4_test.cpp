@@ -17,7 +17,7 @@
 #include "scaletrain/precision/nf4.h"
 
 namespace scaletrain::precision {
-namespace {
+namespace nf4_test {
 
 namespace fs = std::filesystem;
 
@@ -470,5 +470,5 @@ TEST(NF4Linear, RefusesMismatchedShapes) {
   EXPECT_NE(error_of([&] { nf4_linear(x.to(at::kInt), q); }).find("nf4_linear"), std::string::npos);
 }
 
-}  // namespace
+}  // namespace nf4_test
 }  // namespace scaletrain::precision

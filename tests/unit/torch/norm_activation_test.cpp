@@ -17,7 +17,7 @@
 #include "scaletrain/kernels/norm_activation.h"
 #include "scaletrain/util/error.h"
 
-namespace {
+namespace norm_activation_test {
 
 using torch::Tensor;
 namespace k = scaletrain::kernels;
@@ -273,4 +273,4 @@ TEST(NormActivation, FusedPathAppliesToStridedFloatingCpuTensors) {
   EXPECT_FALSE(k::fused_norm_activation_applies(Tensor()));
 }
 
-}  // namespace
+}  // namespace norm_activation_test

@@ -16,7 +16,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::test {
-namespace {
+namespace packed_documents_test {
 
 constexpr int64_t kIgnore = models::kIgnoreTarget;
 
@@ -193,5 +193,5 @@ TEST(AttentionPaths, KernelsTakeCpuTensorsOnly) {
   EXPECT_FALSE(models::flash_runs_on(torch::zeros({1, 1, 2, 4}, torch::TensorOptions().device(torch::kMeta))));
 }
 
-}  // namespace
+}  // namespace packed_documents_test
 }  // namespace scaletrain::test

@@ -27,7 +27,7 @@
 #include "scaletrain/models/lora.h"
 
 namespace scaletrain::test {
-namespace {
+namespace peft_adapter_test {
 
 const std::string kLlama = " --model.preset=llama-tiny --model.n_head=4 --model.n_kv_head=2";
 
@@ -437,5 +437,5 @@ TEST(Examples, LoraYamlFinetunesExportsAndMerges) {
   EXPECT_EQ(status, 0) << log.str();
 }
 
-}  // namespace
+}  // namespace peft_adapter_test
 }  // namespace scaletrain::test

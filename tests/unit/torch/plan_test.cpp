@@ -10,7 +10,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::train {
-namespace {
+namespace plan_test {
 
 config::Config base(const std::vector<std::string>& overrides = {}) {
   config::Config c;
@@ -244,11 +244,11 @@ TEST(Plan, ConfigValuesMustBeFiniteAndAllProblemsAreListed) {
   }
 }
 
-}  // namespace
+}  // namespace plan_test
 }  // namespace scaletrain::train
 
 namespace scaletrain::train {
-namespace {
+namespace plan_test {
 
 // Note [One device per rank], with the CUDA build and GPUs injected: the
 // rules a GPU machine applies, checked on this CPU build.
@@ -319,5 +319,5 @@ TEST(DevicePlan, OffloadSettings) {
   EXPECT_EQ(refusal({"parallel.strategy=zero1", "parallel.zero.offload_optimizer=cpu"}), "");
 }
 
-}  // namespace
+}  // namespace plan_test
 }  // namespace scaletrain::train

@@ -16,7 +16,7 @@
 #include "scaletrain/util/error.h"
 
 namespace scaletrain::precision {
-namespace {
+namespace precision_test {
 
 PrecisionOptions opts(const std::string& mode, const std::string& param = "fp32") {
   PrecisionOptions o;
@@ -276,5 +276,5 @@ TEST(LossScaler, OptionsFromConfig) {
   EXPECT_THROW(LossScaler{bad}, UsageError);
 }
 
-}  // namespace
+}  // namespace precision_test
 }  // namespace scaletrain::precision

@@ -12,7 +12,7 @@
 #include "scaletrain/data/token_file.h"
 
 namespace scaletrain::test {
-namespace {
+namespace prepare_tokenizer_test {
 
 fs::path npm_package(const std::string& name) {
   const char* env = std::getenv("SCALETRAIN_NPM_DIR");
@@ -131,5 +131,5 @@ TEST(PrepareTokenizer, TrainerChecksVocabulariesAndSamplesWithTheTokenizer) {
   EXPECT_EQ(sample.rfind("Beginning word", 0), 0u) << sample;
 }
 
-}  // namespace
+}  // namespace prepare_tokenizer_test
 }  // namespace scaletrain::test

@@ -29,7 +29,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace scaletrain::comm {
-namespace {
+namespace rendezvous_store_test {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -580,5 +580,5 @@ TEST(RendezvousStore, ConnectionsAndDataAreCapped) {
   EXPECT_EQ(server->get("b").size(), 900u);
 }
 
-}  // namespace
+}  // namespace rendezvous_store_test
 }  // namespace scaletrain::comm

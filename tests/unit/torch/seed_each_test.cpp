@@ -2,11 +2,11 @@
 // GoogleTest's own, so the listener is appended before it runs).
 #include "seed_each_test.h"
 
-namespace {
+namespace seed_each_test {
 
 const bool registered = [] {
   ::testing::UnitTest::GetInstance()->listeners().Append(new scaletrain::test::SeedEachTest());
   return true;
 }();
 
-}  // namespace
+}  // namespace seed_each_test

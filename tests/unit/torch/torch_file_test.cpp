@@ -25,7 +25,7 @@
 #include "cli_util.h"
 
 namespace scaletrain::test {
-namespace {
+namespace torch_file_test {
 
 namespace fs = std::filesystem;
 using namespace scaletrain::checkpoint;
@@ -278,5 +278,5 @@ TEST(TorchFile, CliConvertsAFileAndRefusesBadInputWithExit2) {
   EXPECT_FALSE(fs::exists(out / "MARKER"));
 }
 
-}  // namespace
+}  // namespace torch_file_test
 }  // namespace scaletrain::test

@@ -19,7 +19,7 @@
 #include "scaletrain/train/plan/config.h"
 
 namespace scaletrain::test {
-namespace {
+namespace trace_test {
 
 using nlohmann::json;
 
@@ -321,5 +321,5 @@ TEST(Tracing, BadSettingsAndFilesAreOneLineErrors) {
   }
 }
 
-}  // namespace
+}  // namespace trace_test
 }  // namespace scaletrain::test

@@ -12,7 +12,7 @@
 #include "cli_util.h"
 
 namespace scaletrain::test {
-namespace {
+namespace trainer_memory_test {
 
 fs::path config() { return small_train_config("memory.yaml", 0); }
 
@@ -260,5 +260,5 @@ TEST(TrainerMemoryOutOfSample, MoeRunsWithinTenPercentOfMeasuredPeak) {
   expect_exact_states(sharded_ends, sharded);
 }
 
-}  // namespace
+}  // namespace trainer_memory_test
 }  // namespace scaletrain::test

@@ -13,7 +13,7 @@
 #include "cli_util.h"
 
 namespace scaletrain::test {
-namespace {
+namespace trainer_strategies_test {
 
 fs::path strategy_config() { return small_train_config("strategies.yaml", 8); }
 
@@ -723,5 +723,5 @@ TEST(TrainerStrategies, DeferredInitializationLoadsInitFromOneTensorAtATime) {
   expect_same_curve(fsdp, eager, "fsdp cpu_ram_efficient_loading from the file");
 }
 
-}  // namespace
+}  // namespace trainer_strategies_test
 }  // namespace scaletrain::test
