@@ -14,7 +14,7 @@
 
 #include "cli_util.h"
 #include "scaletrain/data/text_pipeline.h"
-#include "scaletrain/train/plan/config.h"
+#include "scaletrain/config/config.h"
 
 namespace scaletrain::test {
 namespace config_keys_test {
@@ -468,7 +468,7 @@ TEST(KeyTable, EveryKeyHasACheck) {
   std::set<std::string> keys;
   for (const auto& k : config::config_keys()) {
     keys.insert(k);
-    EXPECT_TRUE(table().count(k)) << k << ": a key without a check in tests/unit/torch/config_keys_test.cpp";
+    EXPECT_TRUE(table().count(k)) << k << ": a key without a check in tests/unit/cli/config_keys_test.cpp";
   }
   for (const auto& [k, c] : table()) EXPECT_TRUE(keys.count(k)) << k << " is in the table but not a key";
 }

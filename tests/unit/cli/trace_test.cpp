@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "cli_util.h"
-#include "scaletrain/train/plan/config.h"
+#include "scaletrain/config/config.h"
 
 namespace scaletrain::test {
 namespace trace_test {
@@ -295,11 +295,11 @@ TEST(Tracing, PipelineSendsPerMicroBatchAndReportsItsBubble) {
 
 TEST(Tracing, StepsComeAsAYamlListOrOneStep) {
   const std::string data = "data:\n  path: " + tokens().string() + "\n";
-  const auto list = train::load_config(write("trace_list.yaml", data + "metrics:\n  trace_steps: [2, 5]\n").string());
+  const auto list = config::load_config(write("trace_list.yaml", data + "metrics:\n  trace_steps: [2, 5]\n").string());
   EXPECT_EQ(list.metrics.trace_steps, (std::vector<int64_t>{2, 5}));
-  const auto one = train::load_config(write("trace_one.yaml", data + "metrics:\n  trace_steps: 4\n").string());
+  const auto one = config::load_config(write("trace_one.yaml", data + "metrics:\n  trace_steps: 4\n").string());
   EXPECT_EQ(one.metrics.trace_steps, (std::vector<int64_t>{4, 4}));
-  EXPECT_TRUE(train::load_config(write("trace_none.yaml", data).string()).metrics.trace_steps.empty());
+  EXPECT_TRUE(config::load_config(write("trace_none.yaml", data).string()).metrics.trace_steps.empty());
 }
 
 TEST(Tracing, BadSettingsAndFilesAreOneLineErrors) {
