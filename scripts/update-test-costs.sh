@@ -3,7 +3,7 @@
 # scripts/run-tests.sh) into tests/ctest-costs.txt, which scripts/run-tests.sh
 # gives a fresh clone's CTest so that it starts the longest tests first (two
 # cores: a long test started last would run alone at the end). The durations
-# are each test's "time elapsed" in build/Testing/Temporary/LastTest.log, in
+# are each test's "Test time" in build/Testing/Temporary/LastTest.log, in
 # CTestCostData.txt's form (name, runs, seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,11 +11,16 @@ log=build/Testing/Temporary/LastTest.log
 [ -f "$log" ] || { echo "update-test-costs.sh: no $log: run the tests first" >&2; exit 2; }
 python3 - "$log" <<'PY' | sort > tests/ctest-costs.txt
 import re, sys
+name = None
 for line in open(sys.argv[1], encoding="utf-8", errors="replace"):
-    m = re.match(r'^"(.+)" time elapsed: (\d+):(\d\d):(\d\d)$', line.strip())
+    line = line.strip()
+    m = re.match(r"^\d+/\d+ Test: (.+)$", line)
     if m:
-        h, mi, s = (int(x) for x in m.group(2, 3, 4))
-        print(m.group(1), 1, h * 3600 + mi * 60 + s)
+        name = m.group(1)
+    m = re.match(r"^Test time = +([\d.]+) sec$", line)
+    if m and name:
+        print(name, 1, m.group(1))
+        name = None
 PY
 n=$(wc -l < tests/ctest-costs.txt)
 [ "$n" -gt 0 ] || { echo "update-test-costs.sh: no test durations in $log" >&2; exit 2; }

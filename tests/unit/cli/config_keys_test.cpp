@@ -371,14 +371,15 @@ Outputs default_run(const Check& c, bool tty) {
   return out;
 }
 
-// The ';'-separated part of the first log line that contains `needle` (log
-// lines also carry timings, which differ between any two runs).
+// The part of the first log line that contains `needle`, between ';' or '|'
+// separators (log lines also carry timings, which differ between any two
+// runs: a step line's "| 8.4 ms |" once made every step line differ).
 std::string part_with(const std::string& log, const std::string& needle) {
   std::stringstream ss(log);
   for (std::string line; std::getline(ss, line);) {
     const size_t at = line.find(needle);
     if (at == std::string::npos) continue;
-    const size_t begin = line.rfind(';', at), end = line.find(';', at);
+    const size_t begin = line.find_last_of(";|", at), end = line.find_first_of(";|", at + needle.size());
     return line.substr(begin == std::string::npos ? 0 : begin + 1, end == std::string::npos ? end : end - begin - 1);
   }
   return "";
